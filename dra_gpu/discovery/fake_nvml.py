@@ -1,0 +1,384 @@
+"""A pynvml-shaped NVML that serves a simulated node profile.
+
+It has the same function names, returns the same pynvml ctypes structs and raises the same
+`NVMLError` subclasses as `pynvml`, so discovery runs unchanged against it. Constants, struct
+classes and exception classes are pynvml's own. An `nvml*` function the fake does not implement
+raises `NVMLError_FunctionNotFound`, as an old driver would, rather than reaching the real library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import uuid as uuidlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pynvml
+
+from dra_gpu.discovery.profiles import GpuSpec, MigInstanceSpec, NodeProfile
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+MAX_MIG_DEVICES = 7
+
+
+class _GpuHandle:
+    def __init__(self, spec: GpuSpec) -> None:
+        self.spec = spec
+
+
+class _MigHandle:
+    def __init__(self, parent: _GpuHandle, instance: MigInstanceSpec) -> None:
+        self.parent = parent
+        self.instance = instance
+        self.spec = parent.spec  # errors injected on the parent apply to its MIG devices too
+
+
+class _GpuInstanceHandle:
+    def __init__(self, parent: _GpuHandle, instance: MigInstanceSpec) -> None:
+        self.parent = parent
+        self.instance = instance
+        self.spec = parent.spec
+
+
+def _raise(code: int) -> None:
+    raise pynvml.NVMLError(code)
+
+
+def _nvml_call(fn: F) -> F:
+    """Checks init state and the profile's injected errors before the call."""
+
+    @functools.wraps(fn)
+    def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
+        if not self._initialised:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        handle = args[0] if args else None
+        spec = getattr(handle, "spec", None)
+        if isinstance(spec, GpuSpec):
+            code = spec.nvml_errors.get(fn.__name__, spec.nvml_errors.get("*"))
+            if code is not None:
+                _raise(code)
+        code = self.profile.nvml_errors.get(fn.__name__)
+        if code is not None:
+            _raise(code)
+        return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class FakeNvml:
+    """Drop-in for the `pynvml` module, backed by a NodeProfile."""
+
+    def __init__(self, profile: NodeProfile) -> None:
+        self.profile = profile
+        self._init_count = 0
+        self._handles = [_GpuHandle(g) for g in profile.gpus]
+        self._by_bus = {h.spec.pci_bus_id.lower(): h for h in self._handles}
+
+    @property
+    def _initialised(self) -> bool:
+        return self._init_count > 0
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(pynvml, name)  # AttributeError for names pynvml lacks too
+        if name.startswith("nvml") and callable(real) and not isinstance(real, type):
+            def not_found(*_args: Any, **_kwargs: Any) -> Any:
+                _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            return not_found
+        return real  # constants, version numbers, structs, exception classes
+
+    # -- init ----------------------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+        code = self.profile.nvml_errors.get("nvmlInit")
+        if code is not None:
+            _raise(code)
+        self._init_count += 1
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        if not self._initialised:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        self._init_count -= 1
+
+    # -- system --------------------------------------------------------------------------------
+
+    @_nvml_call
+    def nvmlSystemGetDriverVersion(self) -> str:  # noqa: N802
+        return self.profile.driver_version
+
+    @_nvml_call
+    def nvmlSystemGetCudaDriverVersion(self) -> int:  # noqa: N802
+        return self.profile.cuda_driver_version
+
+    @_nvml_call
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return len(self._handles)
+
+    @_nvml_call
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _GpuHandle:  # noqa: N802
+        for h in self._handles:
+            if h.spec.index == index:
+                code = h.spec.nvml_errors.get("nvmlDeviceGetHandleByIndex")
+                if code is not None:
+                    _raise(code)
+                return h
+        _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        raise AssertionError("unreachable")
+
+    @_nvml_call
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _GpuHandle:  # noqa: N802
+        for h in self._handles:
+            if h.spec.uuid == uuid:
+                return h
+        _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        raise AssertionError("unreachable")
+
+    @_nvml_call
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> _GpuHandle:  # noqa: N802
+        h = self._by_bus.get(bus_id.lower())
+        if h is None:
+            _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        assert h is not None
+        return h
+
+    # -- identity ------------------------------------------------------------------------------
+
+    @_nvml_call
+    def nvmlDeviceGetUUID(self, h: Any) -> str:  # noqa: N802
+        return str(h.instance.uuid) if isinstance(h, _MigHandle) else str(h.spec.uuid)
+
+    @_nvml_call
+    def nvmlDeviceGetName(self, h: Any) -> str:  # noqa: N802
+        if isinstance(h, _MigHandle):
+            return f"{h.spec.name} MIG {h.instance.profile}"
+        return str(h.spec.name)
+
+    @_nvml_call
+    def nvmlDeviceGetIndex(self, h: _GpuHandle) -> int:  # noqa: N802
+        return h.spec.index
+
+    @_nvml_call
+    def nvmlDeviceGetMinorNumber(self, h: _GpuHandle) -> int:  # noqa: N802
+        return h.spec.minor
+
+    @_nvml_call
+    def nvmlDeviceGetBrand(self, h: _GpuHandle) -> int:  # noqa: N802
+        return h.spec.brand
+
+    @_nvml_call
+    def nvmlDeviceGetArchitecture(self, h: _GpuHandle) -> int:  # noqa: N802
+        return h.spec.architecture
+
+    @_nvml_call
+    def nvmlDeviceGetCudaComputeCapability(self, h: _GpuHandle) -> tuple[int, int]:  # noqa: N802
+        return h.spec.compute_capability
+
+    @_nvml_call
+    def nvmlDeviceGetMemoryInfo(self, h: Any, version: Any = None) -> Any:  # noqa: N802
+        if isinstance(h, _MigHandle):
+            total = self.profile.mig_profiles[h.instance.profile].memory_mib << 20
+        else:
+            total = h.spec.memory_mib << 20
+        # Real drivers reserve some memory; `used` is never zero on a live GPU.
+        used = min(total, 600 << 20)
+        if version is not None:
+            mem2 = pynvml.c_nvmlMemory_v2_t()
+            mem2.version, mem2.total, mem2.reserved = version, total, 0
+            mem2.free, mem2.used = total - used, used
+            return mem2
+        mem = pynvml.c_nvmlMemory_t()
+        mem.total, mem.free, mem.used = total, total - used, used
+        return mem
+
+    @_nvml_call
+    def nvmlDeviceGetPciInfo(self, h: _GpuHandle) -> Any:  # noqa: N802
+        info = pynvml.nvmlPciInfo_t()
+        dom, bus, rest = h.spec.pci_bus_id.split(":")
+        dev, _fn = rest.split(".")
+        info.busId = f"{int(dom, 16):08X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{_fn}".encode()
+        info.busIdLegacy = f"{int(dom, 16):04X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{_fn}".encode()
+        info.domain, info.bus, info.device = int(dom, 16), int(bus, 16), int(dev, 16)
+        info.pciDeviceId = 0x233010DE if h.spec.architecture == 9 else 0x20B510DE
+        return info
+
+    @_nvml_call
+    def nvmlDeviceGetNumaNodeId(self, h: _GpuHandle) -> int:  # noqa: N802
+        if h.spec.numa_node is None:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(h.spec.numa_node)  # type: ignore[arg-type]
+
+    @_nvml_call
+    def nvmlDeviceGetAttributes_v2(self, h: Any) -> Any:  # noqa: N802
+        attrs = pynvml.c_nvmlDeviceAttributes()
+        if isinstance(h, _MigHandle):
+            p = self.profile.mig_profiles[h.instance.profile]
+            attrs.multiprocessorCount = p.multiprocessors
+            attrs.gpuInstanceSliceCount = attrs.computeInstanceSliceCount = p.slice_count
+            attrs.memorySizeMB = p.memory_mib
+        else:
+            attrs.multiprocessorCount = h.spec.multiprocessors
+            attrs.memorySizeMB = h.spec.memory_mib
+        return attrs
+
+    def nvmlDeviceGetAttributes(self, h: Any) -> Any:  # noqa: N802
+        return self.nvmlDeviceGetAttributes_v2(h)
+
+    # -- MIG -----------------------------------------------------------------------------------
+
+    @_nvml_call
+    def nvmlDeviceGetMigMode(self, h: _GpuHandle) -> list[int]:  # noqa: N802
+        if not h.spec.mig_capable:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        mode = int(h.spec.mig_enabled)
+        return [mode, mode]
+
+    @_nvml_call
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: _GpuHandle) -> int:  # noqa: N802
+        if not h.spec.mig_capable:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return MAX_MIG_DEVICES
+
+    @_nvml_call
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: _GpuHandle, index: int) -> _MigHandle:  # noqa: N802
+        if not h.spec.mig_enabled:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not 0 <= index < MAX_MIG_DEVICES:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(h.spec.mig_instances):
+            _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        return _MigHandle(h, h.spec.mig_instances[index])
+
+    @_nvml_call
+    def nvmlDeviceIsMigDeviceHandle(self, h: Any) -> ctypes.c_uint:  # noqa: N802
+        return ctypes.c_uint(1 if isinstance(h, _MigHandle) else 0)  # pynvml returns the c_uint
+
+    @_nvml_call
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: _MigHandle) -> _GpuHandle:  # noqa: N802
+        if not isinstance(h, _MigHandle):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return h.parent
+
+    @_nvml_call
+    def nvmlDeviceGetGpuInstanceId(self, h: _MigHandle) -> int:  # noqa: N802
+        if not isinstance(h, _MigHandle):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return h.instance.gi_id
+
+    @_nvml_call
+    def nvmlDeviceGetComputeInstanceId(self, h: _MigHandle) -> int:  # noqa: N802
+        if not isinstance(h, _MigHandle):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return 0
+
+    @_nvml_call
+    def nvmlDeviceGetGpuInstanceById(self, h: _GpuHandle, gi_id: int) -> _GpuInstanceHandle:  # noqa: N802
+        for inst in h.spec.mig_instances:
+            if inst.gi_id == gi_id:
+                return _GpuInstanceHandle(h, inst)
+        _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        raise AssertionError("unreachable")
+
+    @_nvml_call
+    def nvmlGpuInstanceGetInfo(self, gi: _GpuInstanceHandle) -> Any:  # noqa: N802
+        p = self.profile.mig_profiles[gi.instance.profile]
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.id, info.profileId = gi.instance.gi_id, p.profile_id
+        info.placement.start, info.placement.size = gi.instance.placement, p.slice_count
+        return info
+
+    def _profile_info(self, h: _GpuHandle, match: Callable[[Any], bool]) -> Any:
+        if not h.spec.mig_capable:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        for p in self.profile.mig_profiles.values():
+            if match(p):
+                info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
+                info.version = pynvml.nvmlGpuInstanceProfileInfo_v2
+                info.id, info.sliceCount = p.profile_id, p.slice_count
+                info.instanceCount = 8 // max(p.slice_count, 1)
+                info.multiprocessorCount, info.memorySizeMB = p.multiprocessors, p.memory_mib
+                info.copyEngineCount, info.decoderCount = p.copy_engines, p.decoders
+                info.encoderCount, info.jpegCount, info.ofaCount = p.encoders, p.jpeg, p.ofa
+                info.name = f"MIG {p.name}".encode()
+                return info
+        _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    @_nvml_call
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: _GpuHandle, profile: int,  # noqa: N802
+                                            version: int = 2) -> Any:
+        if version not in (1, 2):
+            _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self._profile_info(h, lambda p: p.index == profile)
+
+    @_nvml_call
+    def nvmlDeviceGetGpuInstanceProfileInfoById(self, h: _GpuHandle, profile_id: int) -> Any:  # noqa: N802
+        return self._profile_info(h, lambda p: p.profile_id == profile_id)
+
+    # -- NVLink and topology -------------------------------------------------------------------
+
+    def _link_remote(self, h: _GpuHandle, link: int) -> str | None:
+        if not 0 <= link < h.spec.nvlink_count:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        first = 0
+        for nv in h.spec.nvlinks:
+            if first <= link < first + nv.links:
+                return nv.remote
+            first += nv.links
+        return None
+
+    @_nvml_call
+    def nvmlDeviceGetNvLinkState(self, h: _GpuHandle, link: int) -> int:  # noqa: N802
+        if h.spec.nvlink_count == 0:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(self._link_remote(h, link) is not None)
+
+    @_nvml_call
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h: _GpuHandle, link: int) -> Any:  # noqa: N802
+        if h.spec.nvlink_count == 0:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        remote = self._link_remote(h, link)
+        if remote is None:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # an inactive link has no remote end
+        info = pynvml.nvmlPciInfo_t()
+        dom, bus, rest = str(remote).split(":")
+        dev, fn = rest.split(".")
+        info.busId = f"{int(dom, 16):08X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{fn}".encode()
+        info.domain, info.bus, info.device = int(dom, 16), int(bus, 16), int(dev, 16)
+        return info
+
+    @_nvml_call
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: _GpuHandle, link: int) -> int:  # noqa: N802
+        remote = self._link_remote(h, link)
+        if remote is None:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if str(remote).lower() in self._by_bus:
+            return int(pynvml.NVML_NVLINK_DEVICE_TYPE_GPU)
+        return int(pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH)
+
+    @_nvml_call
+    def nvmlDeviceGetTopologyCommonAncestor(self, h1: _GpuHandle, h2: _GpuHandle) -> int:  # noqa: N802
+        a, b = h1.spec, h2.spec
+        if a is b:
+            return int(pynvml.NVML_TOPOLOGY_INTERNAL)
+        if a.pcie_switch is not None and a.pcie_switch == b.pcie_switch:
+            return int(pynvml.NVML_TOPOLOGY_SINGLE)
+        if a.pcie_root is not None and a.pcie_root == b.pcie_root:
+            return int(pynvml.NVML_TOPOLOGY_HOSTBRIDGE)
+        if a.numa_node is not None and a.numa_node == b.numa_node:
+            return int(pynvml.NVML_TOPOLOGY_NODE)
+        return int(pynvml.NVML_TOPOLOGY_SYSTEM)
+
+    @_nvml_call
+    def nvmlDeviceGetGpuFabricInfoV(self, h: _GpuHandle, ref: Any) -> int:  # noqa: N802
+        fabric = h.spec.fabric
+        if fabric is None:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        assert fabric is not None
+        out = ref._obj  # a ctypes byref() of the caller's struct, as with the real library
+        raw = uuidlib.UUID(fabric.cluster_uuid).bytes
+        for i, byte in enumerate(raw):
+            out.clusterUuid[i] = byte
+        out.status = pynvml.NVML_SUCCESS
+        out.cliqueId = fabric.clique_id
+        out.state = fabric.state
+        return int(pynvml.NVML_SUCCESS)
