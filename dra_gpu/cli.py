@@ -37,14 +37,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     inv = sub.add_parser("inventory", help="discover this node's GPUs (or a simulated node's)")
-    inv.add_argument("--profile", metavar="NAME|PATH",
-                     help=f"simulated node: one of {', '.join(BUILTIN_PROFILES)} or a YAML file")
-    inv.add_argument("--node-name", default=None,
-                     help="node (and pool) name; default: $NODE_NAME or the host name")
+    inv.add_argument(
+        "--profile",
+        metavar="NAME|PATH",
+        help=f"simulated node: one of {', '.join(BUILTIN_PROFILES)} or a YAML file",
+    )
+    inv.add_argument(
+        "--node-name", default=None, help="node (and pool) name; default: $NODE_NAME or the host name"
+    )
     inv.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
     inv.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
-    inv.add_argument("--slices", action="store_true",
-                     help="print the ResourceSlice objects that would be published")
+    inv.add_argument(
+        "--slices", action="store_true", help="print the ResourceSlice objects that would be published"
+    )
     return p
 
 
@@ -53,9 +58,11 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     try:
         inventory = discover_node(node, args.profile)
     except NvmlUnavailableError as exc:
-        print(f"dra-gpu: {exc}. No NVIDIA driver on this machine? Use a simulated node: "
-              f"--profile NAME (one of {', '.join(BUILTIN_PROFILES)}) or --profile FILE.",
-              file=sys.stderr)
+        print(
+            f"dra-gpu: {exc}. No NVIDIA driver on this machine? Use a simulated node: "
+            f"--profile NAME (one of {', '.join(BUILTIN_PROFILES)}) or --profile FILE.",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     except ProfileError as exc:
         print(f"dra-gpu: invalid profile: {exc}", file=sys.stderr)
@@ -87,7 +94,8 @@ def cmd_inventory(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        stream=sys.stderr,
         format="time=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
     )
     commands = {"inventory": cmd_inventory}

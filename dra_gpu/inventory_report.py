@@ -8,25 +8,39 @@ from dra_gpu.slices import quantity
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def device_table(inv: Inventory) -> str:
     rows = [["DEVICE", "TYPE", "IDX", "PRODUCT", "MEMORY", "SM", "PCI", "NUMA", "UUID / PROFILE"]]
     for gpu in sorted(inv.gpus, key=lambda g: g.index):
-        rows.append([
-            gpu.device_name, "gpu (mig mode)" if gpu.mig_enabled else "gpu", str(gpu.index),
-            gpu.product_name, quantity(gpu.memory_bytes) if gpu.memory_bytes else "-",
-            str(gpu.multiprocessors or "-"), gpu.pci_bus_id,
-            "-" if gpu.numa_node is None else str(gpu.numa_node), gpu.uuid,
-        ])
+        rows.append(
+            [
+                gpu.device_name,
+                "gpu (mig mode)" if gpu.mig_enabled else "gpu",
+                str(gpu.index),
+                gpu.product_name,
+                quantity(gpu.memory_bytes) if gpu.memory_bytes else "-",
+                str(gpu.multiprocessors or "-"),
+                gpu.pci_bus_id,
+                "-" if gpu.numa_node is None else str(gpu.numa_node),
+                gpu.uuid,
+            ]
+        )
         for mig in gpu.mig_devices:
-            rows.append([
-                gpu.mig_device_name(mig), "mig", f"{gpu.index}/{mig.gpu_instance_id}",
-                f"  {mig.profile}", quantity(mig.memory_bytes), str(mig.multiprocessors),
-                gpu.pci_bus_id, "-" if gpu.numa_node is None else str(gpu.numa_node), mig.uuid,
-            ])
+            rows.append(
+                [
+                    gpu.mig_device_name(mig),
+                    "mig",
+                    f"{gpu.index}/{mig.gpu_instance_id}",
+                    f"  {mig.profile}",
+                    quantity(mig.memory_bytes),
+                    str(mig.multiprocessors),
+                    gpu.pci_bus_id,
+                    "-" if gpu.numa_node is None else str(gpu.numa_node),
+                    mig.uuid,
+                ]
+            )
     return _table(rows)
 
 
@@ -79,9 +93,8 @@ def render(inv: Inventory) -> str:
         versions += f", CUDA {cuda // 1000}.{(cuda % 1000) // 10}"
     parts = [f"Node {inv.node_name}: {len(inv.gpus)} GPUs ({versions})", "", device_table(inv)]
     if inv.gpus:
-        parts += ["", "NVLink matrix (NV<n>: n links, or PCIe: PIX/PXB/PHB/NODE/SYS)",
-                  link_matrix(inv)]
+        parts += ["", "NVLink matrix (NV<n>: n links, or PCIe: PIX/PXB/PHB/NODE/SYS)", link_matrix(inv)]
     parts += ["", "NVLink domains", domain_list(inv)]
     if inv.skipped:
-        parts += ["", "Left out"] + inv.skipped
+        parts += ["", "Left out", *inv.skipped]
     return "\n".join(parts)

@@ -142,11 +142,17 @@ class SliceBuilder:
             "parentMinor": _int(gpu.minor),
             **self._identity(gpu),
         }
-        capacity = {"memory": {"value": quantity(mig.memory_bytes)},
-                    "multiprocessors": {"value": str(mig.multiprocessors)}}
-        for name, value in (("copyEngines", mig.copy_engines), ("decoders", mig.decoders),
-                            ("encoders", mig.encoders), ("jpegEngines", mig.jpeg_engines),
-                            ("ofaEngines", mig.ofa_engines)):
+        capacity = {
+            "memory": {"value": quantity(mig.memory_bytes)},
+            "multiprocessors": {"value": str(mig.multiprocessors)},
+        }
+        for name, value in (
+            ("copyEngines", mig.copy_engines),
+            ("decoders", mig.decoders),
+            ("encoders", mig.encoders),
+            ("jpegEngines", mig.jpeg_engines),
+            ("ofaEngines", mig.ofa_engines),
+        ):
             if value is not None:
                 capacity[name] = {"value": str(value)}
         return {"name": gpu.mig_device_name(mig), "attributes": attrs, "capacity": capacity}
@@ -179,7 +185,7 @@ class SliceBuilder:
         devices = self.devices()
         advanced = any(d.get("taints") or d.get("consumesCounters") for d in devices)
         per_slice = MAX_DEVICES_PER_SLICE_ADVANCED if advanced else MAX_DEVICES_PER_SLICE
-        chunks = [devices[i:i + per_slice] for i in range(0, len(devices), per_slice)] or [[]]
+        chunks = [devices[i : i + per_slice] for i in range(0, len(devices), per_slice)] or [[]]
         return [
             {
                 "apiVersion": API_VERSION,
@@ -188,8 +194,11 @@ class SliceBuilder:
                 "spec": {
                     "driver": self.driver,
                     "nodeName": self.inv.node_name,
-                    "pool": {"name": self.inv.node_name, "generation": generation,
-                             "resourceSliceCount": len(chunks)},
+                    "pool": {
+                        "name": self.inv.node_name,
+                        "generation": generation,
+                        "resourceSliceCount": len(chunks),
+                    },
                     "devices": chunk,
                 },
             }
@@ -197,8 +206,9 @@ class SliceBuilder:
         ]
 
 
-def build_slices(inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME,
-                 generation: int = 1) -> list[dict[str, Any]]:
+def build_slices(
+    inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME, generation: int = 1
+) -> list[dict[str, Any]]:
     return SliceBuilder(inventory, driver).slices(generation)
 
 
@@ -222,8 +232,7 @@ def validate_device(dev: dict[str, Any]) -> None:
     total = len(attrs) + len(capacity)
     if total > MAX_ATTRIBUTES_AND_CAPACITIES:
         raise SliceLimitError(
-            f"device {name}: {total} attributes + capacities, the limit is "
-            f"{MAX_ATTRIBUTES_AND_CAPACITIES}"
+            f"device {name}: {total} attributes + capacities, the limit is {MAX_ATTRIBUTES_AND_CAPACITIES}"
         )
     for key in list(attrs) + list(capacity):
         problem = validate_qualified_name(key)
@@ -233,7 +242,7 @@ def validate_device(dev: dict[str, Any]) -> None:
         where = f"device {name}: attributes[{key!r}]"
         if len(value) != 1:
             raise SliceLimitError(f"{where}: exactly one of int, bool, string, version is allowed")
-        (kind, v), = value.items()
+        ((kind, v),) = value.items()
         if kind == "string":
             if not isinstance(v, str) or len(v.encode()) > MAX_STRING_VALUE:
                 raise SliceLimitError(f"{where}: string must be <= {MAX_STRING_VALUE} bytes: {v!r}")

@@ -21,6 +21,7 @@ from dra_gpu.discovery.profiles import GpuSpec, MigInstanceSpec, NodeProfile
 F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_MIG_DEVICES = 7
+HOPPER = 9
 
 
 class _GpuHandle:
@@ -83,20 +84,22 @@ class FakeNvml:
     def __getattr__(self, name: str) -> Any:
         real = getattr(pynvml, name)  # AttributeError for names pynvml lacks too
         if name.startswith("nvml") and callable(real) and not isinstance(real, type):
+
             def not_found(*_args: Any, **_kwargs: Any) -> Any:
                 _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
             return not_found
         return real  # constants, version numbers, structs, exception classes
 
     # -- init ----------------------------------------------------------------------------------
 
-    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+    def nvmlInit(self) -> None:
         code = self.profile.nvml_errors.get("nvmlInit")
         if code is not None:
             _raise(code)
         self._init_count += 1
 
-    def nvmlShutdown(self) -> None:  # noqa: N802
+    def nvmlShutdown(self) -> None:
         if not self._initialised:
             _raise(pynvml.NVML_ERROR_UNINITIALIZED)
         self._init_count -= 1
@@ -104,19 +107,19 @@ class FakeNvml:
     # -- system --------------------------------------------------------------------------------
 
     @_nvml_call
-    def nvmlSystemGetDriverVersion(self) -> str:  # noqa: N802
+    def nvmlSystemGetDriverVersion(self) -> str:
         return self.profile.driver_version
 
     @_nvml_call
-    def nvmlSystemGetCudaDriverVersion(self) -> int:  # noqa: N802
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
         return self.profile.cuda_driver_version
 
     @_nvml_call
-    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+    def nvmlDeviceGetCount(self) -> int:
         return len(self._handles)
 
     @_nvml_call
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> _GpuHandle:  # noqa: N802
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _GpuHandle:
         for h in self._handles:
             if h.spec.index == index:
                 code = h.spec.nvml_errors.get("nvmlDeviceGetHandleByIndex")
@@ -127,7 +130,7 @@ class FakeNvml:
         raise AssertionError("unreachable")
 
     @_nvml_call
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _GpuHandle:  # noqa: N802
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _GpuHandle:
         for h in self._handles:
             if h.spec.uuid == uuid:
                 return h
@@ -135,7 +138,7 @@ class FakeNvml:
         raise AssertionError("unreachable")
 
     @_nvml_call
-    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> _GpuHandle:  # noqa: N802
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> _GpuHandle:
         h = self._by_bus.get(bus_id.lower())
         if h is None:
             _raise(pynvml.NVML_ERROR_NOT_FOUND)
@@ -145,37 +148,37 @@ class FakeNvml:
     # -- identity ------------------------------------------------------------------------------
 
     @_nvml_call
-    def nvmlDeviceGetUUID(self, h: Any) -> str:  # noqa: N802
+    def nvmlDeviceGetUUID(self, h: Any) -> str:
         return str(h.instance.uuid) if isinstance(h, _MigHandle) else str(h.spec.uuid)
 
     @_nvml_call
-    def nvmlDeviceGetName(self, h: Any) -> str:  # noqa: N802
+    def nvmlDeviceGetName(self, h: Any) -> str:
         if isinstance(h, _MigHandle):
             return f"{h.spec.name} MIG {h.instance.profile}"
         return str(h.spec.name)
 
     @_nvml_call
-    def nvmlDeviceGetIndex(self, h: _GpuHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetIndex(self, h: _GpuHandle) -> int:
         return h.spec.index
 
     @_nvml_call
-    def nvmlDeviceGetMinorNumber(self, h: _GpuHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetMinorNumber(self, h: _GpuHandle) -> int:
         return h.spec.minor
 
     @_nvml_call
-    def nvmlDeviceGetBrand(self, h: _GpuHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetBrand(self, h: _GpuHandle) -> int:
         return h.spec.brand
 
     @_nvml_call
-    def nvmlDeviceGetArchitecture(self, h: _GpuHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetArchitecture(self, h: _GpuHandle) -> int:
         return h.spec.architecture
 
     @_nvml_call
-    def nvmlDeviceGetCudaComputeCapability(self, h: _GpuHandle) -> tuple[int, int]:  # noqa: N802
+    def nvmlDeviceGetCudaComputeCapability(self, h: _GpuHandle) -> tuple[int, int]:
         return h.spec.compute_capability
 
     @_nvml_call
-    def nvmlDeviceGetMemoryInfo(self, h: Any, version: Any = None) -> Any:  # noqa: N802
+    def nvmlDeviceGetMemoryInfo(self, h: Any, version: Any = None) -> Any:
         if isinstance(h, _MigHandle):
             total = self.profile.mig_profiles[h.instance.profile].memory_mib << 20
         else:
@@ -192,7 +195,7 @@ class FakeNvml:
         return mem
 
     @_nvml_call
-    def nvmlDeviceGetPciInfo(self, h: _GpuHandle) -> Any:  # noqa: N802
+    def nvmlDeviceGetPciInfo(self, h: _GpuHandle) -> Any:
         info = pynvml.nvmlPciInfo_t()
         dom, bus, rest = h.spec.pci_bus_id.split(":")
         dev, _fn = rest.split(".")
@@ -203,46 +206,42 @@ class FakeNvml:
         return info
 
     @_nvml_call
-    def nvmlDeviceGetNumaNodeId(self, h: _GpuHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetNumaNodeId(self, h: _GpuHandle) -> int:
         if h.spec.numa_node is None:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return int(h.spec.numa_node)  # type: ignore[arg-type]
 
     @_nvml_call
-    def nvmlDeviceGetAttributes_v2(self, h: Any) -> Any:  # noqa: N802
+    def nvmlDeviceGetAttributes_v2(self, h: Any) -> Any:
+        if not isinstance(h, _MigHandle):
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # as a real H200 answers for a whole GPU
         attrs = pynvml.c_nvmlDeviceAttributes()
-        if isinstance(h, _MigHandle):
-            p = self.profile.mig_profiles[h.instance.profile]
-            attrs.multiprocessorCount = p.multiprocessors
-            attrs.gpuInstanceSliceCount = attrs.computeInstanceSliceCount = p.slice_count
-            attrs.memorySizeMB = p.memory_mib
-        else:
-            attrs.multiprocessorCount = h.spec.multiprocessors
-            attrs.memorySizeMB = h.spec.memory_mib
+        p = self.profile.mig_profiles[h.instance.profile]
+        attrs.multiprocessorCount = p.multiprocessors
+        attrs.gpuInstanceSliceCount = attrs.computeInstanceSliceCount = p.slice_count
+        attrs.memorySizeMB = p.memory_mib
         return attrs
 
-    def nvmlDeviceGetAttributes(self, h: Any) -> Any:  # noqa: N802
+    def nvmlDeviceGetAttributes(self, h: Any) -> Any:
         return self.nvmlDeviceGetAttributes_v2(h)
 
     # -- MIG -----------------------------------------------------------------------------------
 
     @_nvml_call
-    def nvmlDeviceGetMigMode(self, h: _GpuHandle) -> list[int]:  # noqa: N802
+    def nvmlDeviceGetMigMode(self, h: _GpuHandle) -> list[int]:
         if not h.spec.mig_capable:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         mode = int(h.spec.mig_enabled)
         return [mode, mode]
 
     @_nvml_call
-    def nvmlDeviceGetMaxMigDeviceCount(self, h: _GpuHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: _GpuHandle) -> int:
         if not h.spec.mig_capable:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return MAX_MIG_DEVICES
+        return MAX_MIG_DEVICES if h.spec.mig_enabled else 0  # a real H200 says 0 when disabled
 
     @_nvml_call
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: _GpuHandle, index: int) -> _MigHandle:  # noqa: N802
-        if not h.spec.mig_enabled:
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: _GpuHandle, index: int) -> _MigHandle:
         if not 0 <= index < MAX_MIG_DEVICES:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if index >= len(h.spec.mig_instances):
@@ -250,29 +249,29 @@ class FakeNvml:
         return _MigHandle(h, h.spec.mig_instances[index])
 
     @_nvml_call
-    def nvmlDeviceIsMigDeviceHandle(self, h: Any) -> ctypes.c_uint:  # noqa: N802
+    def nvmlDeviceIsMigDeviceHandle(self, h: Any) -> ctypes.c_uint:
         return ctypes.c_uint(1 if isinstance(h, _MigHandle) else 0)  # pynvml returns the c_uint
 
     @_nvml_call
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: _MigHandle) -> _GpuHandle:  # noqa: N802
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: _MigHandle) -> _GpuHandle:
         if not isinstance(h, _MigHandle):
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return h.parent
 
     @_nvml_call
-    def nvmlDeviceGetGpuInstanceId(self, h: _MigHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetGpuInstanceId(self, h: _MigHandle) -> int:
         if not isinstance(h, _MigHandle):
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return h.instance.gi_id
 
     @_nvml_call
-    def nvmlDeviceGetComputeInstanceId(self, h: _MigHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetComputeInstanceId(self, h: _MigHandle) -> int:
         if not isinstance(h, _MigHandle):
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return 0
 
     @_nvml_call
-    def nvmlDeviceGetGpuInstanceById(self, h: _GpuHandle, gi_id: int) -> _GpuInstanceHandle:  # noqa: N802
+    def nvmlDeviceGetGpuInstanceById(self, h: _GpuHandle, gi_id: int) -> _GpuInstanceHandle:
         for inst in h.spec.mig_instances:
             if inst.gi_id == gi_id:
                 return _GpuInstanceHandle(h, inst)
@@ -280,11 +279,11 @@ class FakeNvml:
         raise AssertionError("unreachable")
 
     @_nvml_call
-    def nvmlGpuInstanceGetInfo(self, gi: _GpuInstanceHandle) -> Any:  # noqa: N802
+    def nvmlGpuInstanceGetInfo(self, gi: _GpuInstanceHandle) -> Any:
         p = self.profile.mig_profiles[gi.instance.profile]
         info = pynvml.c_nvmlGpuInstanceInfo_t()
         info.id, info.profileId = gi.instance.gi_id, p.profile_id
-        info.placement.start, info.placement.size = gi.instance.placement, p.slice_count
+        info.placement.start, info.placement.size = gi.instance.placement, p.placement_size
         return info
 
     def _profile_info(self, h: _GpuHandle, match: Callable[[Any], bool]) -> Any:
@@ -293,9 +292,9 @@ class FakeNvml:
         for p in self.profile.mig_profiles.values():
             if match(p):
                 info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
-                info.version = pynvml.nvmlGpuInstanceProfileInfo_v2
+                info.version = 0  # the driver leaves it zero (seen on an H200)
                 info.id, info.sliceCount = p.profile_id, p.slice_count
-                info.instanceCount = 8 // max(p.slice_count, 1)
+                info.instanceCount = 7 // max(p.slice_count, 1)
                 info.multiprocessorCount, info.memorySizeMB = p.multiprocessors, p.memory_mib
                 info.copyEngineCount, info.decoderCount = p.copy_engines, p.decoders
                 info.encoderCount, info.jpegCount, info.ofaCount = p.encoders, p.jpeg, p.ofa
@@ -304,14 +303,13 @@ class FakeNvml:
         _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     @_nvml_call
-    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: _GpuHandle, profile: int,  # noqa: N802
-                                            version: int = 2) -> Any:
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: _GpuHandle, profile: int, version: int = 2) -> Any:
         if version not in (1, 2):
             _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         return self._profile_info(h, lambda p: p.index == profile)
 
     @_nvml_call
-    def nvmlDeviceGetGpuInstanceProfileInfoById(self, h: _GpuHandle, profile_id: int) -> Any:  # noqa: N802
+    def nvmlDeviceGetGpuInstanceProfileInfoById(self, h: _GpuHandle, profile_id: int) -> Any:
         return self._profile_info(h, lambda p: p.profile_id == profile_id)
 
     # -- NVLink and topology -------------------------------------------------------------------
@@ -327,13 +325,13 @@ class FakeNvml:
         return None
 
     @_nvml_call
-    def nvmlDeviceGetNvLinkState(self, h: _GpuHandle, link: int) -> int:  # noqa: N802
+    def nvmlDeviceGetNvLinkState(self, h: _GpuHandle, link: int) -> int:
         if h.spec.nvlink_count == 0:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return int(self._link_remote(h, link) is not None)
 
     @_nvml_call
-    def nvmlDeviceGetNvLinkRemotePciInfo(self, h: _GpuHandle, link: int) -> Any:  # noqa: N802
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h: _GpuHandle, link: int) -> Any:
         if h.spec.nvlink_count == 0:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         remote = self._link_remote(h, link)
@@ -347,7 +345,9 @@ class FakeNvml:
         return info
 
     @_nvml_call
-    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: _GpuHandle, link: int) -> int:  # noqa: N802
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: _GpuHandle, link: int) -> int:
+        if h.spec.nvlink_count == 0:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         remote = self._link_remote(h, link)
         if remote is None:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -356,10 +356,10 @@ class FakeNvml:
         return int(pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH)
 
     @_nvml_call
-    def nvmlDeviceGetTopologyCommonAncestor(self, h1: _GpuHandle, h2: _GpuHandle) -> int:  # noqa: N802
+    def nvmlDeviceGetTopologyCommonAncestor(self, h1: _GpuHandle, h2: _GpuHandle) -> int:
         a, b = h1.spec, h2.spec
         if a is b:
-            return int(pynvml.NVML_TOPOLOGY_INTERNAL)
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # what a real H200 answers for itself
         if a.pcie_switch is not None and a.pcie_switch == b.pcie_switch:
             return int(pynvml.NVML_TOPOLOGY_SINGLE)
         if a.pcie_root is not None and a.pcie_root == b.pcie_root:
@@ -369,12 +369,15 @@ class FakeNvml:
         return int(pynvml.NVML_TOPOLOGY_SYSTEM)
 
     @_nvml_call
-    def nvmlDeviceGetGpuFabricInfoV(self, h: _GpuHandle, ref: Any) -> int:  # noqa: N802
+    def nvmlDeviceGetGpuFabricInfoV(self, h: _GpuHandle, ref: Any) -> int:
         fabric = h.spec.fabric
-        if fabric is None:
+        if fabric is None and h.spec.architecture < HOPPER:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        assert fabric is not None
         out = ref._obj  # a ctypes byref() of the caller's struct, as with the real library
+        if fabric is None:
+            # Hopper without a fabric: success, state NOT_SUPPORTED, a zero cluster UUID (H200).
+            out.status, out.state, out.cliqueId = pynvml.NVML_SUCCESS, 0, 0
+            return int(pynvml.NVML_SUCCESS)
         raw = uuidlib.UUID(fabric.cluster_uuid).bytes
         for i, byte in enumerate(raw):
             out.clusterUuid[i] = byte

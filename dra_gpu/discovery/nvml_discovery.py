@@ -20,13 +20,35 @@ from dra_gpu.model import FabricInfo, Gpu, Inventory, MigDevice, NvLink
 log = logging.getLogger(__name__)
 
 ARCHITECTURE_NAMES = {
-    2: "Kepler", 3: "Maxwell", 4: "Pascal", 5: "Volta", 6: "Turing", 7: "Ampere", 8: "Ada",
-    9: "Hopper", 10: "Blackwell", 13: "Rubin",
+    2: "Kepler",
+    3: "Maxwell",
+    4: "Pascal",
+    5: "Volta",
+    6: "Turing",
+    7: "Ampere",
+    8: "Ada",
+    9: "Hopper",
+    10: "Blackwell",
+    13: "Rubin",
 }
 BRAND_NAMES = {
-    0: "Unknown", 1: "Quadro", 2: "Tesla", 3: "NVS", 4: "Grid", 5: "GeForce", 6: "Titan",
-    7: "NvidiaVApps", 8: "NvidiaVPC", 9: "NvidiaVCS", 10: "NvidiaVWS", 11: "NvidiaCloudGaming",
-    12: "QuadroRTX", 13: "NvidiaRTX", 14: "Nvidia", 15: "GeForceRTX", 16: "TitanRTX",
+    0: "Unknown",
+    1: "Quadro",
+    2: "Tesla",
+    3: "NVS",
+    4: "Grid",
+    5: "GeForce",
+    6: "Titan",
+    7: "NvidiaVApps",
+    8: "NvidiaVPC",
+    9: "NvidiaVCS",
+    10: "NvidiaVWS",
+    11: "NvidiaCloudGaming",
+    12: "QuadroRTX",
+    13: "NvidiaRTX",
+    14: "NVIDIA",
+    15: "GeForceRTX",
+    16: "TitanRTX",
 }
 TOPOLOGY_NAMES = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 FABRIC_STATE_COMPLETED = 3
@@ -196,8 +218,13 @@ class _Discovery:
                 log.warning("nvlink remote unreadable link=%d error=%r", link, str(exc))
                 continue
             kind = self.optional("remoteType", nv.nvmlDeviceGetNvLinkRemoteDeviceType, h, link)
-            links.append(NvLink(link=link, remote_pci_bus_id=normalise_pci_bus_id(remote.busId),
-                                remote_is_gpu=kind == nv.NVML_NVLINK_DEVICE_TYPE_GPU))
+            links.append(
+                NvLink(
+                    link=link,
+                    remote_pci_bus_id=normalise_pci_bus_id(remote.busId),
+                    remote_is_gpu=kind == nv.NVML_NVLINK_DEVICE_TYPE_GPU,
+                )
+            )
         return links
 
     def fabric(self, h: Any) -> FabricInfo | None:
@@ -221,8 +248,9 @@ class _Discovery:
             for b in inv.gpus:
                 if a.index >= b.index:
                     continue
-                level = self.optional("topology", nv.nvmlDeviceGetTopologyCommonAncestor,
-                                      handles[a.index], handles[b.index])
+                level = self.optional(
+                    "topology", nv.nvmlDeviceGetTopologyCommonAncestor, handles[a.index], handles[b.index]
+                )
                 if level is not None:
                     name = TOPOLOGY_NAMES.get(int(level), "SYS")
                     inv.pcie_topology[(a.index, b.index)] = name

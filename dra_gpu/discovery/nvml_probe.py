@@ -36,7 +36,7 @@ def probe(nv: Any) -> None:
             result = fn(*args)
             print(f"{label} = {json.dumps(_show(result))}")
             return result
-        except Exception as exc:  # noqa: BLE001 - the point is to show every failure
+        except Exception as exc:
             print(f"{label} ! {type(exc).__name__}: {exc}")
             return None
 
@@ -49,33 +49,70 @@ def probe(nv: Any) -> None:
             h = call(f"[{i}] nvmlDeviceGetHandleByIndex", nv.nvmlDeviceGetHandleByIndex, i)
             if h is None:
                 continue
-            for name in ("nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetMinorNumber",
-                         "nvmlDeviceGetIndex", "nvmlDeviceGetBrand", "nvmlDeviceGetArchitecture",
-                         "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMemoryInfo",
-                         "nvmlDeviceGetPciInfo", "nvmlDeviceGetNumaNodeId",
-                         "nvmlDeviceGetAttributes", "nvmlDeviceGetMigMode",
-                         "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceIsMigDeviceHandle"):
+            for name in (
+                "nvmlDeviceGetName",
+                "nvmlDeviceGetUUID",
+                "nvmlDeviceGetMinorNumber",
+                "nvmlDeviceGetIndex",
+                "nvmlDeviceGetBrand",
+                "nvmlDeviceGetArchitecture",
+                "nvmlDeviceGetCudaComputeCapability",
+                "nvmlDeviceGetMemoryInfo",
+                "nvmlDeviceGetPciInfo",
+                "nvmlDeviceGetNumaNodeId",
+                "nvmlDeviceGetAttributes",
+                "nvmlDeviceGetMigMode",
+                "nvmlDeviceGetMaxMigDeviceCount",
+                "nvmlDeviceIsMigDeviceHandle",
+            ):
                 call(f"[{i}] {name}", getattr(nv, name), h)
             for link in (0, 1, 17, 18, 35):
-                call(f"[{i}] nvmlDeviceGetNvLinkState({link})", nv.nvmlDeviceGetNvLinkState, h,
-                     link)
-                call(f"[{i}] nvmlDeviceGetNvLinkRemotePciInfo({link})",
-                     nv.nvmlDeviceGetNvLinkRemotePciInfo, h, link)
-                call(f"[{i}] nvmlDeviceGetNvLinkRemoteDeviceType({link})",
-                     nv.nvmlDeviceGetNvLinkRemoteDeviceType, h, link)
-            call(f"[{i}] nvmlDeviceGetMigDeviceHandleByIndex(0)",
-                 nv.nvmlDeviceGetMigDeviceHandleByIndex, h, 0)
-            call(f"[{i}] nvmlDeviceGetGpuInstanceProfileInfo(3_SLICE)",
-                 nv.nvmlDeviceGetGpuInstanceProfileInfo, h, 2)
-            call(f"[{i}] nvmlDeviceGetGpuInstanceProfileInfoById(9)",
-                 nv.nvmlDeviceGetGpuInstanceProfileInfoById, h, 9)
+                call(f"[{i}] nvmlDeviceGetNvLinkState({link})", nv.nvmlDeviceGetNvLinkState, h, link)
+                call(
+                    f"[{i}] nvmlDeviceGetNvLinkRemotePciInfo({link})",
+                    nv.nvmlDeviceGetNvLinkRemotePciInfo,
+                    h,
+                    link,
+                )
+                call(
+                    f"[{i}] nvmlDeviceGetNvLinkRemoteDeviceType({link})",
+                    nv.nvmlDeviceGetNvLinkRemoteDeviceType,
+                    h,
+                    link,
+                )
+            call(
+                f"[{i}] nvmlDeviceGetMigDeviceHandleByIndex(0)", nv.nvmlDeviceGetMigDeviceHandleByIndex, h, 0
+            )
+            call(
+                f"[{i}] nvmlDeviceGetGpuInstanceProfileInfo(3_SLICE)",
+                nv.nvmlDeviceGetGpuInstanceProfileInfo,
+                h,
+                2,
+            )
+            call(
+                f"[{i}] nvmlDeviceGetGpuInstanceProfileInfoById(9)",
+                nv.nvmlDeviceGetGpuInstanceProfileInfoById,
+                h,
+                9,
+            )
             info = nv.c_nvmlGpuFabricInfoV_t()
             info.version = nv.nvmlGpuFabricInfo_v2
-            if call(f"[{i}] nvmlDeviceGetGpuFabricInfoV", nv.nvmlDeviceGetGpuFabricInfoV, h,
-                    ctypes.byref(info)) is not None:
+            if (
+                call(
+                    f"[{i}] nvmlDeviceGetGpuFabricInfoV",
+                    nv.nvmlDeviceGetGpuFabricInfoV,
+                    h,
+                    ctypes.byref(info),
+                )
+                is not None
+            ):
                 print(f"[{i}] fabricInfo = {json.dumps(_show(info))}")
-            call(f"[{i}] nvmlDeviceGetTopologyCommonAncestor(self)",
-                 nv.nvmlDeviceGetTopologyCommonAncestor, h, h)
+            call(
+                f"[{i}] nvmlDeviceGetTopologyCommonAncestor(self)",
+                nv.nvmlDeviceGetTopologyCommonAncestor,
+                h,
+                h,
+            )
     finally:
         nv.nvmlShutdown()
 
@@ -84,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dra_gpu.discovery.nvml_probe")
     p.add_argument("--profile", help="probe a simulated node instead of real NVML")
     args = p.parse_args(argv)
+    nv: Any
     if args.profile:
         from dra_gpu.discovery import load_profile, simulated_nvml
 
         nv, _ = simulated_nvml(load_profile(args.profile))
     else:
-        import pynvml as nv
+        import pynvml
+
+        nv = pynvml
     try:
         probe(nv)
     except nv.NVMLError as exc:

@@ -18,20 +18,51 @@ import yaml
 BUILTIN_PROFILES = ("hgx-2x4", "dgx-h100", "dgx-a100-mig", "mixed", "pcie-pairs")
 
 BRANDS = {
-    "unknown": 0, "quadro": 1, "tesla": 2, "nvs": 3, "grid": 4, "geforce": 5, "titan": 6,
-    "nvidia-rtx": 13, "nvidia": 14, "geforce-rtx": 15,
+    "unknown": 0,
+    "quadro": 1,
+    "tesla": 2,
+    "nvs": 3,
+    "grid": 4,
+    "geforce": 5,
+    "titan": 6,
+    "nvidia-rtx": 13,
+    "nvidia": 14,
+    "geforce-rtx": 15,
 }
 ARCHITECTURES = {
-    "kepler": 2, "maxwell": 3, "pascal": 4, "volta": 5, "turing": 6, "ampere": 7, "ada": 8,
-    "hopper": 9, "blackwell": 10,
+    "kepler": 2,
+    "maxwell": 3,
+    "pascal": 4,
+    "volta": 5,
+    "turing": 6,
+    "ampere": 7,
+    "ada": 8,
+    "hopper": 9,
+    "blackwell": 10,
 }
 # Names accepted in `nvmlErrors`, mapped to the NVML return codes they raise.
 NVML_ERROR_CODES = {
-    "Uninitialized": 1, "InvalidArgument": 2, "NotSupported": 3, "NoPermission": 4,
-    "NotFound": 6, "InsufficientSize": 7, "DriverNotLoaded": 9, "Timeout": 10,
-    "LibraryNotFound": 12, "FunctionNotFound": 13, "CorruptedInforom": 14, "GpuIsLost": 15,
-    "ResetRequired": 16, "OperatingSystem": 17, "InUse": 19, "Memory": 20, "NoData": 21,
-    "NotReady": 27, "GpuNotFound": 28, "InvalidState": 29, "Unknown": 999,
+    "Uninitialized": 1,
+    "InvalidArgument": 2,
+    "NotSupported": 3,
+    "NoPermission": 4,
+    "NotFound": 6,
+    "InsufficientSize": 7,
+    "DriverNotLoaded": 9,
+    "Timeout": 10,
+    "LibraryNotFound": 12,
+    "FunctionNotFound": 13,
+    "CorruptedInforom": 14,
+    "GpuIsLost": 15,
+    "ResetRequired": 16,
+    "OperatingSystem": 17,
+    "InUse": 19,
+    "Memory": 20,
+    "NoData": 21,
+    "NotReady": 27,
+    "GpuNotFound": 28,
+    "InvalidState": 29,
+    "Unknown": 999,
 }
 
 _PCI_RE = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
@@ -49,7 +80,8 @@ class MigProfileSpec:
     name: str  # "3g.40gb"
     profile_id: int  # what nvidia-smi mig -lgip calls the profile ID
     index: int  # NVML_GPU_INSTANCE_PROFILE_* enum value
-    slice_count: int
+    slice_count: int  # compute slices: 3 for 3g.40gb
+    placement_size: int  # memory slices it occupies: 4 for 3g.40gb
     memory_mib: int
     multiprocessors: int
     copy_engines: int
@@ -90,7 +122,6 @@ class GpuSpec:
     architecture: int
     compute_capability: tuple[int, int]
     memory_mib: int
-    multiprocessors: int
     pci_bus_id: str
     numa_node: int | None
     pcie_root: str | None
@@ -149,8 +180,14 @@ class _Parser:
     def fail(self, where: str, msg: str) -> ProfileError:
         return ProfileError(f"{self.source}: {where}: {msg}")
 
-    def get(self, d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str,
-            default: Any = ..., ) -> Any:
+    def get(
+        self,
+        d: dict[str, Any],
+        key: str,
+        kind: type | tuple[type, ...],
+        where: str,
+        default: Any = ...,
+    ) -> Any:
         if key not in d:
             if default is ...:
                 raise self.fail(where, f"field {key!r} is required")
@@ -160,8 +197,12 @@ class _Parser:
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
             raise self.fail(where, f"field {key!r} must be {_kind_name(kind)}, not a boolean")
         if not isinstance(value, kind):
+            hint = ""
+            if kind is str and isinstance(value, int | float):
+                hint = " (YAML reads some unquoted values as numbers: quote it)"
             raise self.fail(
-                where, f"field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}"
+                where,
+                f"field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}{hint}",
             )
         return value
 
@@ -178,8 +219,9 @@ class _Parser:
                 raise self.fail(where, f"nvmlErrors: key {fn!r} must be an nvml function name or '*'")
             if err not in NVML_ERROR_CODES:
                 raise self.fail(
-                    where, f"nvmlErrors.{fn}: unknown NVML error {err!r} "
-                    f"(known: {', '.join(sorted(NVML_ERROR_CODES))})"
+                    where,
+                    f"nvmlErrors.{fn}: unknown NVML error {err!r} "
+                    f"(known: {', '.join(sorted(NVML_ERROR_CODES))})",
                 )
             out[fn] = NVML_ERROR_CODES[err]
         return out
@@ -187,9 +229,21 @@ class _Parser:
     def node(self, doc: Any) -> NodeProfile:
         if not isinstance(doc, dict):
             raise self.fail("top level", "a profile must be a mapping")
-        self.check_keys(doc, {"name", "description", "driverVersion", "cudaDriverVersion",
-                              "nvswitches", "migProfiles", "defaults", "gpus", "nvmlErrors"},
-                        "top level")
+        self.check_keys(
+            doc,
+            {
+                "name",
+                "description",
+                "driverVersion",
+                "cudaDriverVersion",
+                "nvswitches",
+                "migProfiles",
+                "defaults",
+                "gpus",
+                "nvmlErrors",
+            },
+            "top level",
+        )
         name = self.get(doc, "name", str, "top level")
         driver = self.get(doc, "driverVersion", str, "top level")
         if not re.fullmatch(r"\d+(\.\d+){1,2}", driver):
@@ -211,10 +265,16 @@ class _Parser:
                 raise self.fail(f"gpus[{i}]", "each GPU must be a mapping")
             gpus.append(self.gpu({**defaults, **raw}, i, mig_profiles))
         self.cross_check(gpus, switches)
-        return NodeProfile(name=name, source=self.source, driver_version=driver,
-                           cuda_driver_version=cuda, nvswitches=switches,
-                           mig_profiles=mig_profiles, gpus=gpus,
-                           nvml_errors=self.errors(doc, "top level"))
+        return NodeProfile(
+            name=name,
+            source=self.source,
+            driver_version=driver,
+            cuda_driver_version=cuda,
+            nvswitches=switches,
+            mig_profiles=mig_profiles,
+            gpus=gpus,
+            nvml_errors=self.errors(doc, "top level"),
+        )
 
     def mig_profile(self, mp: Any, where: str) -> MigProfileSpec:
         if not isinstance(mp, dict):
@@ -223,24 +283,46 @@ class _Parser:
         if not _MIG_NAME_RE.match(name):
             raise self.fail(where, f"name {name!r} is not a MIG profile name like 3g.40gb")
         return MigProfileSpec(
-            name=name, profile_id=self.get(mp, "id", int, where),
+            name=name,
+            profile_id=self.get(mp, "id", int, where),
             index=self.get(mp, "index", int, where),
             slice_count=self.get(mp, "slices", int, where),
+            placement_size=self.get(mp, "placementSize", int, where, mp.get("slices")),
             memory_mib=self.get(mp, "memoryMiB", int, where),
             multiprocessors=self.get(mp, "multiprocessors", int, where),
             copy_engines=self.get(mp, "copyEngines", int, where, 0),
             decoders=self.get(mp, "decoders", int, where, 0),
             encoders=self.get(mp, "encoders", int, where, 0),
-            jpeg=self.get(mp, "jpeg", int, where, 0), ofa=self.get(mp, "ofa", int, where, 0),
+            jpeg=self.get(mp, "jpeg", int, where, 0),
+            ofa=self.get(mp, "ofa", int, where, 0),
         )
 
     def gpu(self, g: dict[str, Any], i: int, mig_profiles: dict[str, MigProfileSpec]) -> GpuSpec:
         idx = g.get("index", i)
         where = f"GPU {idx}" if isinstance(idx, int) else f"gpus[{i}]"
-        self.check_keys(g, {"index", "minor", "uuid", "name", "brand", "architecture",
-                            "computeCapability", "memoryMiB", "multiprocessors", "pciBusId",
-                            "numaNode", "pcieRoot", "pcieSwitch", "nvlinkCount", "nvlinks", "mig",
-                            "fabric", "nvmlErrors"}, where)
+        self.check_keys(
+            g,
+            {
+                "index",
+                "minor",
+                "uuid",
+                "name",
+                "brand",
+                "architecture",
+                "computeCapability",
+                "memoryMiB",
+                "pciBusId",
+                "numaNode",
+                "pcieRoot",
+                "pcieSwitch",
+                "nvlinkCount",
+                "nvlinks",
+                "mig",
+                "fabric",
+                "nvmlErrors",
+            },
+            where,
+        )
         index = self.get(g, "index", int, where)
         uuid = self.get(g, "uuid", str, where)
         if not _UUID_RE.match(uuid):
@@ -250,8 +332,9 @@ class _Parser:
             raise self.fail(f"{where}: brand", f"unknown brand {brand!r} (known: {', '.join(BRANDS)})")
         arch = self.get(g, "architecture", str, where)
         if arch not in ARCHITECTURES:
-            raise self.fail(f"{where}: architecture",
-                            f"unknown architecture {arch!r} (known: {', '.join(ARCHITECTURES)})")
+            raise self.fail(
+                f"{where}: architecture", f"unknown architecture {arch!r} (known: {', '.join(ARCHITECTURES)})"
+            )
         cc = str(self.get(g, "computeCapability", (str, float), where))
         m = re.fullmatch(r"(\d+)\.(\d+)", cc)
         if not m:
@@ -285,8 +368,9 @@ class _Parser:
             self.check_keys(mig, {"enabled", "instances"}, f"{where}: mig")
             mig_enabled = self.get(mig, "enabled", bool, f"{where}: mig")
             for j, inst in enumerate(self.get(mig, "instances", list, f"{where}: mig", [])):
-                instances.append(self.mig_instance(inst, f"{where}: mig.instances[{j}]",
-                                                   mig_profiles, uuid, j))
+                instances.append(
+                    self.mig_instance(inst, f"{where}: mig.instances[{j}]", mig_profiles, uuid, j)
+                )
             if instances and not mig_enabled:
                 raise self.fail(f"{where}: mig", "instances are listed but MIG is not enabled")
             self.check_placements(instances, mig_profiles, f"{where}: mig.instances")
@@ -294,26 +378,39 @@ class _Parser:
         if "fabric" in g:
             f = self.get(g, "fabric", dict, where)
             fw = f"{where}: fabric"
-            fabric = FabricSpec(cluster_uuid=self.get(f, "clusterUuid", str, fw),
-                                clique_id=self.get(f, "cliqueId", int, fw),
-                                state=self.get(f, "state", int, fw, 3))
+            fabric = FabricSpec(
+                cluster_uuid=self.get(f, "clusterUuid", str, fw),
+                clique_id=self.get(f, "cliqueId", int, fw),
+                state=self.get(f, "state", int, fw, 3),
+            )
             if not re.fullmatch(r"[0-9a-fA-F-]{32,36}", fabric.cluster_uuid):
                 raise self.fail(fw, f"clusterUuid {fabric.cluster_uuid!r} is not a UUID")
         numa = self.get(g, "numaNode", int, where, None)
         return GpuSpec(
-            index=index, minor=self.get(g, "minor", int, where, index), uuid=uuid,
-            name=self.get(g, "name", str, where), brand=BRANDS[brand],
+            index=index,
+            minor=self.get(g, "minor", int, where, index),
+            uuid=uuid,
+            name=self.get(g, "name", str, where),
+            brand=BRANDS[brand],
             architecture=ARCHITECTURES[arch],
-            compute_capability=(int(m.group(1)), int(m.group(2))), memory_mib=memory,
-            multiprocessors=self.get(g, "multiprocessors", int, where, 0), pci_bus_id=pci,
-            numa_node=numa, pcie_root=self.get(g, "pcieRoot", str, where, None),
-            pcie_switch=self.get(g, "pcieSwitch", str, where, None), nvlink_count=nvlink_count,
-            nvlinks=nvlinks, mig_capable=mig is not None, mig_enabled=mig_enabled,
-            mig_instances=instances, fabric=fabric, nvml_errors=self.errors(g, where),
+            compute_capability=(int(m.group(1)), int(m.group(2))),
+            memory_mib=memory,
+            pci_bus_id=pci,
+            numa_node=numa,
+            pcie_root=self.get(g, "pcieRoot", str, where, None),
+            pcie_switch=self.get(g, "pcieSwitch", str, where, None),
+            nvlink_count=nvlink_count,
+            nvlinks=nvlinks,
+            mig_capable=mig is not None,
+            mig_enabled=mig_enabled,
+            mig_instances=instances,
+            fabric=fabric,
+            nvml_errors=self.errors(g, where),
         )
 
-    def mig_instance(self, inst: Any, where: str, mig_profiles: dict[str, MigProfileSpec],
-                     parent_uuid: str, position: int) -> MigInstanceSpec:
+    def mig_instance(
+        self, inst: Any, where: str, mig_profiles: dict[str, MigProfileSpec], parent_uuid: str, position: int
+    ) -> MigInstanceSpec:
         if not isinstance(inst, dict):
             raise self.fail(where, "must be a mapping with profile and placement")
         profile = self.get(inst, "profile", str, where)
@@ -325,23 +422,28 @@ class _Parser:
         uuid = self.get(inst, "uuid", str, where, default_uuid)
         if not _MIG_UUID_RE.match(uuid):
             raise self.fail(f"{where}: uuid", f"{uuid!r} is not a MIG UUID")
-        return MigInstanceSpec(profile=profile, placement=placement,
-                               gi_id=self.get(inst, "gpuInstanceId", int, where, position + 1),
-                               uuid=uuid)
+        return MigInstanceSpec(
+            profile=profile,
+            placement=placement,
+            gi_id=self.get(inst, "gpuInstanceId", int, where, position + 1),
+            uuid=uuid,
+        )
 
-    def check_placements(self, instances: list[MigInstanceSpec],
-                         mig_profiles: dict[str, MigProfileSpec], where: str) -> None:
+    def check_placements(
+        self, instances: list[MigInstanceSpec], mig_profiles: dict[str, MigProfileSpec], where: str
+    ) -> None:
         taken: dict[int, str] = {}
         for inst in instances:
             spec = mig_profiles[inst.profile]
-            if inst.placement % spec.slice_count and spec.slice_count not in (3, 7):
+            if inst.placement % spec.placement_size:
                 raise self.fail(where, f"{inst.profile} cannot start at slice {inst.placement}")
-            for s in range(inst.placement, inst.placement + spec.slice_count):
+            for s in range(inst.placement, inst.placement + spec.placement_size):
                 if s > 7:
                     raise self.fail(where, f"{inst.profile} at {inst.placement} runs past slice 7")
                 if s in taken:
-                    raise self.fail(where, f"{inst.profile} at {inst.placement} overlaps "
-                                    f"{taken[s]} on memory slice {s}")
+                    raise self.fail(
+                        where, f"{inst.profile} at {inst.placement} overlaps {taken[s]} on memory slice {s}"
+                    )
                 taken[s] = f"{inst.profile} at {inst.placement}"
 
     def cross_check(self, gpus: list[GpuSpec], switches: list[str]) -> None:
@@ -351,15 +453,18 @@ class _Parser:
             for gpu in gpus:
                 value = str(getattr(gpu, key)).lower()
                 if value in seen:
-                    raise self.fail(f"GPU {gpu.index}: {_camel(key)}",
-                                    f"duplicate {value!r} (also GPU {seen[value]})")
+                    raise self.fail(
+                        f"GPU {gpu.index}: {_camel(key)}", f"duplicate {value!r} (also GPU {seen[value]})"
+                    )
                 seen[value] = gpu.index
         known = {g.pci_bus_id.lower() for g in gpus} | {s.lower() for s in switches}
         for gpu in gpus:
             for j, link in enumerate(gpu.nvlinks):
                 if link.remote.lower() not in known:
-                    raise self.fail(f"GPU {gpu.index}: nvlinks[{j}].remote",
-                                    f"{link.remote} is neither a GPU of this node nor an nvswitch")
+                    raise self.fail(
+                        f"GPU {gpu.index}: nvlinks[{j}].remote",
+                        f"{link.remote} is neither a GPU of this node nor an nvswitch",
+                    )
 
 
 def _camel(name: str) -> str:
@@ -368,6 +473,12 @@ def _camel(name: str) -> str:
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    names = {int: "an integer", str: "a string", float: "a number", bool: "a boolean",
-             list: "a list", dict: "a mapping"}
+    names = {
+        int: "an integer",
+        str: "a string",
+        float: "a number",
+        bool: "a boolean",
+        list: "a list",
+        dict: "a mapping",
+    }
     return " or ".join(names.get(k, k.__name__) for k in kinds)

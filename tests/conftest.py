@@ -1,0 +1,48 @@
+"""Shared helpers for the unit and integration tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dra_gpu.discovery import discover, simulated_nvml
+from dra_gpu.discovery.profiles import parse_profile
+from dra_gpu.model import Inventory
+
+DATA = Path(__file__).parent / "data"
+
+
+def discover_doc(doc: dict, node: str = "node-a") -> Inventory:
+    """Discover a simulated node described by a profile document (a dict)."""
+    profile = parse_profile(yaml.safe_dump(doc), source="test-profile.yaml")
+    nvml, pcie_root = simulated_nvml(profile)
+    return discover(nvml, node, pcie_root)
+
+
+def gpu_uuid(i: int) -> str:
+    return f"GPU-{i:08x}-0000-4000-8000-{i:012x}"
+
+
+def bus(i: int) -> str:
+    return f"00000000:{0x10 + i:02X}:00.0"
+
+
+@pytest.fixture
+def base_doc() -> dict:
+    """A 4-GPU node without NVLink, to be edited by each test."""
+    return {
+        "name": "test",
+        "driverVersion": "570.133.20",
+        "cudaDriverVersion": 12080,
+        "defaults": {
+            "name": "NVIDIA H100 80GB HBM3",
+            "brand": "nvidia",
+            "architecture": "hopper",
+            "computeCapability": "9.0",
+            "memoryMiB": 81559,
+            "nvlinkCount": 18,
+        },
+        "gpus": [{"index": i, "uuid": gpu_uuid(i), "pciBusId": bus(i), "numaNode": i // 2} for i in range(4)],
+    }

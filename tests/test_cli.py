@@ -1,0 +1,98 @@
+"""`dra-gpu inventory`, run as a user would: a real subprocess of the installed console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import DATA
+
+DRA_GPU = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [DRA_GPU, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def test_slices_yaml_is_applyable_multi_document() -> None:
+    out = run("inventory", "--profile", "hgx-2x4", "--node-name", "node-a", "--slices", "-o", "yaml")
+    assert out.returncode == 0, out.stderr
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert len(docs) == 1
+    assert docs[0]["apiVersion"] == "resource.k8s.io/v1" and docs[0]["kind"] == "ResourceSlice"
+    assert "&id" not in out.stdout  # no YAML anchors
+    devices = docs[0]["spec"]["devices"]
+    domains = [d["attributes"]["nvlinkDomain"]["string"] for d in devices]
+    assert len(set(domains[:4])) == 1 and len(set(domains[4:])) == 1 and domains[0] != domains[4]
+
+
+def test_table_shows_devices_matrix_and_domains() -> None:
+    out = run("inventory", "--profile", "hgx-2x4", "--node-name", "node-a")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("gpu-0000-18-00-0") and "NVIDIA H100 80GB HBM3" in line for line in lines)
+    row0 = next(line for line in lines if line.startswith("GPU0 "))
+    assert row0.split()[1:9] == ["X", "NV6", "NV6", "NV6", "SYS", "SYS", "SYS", "SYS"]
+    assert "node-a.0000-18-00-0: 4 GPUs [0,1,2,3]" in out.stdout
+    assert "node-a.0000-9a-00-0: 4 GPUs [4,5,6,7]" in out.stdout
+
+
+def test_table_shows_pcie_distance_without_nvlink() -> None:
+    pairs = run("inventory", "--profile", "pcie-pairs", "--node-name", "n").stdout.splitlines()
+    row0 = next(line for line in pairs if line.startswith("GPU0 "))
+    assert row0.split()[1:5] == ["X", "NV12", "SYS", "SYS"]  # GPUs 2-3 sit on the other socket
+    mixed = run("inventory", "--profile", "mixed", "--node-name", "n").stdout.splitlines()
+    row0 = next(line for line in mixed if line.startswith("GPU0 "))
+    assert row0.split()[1:5] == ["X", "NODE", "SYS", "SYS"]
+
+
+def test_json_output_and_node_name_from_environment() -> None:
+    out = run("inventory", "--profile", "dgx-a100-mig", "-o", "json", env={"NODE_NAME": "gpu-7"})
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["nodeName"] == "gpu-7" and len(data["gpus"]) == 8
+    mig = data["gpus"][0]["migDevices"][0]
+    assert mig["profile"] == "3g.40gb" and mig["deviceName"] == "gpu-0000-07-00-0-mig-3g40gb-0"
+
+
+def test_profile_from_a_file_path() -> None:
+    out = run("inventory", "--profile", str(DATA / "h200.yaml"), "--node-name", "h", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["gpus"][0]["productName"] == "NVIDIA H200"
+
+
+@pytest.mark.skipif(Path("/dev/nvidiactl").exists(), reason="this machine has an NVIDIA driver")
+def test_no_nvml_and_no_profile_says_how_to_simulate() -> None:
+    out = run("inventory")
+    assert out.returncode == 2
+    assert "NVML is not available" in out.stderr and "--profile" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_user_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "node.yaml"
+    bad.write_text("name: x\ndriverVersion: '570.1.2'\ncudaDriverVersion: 12080\ngpus: [{index: 0}]\n")
+    for args in (
+        ["inventory", "--profile", "no-such-profile"],
+        ["inventory", "--profile", str(bad)],
+        ["inventory", "--profile", "hgx-2x4", "-o", "xml"],
+        ["frobnicate"],
+    ):
+        out = run(*args)
+        assert out.returncode == 2, args
+        assert "Traceback" not in out.stderr
+    out = run("inventory", "--profile", str(bad))
+    assert f"{bad}: GPU 0: field 'uuid' is required" in out.stderr

@@ -1,0 +1,198 @@
+"""Inventory -> ResourceSlices: contract attributes, MIG devices, API limits, splitting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import bus, discover_doc, gpu_uuid
+
+from dra_gpu.discovery import discover_node
+from dra_gpu.slices import (
+    SliceLimitError,
+    build_slices,
+    cuda_version,
+    normalise_version,
+    quantity,
+    validate_device,
+)
+
+GPU_ATTRIBUTES = {
+    "type",
+    "uuid",
+    "productName",
+    "brand",
+    "architecture",
+    "index",
+    "minor",
+    "cudaComputeCapability",
+    "driverVersion",
+    "cudaDriverVersion",
+    "numaNode",
+    "nvlinkDomain",
+    "nvlinkDomainSize",
+    "resource.kubernetes.io/pciBusID",
+    "resource.kubernetes.io/pcieRoot",
+}
+
+
+def devices(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for s in slices for d in s["spec"]["devices"]]
+
+
+def attr(dev: dict[str, Any], name: str) -> Any:
+    (value,) = dev["attributes"][name].values()
+    return value
+
+
+def test_hgx_slice_has_every_contract_attribute() -> None:
+    slices = build_slices(discover_node("node-a", "hgx-2x4"))
+    assert len(slices) == 1
+    spec = slices[0]["spec"]
+    assert spec["driver"] == "gpu.dra-gpu.io"
+    assert spec["nodeName"] == "node-a"
+    assert spec["pool"] == {"name": "node-a", "generation": 1, "resourceSliceCount": 1}
+    devs = devices(slices)
+    assert len(devs) == 8
+    for dev in devs:
+        assert set(dev["attributes"]) == GPU_ATTRIBUTES
+        assert dev["capacity"]["memory"] == {"value": "81559Mi"}
+        assert attr(dev, "type") == "gpu"
+        assert attr(dev, "productName") == "NVIDIA H100 80GB HBM3"
+        assert attr(dev, "cudaComputeCapability") == "9.0.0"
+        assert attr(dev, "cudaDriverVersion") == "12.8.0"
+    by_index = {attr(d, "index"): attr(d, "nvlinkDomain") for d in devs}
+    assert len({by_index[i] for i in range(4)}) == 1
+    assert len({by_index[i] for i in range(4, 8)}) == 1
+    assert by_index[0] != by_index[4]
+
+
+def test_device_names_are_stable_dns_labels_not_indexes(base_doc: dict) -> None:
+    first = {attr(d, "uuid"): d["name"] for d in devices(build_slices(discover_doc(base_doc)))}
+    # Same GPUs enumerated in reverse order (the index changed): the names must not.
+    for pos, g in enumerate(reversed(base_doc["gpus"])):
+        g["index"] = pos
+    second = {attr(d, "uuid"): d["name"] for d in devices(build_slices(discover_doc(base_doc)))}
+    assert first == second
+    assert first[gpu_uuid(0)] == "gpu-0000-10-00-0"
+
+
+def test_mig_devices_are_published_and_mig_parents_are_not() -> None:
+    inv = discover_node("node-a", "dgx-a100-mig")
+    devs = devices(build_slices(inv))
+    migs = [d for d in devs if attr(d, "type") == "mig"]
+    gpus = [d for d in devs if attr(d, "type") == "gpu"]
+    assert len(gpus) == 5 and len(migs) == 2 + 5 + 3
+    parents = {g.uuid: g for g in inv.gpus if g.mig_enabled}
+    assert {attr(m, "parentUUID") for m in migs} == set(parents)
+    assert not {attr(g, "uuid") for g in gpus} & set(parents)
+    three_g = [m for m in migs if attr(m, "profile") == "3g.40gb"]
+    assert len(three_g) == 3
+    for m in three_g:
+        assert m["capacity"]["memory"] == {"value": "40192Mi"}
+        assert m["capacity"]["multiprocessors"] == {"value": "42"}
+        assert attr(m, "uuid").startswith("MIG-")
+        assert attr(m, "productName") == "NVIDIA A100-SXM4-80GB"
+        assert "nvlinkDomain" not in m["attributes"]
+    assert {attr(m, "profile") for m in migs} == {"3g.40gb", "2g.20gb", "1g.10gb"}
+    assert "gpu-0000-07-00-0-mig-3g40gb-4" in {m["name"] for m in migs}
+
+
+def test_driver_version_with_leading_zero_becomes_semver() -> None:
+    devs = devices(build_slices(discover_node("node-a", "dgx-a100-mig")))  # driver 570.124.06
+    assert {attr(d, "driverVersion") for d in devs} == {"570.124.6"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("535.161.08", "535.161.8"),
+        ("580.159.04", "580.159.4"),
+        ("550.54", "550.54.0"),
+        ("570.133.20", "570.133.20"),
+    ],
+)
+def test_normalise_version(raw: str, expected: str) -> None:
+    assert normalise_version(raw) == expected
+
+
+def test_version_helpers() -> None:
+    assert cuda_version(12080) == "12.8.0" and cuda_version(13000) == "13.0.0"
+    assert quantity(80 << 30) == "80Gi" and quantity(81559 << 20) == "81559Mi"
+    assert quantity(1000) == "1000"
+    with pytest.raises(ValueError, match="not a numeric version"):
+        normalise_version("570.x")
+
+
+def good_device(**attrs: Any) -> dict[str, Any]:
+    return {"name": "gpu-0", "attributes": {"type": {"string": "gpu"}, **attrs}, "capacity": {}}
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ({"name": "GPU_0", "attributes": {}}, "DNS label"),
+        ({"name": "g" * 64, "attributes": {}}, "DNS label"),
+        (good_device(productName={"string": "x" * 65}), "<= 64 bytes"),
+        (good_device(driverVersion={"version": "535.161.08"}), "not a valid semantic version"),
+        (good_device(**{"bad-name": {"string": "x"}}), "C identifier"),
+        (good_device(**{"Bad_Domain/x": {"string": "x"}}), "DNS subdomain"),
+        (good_device(**{"a" * 33: {"int": 1}}), "C identifier of <= 32"),
+        (good_device(x={"int": 1, "string": "a"}), "exactly one"),
+        (good_device(x={"int": True}), "not an int64"),
+        (good_device(x={"int": 2**63}), "not an int64"),
+        (good_device(x={"float": 1.5}), "unknown value type"),
+        (good_device(**{f"a{i}": {"int": i} for i in range(32)}), r"33 attributes \+ capacities"),
+    ],
+)
+def test_device_limits_are_enforced(device: dict[str, Any], message: str) -> None:
+    with pytest.raises(SliceLimitError, match=message) as err:
+        validate_device(device)
+    assert device["name"] in str(err.value)
+
+
+def test_thirty_two_attributes_are_allowed() -> None:
+    validate_device(good_device(**{f"a{i}": {"int": i} for i in range(31)}))
+
+
+def big_node_doc(base_doc: dict, gpus: int) -> dict:
+    """`gpus` A100s, each split into seven 1g.10gb MIG devices."""
+    base_doc["migProfiles"] = [
+        {"name": "1g.10gb", "id": 19, "index": 0, "slices": 1, "memoryMiB": 9856, "multiprocessors": 14}
+    ]
+    base_doc["gpus"] = [
+        {
+            "index": i,
+            "uuid": gpu_uuid(i),
+            "pciBusId": bus(i),
+            "mig": {"enabled": True, "instances": [{"profile": "1g.10gb", "placement": p} for p in range(7)]},
+        }
+        for i in range(gpus)
+    ]
+    return base_doc
+
+
+def test_pool_with_more_than_128_devices_is_split(base_doc: dict) -> None:
+    inv = discover_doc(big_node_doc(base_doc, 20))  # 140 MIG devices
+    slices = build_slices(inv, generation=3)
+    assert [len(s["spec"]["devices"]) for s in slices] == [128, 12]
+    for s in slices:
+        assert s["spec"]["pool"] == {"name": "node-a", "generation": 3, "resourceSliceCount": 2}
+    names = [d["name"] for d in devices(slices)]
+    assert len(names) == len(set(names)) == 140
+    assert len({s["metadata"]["name"] for s in slices}) == 2
+
+
+def test_exactly_128_devices_fit_one_slice(base_doc: dict) -> None:
+    doc = big_node_doc(base_doc, 19)  # 133 -> trim one GPU's instances to reach 128
+    doc["gpus"][-1]["mig"]["instances"] = doc["gpus"][-1]["mig"]["instances"][:2]
+    slices = build_slices(discover_doc(doc))
+    assert len(slices) == 1 and len(slices[0]["spec"]["devices"]) == 128
+
+
+def test_invalid_node_or_driver_name_is_rejected() -> None:
+    inv = discover_node("Node_A", "mixed")
+    with pytest.raises(SliceLimitError, match="node name 'Node_A'"):
+        build_slices(inv)
+    with pytest.raises(SliceLimitError, match="driver name"):
+        build_slices(discover_node("node-a", "mixed"), driver="GPU/Driver")
