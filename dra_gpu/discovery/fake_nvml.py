@@ -47,6 +47,16 @@ def _raise(code: int) -> None:
     raise pynvml.NVMLError(code)
 
 
+def _pci_info(bus_id: str) -> Any:
+    """An nvmlPciInfo_t as NVML fills it: upper-case hex, 8-digit domain in `busId` (bytes)."""
+    info = pynvml.nvmlPciInfo_t()
+    dom, bus, rest = bus_id.split(":")
+    dev, fn = rest.split(".")
+    info.busId = f"{int(dom, 16):08X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{fn}".encode()
+    info.domain, info.bus, info.device = int(dom, 16), int(bus, 16), int(dev, 16)
+    return info
+
+
 def _nvml_call(fn: F) -> F:
     """Checks init state and the profile's injected errors before the call."""
 
@@ -196,12 +206,8 @@ class FakeNvml:
 
     @_nvml_call
     def nvmlDeviceGetPciInfo(self, h: _GpuHandle) -> Any:
-        info = pynvml.nvmlPciInfo_t()
-        dom, bus, rest = h.spec.pci_bus_id.split(":")
-        dev, _fn = rest.split(".")
-        info.busId = f"{int(dom, 16):08X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{_fn}".encode()
-        info.busIdLegacy = f"{int(dom, 16):04X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{_fn}".encode()
-        info.domain, info.bus, info.device = int(dom, 16), int(bus, 16), int(dev, 16)
+        info = _pci_info(h.spec.pci_bus_id)
+        info.busIdLegacy = info.busId[4:]
         info.pciDeviceId = 0x233010DE if h.spec.architecture == 9 else 0x20B510DE
         return info
 
@@ -337,12 +343,7 @@ class FakeNvml:
         remote = self._link_remote(h, link)
         if remote is None:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # an inactive link has no remote end
-        info = pynvml.nvmlPciInfo_t()
-        dom, bus, rest = str(remote).split(":")
-        dev, fn = rest.split(".")
-        info.busId = f"{int(dom, 16):08X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{fn}".encode()
-        info.domain, info.bus, info.device = int(dom, 16), int(bus, 16), int(dev, 16)
-        return info
+        return _pci_info(str(remote))
 
     @_nvml_call
     def nvmlDeviceGetNvLinkRemoteDeviceType(self, h: _GpuHandle, link: int) -> int:
