@@ -34,7 +34,7 @@ def remove_durably(path: Path) -> bool:
     """Remove `path` (if present) and fsync its directory. True when something was removed."""
     try:
         path.unlink()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
     fsync_dir(path.parent)
     return True
