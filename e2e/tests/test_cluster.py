@@ -39,43 +39,45 @@ def test_busybox_pod_log(core, namespace, busybox_image, wait_pod):
 
 
 def test_dra_feature_gates_keep_fields(dyn):
-    """A gate that is off makes the apiserver drop its fields silently: read them back."""
+    """A gate that is off makes the apiserver drop its fields silently: read them back.
+
+    One pool, two slices (since 1.35 a slice has either devices or sharedCounters)."""
     api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
     name = "e2e-gates-" + uuid.uuid4().hex[:6]
-    body = {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-        "metadata": {"name": name},
-        "spec": {
-            "driver": "gates.e2e.dra-gpu.invalid", "allNodes": True,
-            "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
-            "sharedCounters": [{"name": "mem", "counters": {"memory": {"value": "8Gi"}}}],
-            "devices": [{
-                "name": "dev0",
-                "allowMultipleAllocations": True,
-                "capacity": {"memory": {"value": "8Gi", "requestPolicy": {
-                    "default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}}},
-                "consumesCounters": [{"counterSet": "mem",
-                                      "counters": {"memory": {"value": "8Gi"}}}],
-                "taints": [{"key": "e2e.dra-gpu/check", "value": "x", "effect": "NoSchedule"}],
-                "bindsToNode": True,
-                "bindingConditions": ["e2e.dra-gpu/ready"],
-                "bindingFailureConditions": ["e2e.dra-gpu/failed"],
-            }],
-        },
-    }
+    pool = {"name": name, "generation": 1, "resourceSliceCount": 2}
+    common = {"driver": "gates.e2e.dra-gpu.invalid", "allNodes": True, "pool": pool}
+    counters = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                "metadata": {"name": name + "-counters"},
+                "spec": dict(common, sharedCounters=[
+                    {"name": "mem", "counters": {"memory": {"value": "8Gi"}}}])}
+    devices = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+               "metadata": {"name": name + "-devices"},
+               "spec": dict(common, devices=[{
+                   "name": "dev0",
+                   "allowMultipleAllocations": True,
+                   "capacity": {"memory": {"value": "8Gi", "requestPolicy": {
+                       "default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}}},
+                   "consumesCounters": [{"counterSet": "mem",
+                                         "counters": {"memory": {"value": "8Gi"}}}],
+                   "taints": [{"key": "e2e.dra-gpu/check", "value": "x", "effect": "NoSchedule"}],
+                   "bindsToNode": True,
+                   "bindingConditions": ["e2e.dra-gpu/ready"],
+                   "bindingFailureConditions": ["e2e.dra-gpu/failed"],
+               }])}
+    created = []
     try:
-        got = api.create(body=body).to_dict()
-    except Exception:
-        # the counters' location moved between releases; without them the rest still proves it
-        body["spec"].pop("sharedCounters")
-        body["spec"]["devices"][0].pop("consumesCounters")
-        got = api.create(body=body).to_dict()
-    try:
-        dev = got["spec"]["devices"][0]
-        missing = [f for f in ("allowMultipleAllocations", "taints", "bindsToNode",
-                               "bindingConditions") if not dev.get(f)]
+        got_c = api.create(body=counters).to_dict()
+        created.append(counters["metadata"]["name"])
+        got_d = api.create(body=devices).to_dict()
+        created.append(devices["metadata"]["name"])
+        assert got_c["spec"].get("sharedCounters"), "sharedCounters dropped (DRAPartitionableDevices off?)"
+        dev = got_d["spec"]["devices"][0]
+        missing = [f for f in ("allowMultipleAllocations", "consumesCounters", "taints",
+                               "bindsToNode", "bindingConditions", "bindingFailureConditions")
+                   if not dev.get(f)]
+        assert not missing, "fields dropped by the apiserver (gates off?): %s" % missing
         assert dev.get("capacity", {}).get("memory", {}).get("requestPolicy"), \
             "capacity.requestPolicy dropped (DRAConsumableCapacity off?)"
-        assert not missing, "fields dropped by the apiserver (gates off?): %s" % missing
     finally:
-        api.delete(name=name)
+        for n in created:
+            api.delete(name=n)
