@@ -24,7 +24,7 @@ log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 debs() {
   local missing=()
   command -v runc >/dev/null || missing+=(runc)
-  [ -x /bin/busybox ] && /bin/busybox --list >/dev/null 2>&1 && file_is_static /bin/busybox \
+  dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \
     || missing+=(busybox-static)
   command -v openssl >/dev/null || missing+=(openssl)
   command -v iptables >/dev/null || missing+=(iptables)
@@ -37,11 +37,6 @@ debs() {
     apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1 || {
       apt-get update >/dev/null && apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
   fi
-}
-
-file_is_static() {
-  # busybox-static replaces the dynamic busybox at /bin/busybox; a static ELF has no interpreter.
-  ! grep -q 'ld-linux' "$1" 2>/dev/null
 }
 
 # ---------------------------------------------------------------------------- helpers
