@@ -145,6 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="time=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
     )
+    if args.verbose:  # keep debug output about this driver, not the libraries' internals
+        for noisy in ("grpc", "asyncio", "aiohttp", "kubernetes"):
+            logging.getLogger(noisy).setLevel(logging.INFO)
+    elif args.command != "inventory":
+        logging.getLogger("dra_gpu").setLevel(logging.INFO)
     commands = {"inventory": cmd_inventory, "kubelet-plugin": cmd_kubelet_plugin}
     try:
         return commands[args.command](args)

@@ -135,3 +135,35 @@ def test_health_stream_reports_every_device_healthy(core: PluginCore) -> None:
             assert all(d.health_check_timeout_seconds == 30 for d in msg.devices)
 
     asyncio.run(with_servers(core, body))
+
+
+def test_hostile_input_gets_errors_never_a_crash(core: PluginCore) -> None:
+    import socket
+
+    async def body(rch: Any, dch: Any, registration: Any, metrics: Any, dra: Path,
+                   reg: Path) -> None:
+        v1 = v1_grpc.DRAPluginStub(dch)
+        # A huge batch of claims nobody has heard of: one error per claim, all answered.
+        claims = [v1_pb.Claim(namespace="ns", uid=str(uuid.uuid4()), name=f"c{i}") for i in range(500)]
+        resp = await v1.NodePrepareResources(v1_pb.NodePrepareResourcesRequest(claims=claims),
+                                             timeout=45)
+        assert len(resp.claims) == 500
+        assert all("not found" in e.error for e in resp.claims.values())
+        # Garbage bytes straight onto the socket, then bytes that are no protobuf message.
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(dra))
+            s.sendall(b"\x00\xffPRI * HTTP/9.9 garbage\r\n" * 50)
+        raw = dch.unary_unary("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+                              request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            await raw(b"\xff\xff\xff\xff\x0f not protobuf", timeout=5)
+            raise AssertionError("garbage request was accepted")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+        # Still serving, and nothing was written.
+        info = await reg_grpc.RegistrationStub(rch).GetInfo(reg_pb.InfoRequest(), timeout=1)
+        assert info.name == DRIVER
+        assert core.cdi.owned() == {}
+        assert core.checkpoint.records() == []
+
+    asyncio.run(with_servers(core, body))
