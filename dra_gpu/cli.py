@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import yaml
 
+from dra_gpu.controller.commands import add_commands
 from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
 from dra_gpu.inventory_report import render
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     inv.add_argument(
         "--slices", action="store_true", help="print the ResourceSlice objects that would be published"
     )
+    p.set_defaults(extra_commands=add_commands(sub))
     return p
 
 
@@ -98,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="time=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
     )
-    commands = {"inventory": cmd_inventory}
+    commands = {"inventory": cmd_inventory, **args.extra_commands}
     try:
         return commands[args.command](args)
     except BrokenPipeError:
