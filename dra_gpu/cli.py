@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import yaml
 
@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="time=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
     )
-    commands = {"inventory": cmd_inventory, **args.extra_commands}
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = args.extra_commands
+    commands = {"inventory": cmd_inventory, **handlers}
     try:
         return commands[args.command](args)
     except BrokenPipeError:

@@ -152,7 +152,9 @@ def parse_requests(spec: Mapping[str, Any]) -> tuple[list[Request], list[Constra
         if c.get("matchAttribute"):
             constraints.append(Constraint("match", str(c["matchAttribute"]), list(c.get("requests") or [])))
         elif c.get("distinctAttribute"):
-            constraints.append(Constraint("distinct", str(c["distinctAttribute"]), list(c.get("requests") or [])))
+            constraints.append(
+                Constraint("distinct", str(c["distinctAttribute"]), list(c.get("requests") or []))
+            )
     return requests, constraints
 
 
@@ -163,8 +165,11 @@ def _sub(request: str, sub: Any, body: Mapping[str, Any]) -> SubRequest:
         request=request,
         sub=str(sub) if sub else None,
         device_class=str(body.get("deviceClassName", "")),
-        selectors=[str((s.get("cel") or {}).get("expression", "")) for s in body.get("selectors") or []
-                   if isinstance(s, dict)],
+        selectors=[
+            str((s.get("cel") or {}).get("expression", ""))
+            for s in body.get("selectors") or []
+            if isinstance(s, dict)
+        ],
         mode=str(mode),
         count=int(count) if isinstance(count, int) and not isinstance(count, bool) else 1,
         admin_access=bool(body.get("adminAccess", False)),
@@ -198,16 +203,22 @@ def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]
 class Cluster:
     """Published slices, device classes and devices in use: what the allocator sees."""
 
-    def __init__(self, env: CelEnvironment, slices: Iterable[Mapping[str, Any]],
-                 classes: Mapping[str, Mapping[str, Any]], in_use: set[tuple[str, str, str]] | None = None,
-                 step_budget: int = DEFAULT_STEP_BUDGET) -> None:
+    def __init__(
+        self,
+        env: CelEnvironment,
+        slices: Iterable[Mapping[str, Any]],
+        classes: Mapping[str, Mapping[str, Any]],
+        in_use: set[tuple[str, str, str]] | None = None,
+        step_budget: int = DEFAULT_STEP_BUDGET,
+    ) -> None:
         self.env = env
         self.classes = dict(classes)
         self.in_use = set(in_use or ())
         self.step_budget = step_budget
         self.pools = self._gather(slices)
-        self.nodes = sorted({str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices
-                             if s["spec"].get("nodeName")}) or [""]
+        self.nodes = sorted(
+            {str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices if s["spec"].get("nodeName")}
+        ) or [""]
         self._devices: dict[str, list[Device]] = {}
         self._selected: dict[tuple[str, int], bool] = {}  # (expression, id(device)) -> match
 
@@ -229,7 +240,9 @@ class Cluster:
             for s in p.slices:
                 for cs in s["spec"].get("sharedCounters") or []:
                     for cname, c in (cs.get("counters") or {}).items():
-                        p.counters[(str(cs.get("name")), str(cname))] = parse_quantity_str(str(c.get("value")))
+                        p.counters[(str(cs.get("name")), str(cname))] = parse_quantity_str(
+                            str(c.get("value"))
+                        )
         return [pools[k] for k in sorted(pools)]
 
     def devices(self, node: str) -> list[Device]:
@@ -249,11 +262,21 @@ class Cluster:
                         if name in names:
                             continue
                         names.add(name)
-                        consumes = [(str(cc.get("counterSet")), {
-                            str(k): parse_quantity_str(str(v.get("value"))) for k, v in (cc.get("counters") or {}).items()
-                        }) for cc in d.get("consumesCounters") or []]
-                        out.append(Device(p.driver, p.name, name, spec.get("nodeName"), d, (p.driver, p.name),
-                                          consumes))
+                        consumes = [
+                            (
+                                str(cc.get("counterSet")),
+                                {
+                                    str(k): parse_quantity_str(str(v.get("value")))
+                                    for k, v in (cc.get("counters") or {}).items()
+                                },
+                            )
+                            for cc in d.get("consumesCounters") or []
+                        ]
+                        out.append(
+                            Device(
+                                p.driver, p.name, name, spec.get("nodeName"), d, (p.driver, p.name), consumes
+                            )
+                        )
             self._devices[node] = out
         return self._devices[node]
 
@@ -271,7 +294,8 @@ class Cluster:
                 hit = self.env.evaluate(self.env.compile(expression), device._view, device._activation)
             except SelectorEvalError as exc:
                 raise AllocationError(
-                    f"selector {expression!r} failed on device {device.name} ({device.pool}): {exc}") from exc
+                    f"selector {expression!r} failed on device {device.name} ({device.pool}): {exc}"
+                ) from exc
             self._selected[k] = hit
         return hit
 
@@ -299,8 +323,15 @@ def link_cost(devices: Sequence[Device]) -> int:
 class _Search:
     """Backtracking over one node for one claim."""
 
-    def __init__(self, cluster: Cluster, node: str, requests: list[Request], constraints: list[Constraint],
-                 ignore_in_use: bool, best: bool) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        node: str,
+        requests: list[Request],
+        constraints: list[Constraint],
+        ignore_in_use: bool,
+        best: bool,
+    ) -> None:
         self.c = cluster
         self.node = node
         self.requests = requests
@@ -410,7 +441,7 @@ class _Search:
         return True
 
     def _remove(self) -> None:
-        sub, d = self.chosen.pop()
+        _, d = self.chosen.pop()
         for i in self._taken_stack.pop():
             self.values[i].pop()
         for cset, counters in d.consumes:
@@ -437,8 +468,9 @@ class Explanation:
     reason: str = ""
 
 
-def place(cluster: Cluster, spec: Mapping[str, Any], node: str, ignore_in_use: bool = False,
-          best: bool = False) -> Placement | None:
+def place(
+    cluster: Cluster, spec: Mapping[str, Any], node: str, ignore_in_use: bool = False, best: bool = False
+) -> Placement | None:
     requests, constraints = parse_requests(spec)
     found = _Search(cluster, node, requests, constraints, ignore_in_use, best).run()
     if found is None:

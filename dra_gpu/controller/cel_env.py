@@ -39,14 +39,33 @@ MAX_MAP_SIZE = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice: the size 
 
 # Attributes the driver publishes (see DESIGN.md, "Contracts"); published slices may add more.
 KNOWN_ATTRIBUTES: dict[str, str] = {
-    "type": "string", "uuid": "string", "productName": "string", "brand": "string",
-    "architecture": "string", "index": "int", "minor": "int", "cudaComputeCapability": "version",
-    "driverVersion": "version", "cudaDriverVersion": "version", "numaNode": "int",
-    "nvlinkDomain": "string", "nvlinkDomainSize": "int", "profile": "string", "parentUUID": "string",
-    "parentIndex": "int", "parentMinor": "int",
+    "type": "string",
+    "uuid": "string",
+    "productName": "string",
+    "brand": "string",
+    "architecture": "string",
+    "index": "int",
+    "minor": "int",
+    "cudaComputeCapability": "version",
+    "driverVersion": "version",
+    "cudaDriverVersion": "version",
+    "numaNode": "int",
+    "nvlinkDomain": "string",
+    "nvlinkDomainSize": "int",
+    "profile": "string",
+    "parentUUID": "string",
+    "parentIndex": "int",
+    "parentMinor": "int",
 }
-KNOWN_CAPACITIES = ("memory", "multiprocessors", "copyEngines", "decoders", "encoders", "jpegEngines",
-                    "ofaEngines")
+KNOWN_CAPACITIES = (
+    "memory",
+    "multiprocessors",
+    "copyEngines",
+    "decoders",
+    "encoders",
+    "jpegEngines",
+    "ofaEngines",
+)
 KNOWN_STANDARD_ATTRIBUTES = {"pciBusID": "string", "pcieRoot": "string"}
 
 _SEMVER = re.compile(
@@ -137,8 +156,11 @@ def _message(fdp: descriptor_pb2.FileDescriptorProto, name: str, fields: Iterabl
             f.type = _F.TYPE_BOOL
         else:
             f.type = _F.TYPE_MESSAGE
-            f.type_name = {"version": ".k8sdra.Semver", "quantity": ".k8sdra.Quantity",
-                           "struct": ".google.protobuf.Struct"}[kind]
+            f.type_name = {
+                "version": ".k8sdra.Semver",
+                "quantity": ".k8sdra.Quantity",
+                "struct": ".google.protobuf.Struct",
+            }[kind]
 
 
 def _map_field(fdp: descriptor_pb2.FileDescriptorProto, msg: str, name: str, number: int) -> None:
@@ -147,10 +169,20 @@ def _map_field(fdp: descriptor_pb2.FileDescriptorProto, msg: str, name: str, num
     entry = m.nested_type.add(name=name[0].upper() + name[1:] + "Entry")
     entry.options.map_entry = True
     entry.field.add(name="key", number=1, label=_F.LABEL_OPTIONAL, type=_F.TYPE_STRING)
-    entry.field.add(name="value", number=2, label=_F.LABEL_OPTIONAL, type=_F.TYPE_MESSAGE,
-                    type_name=".google.protobuf.Struct")
-    m.field.add(name=name, number=number, label=_F.LABEL_REPEATED, type=_F.TYPE_MESSAGE,
-                type_name=f".k8sdra.{msg}.{entry.name}")
+    entry.field.add(
+        name="value",
+        number=2,
+        label=_F.LABEL_OPTIONAL,
+        type=_F.TYPE_MESSAGE,
+        type_name=".google.protobuf.Struct",
+    )
+    m.field.add(
+        name=name,
+        number=number,
+        label=_F.LABEL_REPEATED,
+        type=_F.TYPE_MESSAGE,
+        type_name=f".k8sdra.{msg}.{entry.name}",
+    )
 
 
 @dataclass
@@ -214,24 +246,40 @@ class CelEnvironment:
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
         self.driver = schema.driver
-        fdp = descriptor_pb2.FileDescriptorProto(name="k8sdra.proto", package="k8sdra", syntax="proto3",
-                                                 dependency=["google/protobuf/struct.proto"])
+        fdp = descriptor_pb2.FileDescriptorProto(
+            name="k8sdra.proto",
+            package="k8sdra",
+            syntax="proto3",
+            dependency=["google/protobuf/struct.proto"],
+        )
         _message(fdp, "Quantity", [("value", "string")])
         _message(fdp, "Semver", [("value", "string")])
         _message(fdp, "DriverAttributes", sorted(schema.attributes.items()))
         _message(fdp, "DriverCapacity", [(n, "quantity") for n in sorted(schema.capacities)])
         _message(fdp, "Device", [("driver", "string"), ("allowMultipleAllocations", "bool")])
         dev = next(x for x in fdp.message_type if x.name == "Device")
-        dev.field.add(name="driver_attributes__", number=3, label=_F.LABEL_OPTIONAL, type=_F.TYPE_MESSAGE,
-                      type_name=".k8sdra.DriverAttributes")
-        dev.field.add(name="driver_capacity__", number=4, label=_F.LABEL_OPTIONAL, type=_F.TYPE_MESSAGE,
-                      type_name=".k8sdra.DriverCapacity")
+        dev.field.add(
+            name="driver_attributes__",
+            number=3,
+            label=_F.LABEL_OPTIONAL,
+            type=_F.TYPE_MESSAGE,
+            type_name=".k8sdra.DriverAttributes",
+        )
+        dev.field.add(
+            name="driver_capacity__",
+            number=4,
+            label=_F.LABEL_OPTIONAL,
+            type=_F.TYPE_MESSAGE,
+            type_name=".k8sdra.DriverCapacity",
+        )
         _map_field(fdp, "Device", "attributes", 5)
         _map_field(fdp, "Device", "capacity", 6)
         self.pool = descriptor_pool.DescriptorPool()
         self.pool.AddSerializedFile(struct_pb2.DESCRIPTOR.serialized_pb)
         self.pool.Add(fdp)
-        self.Quantity: Any = message_factory.GetMessageClass(self.pool.FindMessageTypeByName("k8sdra.Quantity"))
+        self.Quantity: Any = message_factory.GetMessageClass(
+            self.pool.FindMessageTypeByName("k8sdra.Quantity")
+        )
         self.Semver: Any = message_factory.GetMessageClass(self.pool.FindMessageTypeByName("k8sdra.Semver"))
         self._eval_env = self._new_env(typed=False)
         self._check_env = self._new_env(typed=True)
@@ -299,30 +347,64 @@ class CelEnvironment:
             return cel.FunctionDecl(name, overloads)
 
         def unary(name: str, ret: Any, arg: Any, impl: Callable[..., Any]) -> Any:
-            return cel.FunctionDecl(name, [cel.Overload(f"{name}_{arg.name()}", ret, [arg], is_member=True,
-                                                        impl=impl)])
+            return cel.FunctionDecl(
+                name, [cel.Overload(f"{name}_{arg.name()}", ret, [arg], is_member=True, impl=impl)]
+            )
 
         return [
-            cel.FunctionDecl("quantity", [cel.Overload("quantity_string", Q, [T.STRING], impl=self._quantity)]),
-            cel.FunctionDecl("isQuantity", [cel.Overload("isQuantity_string", T.BOOL, [T.STRING],
-                                                         impl=self._is_quantity)]),
-            cel.FunctionDecl("semver", [
-                cel.Overload("semver_string", S, [T.STRING], impl=self._semver),
-                cel.Overload("semver_string_bool", S, [T.STRING, T.BOOL], impl=self._semver)]),
-            cel.FunctionDecl("isSemver", [
-                cel.Overload("isSemver_string", T.BOOL, [T.STRING], impl=self._is_semver),
-                cel.Overload("isSemver_string_bool", T.BOOL, [T.STRING, T.BOOL], impl=self._is_semver)]),
+            cel.FunctionDecl(
+                "quantity", [cel.Overload("quantity_string", Q, [T.STRING], impl=self._quantity)]
+            ),
+            cel.FunctionDecl(
+                "isQuantity", [cel.Overload("isQuantity_string", T.BOOL, [T.STRING], impl=self._is_quantity)]
+            ),
+            cel.FunctionDecl(
+                "semver",
+                [
+                    cel.Overload("semver_string", S, [T.STRING], impl=self._semver),
+                    cel.Overload("semver_string_bool", S, [T.STRING, T.BOOL], impl=self._semver),
+                ],
+            ),
+            cel.FunctionDecl(
+                "isSemver",
+                [
+                    cel.Overload("isSemver_string", T.BOOL, [T.STRING], impl=self._is_semver),
+                    cel.Overload("isSemver_string_bool", T.BOOL, [T.STRING, T.BOOL], impl=self._is_semver),
+                ],
+            ),
             member("compareTo", T.INT, self._compare),
             member("isGreaterThan", T.BOOL, lambda a, b: self._compare(a, b) > 0),
             member("isLessThan", T.BOOL, lambda a, b: self._compare(a, b) < 0),
-            cel.FunctionDecl("add", [
-                cel.Overload("quantity_add", Q, [Q, Q], is_member=True, impl=lambda a, b: self._arith(a, b, 1)),
-                cel.Overload("quantity_add_int", Q, [Q, T.INT], is_member=True,
-                             impl=lambda a, b: self._arith(a, b, 1))]),
-            cel.FunctionDecl("sub", [
-                cel.Overload("quantity_sub", Q, [Q, Q], is_member=True, impl=lambda a, b: self._arith(a, b, -1)),
-                cel.Overload("quantity_sub_int", Q, [Q, T.INT], is_member=True,
-                             impl=lambda a, b: self._arith(a, b, -1))]),
+            cel.FunctionDecl(
+                "add",
+                [
+                    cel.Overload(
+                        "quantity_add", Q, [Q, Q], is_member=True, impl=lambda a, b: self._arith(a, b, 1)
+                    ),
+                    cel.Overload(
+                        "quantity_add_int",
+                        Q,
+                        [Q, T.INT],
+                        is_member=True,
+                        impl=lambda a, b: self._arith(a, b, 1),
+                    ),
+                ],
+            ),
+            cel.FunctionDecl(
+                "sub",
+                [
+                    cel.Overload(
+                        "quantity_sub", Q, [Q, Q], is_member=True, impl=lambda a, b: self._arith(a, b, -1)
+                    ),
+                    cel.Overload(
+                        "quantity_sub_int",
+                        Q,
+                        [Q, T.INT],
+                        is_member=True,
+                        impl=lambda a, b: self._arith(a, b, -1),
+                    ),
+                ],
+            ),
             unary("sign", T.INT, Q, lambda a: (self._q(a) > 0) - (self._q(a) < 0)),
             unary("asInteger", T.INT, Q, lambda a: int(self._q(a))),
             unary("isInteger", T.BOOL, Q, lambda a: self._q(a) == self._q(a).to_integral_value()),
@@ -334,9 +416,12 @@ class CelEnvironment:
 
     def _new_env(self, typed: bool) -> Any:
         device = cel.Type("k8sdra.Device") if typed else cel.Type.Map(cel.Type.STRING, cel.Type.DYN)
-        return cel.NewEnv(self.pool, variables={"device": device},
-                          extensions=[ext_bindings.ExtBindings(), ext_optional.ExtOptional()],
-                          functions=self._decls(typed))
+        return cel.NewEnv(
+            self.pool,
+            variables={"device": device},
+            extensions=[ext_bindings.ExtBindings(), ext_optional.ExtOptional()],
+            functions=self._decls(typed),
+        )
 
     # -- compile and check
 
@@ -362,7 +447,9 @@ class CelEnvironment:
             return [f"does not compile: {self._format_error(exc)}"]
         cost = estimate_cost(expression)
         if cost > MAX_ESTIMATED_COST:
-            return [f"estimated cost {cost} exceeds the limit of {MAX_ESTIMATED_COST}; simplify the expression"]
+            return [
+                f"estimated cost {cost} exceeds the limit of {MAX_ESTIMATED_COST}; simplify the expression"
+            ]
         rewritten = self._rewrite.sub(self._typed_ref, expression)
         try:
             typed = self._check_env.compile(rewritten)
@@ -378,8 +465,9 @@ class CelEnvironment:
         return f"device.{field_}" + (f".{m.group(4)}" if m.group(4) else "")
 
     def _type_error(self, text: str) -> str:
-        unknown = re.search(r"undefined field '([^']+)' not found in struct 'k8sdra\.Driver(Attributes|Capacity)'",
-                            text)
+        unknown = re.search(
+            r"undefined field '([^']+)' not found in struct 'k8sdra\.Driver(Attributes|Capacity)'", text
+        )
         if unknown:
             name, what = unknown.group(1), unknown.group(2)
             cap = what == "Capacity"
@@ -387,8 +475,10 @@ class CelEnvironment:
             return f"unknown {kind} {self.driver}/{name}: {self.schema.suggest(name, cap)}"
         field_ = re.search(r"undefined field '([^']+)' not found in struct 'k8sdra\.Device'", text)
         if field_:
-            return (f"unknown field device.{field_.group(1)} "
-                    "(known: driver, attributes, capacity, allowMultipleAllocations)")
+            return (
+                f"unknown field device.{field_.group(1)} "
+                "(known: driver, attributes, capacity, allowMultipleAllocations)"
+            )
         msg = self._format_error(Exception(text), shift=False)
         msg = msg.replace("k8sdra.Quantity", "quantity").replace("k8sdra.Semver", "semver")
         msg = msg.replace("driver_attributes__", f'attributes["{self.driver}"]')
@@ -427,8 +517,12 @@ class CelEnvironment:
             domain, _, name = key.rpartition("/")
             raw = value.get("value") if isinstance(value, dict) else value
             caps.setdefault(domain or driver, {})[name] = self.Quantity(value=str(raw))
-        return {"driver": driver, "attributes": attrs, "capacity": caps,
-                "allowMultipleAllocations": bool(device.get("allowMultipleAllocations", False))}
+        return {
+            "driver": driver,
+            "attributes": attrs,
+            "capacity": caps,
+            "allowMultipleAllocations": bool(device.get("allowMultipleAllocations", False)),
+        }
 
     def activation(self, view: dict[str, Any]) -> Any:
         return self._eval_env.Activation(data={"device": view})
@@ -442,8 +536,11 @@ class CelEnvironment:
                 view["attributes"].setdefault(d, {})
                 view["capacity"].setdefault(d, {})
             activation = None
-        result = selector.program.eval(activation) if activation is not None else \
-            selector.program.eval(data={"device": view})
+        result = (
+            selector.program.eval(activation)
+            if activation is not None
+            else selector.program.eval(data={"device": view})
+        )
         if result.type() == cel.Type.BOOL:
             return bool(result.value())
         if result.type() == cel.Type.ERROR:
@@ -463,10 +560,13 @@ def estimate_cost(expression: str) -> int:
     collection (32, the most attributes a device may have), so nested comprehensions grow as 32^depth,
     as they do in cel-go. String functions on unbounded strings are not modelled.
     """
-    cost, mult, stack = 0, 1, []
-    i = 0
-    tokens = re.finditer(r"\.\s*(?:all|exists|exists_one|map|filter|transformList|transformMap)\s*\(|[()]|"
-                         r"\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|[A-Za-z_][A-Za-z0-9_]*|\d+|\S", expression)
+    cost, mult = 0, 1
+    stack: list[bool] = []
+    tokens = re.finditer(
+        r"\.\s*(?:all|exists|exists_one|map|filter|transformList|transformMap)\s*\(|[()]|"
+        r"\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|[A-Za-z_][A-Za-z0-9_]*|\d+|\S",
+        expression,
+    )
     for tok in tokens:
         t = tok.group(0)
         if _MACROS.fullmatch(t):
@@ -474,9 +574,7 @@ def estimate_cost(expression: str) -> int:
             mult *= MAX_MAP_SIZE
         elif t == "(":
             stack.append(False)
-        elif t == ")" and stack:
-            if stack.pop():
-                mult //= MAX_MAP_SIZE
+        elif t == ")" and stack and stack.pop():
+            mult //= MAX_MAP_SIZE
         cost += mult
-        i += 1
     return cost

@@ -44,7 +44,8 @@ class Inputs:
             return
         kind = doc.get("kind")
         {"ResourceSlice": self.slices, "DeviceClass": self.classes, "ResourceClaim": self.claims}.get(
-            str(kind), self.others).append(doc)
+            str(kind), self.others
+        ).append(doc)
 
 
 def load_files(paths: list[str], inputs: Inputs | None = None) -> Inputs:
@@ -80,11 +81,16 @@ def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
     from kubernetes import client, config
 
     try:
-        api_client = config.new_client_from_config(config_file=kubeconfig)
+        api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
         api = client.ResourceV1Api(api_client)
-        for fn, dest in ((api.list_resource_slice, inputs.slices), (api.list_device_class, inputs.classes),
-                         (api.list_resource_claim_for_all_namespaces, inputs.claims)):
-            resp = fn(_preload_content=False)
+        fns: tuple[tuple[Any, list[dict[str, Any]]], ...]
+        fns = (
+            (api.list_resource_slice, inputs.slices),
+            (api.list_device_class, inputs.classes),
+            (api.list_resource_claim_for_all_namespaces, inputs.claims),
+        )
+        for fn, dest in fns:
+            resp: Any = fn(_preload_content=False)
             dest.extend(json.loads(resp.data).get("items") or [])
     except Exception as exc:  # config errors, connection errors, API errors: all exit 2
         raise InputError(f"cannot read the cluster with {kubeconfig}: {str(exc).splitlines()[0]}") from exc
@@ -110,8 +116,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for line in inputs.problems:
         print(line)
     to_check = inputs.classes + [c for c in inputs.claims if not _allocated(c)] + inputs.others
-    validator = Validator(args.driver_name, inputs.slices, inputs.classes,
-                          [c for c in inputs.claims if _allocated(c)])
+    validator = Validator(
+        args.driver_name, inputs.slices, inputs.classes, [c for c in inputs.claims if _allocated(c)]
+    )
     if not to_check and not inputs.problems:
         print("dra-gpu: no DeviceClass, ResourceClaim or ResourceClaimTemplate in the input", file=sys.stderr)
         return EXIT_USAGE
@@ -149,20 +156,32 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
             continue
         meta = claim.get("metadata") or {}
         entry: dict[str, Any] = {
-            "namespace": str(meta.get("namespace") or "default"), "name": str(meta.get("name") or ""),
-            "allocatable": False, "node": "", "devices": [], "linkCost": 0, "bestDevices": [],
-            "bestLinkCost": 0, "reason": "",
+            "namespace": str(meta.get("namespace") or "default"),
+            "name": str(meta.get("name") or ""),
+            "allocatable": False,
+            "node": "",
+            "devices": [],
+            "linkCost": 0,
+            "bestDevices": [],
+            "bestLinkCost": 0,
+            "reason": "",
         }
         verdict = validator.validate({**claim, "status": {}})
         if verdict.errors and not any("can never be satisfied" in p.message for p in verdict.errors):
             entry["reason"] = "; ".join(f"{p.path}: {p.message}" for p in verdict.errors)
             out.append(entry)
             continue
-        spec = claim.get("spec") if isinstance(claim.get("spec"), dict) else {}
+        spec: dict[str, Any] = claim["spec"] if isinstance(claim.get("spec"), dict) else {}
         e = explain(cluster, spec)
         if e.allocatable and e.placement is not None and e.best is not None:
-            entry.update(allocatable=True, node=e.placement.node, devices=e.placement.devices,
-                         linkCost=e.placement.link_cost, bestDevices=e.best.devices, bestLinkCost=e.best.link_cost)
+            entry.update(
+                allocatable=True,
+                node=e.placement.node,
+                devices=e.placement.devices,
+                linkCost=e.placement.link_cost,
+                bestDevices=e.best.devices,
+                bestLinkCost=e.best.link_cost,
+            )
         else:
             entry["reason"] = e.reason
         out.append(entry)
@@ -176,10 +195,14 @@ def render_text(result: dict[str, Any]) -> str:
         if not c["allocatable"]:
             lines.append(f"{head} not allocatable: {c['reason']}")
             continue
-        lines.append(f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})")
+        lines.append(
+            f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"
+        )
         if c["bestLinkCost"] < c["linkCost"]:
-            lines.append(f"  a cheaper placement on {c['node']}: {', '.join(c['bestDevices'])} "
-                         f"(link cost {c['bestLinkCost']})")
+            lines.append(
+                f"  a cheaper placement on {c['node']}: {', '.join(c['bestDevices'])} "
+                f"(link cost {c['bestLinkCost']})"
+            )
     return "\n".join(lines)
 
 
@@ -194,7 +217,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if inputs.problems:
         return EXIT_INVALID
     if not any(not _allocated(c) for c in inputs.claims):
-        print("dra-gpu: no ResourceClaim to allocate (without status.allocation) in the input", file=sys.stderr)
+        print(
+            "dra-gpu: no ResourceClaim to allocate (without status.allocation) in the input", file=sys.stderr
+        )
         return EXIT_USAGE
     result = explain_inputs(inputs, args.driver_name)
     if args.output == "json":
@@ -216,13 +241,27 @@ def cmd_controller(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add the controller's subcommands to `sub` (argparse subparsers); returns name -> handler."""
     v = sub.add_parser("validate", help="validate DeviceClasses, ResourceClaims and templates offline")
-    v.add_argument("-f", "--filename", action="append", required=True, metavar="FILE",
-                   help="YAML/JSON file ('-' for stdin); may hold ResourceSlices used for feasibility")
-    v.add_argument("--kubeconfig", metavar="PATH", help="also read slices, classes and claims from this cluster")
+    v.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="YAML/JSON file ('-' for stdin); may hold ResourceSlices used for feasibility",
+    )
+    v.add_argument(
+        "--kubeconfig", metavar="PATH", help="also read slices, classes and claims from this cluster"
+    )
     v.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
     e = sub.add_parser("explain", help="simulate the scheduler's allocation of claims against slices")
-    e.add_argument("-f", "--filename", action="append", required=True, metavar="FILE",
-                   help="files with ResourceSlices, DeviceClasses and ResourceClaims")
+    e.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="files with ResourceSlices, DeviceClasses and ResourceClaims",
+    )
     e.add_argument("-o", "--output", choices=("json", "text"), default="text")
     e.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
     c = sub.add_parser("controller", help="run the validating admission webhook (HTTPS)")
@@ -232,8 +271,17 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     c.add_argument("--port", type=int, default=8443, help="listen port")
     c.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
     c.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig (default: in-cluster config)")
-    c.add_argument("--no-watch", action="store_true",
-                   help="do not watch the cluster (no feasibility checks); for tests and local runs")
-    c.add_argument("-f", "--filename", action="append", default=[], metavar="FILE",
-                   help="static slices/classes/claims to use as the cluster view (with --no-watch)")
+    c.add_argument(
+        "--no-watch",
+        action="store_true",
+        help="do not watch the cluster (no feasibility checks); for tests and local runs",
+    )
+    c.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="static slices/classes/claims to use as the cluster view (with --no-watch)",
+    )
     return {"validate": cmd_validate, "explain": cmd_explain, "controller": cmd_controller}

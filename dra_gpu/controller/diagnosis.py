@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import Any
 
 from dra_gpu.controller.allocator import (
@@ -19,7 +18,7 @@ from dra_gpu.controller.allocator import (
     SubRequest,
     parse_requests,
 )
-from dra_gpu.controller.cel_env import format_quantity, parse_quantity_str
+from dra_gpu.controller.cel_env import format_quantity
 
 _CAP_COMPARE = re.compile(
     r"capacity\s*\[\s*[\"']([^\"']+)[\"']\s*\]\s*\.\s*(\w+)\s*\.\s*"
@@ -65,7 +64,10 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
     cls = cluster.classes.get(sub.device_class)
     if cls is None:
         raise AllocationError(f"device class {sub.device_class!r} does not exist")
-    class_sel = [str((s.get("cel") or {}).get("expression", "")) for s in (cls.get("spec") or {}).get("selectors") or []]
+    class_sel = [
+        str((s.get("cel") or {}).get("expression", ""))
+        for s in (cls.get("spec") or {}).get("selectors") or []
+    ]
     for node in cluster.nodes:
         devs = cluster.devices(node)
         in_class = [d for d in devs if all(cluster.matches(e, d) for e in class_sel)]
@@ -84,8 +86,10 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
     if best_n <= 0:
         return best_n, f"request {sub.name!r}: {_selector_problem(cluster, sub, per_class)}"
     where = f" ({best_node})" if best_node else ""
-    return best_n, (f"request {sub.name!r} needs {sub.count} {_noun(per_class, True)}; "
-                    f"at most {best_n} match on one node{where}")
+    return best_n, (
+        f"request {sub.name!r} needs {sub.count} {_noun(per_class, True)}; "
+        f"at most {best_n} match on one node{where}"
+    )
 
 
 def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> str:
@@ -128,13 +132,15 @@ def _why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> 
             if con.attribute.endswith("/nvlinkDomain"):
                 noun = _noun(noun_pool, True) if noun_pool else "GPUs"
                 free = "" if ignore_in_use else "free "
-                return (f"largest {free}NVLink domain: {largest} {noun}{where}; "
-                        f"the claim needs {need} NVLink-connected {noun}")
-            return (f"at most {largest} devices share one value of {con.attribute}{where}; "
-                    f"the constraint needs {need}")
+                return (
+                    f"largest {free}NVLink domain: {largest} {noun}{where}; "
+                    f"the claim needs {need} NVLink-connected {noun}"
+                )
+            return (
+                f"at most {largest} devices share one value of {con.attribute}{where}; "
+                f"the constraint needs {need}"
+            )
     nodes = ", ".join(n for n in cluster.nodes if n) or "any node"
     if not ignore_in_use and cluster.in_use:
         return f"no free combination of devices satisfies the requests and constraints on {nodes}"
     return f"no combination of devices satisfies all requests and constraints together on {nodes}"
-
-

@@ -69,17 +69,24 @@ def is_extended_resource_name(name: str) -> str | None:
     if len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
         return f"domain {name.partition('/')[0]!r} must be a lowercase DNS subdomain"
     if len(ident) > 63 or not _QUALIFIED_NAME_PART.match(ident):
-        return (f"name {ident!r} must be <= 63 characters of [A-Za-z0-9-_.], "
-                "starting and ending with an alphanumeric character")
+        return (
+            f"name {ident!r} must be <= 63 characters of [A-Za-z0-9-_.], "
+            "starting and ending with an alphanumeric character"
+        )
     return None
 
 
 class Validator:
     """The rules, over one view of the cluster (published slices, classes, allocated claims)."""
 
-    def __init__(self, driver: str = DEFAULT_DRIVER_NAME, slices: Iterable[Mapping[str, Any]] = (),
-                 classes: Iterable[Mapping[str, Any]] = (), claims: Iterable[Mapping[str, Any]] = (),
-                 env: CelEnvironment | None = None) -> None:
+    def __init__(
+        self,
+        driver: str = DEFAULT_DRIVER_NAME,
+        slices: Iterable[Mapping[str, Any]] = (),
+        classes: Iterable[Mapping[str, Any]] = (),
+        claims: Iterable[Mapping[str, Any]] = (),
+        env: CelEnvironment | None = None,
+    ) -> None:
         self.driver = driver
         self.slices = list(slices)
         if env is None:
@@ -96,9 +103,11 @@ class Validator:
 
     def validate(self, obj: Any) -> Verdict:
         if not isinstance(obj, dict):
-            return Verdict("?", "?", errors=[Problem("(document)", "must be a Kubernetes object (a mapping)")])
+            return Verdict(
+                "?", "?", errors=[Problem("(document)", "must be a Kubernetes object (a mapping)")]
+            )
         kind = str(obj.get("kind") or "?")
-        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+        meta: dict[str, Any] = obj["metadata"] if isinstance(obj.get("metadata"), dict) else {}
         name = str(meta.get("name") or meta.get("generateName") or "?")
         v = Verdict(kind, name, str(meta.get("namespace") or ""))
         if kind not in KINDS:
@@ -109,15 +118,23 @@ class Validator:
             return v
         size = len(json.dumps(obj, default=str))
         if size > MAX_OBJECT_BYTES:
-            v.errors.append(Problem("(object)", f"is {size} bytes; the apiserver accepts at most {MAX_OBJECT_BYTES}"))
+            v.errors.append(
+                Problem("(object)", f"is {size} bytes; the apiserver accepts at most {MAX_OBJECT_BYTES}")
+            )
             return v
         if name == "?":
             v.errors.append(Problem("metadata.name", "required"))
         if kind == "DeviceClass":
             self._device_class(obj, v)
         elif kind == "ResourceClaim":
-            self._claim_spec(obj.get("spec"), "spec", v, feasibility=not obj.get("status", {}).get("allocation")
-                             if isinstance(obj.get("status"), dict) else True)
+            self._claim_spec(
+                obj.get("spec"),
+                "spec",
+                v,
+                feasibility=not obj.get("status", {}).get("allocation")
+                if isinstance(obj.get("status"), dict)
+                else True,
+            )
         else:
             spec = obj.get("spec")
             inner = spec.get("spec") if isinstance(spec, dict) else None
@@ -145,8 +162,11 @@ class Validator:
     def _selectors(self, selectors: Any, path: str, v: Verdict) -> None:
         for i, s in enumerate(self._list(selectors, path, v, MAX_SELECTORS)):
             p = f"{path}[{i}].cel.expression"
-            expr = s.get("cel", {}).get("expression") if isinstance(s, dict) and isinstance(s.get("cel"), dict) \
+            expr = (
+                s.get("cel", {}).get("expression")
+                if isinstance(s, dict) and isinstance(s.get("cel"), dict)
                 else None
+            )
             if not isinstance(expr, str):
                 v.errors.append(Problem(p, "required: a CEL expression (string)"))
                 continue
@@ -163,15 +183,22 @@ class Validator:
             if request_names is not None:
                 for j, r in enumerate(c.get("requests") or []):
                     if str(r) not in request_names and str(r).split("/")[0] not in request_names:
-                        v.errors.append(Problem(f"{p}.requests[{j}]", f"unknown request {r!r} "
-                                                f"(requests: {', '.join(sorted(request_names)) or 'none'})"))
+                        v.errors.append(
+                            Problem(
+                                f"{p}.requests[{j}]",
+                                f"unknown request {r!r} "
+                                f"(requests: {', '.join(sorted(request_names)) or 'none'})",
+                            )
+                        )
             opaque = c.get("opaque")
             if not isinstance(opaque, dict) or opaque.get("driver") != self.driver:
                 continue
             v.concerned = True
             params = opaque.get("parameters")
             if len(json.dumps(params, default=str)) > MAX_PARAMETERS_BYTES:
-                v.errors.append(Problem(f"{p}.opaque.parameters", f"larger than {MAX_PARAMETERS_BYTES} bytes"))
+                v.errors.append(
+                    Problem(f"{p}.opaque.parameters", f"larger than {MAX_PARAMETERS_BYTES} bytes")
+                )
                 continue
             try:
                 decode(params)
@@ -216,7 +243,9 @@ class Validator:
         full_names: set[str] = set()
         for i, r in enumerate(self._list(devices.get("requests"), f"{dpath}.requests", v, MAX_REQUESTS)):
             self._request(r, f"{dpath}.requests[{i}]", v, names, full_names)
-        for i, c in enumerate(self._list(devices.get("constraints"), f"{dpath}.constraints", v, MAX_CONSTRAINTS)):
+        for i, c in enumerate(
+            self._list(devices.get("constraints"), f"{dpath}.constraints", v, MAX_CONSTRAINTS)
+        ):
             self._constraint(c, f"{dpath}.constraints[{i}]", v, names, full_names)
         self._configs(devices.get("config"), f"{dpath}.config", v, names)
         if v.concerned and not v.errors and feasibility and names:
@@ -290,8 +319,12 @@ class Validator:
             return
         for j, r in enumerate(c.get("requests") or []):
             if str(r) not in full:
-                v.errors.append(Problem(f"{p}.requests[{j}]", f"unknown request {r!r} "
-                                        f"(requests: {', '.join(sorted(full)) or 'none'})"))
+                v.errors.append(
+                    Problem(
+                        f"{p}.requests[{j}]",
+                        f"unknown request {r!r} (requests: {', '.join(sorted(full)) or 'none'})",
+                    )
+                )
         keys = [k for k in ("matchAttribute", "distinctAttribute") if c.get(k) is not None]
         if len(keys) != 1:
             v.errors.append(Problem(p, "exactly one of matchAttribute and distinctAttribute is required"))
@@ -307,7 +340,12 @@ class Validator:
             hint = f"{self.driver}/{attr}" if attr in self.env.schema.attributes else f"<domain>/{attr}"
             v.errors.append(Problem(ap, f"{attr!r} must be fully qualified, e.g. {hint!r}"))
             return
-        if not _DNS_SUBDOMAIN.match(domain) or len(domain) > 63 or not _C_IDENTIFIER.match(ident) or len(ident) > 32:
+        if (
+            not _DNS_SUBDOMAIN.match(domain)
+            or len(domain) > 63
+            or not _C_IDENTIFIER.match(ident)
+            or len(ident) > 32
+        ):
             v.errors.append(Problem(ap, f"{attr!r} is not a valid qualified attribute name"))
             return
         if domain == self.driver:
@@ -317,8 +355,9 @@ class Validator:
 
     def _feasibility(self, spec: Mapping[str, Any], path: str, v: Verdict) -> None:
         if not self.has_driver_slices:
-            v.warnings.append(Problem(path, f"no ResourceSlices of {self.driver} are published; "
-                                      "feasibility not checked"))
+            v.warnings.append(
+                Problem(path, f"no ResourceSlices of {self.driver} are published; feasibility not checked")
+            )
             return
         try:
             ever = explain(self.cluster, spec, ignore_in_use=True)
@@ -329,7 +368,9 @@ class Validator:
             if "does not exist" in ever.reason:  # the class may be created later
                 v.warnings.append(Problem(path, ever.reason))
             else:
-                v.errors.append(Problem(path, f"can never be satisfied by the published devices: {ever.reason}"))
+                v.errors.append(
+                    Problem(path, f"can never be satisfied by the published devices: {ever.reason}")
+                )
             return
         if not self.cluster.in_use:
             return
