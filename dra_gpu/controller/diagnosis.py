@@ -14,7 +14,9 @@ from typing import Any
 from dra_gpu.controller.allocator import (
     AllocationError,
     Cluster,
+    Constraint,
     Device,
+    Request,
     SubRequest,
     parse_requests,
 )
@@ -103,10 +105,27 @@ def _why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> 
     requests, constraints = parse_requests(spec)
     if not cluster.pools:
         return "no ResourceSlices are published"
+    count_reasons: list[str] = []
     for req in requests:
-        reasons = [_alternative_reason(cluster, sub, ignore_in_use)[1] for sub in req.alternatives]
+        found = [_alternative_reason(cluster, sub, ignore_in_use) for sub in req.alternatives]
+        reasons = [r for _, r in found]
         if all(reasons):
-            return "; ".join(reasons) if len(reasons) > 1 else reasons[0]
+            if all(n <= 0 for n, _ in found):  # nothing matches at all: that is the reason
+                return "; ".join(reasons)
+            count_reasons.append("; ".join(reasons))
+    constraint_reasons = _constraint_reasons(cluster, requests, constraints, ignore_in_use)
+    if constraint_reasons or count_reasons:
+        return "; ".join(constraint_reasons + count_reasons)
+    nodes = ", ".join(n for n in cluster.nodes if n) or "any node"
+    if not ignore_in_use and cluster.in_use:
+        return f"no free combination of devices satisfies the requests and constraints on {nodes}"
+    return f"no combination of devices satisfies all requests and constraints together on {nodes}"
+
+
+def _constraint_reasons(
+    cluster: Cluster, requests: list[Request], constraints: list[Constraint], ignore_in_use: bool
+) -> list[str]:
+    out: list[str] = []
     for con in constraints:
         if con.kind != "match":
             continue
@@ -132,15 +151,13 @@ def _why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> 
             if con.attribute.endswith("/nvlinkDomain"):
                 noun = _noun(noun_pool, True) if noun_pool else "GPUs"
                 free = "" if ignore_in_use else "free "
-                return (
+                out.append(
                     f"largest {free}NVLink domain: {largest} {noun}{where}; "
                     f"the claim needs {need} NVLink-connected {noun}"
                 )
-            return (
-                f"at most {largest} devices share one value of {con.attribute}{where}; "
-                f"the constraint needs {need}"
-            )
-    nodes = ", ".join(n for n in cluster.nodes if n) or "any node"
-    if not ignore_in_use and cluster.in_use:
-        return f"no free combination of devices satisfies the requests and constraints on {nodes}"
-    return f"no combination of devices satisfies all requests and constraints together on {nodes}"
+            else:
+                out.append(
+                    f"at most {largest} devices share one value of {con.attribute}{where}; "
+                    f"the constraint needs {need}"
+                )
+    return out
