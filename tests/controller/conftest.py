@@ -16,7 +16,11 @@ GPU_CLASS: dict[str, Any] = {
     "metadata": {"name": "gpu.dra-gpu.io"},
     "spec": {
         "selectors": [
-            {"cel": {"expression": f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'}}
+            {
+                "cel": {
+                    "expression": f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
+                }
+            }
         ]
     },
 }

@@ -17,7 +17,9 @@ DRA_GPU = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu
 
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([DRA_GPU, *args], capture_output=True, text=True, timeout=60, input=stdin, check=False)
+    out = subprocess.run(
+        [DRA_GPU, *args], capture_output=True, text=True, timeout=60, input=stdin, check=False
+    )
     assert "Traceback" not in out.stderr + out.stdout
     return out
 
@@ -40,7 +42,12 @@ def test_explain_json_classic(tmp_path: Path, cluster_file: str) -> None:
     out = run("explain", "-f", cluster_file, "-f", claims, "-o", "json")
     assert out.returncode == 0, out.stderr
     linked, plain = json.loads(out.stdout)["claims"]
-    assert (linked["name"], linked["linkCost"], plain["linkCost"], plain["bestLinkCost"]) == ("linked", 6, 18, 6)
+    assert (linked["name"], linked["linkCost"], plain["linkCost"], plain["bestLinkCost"]) == (
+        "linked",
+        6,
+        18,
+        6,
+    )
     text = run("explain", "-f", cluster_file, "-f", claims)
     assert "default/plain: node node-a" in text.stdout and "(link cost 6)" in text.stdout
 
@@ -60,7 +67,9 @@ def test_validate_lines_and_exit_codes(tmp_path: Path, cluster_file: str) -> Non
 
 def test_validate_stdin(cluster_file: str) -> None:
     out = run("validate", "-f", cluster_file, "-f", "-", stdin=yaml.safe_dump(claim("x", selectors=["1 +"])))
-    assert out.returncode == 1 and "ResourceClaim/x: spec.devices.requests[0].exactly.selectors[0]" in out.stdout
+    assert (
+        out.returncode == 1 and "ResourceClaim/x: spec.devices.requests[0].exactly.selectors[0]" in out.stdout
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,12 +79,35 @@ def test_validate_stdin(cluster_file: str) -> None:
         ("{{{{ garbage ::: \x00", 1, "not valid YAML"),
         ("just a string\n", 1, "not a Kubernetes object"),
         ("[" * 5000 + "]" * 5000, 1, "not valid YAML"),
-        (yaml.safe_dump({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}), 1,
-         "Pod/p: kind: unsupported kind 'Pod'"),
-        (yaml.safe_dump({"apiVersion": "resource.k8s.io/v1beta1", "kind": "ResourceClaim",
-                         "metadata": {"name": "old"}, "spec": {}}), 1, "apiVersion: must be 'resource.k8s.io/v1'"),
-        (yaml.safe_dump({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "s"},
-                         "spec": "nonsense"}), 1, "ResourceClaim/s: spec: must be an object with 'devices'"),
+        (
+            yaml.safe_dump({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}),
+            1,
+            "Pod/p: kind: unsupported kind 'Pod'",
+        ),
+        (
+            yaml.safe_dump(
+                {
+                    "apiVersion": "resource.k8s.io/v1beta1",
+                    "kind": "ResourceClaim",
+                    "metadata": {"name": "old"},
+                    "spec": {},
+                }
+            ),
+            1,
+            "apiVersion: must be 'resource.k8s.io/v1'",
+        ),
+        (
+            yaml.safe_dump(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceClaim",
+                    "metadata": {"name": "s"},
+                    "spec": "nonsense",
+                }
+            ),
+            1,
+            "ResourceClaim/s: spec: must be an object with 'devices'",
+        ),
     ],
     ids=["unclosed", "garbage", "scalar", "deeply-nested-yaml", "wrong-kind", "old-api", "bad-spec"],
 )

@@ -28,58 +28,156 @@ def device_class(**spec: Any) -> dict[str, Any]:
 
 CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
     ("bad CEL", claim("c", selectors=[f"{D}.productName =="]), SEL, "does not compile: column"),
-    ("undeclared function", claim("c", selectors=["gpuCount(device) > 1"]), SEL,
-     "undeclared reference to 'gpuCount'"),
-    ("string vs int", claim("c", selectors=[f"{D}.productName == 1"]), SEL,
-     "type error: found no matching overload for '_==_' applied to '(string, int)'"),
-    ("capacity vs int", claim("c", selectors=[f"{C}.memory.compareTo(40) >= 0"]), SEL,
-     "applied to '(quantity, int)'"),
-    ("capacity compared with >=", claim("c", selectors=[f"{C}.memory >= 40"]), SEL, "'_>=_' applied to '(quantity, int)'"),
-    ("version vs quantity", claim("c", selectors=[f'{D}.driverVersion.isGreaterThan(quantity("1"))']), SEL,
-     "applied to '(semver, quantity)'"),
+    (
+        "undeclared function",
+        claim("c", selectors=["gpuCount(device) > 1"]),
+        SEL,
+        "undeclared reference to 'gpuCount'",
+    ),
+    (
+        "string vs int",
+        claim("c", selectors=[f"{D}.productName == 1"]),
+        SEL,
+        "type error: found no matching overload for '_==_' applied to '(string, int)'",
+    ),
+    (
+        "capacity vs int",
+        claim("c", selectors=[f"{C}.memory.compareTo(40) >= 0"]),
+        SEL,
+        "applied to '(quantity, int)'",
+    ),
+    (
+        "capacity compared with >=",
+        claim("c", selectors=[f"{C}.memory >= 40"]),
+        SEL,
+        "'_>=_' applied to '(quantity, int)'",
+    ),
+    (
+        "version vs quantity",
+        claim("c", selectors=[f'{D}.driverVersion.isGreaterThan(quantity("1"))']),
+        SEL,
+        "applied to '(semver, quantity)'",
+    ),
     ("not bool", claim("c", selectors=[f"{D}.index"]), SEL, "must evaluate to bool, evaluates to int"),
-    ("unknown attribute", claim("c", selectors=[f'{D}.prodName == "x"']), SEL,
-     f"unknown attribute {DRIVER}/prodName: did you mean 'productName'?"),
-    ("unknown attribute in has()", claim("c", selectors=[f"has({D}.nvlinkDomian)"]), SEL,
-     "did you mean 'nvlinkDomain'?"),
-    ("unknown capacity", claim("c", selectors=[f'{C}.memroy.compareTo(quantity("1Gi")) > 0']), SEL,
-     f"unknown capacity {DRIVER}/memroy: did you mean 'memory'?"),
-    ("unknown device field", claim("c", selectors=['device.drvier == "x"']), SEL, "unknown field device.drvier"),
+    (
+        "unknown attribute",
+        claim("c", selectors=[f'{D}.prodName == "x"']),
+        SEL,
+        f"unknown attribute {DRIVER}/prodName: did you mean 'productName'?",
+    ),
+    (
+        "unknown attribute in has()",
+        claim("c", selectors=[f"has({D}.nvlinkDomian)"]),
+        SEL,
+        "did you mean 'nvlinkDomain'?",
+    ),
+    (
+        "unknown capacity",
+        claim("c", selectors=[f'{C}.memroy.compareTo(quantity("1Gi")) > 0']),
+        SEL,
+        f"unknown capacity {DRIVER}/memroy: did you mean 'memory'?",
+    ),
+    (
+        "unknown device field",
+        claim("c", selectors=['device.drvier == "x"']),
+        SEL,
+        "unknown field device.drvier",
+    ),
     ("too long", claim("c", selectors=[f'{D}.productName == "{"x" * 11000}"']), SEL, "the limit is 10240"),
-    ("too costly", claim("c", selectors=[f"{D}.all(a, {D}.all(b, {D}.all(c, {D}.all(d, true))))"]), SEL,
-     "exceeds the limit of 1000000"),
+    (
+        "too costly",
+        claim("c", selectors=[f"{D}.all(a, {D}.all(b, {D}.all(c, {D}.all(d, true))))"]),
+        SEL,
+        "exceeds the limit of 1000000",
+    ),
     ("deeply nested", claim("c", selectors=["(" * 200 + "true" + ")" * 200]), SEL, "recursion limit"),
-    ("impossible NVLink count", claim("c", 16, constraints=NVLINK), "spec.devices",
-     "largest NVLink domain: 4 GPUs (node-a)"),
+    (
+        "impossible NVLink count",
+        claim("c", 16, constraints=NVLINK),
+        "spec.devices",
+        "largest NVLink domain: 4 GPUs (node-a)",
+    ),
     ("impossible count", claim("c", 9), "spec.devices", "needs 9 GPUs; at most 8 match on one node (node-a)"),
-    ("memory too large", claim("c", selectors=[f'{C}.memory.compareTo(quantity("100Gi")) >= 0']), "spec.devices",
-     "no GPU with memory >= 100Gi; largest: 81559Mi"),
+    (
+        "memory too large",
+        claim("c", selectors=[f'{C}.memory.compareTo(quantity("100Gi")) >= 0']),
+        "spec.devices",
+        "no GPU with memory >= 100Gi; largest: 81559Mi",
+    ),
     ("count too big", claim("c", 64), "spec.devices.requests[0].exactly.count", "at most 32"),
     ("count zero", claim("c", 0), "spec.devices.requests[0].exactly.count", "must be a positive integer"),
-    ("unqualified matchAttribute", claim("c", 2, constraints=[{"matchAttribute": "nvlinkDomain"}]),
-     "spec.devices.constraints[0].matchAttribute", f"must be fully qualified, e.g. '{DRIVER}/nvlinkDomain'"),
-    ("unknown matchAttribute", claim("c", 2, constraints=[{"matchAttribute": f"{DRIVER}/nvlinkDomian"}]),
-     "spec.devices.constraints[0].matchAttribute", "did you mean 'nvlinkDomain'?"),
-    ("unknown request in constraint",
-     claim("c", 2, constraints=[{"requests": ["gpu"], "matchAttribute": f"{DRIVER}/nvlinkDomain"}]),
-     "spec.devices.constraints[0].requests[0]", "unknown request 'gpu' (requests: gpus)"),
-    ("bad opaque field", with_config({"apiVersion": "gpu.dra-gpu.io/v1alpha1", "kind": "GpuConfig",
-                                      "sharing": {"strategy": "MPS", "mps": {"threads": 5}}}),
-     "spec.devices.config[0].opaque.parameters.sharing.mps.threads", "unknown field"),
-    ("opaque out of range", with_config({"apiVersion": "gpu.dra-gpu.io/v1alpha1", "kind": "GpuConfig",
-                                         "sharing": {"strategy": "MPS",
-                                                     "mps": {"defaultActiveThreadPercentage": 500}}}),
-     "spec.devices.config[0].opaque.parameters.sharing.mps.defaultActiveThreadPercentage", "between 1 and 100"),
-    ("opaque wrong version", with_config({"apiVersion": "v2", "kind": "GpuConfig"}),
-     "spec.devices.config[0].opaque.parameters.apiVersion", "must be 'gpu.dra-gpu.io/v1alpha1'"),
-    ("bad extendedResourceName", device_class(extendedResourceName="nvidia.com/gpu/x"),
-     "spec.extendedResourceName", "must be"),
-    ("kubernetes.io extendedResourceName", device_class(extendedResourceName="kubernetes.io/gpu"),
-     "spec.extendedResourceName", "outside kubernetes.io"),
-    ("class with bad CEL", device_class(selectors=[{"cel": {"expression": f'{D}.typ == "gpu"'}}]),
-     "spec.selectors[0].cel.expression", "did you mean 'type'?"),
-    ("class with bad config", device_class(config=[{"opaque": {"driver": DRIVER, "parameters": {"kind": "X"}}}]),
-     "spec.config[0].opaque.parameters.apiVersion", "must be"),
+    (
+        "unqualified matchAttribute",
+        claim("c", 2, constraints=[{"matchAttribute": "nvlinkDomain"}]),
+        "spec.devices.constraints[0].matchAttribute",
+        f"must be fully qualified, e.g. '{DRIVER}/nvlinkDomain'",
+    ),
+    (
+        "unknown matchAttribute",
+        claim("c", 2, constraints=[{"matchAttribute": f"{DRIVER}/nvlinkDomian"}]),
+        "spec.devices.constraints[0].matchAttribute",
+        "did you mean 'nvlinkDomain'?",
+    ),
+    (
+        "unknown request in constraint",
+        claim("c", 2, constraints=[{"requests": ["gpu"], "matchAttribute": f"{DRIVER}/nvlinkDomain"}]),
+        "spec.devices.constraints[0].requests[0]",
+        "unknown request 'gpu' (requests: gpus)",
+    ),
+    (
+        "bad opaque field",
+        with_config(
+            {
+                "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+                "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS", "mps": {"threads": 5}},
+            }
+        ),
+        "spec.devices.config[0].opaque.parameters.sharing.mps.threads",
+        "unknown field",
+    ),
+    (
+        "opaque out of range",
+        with_config(
+            {
+                "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+                "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 500}},
+            }
+        ),
+        "spec.devices.config[0].opaque.parameters.sharing.mps.defaultActiveThreadPercentage",
+        "between 1 and 100",
+    ),
+    (
+        "opaque wrong version",
+        with_config({"apiVersion": "v2", "kind": "GpuConfig"}),
+        "spec.devices.config[0].opaque.parameters.apiVersion",
+        "must be 'gpu.dra-gpu.io/v1alpha1'",
+    ),
+    (
+        "bad extendedResourceName",
+        device_class(extendedResourceName="nvidia.com/gpu/x"),
+        "spec.extendedResourceName",
+        "must be",
+    ),
+    (
+        "kubernetes.io extendedResourceName",
+        device_class(extendedResourceName="kubernetes.io/gpu"),
+        "spec.extendedResourceName",
+        "outside kubernetes.io",
+    ),
+    (
+        "class with bad CEL",
+        device_class(selectors=[{"cel": {"expression": f'{D}.typ == "gpu"'}}]),
+        "spec.selectors[0].cel.expression",
+        "did you mean 'type'?",
+    ),
+    (
+        "class with bad config",
+        device_class(config=[{"opaque": {"driver": DRIVER, "parameters": {"kind": "X"}}}]),
+        "spec.config[0].opaque.parameters.apiVersion",
+        "must be",
+    ),
 ]
 
 
@@ -99,13 +197,22 @@ def test_invalid_object(validator: Validator, obj: dict[str, Any], path: str, me
 VALID = [
     claim("one"),
     claim("four-linked", 4, constraints=NVLINK),
-    claim("sel", 2, selectors=[
-        f'{C}.memory.compareTo(quantity("40Gi")) >= 0',
-        f'{D}.driverVersion.isGreaterThan(semver("550.0.0"))',
-        f'cel.bind(a, {D}, a.productName.startsWith("NVIDIA") && a.?nvlinkDomainSize.orValue(0) >= 4)',
-    ]),
-    with_config({"apiVersion": "gpu.dra-gpu.io/v1alpha1", "kind": "GpuConfig",
-                 "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}),
+    claim(
+        "sel",
+        2,
+        selectors=[
+            f'{C}.memory.compareTo(quantity("40Gi")) >= 0',
+            f'{D}.driverVersion.isGreaterThan(semver("550.0.0"))',
+            f'cel.bind(a, {D}, a.productName.startsWith("NVIDIA") && a.?nvlinkDomainSize.orValue(0) >= 4)',
+        ],
+    ),
+    with_config(
+        {
+            "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+        }
+    ),
     device_class(extendedResourceName="example.com/gpu"),
 ]
 
@@ -139,9 +246,12 @@ def test_temporarily_unsatisfiable_is_a_warning() -> None:
 
 def test_template_paths() -> None:
     v = Validator(DRIVER, node_slices(), [GPU_CLASS])
-    tmpl = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-            "metadata": {"name": "t", "namespace": "default"},
-            "spec": {"spec": claim("x", 16, constraints=NVLINK)["spec"]}}
+    tmpl = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "t", "namespace": "default"},
+        "spec": {"spec": claim("x", 16, constraints=NVLINK)["spec"]},
+    }
     verdict = v.validate(tmpl)
     assert [p.path for p in verdict.errors] == ["spec.spec.devices"]
     assert "largest NVLink domain: 4 GPUs (node-a)" in verdict.errors[0].message

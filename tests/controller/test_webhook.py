@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import socket
@@ -32,17 +33,27 @@ def make_cert(directory: Path, cn: str) -> tuple[Path, Path]:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]),
-                       critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = directory / "tls.crt", directory / "tls.key"
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
@@ -58,9 +69,16 @@ class Server:
         busy = allocated("busy", "node-a", [device_names(slices)[0], device_names(slices)[4]])
         cluster = tmp / "cluster.yaml"
         cluster.write_text(yaml.safe_dump_all([*slices, GPU_CLASS, busy]))
-        self.args = argparse.Namespace(cert=str(self.cert), key=str(self.key), address="127.0.0.1",
-                                       port=self.port, driver_name="gpu.dra-gpu.io", kubeconfig=None,
-                                       no_watch=True, filename=[str(cluster)])
+        self.args = argparse.Namespace(
+            cert=str(self.cert),
+            key=str(self.key),
+            address="127.0.0.1",
+            port=self.port,
+            driver_name="gpu.dra-gpu.io",
+            kubeconfig=None,
+            no_watch=True,
+            filename=[str(cluster)],
+        )
         self.loop = asyncio.new_event_loop()
         self.ready = asyncio.Event()
         self.task = self.loop.create_task(serve(self.args, self.ready, reload_interval=0.1))
@@ -74,10 +92,8 @@ class Server:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             self.loop.run_until_complete(self.task)
-        except asyncio.CancelledError:
-            pass
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.task.cancel)
@@ -88,8 +104,9 @@ class Server:
         return ctx
 
     def request(self, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        req = urllib.request.Request(f"https://127.0.0.1:{self.port}{path}", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"https://127.0.0.1:{self.port}{path}", data=body, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, context=self.context(), timeout=10) as resp:
                 return resp.status, resp.read()
@@ -98,9 +115,17 @@ class Server:
 
     def review(self, obj: Any, operation: str = "CREATE", old: Any = None) -> dict[str, Any]:
         kind = obj.get("kind", "ResourceClaim") if isinstance(obj, dict) else "ResourceClaim"
-        body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-            "uid": "8b2f-test", "kind": {"group": "resource.k8s.io", "version": "v1", "kind": kind},
-            "operation": operation, "object": obj, "oldObject": old}}
+        body = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "8b2f-test",
+                "kind": {"group": "resource.k8s.io", "version": "v1", "kind": kind},
+                "operation": operation,
+                "object": obj,
+                "oldObject": old,
+            },
+        }
         status, raw = self.request("/validate", json.dumps(body).encode())
         assert status == 200, raw
         review = json.loads(raw)
@@ -138,11 +163,23 @@ def test_update_that_keeps_the_spec_is_allowed(server: Server) -> None:
     assert server.review(c, "DELETE")["allowed"] is True
 
 
-@pytest.mark.parametrize("body", [b"not json", b"[]", b'{"apiVersion": "v1"}',
-                                  json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}).encode(),
-                                  json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                                              "request": {"uid": "u", "object": "x"}}).encode(),
-                                  b"[" * 100000 + b"]" * 100000])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[]",
+        b'{"apiVersion": "v1"}',
+        json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}).encode(),
+        json.dumps(
+            {
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": {"uid": "u", "object": "x"},
+            }
+        ).encode(),
+        b"[" * 100000 + b"]" * 100000,
+    ],
+)
 def test_malformed_review_is_400(server: Server, body: bytes) -> None:
     status, _ = server.request("/validate", body)
     assert status == 400
@@ -155,7 +192,10 @@ def test_healthz_and_metrics(server: Server) -> None:
     status, body = server.request("/metrics")
     text = body.decode()
     assert status == 200
-    assert 'dra_gpu_admission_reviews_total{kind="ResourceClaim",operation="CREATE",result="allowed"} 1.0' in text
+    assert (
+        'dra_gpu_admission_reviews_total{kind="ResourceClaim",operation="CREATE",result="allowed"} 1.0'
+        in text
+    )
     assert 'result="malformed"} 1.0' in text
     assert "dra_gpu_published_devices 8.0" in text
     assert server.request("/healthz") == (200, b"ok\n")
