@@ -1,4 +1,8 @@
-"""`dra-gpu validate`, `dra-gpu explain` and `dra-gpu controller`: argparse wiring and the offline fronts."""
+"""`dra-gpu validate`, `dra-gpu explain` and `dra-gpu controller`: argparse wiring and the offline fronts.
+
+The CEL engine and the webhook's HTTP stack are imported by the handlers, so other subcommands of
+`dra-gpu` (the kubelet plugin) neither load nor need them.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,6 @@ from typing import Any
 
 import yaml
 
-from dra_gpu.controller.allocator import Cluster, allocated_devices, explain
-from dra_gpu.controller.rules import Validator
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -100,6 +102,8 @@ def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from dra_gpu.controller.rules import Validator  # the CEL engine loads only for these commands
+
     try:
         inputs = load_files(args.filename)
         if args.kubeconfig:
@@ -146,6 +150,9 @@ def _allocated(claim: dict[str, Any]) -> bool:
 
 
 def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[str, Any]:
+    from dra_gpu.controller.allocator import Cluster, allocated_devices, explain
+    from dra_gpu.controller.rules import Validator
+
     validator = Validator(driver, inputs.slices, inputs.classes)
     classes = {str((c.get("metadata") or {}).get("name")): c for c in inputs.classes}
     in_use = allocated_devices([c for c in inputs.claims if _allocated(c)])

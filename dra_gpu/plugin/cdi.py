@@ -1,0 +1,130 @@
+"""Per-claim CDI specs: build, version, write atomically, find, remove.
+
+One spec file per claim (`k8s.<driver>-claim_<claimUID>.json`), kind `k8s.<driver>/claim`, devices
+named `<claimUID>-<device>` so no two files ever define the same device (the CDI cache deletes
+devices defined twice at equal priority). Edits every device of the claim needs (control nodes,
+`NVIDIA_VISIBLE_DEVICES`) are spec-level `containerEdits`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dra_gpu.durable import atomic_write, remove_durably
+
+CLASS = "claim"
+_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*[A-Za-z0-9]$|^[A-Za-z0-9]$")
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    path: str  # inside the container
+    host_path: str  # on the host (differs from `path` on a simulated node)
+
+    def to_cdi(self) -> dict[str, Any]:
+        node: dict[str, Any] = {"path": self.path}
+        if self.host_path != self.path:
+            node["hostPath"] = self.host_path
+        return node
+
+
+@dataclass
+class CdiDevice:
+    name: str  # the pool's device name; the spec device is "<claimUID>-<name>"
+    device_nodes: list[DeviceNode]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def minimum_version(spec: dict[str, Any]) -> str:
+    """The lowest cdiVersion that can express `spec` (runtimes reject versions they don't know)."""
+    need = "0.3.0"
+
+    def bump(v: str) -> None:
+        nonlocal need
+        if _VERSIONS.index(v) > _VERSIONS.index(need):
+            need = v
+
+    edits = [spec.get("containerEdits", {})] + [d.get("containerEdits", {}) for d in spec["devices"]]
+    if spec.get("annotations") or any(d.get("annotations") for d in spec["devices"]):
+        bump("0.6.0")
+    if "." in spec["kind"].split("/", 1)[1]:
+        bump("0.6.0")
+    if any(d["name"][0].isdigit() for d in spec["devices"]):
+        bump("0.5.0")
+    for e in edits:
+        if any("hostPath" in n for n in e.get("deviceNodes", [])):
+            bump("0.5.0")
+        if any("type" in m for m in e.get("mounts", [])):
+            bump("0.4.0")
+        if e.get("additionalGids") or e.get("intelRdt"):
+            bump("0.7.0")
+        if e.get("netDevices"):
+            bump("1.1.0")
+    return need
+
+
+class CdiSpecs:
+    """The driver's per-claim specs in one CDI directory."""
+
+    def __init__(self, cdi_dir: Path, driver: str) -> None:
+        self.dir = cdi_dir
+        self.vendor = f"k8s.{driver}"
+        self.kind = f"{self.vendor}/{CLASS}"
+        self.prefix = f"{self.vendor}-{CLASS}_"
+
+    def path(self, claim_uid: str) -> Path:
+        return self.dir / f"{self.prefix}{claim_uid}.json"
+
+    def device_id(self, claim_uid: str, device: str) -> str:
+        return f"{self.kind}={claim_uid}-{device}"
+
+    def build(self, claim_uid: str, devices: list[CdiDevice], control_nodes: list[DeviceNode],
+              common_env: dict[str, str]) -> dict[str, Any]:
+        spec_devices = []
+        for dev in devices:
+            name = f"{claim_uid}-{dev.name}"
+            if not _DEVICE_NAME.match(name):
+                raise ValueError(f"CDI device name {name!r} is not valid")
+            edits: dict[str, Any] = {"deviceNodes": [n.to_cdi() for n in dev.device_nodes]}
+            if dev.env:
+                edits["env"] = [f"{k}={v}" for k, v in sorted(dev.env.items())]
+            spec_devices.append({"name": name, "containerEdits": edits})
+        spec: dict[str, Any] = {
+            "cdiVersion": "",
+            "kind": self.kind,
+            "devices": spec_devices,
+            "containerEdits": {
+                "env": [f"{k}={v}" for k, v in sorted(common_env.items())],
+                "deviceNodes": [n.to_cdi() for n in control_nodes],
+            },
+        }
+        spec["cdiVersion"] = minimum_version(spec)
+        return spec
+
+    def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
+        data = json.dumps(spec, indent=2, sort_keys=False).encode() + b"\n"
+        atomic_write(self.path(claim_uid), data, mode=0o644)
+
+    def read(self, claim_uid: str) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads(self.path(claim_uid).read_bytes())
+            return data
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def remove(self, claim_uid: str) -> bool:
+        return remove_durably(self.path(claim_uid))
+
+    def owned(self) -> dict[str, Path]:
+        """Claim UID -> spec file, for every spec file of this driver in the directory."""
+        if not self.dir.is_dir():
+            return {}
+        out = {}
+        for path in self.dir.glob(f"{self.prefix}*.json"):
+            out[path.name[len(self.prefix):-len(".json")]] = path
+        return out

@@ -1,0 +1,154 @@
+"""The plugin's crash-safe record of prepared claims.
+
+File layout (JSON), versioned so that an older reader never chokes on a newer writer:
+
+    {"version": 1, "checksum": "<sha256 of canonical data>", "data": {
+        "bootId": "...", "claims": {"<uid>": {"state": "started" | "completed", "namespace": ..,
+        "name": .., "devices": [...], "cdiSpec": {...}}}}}
+
+Readers keep fields they do not know (they stay in the dicts and are written back), and the
+checksum is over canonical JSON of whatever is there, so adding a field never makes an old file
+"corrupt". A checkpoint written during another boot is discarded: CDI specs under /var/run and
+device state do not survive a reboot, and the kubelet prepares the claims again. A corrupt file is
+moved aside with a log line and the plugin starts clean instead of crash-looping.
+
+Each claim goes through two phases: `started` is written before anything is created for it and
+`completed` after its CDI spec is in place, so a crash in between is rolled back at the next start.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dra_gpu.durable import atomic_write
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+STARTED, COMPLETED = "started", "completed"
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+
+
+def current_boot_id(path: Path = BOOT_ID_FILE) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _checksum(data: dict[str, Any]) -> str:
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
+@dataclass
+class ClaimRecord:
+    uid: str
+    raw: dict[str, Any]  # the stored entry, including fields this version does not know
+
+    @property
+    def state(self) -> str:
+        return str(self.raw.get("state", ""))
+
+    @property
+    def namespace(self) -> str:
+        return str(self.raw.get("namespace", ""))
+
+    @property
+    def name(self) -> str:
+        return str(self.raw.get("name", ""))
+
+    @property
+    def devices(self) -> list[dict[str, Any]]:
+        return list(self.raw.get("devices", []))
+
+    @property
+    def device_names(self) -> set[str]:
+        return {d["deviceName"] for d in self.devices if not d.get("adminAccess")}
+
+    @property
+    def cdi_spec(self) -> dict[str, Any] | None:
+        spec = self.raw.get("cdiSpec")
+        return spec if isinstance(spec, dict) else None
+
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name} (uid {self.uid})"
+
+
+class Checkpoint:
+    """In-memory view of the checkpoint file; every change is written through before returning."""
+
+    def __init__(self, path: Path, boot_id: str | None = None) -> None:
+        self.path = path
+        self.boot_id = boot_id or current_boot_id()
+        self._data: dict[str, Any] = {"bootId": self.boot_id, "claims": {}}
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        try:
+            doc = json.loads(raw)
+            data = doc["data"]
+            if not isinstance(data, dict) or not isinstance(data.get("claims"), dict):
+                raise ValueError("no claims map")
+            if doc.get("checksum") != _checksum(data):
+                raise ValueError("checksum mismatch")
+            if int(doc.get("version", 0)) > FORMAT_VERSION:
+                log.warning("checkpoint written by a newer version=%s path=%s; reading the fields "
+                            "this version knows", doc.get("version"), self.path)
+        except (ValueError, KeyError, TypeError) as exc:
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            self.path.rename(aside)
+            log.error("checkpoint corrupt, moved aside and starting clean path=%s moved_to=%s "
+                      "error=%r", self.path, aside, str(exc))
+            return
+        if data.get("bootId") != self.boot_id:
+            log.warning("checkpoint from another boot discarded path=%s claims=%d", self.path,
+                        len(data["claims"]))
+            self._save()
+            return
+        self._data = data
+
+    def _save(self) -> None:
+        doc = {"version": FORMAT_VERSION, "checksum": _checksum(self._data), "data": self._data}
+        atomic_write(self.path, json.dumps(doc, indent=1).encode())
+
+    def get(self, uid: str) -> ClaimRecord | None:
+        raw = self._data["claims"].get(uid)
+        return ClaimRecord(uid, copy.deepcopy(raw)) if raw is not None else None
+
+    def records(self) -> list[ClaimRecord]:
+        return [ClaimRecord(uid, copy.deepcopy(raw)) for uid, raw in self._data["claims"].items()]
+
+    def put(self, uid: str, entry: dict[str, Any]) -> None:
+        old = self._data["claims"].get(uid)
+        self._data["claims"][uid] = copy.deepcopy(entry)
+        try:
+            self._save()
+        except BaseException:
+            if old is None:
+                self._data["claims"].pop(uid, None)
+            else:
+                self._data["claims"][uid] = old
+            raise
+
+    def remove(self, uid: str) -> bool:
+        old = self._data["claims"].pop(uid, None)
+        if old is None:
+            return False
+        try:
+            self._save()
+        except BaseException:
+            self._data["claims"][uid] = old
+            raise
+        return True

@@ -1,0 +1,115 @@
+"""The character devices a container needs for a GPU or MIG device, and their simulation.
+
+On a real node `dev_root` is "/" and the NVIDIA driver made the nodes. On a simulated node the
+plugin makes real character devices with mknod under `<dev_root>/dev` (and the MIG capability
+files the driver would expose under `<dev_root>/proc`), so the runtime injects something real.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from pathlib import Path
+
+from dra_gpu.model import Gpu, Inventory, MigDevice
+from dra_gpu.plugin.cdi import DeviceNode
+
+log = logging.getLogger(__name__)
+
+NVIDIA_MAJOR = 195
+NVIDIACTL_MINOR = 255
+# The uvm and caps majors are assigned dynamically by the kernel; these are for simulation only.
+SIM_UVM_MAJOR = 509
+SIM_CAPS_MAJOR = 508
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+_MINOR_LINE = re.compile(r"DeviceFileMinor:\s*(\d+)")
+
+
+class DeviceNodeError(RuntimeError):
+    pass
+
+
+class DeviceNodes:
+    """Maps devices to their nodes under a dev root and checks that the host nodes exist."""
+
+    def __init__(self, dev_root: Path) -> None:
+        self.root = dev_root
+
+    def host(self, container_path: str) -> str:
+        return str(self.root / container_path.lstrip("/"))
+
+    def node(self, container_path: str) -> DeviceNode:
+        return DeviceNode(path=container_path, host_path=self.host(container_path))
+
+    def control(self) -> list[DeviceNode]:
+        return [self.node(p) for p in CONTROL_NODES]
+
+    def gpu(self, gpu: Gpu) -> list[DeviceNode]:
+        return [self.node(f"/dev/nvidia{gpu.minor}")]
+
+    def mig(self, gpu: Gpu, mig: MigDevice) -> list[DeviceNode]:
+        """The parent's node plus the GI and CI capability nodes the driver lists in /proc."""
+        caps = self.root / "proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
+        nodes = self.gpu(gpu)
+        for access in (caps / f"gi{mig.gpu_instance_id}" / "access",
+                       caps / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access"):
+            try:
+                match = _MINOR_LINE.search(access.read_text())
+            except OSError as exc:
+                raise DeviceNodeError(f"MIG device {mig.uuid}: cannot read {access}: {exc}") from exc
+            if not match:
+                raise DeviceNodeError(f"MIG device {mig.uuid}: no DeviceFileMinor in {access}")
+            nodes.append(self.node(f"/dev/nvidia-caps/nvidia-cap{match.group(1)}"))
+        return nodes
+
+    def verify(self, nodes: list[DeviceNode]) -> None:
+        """Fail unless every host node is a character device (never hand out an empty spec)."""
+        for n in nodes:
+            try:
+                mode = os.stat(n.host_path).st_mode
+            except OSError as exc:
+                raise DeviceNodeError(f"device node {n.host_path} is missing: {exc.strerror}") from exc
+            if not stat.S_ISCHR(mode):
+                raise DeviceNodeError(f"device node {n.host_path} is not a character device")
+
+
+def _mknod(path: Path, major: int, minor: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    want = os.makedev(major, minor)
+    try:
+        st = os.stat(path)
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
+            return
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    os.mknod(path, 0o666 | stat.S_IFCHR, want)
+
+
+def create_simulated(inventory: Inventory, dev_root: Path) -> int:
+    """Make the nodes (and MIG capability files) of a simulated node; returns how many nodes."""
+    dev = dev_root / "dev"
+    count = 0
+    _mknod(dev / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
+    _mknod(dev / "nvidia-uvm", SIM_UVM_MAJOR, 0)
+    _mknod(dev / "nvidia-uvm-tools", SIM_UVM_MAJOR, 1)
+    count += 3
+    cap_minor = 1
+    for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
+        _mknod(dev / f"nvidia{gpu.minor}", NVIDIA_MAJOR, gpu.minor)
+        count += 1
+        for mig in gpu.mig_devices:
+            base = dev_root / "proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
+            for access in (base / f"gi{mig.gpu_instance_id}" / "access",
+                           base / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access"):
+                access.parent.mkdir(parents=True, exist_ok=True)
+                access.write_text(f"DeviceFileMinor: {cap_minor}\nDeviceFileMode: 292\n"
+                                  "DeviceFileModify: 1\n")
+                _mknod(dev / "nvidia-caps" / f"nvidia-cap{cap_minor}", SIM_CAPS_MAJOR, cap_minor)
+                cap_minor += 1
+                count += 1
+    log.info("simulated device nodes ready dev_root=%s nodes=%d", dev_root, count)
+    return count

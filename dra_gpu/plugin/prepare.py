@@ -1,0 +1,288 @@
+"""Prepare and unprepare claims: allocation -> devices -> CDI spec, recorded in the checkpoint.
+
+Calls for different claims run concurrently; calls for one claim are serialized by a per-claim
+lock. Checks that look across claims (a device held by another claim) and checkpoint writes run
+under one state lock, so two claims can never both be prepared with the same device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dra_gpu.api import ConfigError, GpuConfig, decode
+from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
+from dra_gpu.model import Gpu, Inventory, MigDevice
+from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
+from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
+from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
+
+log = logging.getLogger(__name__)
+
+
+class PrepareError(RuntimeError):
+    """A claim that cannot be prepared (or unprepared); the message goes back to the kubelet."""
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    uid: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} (uid {self.uid})"
+
+
+class ClaimSource(Protocol):
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    request_names: list[str]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: list[str]
+    share_id: str | None = None
+    admin_access: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"requestNames": self.request_names, "poolName": self.pool_name,
+                             "deviceName": self.device_name, "cdiDeviceIds": self.cdi_device_ids}
+        if self.share_id is not None:
+            d["shareId"] = self.share_id
+        if self.admin_access:
+            d["adminAccess"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PreparedDevice:
+        return cls(request_names=list(d.get("requestNames", [])), pool_name=d["poolName"],
+                   device_name=d["deviceName"], cdi_device_ids=list(d.get("cdiDeviceIds", [])),
+                   share_id=d.get("shareId"), admin_access=bool(d.get("adminAccess", False)))
+
+
+def _config_kind_for(mig: MigDevice | None) -> str:
+    return "MigDeviceConfig" if mig is not None else "GpuConfig"
+
+
+class Preparer:
+    def __init__(self, driver: str, node_name: str, inventory: Inventory, checkpoint: Checkpoint,
+                 cdi: CdiSpecs, nodes: DeviceNodes, claims: ClaimSource) -> None:
+        self.driver = driver
+        self.node_name = node_name
+        self.checkpoint = checkpoint
+        self.cdi = cdi
+        self.nodes = nodes
+        self.claims = claims
+        self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
+        for gpu in inventory.gpus:
+            if not gpu.mig_enabled:
+                self.devices[gpu.device_name] = (gpu, None)
+            for mig in gpu.mig_devices:
+                self.devices[gpu.mig_device_name(mig)] = (gpu, mig)
+        self._claim_locks: dict[str, asyncio.Lock] = {}
+        self._state_lock = asyncio.Lock()
+        self._gone_since: dict[str, float] = {}
+
+    def _lock(self, uid: str) -> asyncio.Lock:
+        return self._claim_locks.setdefault(uid, asyncio.Lock())
+
+    def prepared_device_count(self) -> int:
+        return sum(len(r.devices) for r in self.checkpoint.records() if r.state == COMPLETED)
+
+    # -- prepare -------------------------------------------------------------------------------
+
+    async def prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
+        async with self._lock(ref.uid):
+            record = self.checkpoint.get(ref.uid)
+            if record is not None and record.state == COMPLETED:
+                return [PreparedDevice.from_dict(d) for d in record.devices]  # idempotent: no writes
+            claim = await self.claims.get_claim(ref.namespace, ref.name)
+            if claim is None:
+                raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
+            uid = claim.get("metadata", {}).get("uid")
+            if uid != ref.uid:
+                raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
+                                   f"uid is {uid}, the kubelet asked for {ref.uid}")
+            devices, spec = self._plan(ref, claim)
+            async with self._state_lock:
+                if record is not None and record.state == STARTED:
+                    await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
+                self._check_conflicts(ref, devices)
+                entry = {"state": STARTED, "namespace": ref.namespace, "name": ref.name,
+                         "devices": [d.to_dict() for d in devices], "cdiSpec": spec}
+                await asyncio.to_thread(self.checkpoint.put, ref.uid, entry)
+            try:
+                await asyncio.to_thread(self.cdi.write, ref.uid, spec)
+                async with self._state_lock:
+                    await asyncio.to_thread(self.checkpoint.put, ref.uid, {**entry, "state": COMPLETED})
+            except BaseException as exc:
+                await self._roll_back(ref.uid)
+                if isinstance(exc, OSError):
+                    raise PrepareError(f"claim {ref}: cannot write CDI spec: {exc}") from exc
+                raise
+            log.info("claim prepared claim=%s/%s uid=%s devices=%s", ref.namespace, ref.name,
+                     ref.uid, ",".join(d.device_name for d in devices))
+            return devices
+
+    async def _roll_back(self, uid: str) -> None:
+        async with self._state_lock:
+            await asyncio.to_thread(self.cdi.remove, uid)
+            await asyncio.to_thread(self.checkpoint.remove, uid)
+
+    def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice]) -> None:
+        mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}
+        for other in self.checkpoint.records():
+            if other.uid == ref.uid:
+                continue
+            clash = mine & other.device_names
+            if clash:
+                raise PrepareError(
+                    f"claim {ref}: device {sorted(clash)[0]} is already prepared for claim "
+                    f"{other.ref()}; refusing to hand it to two claims")
+
+    def _plan(self, ref: ClaimRef, claim: dict[str, Any]) -> tuple[list[PreparedDevice], dict[str, Any]]:
+        """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
+        allocation = (claim.get("status") or {}).get("allocation")
+        if not allocation:
+            raise PrepareError(f"claim {ref} is not allocated")
+        results = [r for r in allocation.get("devices", {}).get("results") or []
+                   if r.get("driver") == self.driver]
+        if not results:
+            raise PrepareError(f"claim {ref}: its allocation has no devices of driver {self.driver}")
+        configs = self._configs(ref, allocation)
+        prepared: list[PreparedDevice] = []
+        cdi_devices: dict[str, CdiDevice] = {}
+        uuids: list[str] = []
+        for i, result in enumerate(results):
+            request, device = str(result.get("request", "")), str(result.get("device", ""))
+            where = f"claim {ref}: status.allocation.devices.results[{i}]"
+            if result.get("pool") != self.node_name:
+                raise PrepareError(f"{where}: device {result.get('pool')}/{device} is not on this "
+                                   f"node ({self.node_name})")
+            if device not in self.devices:
+                raise PrepareError(f"{where}: device {device} is not published by this node")
+            gpu, mig = self.devices[device]
+            config = self._config_for(where, request, mig, configs)
+            if device not in cdi_devices:
+                try:
+                    nodes = self.nodes.mig(gpu, mig) if mig is not None else self.nodes.gpu(gpu)
+                    self.nodes.verify(nodes)
+                except DeviceNodeError as exc:
+                    raise PrepareError(f"{where}: {exc}") from exc
+                uuid = mig.uuid if mig is not None else gpu.uuid
+                uuids.append(uuid)
+                cdi_devices[device] = CdiDevice(name=device, device_nodes=nodes,
+                                                env=config.container_env([uuid]))
+            share_id = result.get("shareID")
+            prepared.append(PreparedDevice(
+                request_names=[request.split("/", 1)[0]], pool_name=self.node_name,
+                device_name=device, cdi_device_ids=[self.cdi.device_id(ref.uid, device)],
+                share_id=str(share_id) if share_id else None,
+                admin_access=bool(result.get("adminAccess", False))))
+        control = self.nodes.control()
+        try:
+            self.nodes.verify(control)
+        except DeviceNodeError as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from exc
+        spec = self.cdi.build(ref.uid, list(cdi_devices.values()), control,
+                              {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)})
+        return prepared, spec
+
+    def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
+        """This driver's configs, class configs before claim configs: (requests, config, where)."""
+        entries = list(enumerate(allocation.get("devices", {}).get("config") or []))
+        entries.sort(key=lambda e: 0 if e[1].get("source") == "FromClass" else 1)
+        out = []
+        for i, entry in entries:
+            opaque = entry.get("opaque")
+            if not opaque or opaque.get("driver") != self.driver:
+                continue
+            where = f"status.allocation.devices.config[{i}].opaque.parameters"
+            try:
+                config = decode(opaque.get("parameters"))
+            except ConfigError as exc:
+                path = f"{where}.{exc.path}" if exc.path else where
+                raise PrepareError(f"claim {ref}: {path}: {exc.message}") from exc
+            out.append((list(entry.get("requests") or []), config, where))
+        return out
+
+    def _config_for(self, where: str, request: str, mig: MigDevice | None,
+                    configs: list[tuple[list[str], GpuConfig, str]]) -> GpuConfig:
+        """The last config naming this request (or naming none) wins; kinds must match."""
+        base = request.split("/", 1)[0]
+        kind = _config_kind_for(mig)
+        chosen = DEFAULT_MIG_CONFIG if mig is not None else DEFAULT_GPU_CONFIG
+        for requests, config, cwhere in configs:
+            named = request in requests or base in requests
+            if requests and not named:
+                continue
+            if config.kind != kind:
+                if named:
+                    raise PrepareError(f"{where}: {cwhere}.kind: {config.kind} cannot configure "
+                                       f"a {'MIG device' if mig else 'whole GPU'} (use {kind})")
+                continue
+            chosen = config
+        return chosen
+
+    # -- unprepare -----------------------------------------------------------------------------
+
+    async def unprepare(self, ref: ClaimRef) -> None:
+        async with self._lock(ref.uid):
+            if self.checkpoint.get(ref.uid) is None:
+                return  # unknown claims succeed: the kubelet may repeat itself
+            try:
+                await self._roll_back(ref.uid)
+            except OSError as exc:
+                raise PrepareError(f"claim {ref}: cannot remove its CDI spec or record: {exc}") from exc
+            log.info("claim unprepared claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
+
+    # -- start-up reconciliation and the stale-claim sweeper -----------------------------------
+
+    def reconcile(self) -> dict[str, int]:
+        """Make the CDI directory agree with the checkpoint (run before serving)."""
+        counts = {"rolledBack": 0, "rebuilt": 0, "removed": 0}
+        records = {r.uid: r for r in self.checkpoint.records()}
+        for rec in records.values():
+            if rec.state != COMPLETED:
+                self.cdi.remove(rec.uid)
+                self.checkpoint.remove(rec.uid)
+                counts["rolledBack"] += 1
+                log.warning("claim left half-prepared, rolled back claim=%s", rec.ref())
+            elif rec.cdi_spec is not None and self.cdi.read(rec.uid) != rec.cdi_spec:
+                self.cdi.write(rec.uid, rec.cdi_spec)
+                counts["rebuilt"] += 1
+                log.warning("CDI spec of a prepared claim rebuilt claim=%s", rec.ref())
+        for uid in self.cdi.owned():
+            owner = records.get(uid)
+            if (owner is None or owner.state != COMPLETED) and self.cdi.remove(uid):
+                counts["removed"] += 1
+                log.warning("CDI spec owned by no claim removed uid=%s", uid)
+        return counts
+
+    async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic,
+                    on_unprepare: Callable[[ClaimRef], Awaitable[None]] | None = None) -> list[ClaimRef]:
+        """Unprepare claims whose ResourceClaim has been gone (or replaced) for `grace_seconds`."""
+        swept = []
+        for rec in self.checkpoint.records():
+            if rec.state != COMPLETED:
+                continue
+            claim = await self.claims.get_claim(rec.namespace, rec.name)
+            gone = claim is None or claim.get("metadata", {}).get("uid") != rec.uid
+            if not gone:
+                self._gone_since.pop(rec.uid, None)
+                continue
+            first = self._gone_since.setdefault(rec.uid, now())
+            if now() - first >= grace_seconds:
+                ref = ClaimRef(rec.namespace, rec.uid, rec.name)
+                await (on_unprepare or self.unprepare)(ref)
+                self._gone_since.pop(rec.uid, None)
+                log.warning("stale claim unprepared by the sweeper claim=%s", ref)
+                swept.append(ref)
+        return swept

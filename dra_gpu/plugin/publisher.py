@@ -1,0 +1,151 @@
+"""Keeps this node's ResourceSlices true for as long as the plugin runs.
+
+The kubelet deletes a node's slices when it starts and 30 s after a plugin disconnects, and an
+operator may edit them, so publishing once is not enough: the publisher watches this node's
+slices of this driver and re-applies (server-side apply, field manager = driver name) whatever
+was deleted or changed. The pool generation is kept while the devices stay the same and bumped
+when they change. Fields the apiserver silently drops (a feature gate off) are logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from dra_gpu.kube import Kube, KubeError
+from dra_gpu.plugin.metrics import PluginMetrics
+
+log = logging.getLogger(__name__)
+
+WATCH_SECONDS = 60
+MAX_BACKOFF = 10.0
+
+
+def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
+    """Paths of fields in `want` that `have` lacks or holds differently (defaults in `have` are fine)."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return [path or "."]
+        out = []
+        for key, value in want.items():
+            sub = f"{path}.{key}" if path else key
+            if key not in have:
+                out.append(sub)
+            else:
+                out += missing_fields(value, have[key], sub)
+        return out
+    if isinstance(want, list):
+        if not isinstance(have, list) or len(have) != len(want):
+            return [path]
+        out = []
+        for i, (w, h) in enumerate(zip(want, have, strict=True)):
+            out += missing_fields(w, h, f"{path}[{i}]")
+        return out
+    return [] if want == have else [path]
+
+
+class SlicePublisher:
+    def __init__(self, kube: Kube, driver: str, node_name: str,
+                 build: Callable[[int], list[dict[str, Any]]], metrics: PluginMetrics) -> None:
+        self.kube = kube
+        self.driver = driver
+        self.node = node_name
+        self.build = build
+        self.metrics = metrics
+        self.selector = f"spec.nodeName={node_name},spec.driver={driver}"
+        self.generation = 0
+        self.desired: dict[str, dict[str, Any]] = {}
+        self._dropped_logged: set[str] = set()
+        self.synced = asyncio.Event()
+
+    def device_names(self) -> list[str]:
+        return [d["name"] for s in self.desired.values() for d in s["spec"]["devices"]]
+
+    def _covers(self, stored: dict[str, Any]) -> bool:
+        want = self.desired.get(stored["metadata"]["name"])
+        return want is not None and not missing_fields(want["spec"], stored.get("spec", {}))
+
+    async def start(self, timeout: float = 120.0) -> None:
+        """First publication: keep the stored generation when nothing changed, else bump it."""
+        async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=0.2, max=MAX_BACKOFF), stop=stop_after_delay(timeout),
+                retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
+                reraise=True):
+            with attempt:
+                existing, _ = await self.kube.list_slices(self.selector)
+                stored_gen = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing),
+                                 default=0)
+                self.generation = max(stored_gen, 1)
+                self.desired = {s["metadata"]["name"]: s for s in self.build(self.generation)}
+                unchanged = existing and len(existing) == len(self.desired) and all(
+                    self._covers(s) for s in existing)
+                if existing and not unchanged:
+                    self.generation = stored_gen + 1
+                    self.desired = {s["metadata"]["name"]: s for s in self.build(self.generation)}
+                await self.sync(existing)
+        log.info("slices published node=%s generation=%d slices=%d devices=%d", self.node,
+                 self.generation, len(self.desired), len(self.device_names()))
+
+    async def republish(self) -> None:
+        """The inventory changed: new generation on every slice."""
+        self.generation += 1
+        self.desired = {s["metadata"]["name"]: s for s in self.build(self.generation)}
+        existing, _ = await self.kube.list_slices(self.selector)
+        await self.sync(existing)
+
+    async def sync(self, existing: list[dict[str, Any]]) -> int:
+        """Apply what is missing or differs, delete what is not desired; returns slices applied."""
+        by_name = {s["metadata"]["name"]: s for s in existing}
+        applied = 0
+        for name, body in self.desired.items():
+            current = by_name.get(name)
+            if current is not None and self._covers(current):
+                continue
+            stored = await self.kube.apply_slice(body, field_manager=self.driver)
+            applied += 1
+            self._check_dropped(body, stored)
+        for name in by_name.keys() - self.desired.keys():
+            await self.kube.delete_slice(name)
+            log.info("stale slice deleted name=%s", name)
+        self.metrics.published_devices.set(len(self.device_names()))
+        self.synced.set()
+        return applied
+
+    def _check_dropped(self, sent: dict[str, Any], stored: dict[str, Any]) -> None:
+        for path in missing_fields(sent["spec"], stored.get("spec", {})):
+            key = path.split("[")[0] + path.split("]")[-1] if "[" in path else path
+            if key not in self._dropped_logged:
+                self._dropped_logged.add(key)
+                log.error("apiserver dropped a field of ResourceSlice %s: spec.%s; is the feature "
+                          "gate for it off?", sent["metadata"]["name"], path)
+
+    async def run(self) -> None:
+        """Watch and restore until cancelled; lists again after each watch ends or fails."""
+        failures = 0
+        while True:
+            try:
+                existing, version = await self.kube.list_slices(self.selector)
+                if await self.sync(existing):
+                    self.metrics.slice_restores.inc()
+                    log.warning("slices restored node=%s", self.node)
+                failures = 0
+                async for kind, obj in self.kube.watch_slices(self.selector, version, WATCH_SECONDS):
+                    if kind == "ERROR":
+                        break
+                    if kind == "BOOKMARK":
+                        continue
+                    if kind == "DELETED" or not self._covers(obj):
+                        log.warning("slice %s by someone else: restoring name=%s",
+                                    kind.lower(), obj["metadata"]["name"])
+                        break  # list + sync at the top of the loop
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                delay = min(MAX_BACKOFF, 0.2 * 2 ** failures)
+                log.warning("slice watch failed, retrying in %.1fs error=%r", delay, str(exc))
+                await asyncio.sleep(delay)

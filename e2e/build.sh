@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Build (once) and cache the upstream programs the e2e cluster runs.
+#
+#   e2e/build.sh [all|kubernetes|etcd|containerd|debs]
+#
+# Binaries land under ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/,
+# keyed by the pinned version below; a component is rebuilt only when its pin changes
+# (or its directory lacks the .complete marker). The Go workspaces (a generated go.mod per
+# component) live under .../src/, never in the repo. GOMODCACHE/GOCACHE are Go's defaults.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=versions.sh
+source "$HERE/versions.sh"
+
+CACHE="${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}"
+GO_P="${E2E_GO_P:-2}"
+export CGO_ENABLED=0
+export GOFLAGS="${GOFLAGS:--buildvcs=false}"
+
+log() { printf '[build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# ---------------------------------------------------------------------------- Debian bits
+debs() {
+  local missing=()
+  command -v runc >/dev/null || missing+=(runc)
+  dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \
+    || missing+=(busybox-static)
+  command -v openssl >/dev/null || missing+=(openssl)
+  command -v iptables >/dev/null || missing+=(iptables)
+  command -v mount >/dev/null || missing+=(mount)
+  command -v conntrack >/dev/null || missing+=(conntrack)
+  [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1 || {
+      apt-get update >/dev/null && apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
+  fi
+}
+
+# ---------------------------------------------------------------------------- helpers
+done_marker() { [ -f "$1/.complete" ]; }
+
+new_workspace() { # dir modname
+  rm -rf "$1" && mkdir -p "$1"
+  (cd "$1" && go mod init "$2" >/dev/null 2>&1)
+}
+
+timed() { # name cmd...
+  local t0=$SECONDS
+  "${@:2}"
+  log "$1 built in $((SECONDS - t0)) s"
+}
+
+# ---------------------------------------------------------------------------- kubernetes
+build_kubernetes() {
+  local out="$CACHE/bin/kubernetes-$K8S_VERSION"
+  if done_marker "$out"; then log "kubernetes $K8S_VERSION cached in $out"; return; fi
+  local ws="$CACHE/src/kubernetes-$K8S_VERSION"
+  new_workspace "$ws" e2e.local/kubebuild
+  cd "$ws"
+  log "fetching k8s.io/kubernetes@$K8S_VERSION"
+  go mod download k8s.io/kubernetes@"$K8S_VERSION"
+  local kdir; kdir="$(go env GOMODCACHE)/k8s.io/kubernetes@$K8S_VERSION"
+  local stagever="v0.${K8S_VERSION#v1.}"
+  # Every staging module the release replaces with ./staging/src/... is pinned to v0.<minor>.<patch>.
+  local edits=(-require="k8s.io/kubernetes@$K8S_VERSION")
+  local m
+  for m in $(awk '/=> \.\/staging\/src\//{print $1}' "$kdir/go.mod"); do
+    edits+=(-replace="$m=$m@$stagever")
+  done
+  go mod edit "${edits[@]}"
+  cat >tools.go <<EOF
+//go:build tools
+
+package tools
+
+import (
+$(for p in "${K8S_PKGS[@]}"; do echo "	_ \"$p\""; done)
+)
+EOF
+  log "resolving kubernetes module graph"
+  go mod tidy >tidy.log 2>&1 || { tail -30 tidy.log >&2; return 1; }
+  local vpkg ld="-s -w"
+  for vpkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+    ld+=" -X '$vpkg.gitVersion=$K8S_VERSION' -X '$vpkg.gitMajor=1'"
+    ld+=" -X '$vpkg.gitMinor=$(echo "$K8S_VERSION" | cut -d. -f2)'"
+    ld+=" -X '$vpkg.gitTreeState=clean' -X '$vpkg.buildDate=1970-01-01T00:00:00Z'"
+  done
+  mkdir -p "$out.tmp"
+  log "go build -p $GO_P ${#K8S_PKGS[@]} kubernetes programs (one invocation)"
+  timed kubernetes go build -p "$GO_P" -trimpath -ldflags="$ld" -o "$out.tmp/" "${K8S_PKGS[@]}"
+  # test/e2e/dra/test-driver builds as "test-driver"; give it a clearer name.
+  [ -f "$out.tmp/test-driver" ] && mv "$out.tmp/test-driver" "$out.tmp/dra-test-driver"
+  touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+# ---------------------------------------------------------------------------- etcd
+build_etcd() {
+  local out="$CACHE/bin/etcd-$ETCD_VERSION"
+  if done_marker "$out"; then log "etcd $ETCD_VERSION cached in $out"; return; fi
+  local ws="$CACHE/src/etcd-$ETCD_VERSION"
+  new_workspace "$ws" e2e.local/etcdbuild
+  cd "$ws"
+  go mod edit -require="go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' >tools.go
+  go mod tidy >tidy.log 2>&1 || { tail -30 tidy.log >&2; return 1; }
+  mkdir -p "$out.tmp"
+  timed etcd go build -p "$GO_P" -trimpath -ldflags="-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3
+  touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+# ---------------------------------------------------------------------------- containerd
+build_containerd() {
+  local out="$CACHE/bin/containerd-$CONTAINERD_VERSION"
+  if done_marker "$out"; then log "containerd $CONTAINERD_VERSION cached in $out"; return; fi
+  local ws="$CACHE/src/containerd-$CONTAINERD_VERSION"
+  new_workspace "$ws" e2e.local/ctrdbuild
+  cd "$ws"
+  local mod=github.com/containerd/containerd/v2
+  go mod edit -require="$mod@$CONTAINERD_VERSION"
+  local pkgs=("$mod/cmd/containerd" "$mod/cmd/ctr" "$mod/cmd/containerd-shim-runc-v2")
+  { printf '//go:build tools\n\npackage tools\n\nimport (\n'
+    for p in "${pkgs[@]}"; do printf '\t_ "%s"\n' "$p"; done; printf ')\n'; } >tools.go
+  go mod tidy >tidy.log 2>&1 || { tail -30 tidy.log >&2; return 1; }
+  mkdir -p "$out.tmp"
+  local ld="-s -w -X '$mod/version.Version=$CONTAINERD_VERSION' -X '$mod/version.Revision=module'"
+  timed containerd go build -p "$GO_P" -trimpath -tags "no_btrfs no_devmapper no_zfs urfave_cli_no_docs" \
+    -ldflags="$ld" -o "$out.tmp/" "${pkgs[@]}"
+  touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+main() {
+  local what="${1:-all}" t0=$SECONDS
+  mkdir -p "$CACHE/bin" "$CACHE/src"
+  case "$what" in
+    all) debs; (build_kubernetes); (build_etcd); (build_containerd) ;;
+    kubernetes) (build_kubernetes) ;;
+    etcd) (build_etcd) ;;
+    containerd) (build_containerd) ;;
+    debs) debs ;;
+    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs]" >&2; exit 2 ;;
+  esac
+  log "done ($what) in $((SECONDS - t0)) s; binaries under $CACHE/bin"
+}
+
+main "$@"

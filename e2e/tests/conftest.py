@@ -1,0 +1,161 @@
+"""Session fixtures for the e2e tier (pytest -m e2e e2e/tests).
+
+Target cluster:
+- KUBECONFIG set: that cluster is used as it is (kind, or `eval "$(e2e/cluster env)"`), and left
+  running.
+- otherwise the local cluster from e2e/cluster: reused when it already runs (and left running),
+  else brought up once for the session (root needed) and brought down at its end.
+"""
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = os.path.join(E2E_DIR, "cluster")
+MANIFESTS = os.path.join(E2E_DIR, "manifests")
+
+BUSYBOX_IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
+PEER_DRIVER = os.environ.get("DRA_GPU_E2E_PEER_DRIVER_NAME", "gpu.example.com")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "e2e: end-to-end test against a real Kubernetes cluster")
+
+
+def _cluster(*args, check=True):
+    return subprocess.run([sys.executable, CLUSTER, *args], check=check, text=True,
+                          capture_output=True)
+
+
+def _cluster_env():
+    out = _cluster("env").stdout
+    env = {}
+    for line in out.splitlines():
+        k, v = line[len("export "):].split("=", 1)
+        env[k] = v.strip('"')
+    return env
+
+
+class Target:
+    """What the tests run against."""
+
+    def __init__(self, kubeconfig, local):
+        self.kubeconfig = kubeconfig
+        self.local = local  # our e2e/cluster (host-process peer driver possible)
+
+
+@pytest.fixture(scope="session")
+def target():
+    started = False
+    if os.environ.get("KUBECONFIG"):
+        t = Target(os.environ["KUBECONFIG"], local=False)
+    else:
+        if _cluster("status", check=False).returncode != 0:
+            if os.geteuid() != 0:
+                pytest.skip("no KUBECONFIG and not root: cannot start the local e2e cluster")
+            t0 = time.time()
+            r = subprocess.run([sys.executable, CLUSTER, "up"], text=True)
+            if r.returncode != 0:
+                pytest.fail("e2e/cluster up failed (see its output above)")
+            started = True
+            print("\n[e2e] cluster up in %.1f s" % (time.time() - t0), file=sys.stderr)
+        t = Target(_cluster_env()["KUBECONFIG"], local=True)
+    yield t
+    if started and os.environ.get("DRA_GPU_E2E_KEEP") != "1":
+        subprocess.run([sys.executable, CLUSTER, "down"], text=True)
+
+
+@pytest.fixture(scope="session")
+def api_client(target):
+    try:
+        import kubernetes  # noqa: F401
+    except ImportError:
+        pytest.fail("the e2e tier needs the `kubernetes` Python package (pip install kubernetes)")
+    from kubernetes import client, config
+    return config.new_client_from_config(config_file=target.kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def core(api_client):
+    from kubernetes import client
+    return client.CoreV1Api(api_client)
+
+
+@pytest.fixture(scope="session")
+def dyn(api_client):
+    from kubernetes import dynamic
+    return dynamic.DynamicClient(api_client)
+
+
+@pytest.fixture
+def namespace(core):
+    from kubernetes import client
+    name = "e2e-" + uuid.uuid4().hex[:8]
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    # The service-account controller creates "default"; pods cannot be created before it.
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if any(sa.metadata.name == "default"
+               for sa in core.list_namespaced_service_account(name).items):
+            break
+        time.sleep(0.2)
+    yield name
+    core.delete_namespace(name, grace_period_seconds=0)
+
+
+@pytest.fixture(scope="session")
+def busybox_image():
+    return BUSYBOX_IMAGE
+
+
+@pytest.fixture(scope="session")
+def wait_pod():
+    return wait_pod_done
+
+
+def wait_pod_done(core, ns, name, timeout=90):
+    """Wait for a pod to finish; returns its phase. Fails with its status on timeout."""
+    deadline = time.time() + timeout
+    pod = None
+    while time.time() < deadline:
+        pod = core.read_namespaced_pod(name, ns)
+        if pod.status.phase in ("Succeeded", "Failed"):
+            return pod.status.phase
+        time.sleep(0.5)
+    events = core.list_namespaced_event(ns, field_selector="involvedObject.name=" + name)
+    raise AssertionError("pod %s/%s not done after %d s: %s\nevents:\n%s" % (
+        ns, name, timeout, pod.status if pod else None,
+        "\n".join("%s %s: %s" % (e.type, e.reason, e.message) for e in events.items)))
+
+
+@pytest.fixture(scope="session")
+def peer_driver(target, dyn):
+    """Upstream's DRA test driver as a host-process kubelet plugin named gpu.example.com.
+
+    Local cluster: started here (and stopped at the end). Elsewhere (kind) only if
+    DRA_GPU_E2E_PEER_DRIVER=external says it was deployed; otherwise the test is skipped."""
+    started = False
+    if target.local:
+        r = _cluster("peer-driver", "start", check=False)
+        if r.returncode != 0:
+            pytest.fail("peer driver did not start:\n" + r.stderr)
+        started = "already running" not in r.stderr
+    elif os.environ.get("DRA_GPU_E2E_PEER_DRIVER") != "external":
+        pytest.skip("peer driver runs only on the local e2e cluster "
+                    "(set DRA_GPU_E2E_PEER_DRIVER=external if it is deployed)")
+    import yaml
+    with open(os.path.join(MANIFESTS, "peer-deviceclass.yaml")) as f:
+        dc = yaml.safe_load(f)
+    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceClass")
+    try:
+        api.create(body=dc)
+    except Exception as e:  # already there from an earlier session
+        if getattr(e, "status", None) != 409:
+            raise
+    yield PEER_DRIVER
+    if started:
+        _cluster("peer-driver", "stop", check=False)

@@ -1,0 +1,17 @@
+# Pinned versions of the upstream programs the e2e cluster runs (sourced by build.sh and cluster).
+# Changing a pin makes build.sh build that component again into a new cache directory.
+K8S_VERSION=v1.37.2
+ETCD_VERSION=v3.6.16
+CONTAINERD_VERSION=v2.2.9
+
+# Programs built from the k8s.io/kubernetes module in one `go build` (packages shared).
+# test/e2e/dra/test-driver is upstream's own DRA test driver (kubelet plugin + CDI), used as the
+# peer driver that proves the DRA path (sigs.k8s.io/dra-example-driver is not served by the proxy).
+K8S_PKGS=(
+  k8s.io/kubernetes/cmd/kube-apiserver
+  k8s.io/kubernetes/cmd/kube-controller-manager
+  k8s.io/kubernetes/cmd/kube-scheduler
+  k8s.io/kubernetes/cmd/kubelet
+  k8s.io/kubernetes/cmd/kubectl
+  k8s.io/kubernetes/test/e2e/dra/test-driver
+)

@@ -1,0 +1,100 @@
+"""A prepared-to-serve plugin core on a simulated node, in a temporary directory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import referencing
+
+from dra_gpu.discovery import discover_node
+from dra_gpu.model import Inventory
+from dra_gpu.plugin.cdi import CdiSpecs
+from dra_gpu.plugin.checkpoint import Checkpoint
+from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
+from dra_gpu.plugin.prepare import Preparer
+
+DRIVER = "gpu.dra-gpu.io"
+NODE = "node-a"
+SCHEMA_DIR = Path(__file__).parents[1] / "data" / "cdi-schema"
+
+
+class ClaimStore(dict[tuple[str, str], dict[str, Any]]):
+    """ResourceClaims as the apiserver would return them, keyed by (namespace, name).
+
+    The prepare logic is exercised here without an apiserver; the same paths run against a real
+    one in e2e/tests.
+    """
+
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        claim = self.get((namespace, name))
+        return json.loads(json.dumps(claim)) if claim is not None else None
+
+
+def claim(uid: str, devices: list[str], name: str | None = None, namespace: str = "default",
+          requests: list[str] | None = None, config: list[dict[str, Any]] | None = None,
+          node: str = NODE, driver: str = DRIVER) -> dict[str, Any]:
+    requests = requests or ["gpu"] * len(devices)
+    return {
+        "metadata": {"name": name or f"claim-{uid[:8]}", "namespace": namespace, "uid": uid},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": r, "driver": driver, "pool": node, "device": d}
+                        for r, d in zip(requests, devices, strict=True)],
+            "config": config or [],
+        }}},
+    }
+
+
+@dataclass
+class PluginCore:
+    root: Path
+    inventory: Inventory
+    claims: ClaimStore
+    checkpoint: Checkpoint
+    cdi: CdiSpecs
+    preparer: Preparer
+
+    def add(self, c: dict[str, Any]) -> None:
+        self.claims[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
+
+    def restart(self) -> PluginCore:
+        """A new plugin process over the same directories (same boot)."""
+        return make_core(self.root, self.inventory, self.claims, boot_id=self.checkpoint.boot_id)
+
+
+def make_core(root: Path, inventory: Inventory, claims: ClaimStore,
+              boot_id: str = "boot-1") -> PluginCore:
+    checkpoint = Checkpoint(root / "plugin" / "checkpoint.json", boot_id=boot_id)
+    cdi = CdiSpecs(root / "cdi", DRIVER)
+    preparer = Preparer(DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"),
+                        claims)
+    return PluginCore(root, inventory, claims, checkpoint, cdi, preparer)
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[PluginCore]:
+    inventory = discover_node(NODE, "dgx-a100-mig")
+    create_simulated(inventory, tmp_path / "devroot")
+    yield make_core(tmp_path, inventory, ClaimStore())
+
+
+def gpu_names(core: PluginCore) -> list[str]:
+    return [g.device_name for g in core.inventory.gpus if not g.mig_enabled]
+
+
+def mig_names(core: PluginCore) -> list[str]:
+    return [g.mig_device_name(m) for g in core.inventory.gpus for m in g.mig_devices]
+
+
+def validate_cdi(spec: dict[str, Any]) -> None:
+    """Validate against the upstream CDI JSON schema (vendored in tests/data/cdi-schema)."""
+    defs = json.loads((SCHEMA_DIR / "defs.json").read_text())
+    schema = json.loads((SCHEMA_DIR / "schema.json").read_text())
+    registry = referencing.Registry().with_resource(
+        "defs.json", referencing.Resource.from_contents(defs, referencing.jsonschema.DRAFT7))
+    jsonschema.Draft7Validator(schema, registry=registry).validate(spec)

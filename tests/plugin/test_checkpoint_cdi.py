@@ -1,0 +1,65 @@
+"""Checkpoint file format and CDI version rules."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from dra_gpu.plugin.cdi import minimum_version
+from dra_gpu.plugin.checkpoint import Checkpoint, _checksum
+
+
+def test_round_trip_and_unknown_fields_survive(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    cp = Checkpoint(path, boot_id="b")
+    cp.put("u1", {"state": "completed", "namespace": "n", "name": "c", "devices": []})
+    # A newer plugin wrote an extra field (and a newer format version): still readable, kept.
+    doc = json.loads(path.read_text())
+    doc["version"] = 7
+    doc["data"]["claims"]["u1"]["mpsDaemon"] = {"id": "x"}
+    doc["data"]["futureTopLevel"] = True
+    doc["checksum"] = _checksum(doc["data"])
+    path.write_text(json.dumps(doc))
+    again = Checkpoint(path, boot_id="b")
+    rec = again.get("u1")
+    assert rec is not None and rec.raw["mpsDaemon"] == {"id": "x"}
+    again.put("u2", {"state": "started", "namespace": "n", "name": "d", "devices": []})
+    third = Checkpoint(path, boot_id="b")
+    assert {r.uid for r in third.records()} == {"u1", "u2"}
+    assert third.get("u1").raw["mpsDaemon"] == {"id": "x"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"version": 1, "data": {"claims": {}}, '
+                                     b'"checksum": "bad"}', b"[]", b""])
+def test_corrupt_checkpoint_is_moved_aside(tmp_path: Path, content: bytes,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(content)
+    with caplog.at_level(logging.ERROR):
+        cp = Checkpoint(path, boot_id="b")
+    assert cp.records() == []
+    aside = list(tmp_path.glob("checkpoint.json.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == content
+    assert "checkpoint corrupt" in caplog.text
+    cp.put("u", {"state": "completed"})  # and it works from a clean slate
+    assert Checkpoint(path, boot_id="b").get("u") is not None
+
+
+def spec(name: str = "gpu-0", **edits: object) -> dict:
+    return {"kind": "k8s.gpu.dra-gpu.io/claim", "devices": [{"name": name, "containerEdits": edits}]}
+
+
+@pytest.mark.parametrize(("s", "version"), [
+    (spec(), "0.3.0"),
+    (spec(mounts=[{"hostPath": "/a", "containerPath": "/b", "type": "bind"}]), "0.4.0"),
+    (spec("0a1b-gpu-0"), "0.5.0"),
+    (spec(deviceNodes=[{"path": "/dev/x", "hostPath": "/sim/dev/x"}]), "0.5.0"),
+    ({**spec(), "annotations": {"a": "b"}}, "0.6.0"),
+    (spec(additionalGids=[44]), "0.7.0"),
+    (spec(netDevices=[{"hostInterfaceName": "eth1", "name": "net1"}]), "1.1.0"),
+])
+def test_minimum_cdi_version(s: dict, version: str) -> None:
+    assert minimum_version(s) == version

@@ -1,0 +1,274 @@
+"""Prepare / unprepare: devices, CDI specs, checkpoint phases, conflicts, configs, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dra_gpu.api import API_VERSION
+from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
+from dra_gpu.plugin.prepare import ClaimRef, PrepareError
+from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, validate_cdi
+
+
+def ref_of(c: dict) -> ClaimRef:
+    m = c["metadata"]
+    return ClaimRef(m["namespace"], m["uid"], m["name"])
+
+
+def uid() -> str:
+    return str(uuid.uuid4())
+
+
+def prepare(core: PluginCore, c: dict):
+    return asyncio.run(core.preparer.prepare(ref_of(c)))
+
+
+def test_prepare_writes_a_valid_cdi_spec_and_a_completed_record(core: PluginCore) -> None:
+    g0, g1 = gpu_names(core)[:2]
+    c = claim(uid(), [g0, g1], requests=["gpus/h100", "gpus/h100"])
+    core.add(c)
+    devices = prepare(core, c)
+    u = c["metadata"]["uid"]
+    assert [d.device_name for d in devices] == [g0, g1]
+    assert all(d.request_names == ["gpus"] for d in devices)  # subrequest suffix stripped
+    assert devices[0].cdi_device_ids == [f"k8s.{DRIVER}/claim={u}-{g0}"]
+    spec = json.loads(core.cdi.path(u).read_text())
+    validate_cdi(spec)
+    assert spec["cdiVersion"] == "0.5.0"  # device names start with the UID; hostPath is used
+    assert spec["kind"] == f"k8s.{DRIVER}/claim"
+    assert [d["name"] for d in spec["devices"]] == [f"{u}-{g0}", f"{u}-{g1}"]
+    gpus = {g.device_name: g for g in core.inventory.gpus}
+    node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
+    assert node["path"] == f"/dev/nvidia{gpus[g0].minor}"
+    assert stat.S_ISCHR(os.stat(node["hostPath"]).st_mode)
+    env = spec["containerEdits"]["env"]
+    assert f"NVIDIA_VISIBLE_DEVICES={gpus[g0].uuid},{gpus[g1].uuid}" in env
+    control = [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
+    assert control == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    rec = core.checkpoint.get(u)
+    assert rec is not None and rec.state == COMPLETED and rec.cdi_spec == spec
+    assert oct(core.cdi.path(u).stat().st_mode & 0o777) == "0o644"
+    assert not list(core.cdi.dir.glob(".*.tmp"))
+
+
+def test_mig_device_gets_parent_and_capability_nodes(core: PluginCore) -> None:
+    name = mig_names(core)[0]
+    c = claim(uid(), [name], requests=["mig"])
+    core.add(c)
+    prepare(core, c)
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    validate_cdi(spec)
+    paths = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
+    assert paths[0] == "/dev/nvidia0"
+    assert len(paths) == 3 and all(p.startswith("/dev/nvidia-caps/nvidia-cap") for p in paths[1:])
+    mig = core.inventory.gpus[0].mig_devices[0]
+    assert f"NVIDIA_VISIBLE_DEVICES={mig.uuid}" in spec["containerEdits"]["env"]
+
+
+def test_prepare_is_idempotent_and_writes_nothing_the_second_time(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    first = prepare(core, c)
+    u = c["metadata"]["uid"]
+    stamps = (core.cdi.path(u).stat().st_mtime_ns, core.checkpoint.path.stat().st_mtime_ns)
+    del core.claims[("default", c["metadata"]["name"])]  # not even a read is needed
+    assert prepare(core, c) == first
+    assert (core.cdi.path(u).stat().st_mtime_ns, core.checkpoint.path.stat().st_mtime_ns) == stamps
+
+
+def test_device_of_another_prepared_claim_is_refused(core: PluginCore) -> None:
+    g = gpu_names(core)[0]
+    a, b = claim(uid(), [g], name="trainer"), claim(uid(), [g], name="intruder")
+    core.add(a)
+    core.add(b)
+    prepare(core, a)
+    with pytest.raises(PrepareError) as err:
+        prepare(core, b)
+    assert "default/intruder" in str(err.value) and "default/trainer" in str(err.value)
+    assert g in str(err.value)
+    assert core.checkpoint.get(b["metadata"]["uid"]) is None
+    assert not core.cdi.path(b["metadata"]["uid"]).exists()
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda c: c["status"].clear(), "is not allocated"),
+    (lambda c: c["metadata"].update(uid="00000000-0000-0000-0000-000000000000"), "got replaced"),
+    (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(pool="node-b"),
+     r"is not on this node \(node-a\)"),
+    (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(device="gpu-9999"),
+     "device gpu-9999 is not published by this node"),
+    (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(driver="other.io"),
+     "has no devices of driver gpu.dra-gpu.io"),
+])
+def test_bad_claims_are_refused_with_a_reason(core: PluginCore, mutate, message: str) -> None:
+    c = claim(uid(), gpu_names(core)[:1])
+    ref = ref_of(c)
+    mutate(c)
+    core.add(c)
+    with pytest.raises(PrepareError, match=message):
+        asyncio.run(core.preparer.prepare(ref))
+    assert core.checkpoint.records() == []
+
+
+def test_missing_claim_is_refused(core: PluginCore) -> None:
+    with pytest.raises(PrepareError, match="default/ghost not found"):
+        asyncio.run(core.preparer.prepare(ClaimRef("default", uid(), "ghost")))
+
+
+def mps(pct: int) -> dict:
+    return {"apiVersion": API_VERSION, "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": pct}}}
+
+
+def test_config_precedence_class_then_claim_last_wins(core: PluginCore) -> None:
+    g0, g1 = gpu_names(core)[:2]
+    config = [
+        {"source": "FromClaim", "requests": ["b"], "opaque": {"driver": DRIVER, "parameters": mps(30)}},
+        {"source": "FromClass", "requests": [], "opaque": {"driver": DRIVER, "parameters": mps(10)}},
+        {"source": "FromClaim", "requests": [], "opaque": {"driver": "other.io", "parameters": {}}},
+    ]
+    c = claim(uid(), [g0, g1], requests=["a", "b"], config=config)
+    core.add(c)
+    prepare(core, c)
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    envs = [d["containerEdits"]["env"] for d in spec["devices"]]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10" in envs[0]  # the class default
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30" in envs[1]  # the claim's, for request b
+
+
+def test_invalid_config_names_the_field_path(core: PluginCore) -> None:
+    config = [{"source": "FromClaim", "requests": [],
+               "opaque": {"driver": DRIVER, "parameters": mps(150)}}]
+    c = claim(uid(), gpu_names(core)[:1], config=config)
+    core.add(c)
+    with pytest.raises(PrepareError, match=r"config\[0\].opaque.parameters.sharing.mps."
+                                           r"defaultActiveThreadPercentage: must be between 1 and 100"):
+        prepare(core, c)
+
+
+def test_gpu_config_for_a_mig_device_is_refused(core: PluginCore) -> None:
+    config = [{"source": "FromClaim", "requests": ["mig"],
+               "opaque": {"driver": DRIVER, "parameters": mps(50)}}]
+    c = claim(uid(), mig_names(core)[:1], requests=["mig"], config=config)
+    core.add(c)
+    with pytest.raises(PrepareError, match="GpuConfig cannot configure a MIG device"):
+        prepare(core, c)
+
+
+def test_unprepare_removes_spec_and_record_and_unknown_claims_succeed(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    prepare(core, c)
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+    assert not core.cdi.path(c["metadata"]["uid"]).exists()
+    assert core.checkpoint.get(c["metadata"]["uid"]) is None
+    asyncio.run(core.preparer.unprepare(ref_of(c)))  # again: still fine
+    asyncio.run(core.preparer.unprepare(ClaimRef("x", uid(), "never-seen")))
+
+
+def test_concurrent_claims_and_repeated_calls(core: PluginCore) -> None:
+    names = gpu_names(core) + mig_names(core)
+    claims = [claim(uid(), [n]) for n in names]
+    for c in claims:
+        core.add(c)
+
+    async def run() -> list:
+        calls = [core.preparer.prepare(ref_of(c)) for c in claims]
+        calls += [core.preparer.prepare(ref_of(claims[0])) for _ in range(5)]  # same claim, 5x
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(run())
+    assert [r[0].device_name for r in results[:len(names)]] == names
+    assert all(r == results[0] for r in results[len(names):])
+    assert len(core.cdi.owned()) == len(names)
+    assert core.preparer.prepared_device_count() == len(names)
+
+
+def test_racing_claims_for_one_device_prepare_exactly_one(core: PluginCore) -> None:
+    g = gpu_names(core)[0]
+    claims = [claim(uid(), [g]) for _ in range(8)]
+    for c in claims:
+        core.add(c)
+
+    async def run() -> list:
+        return await asyncio.gather(*(core.preparer.prepare(ref_of(c)) for c in claims),
+                                    return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert sum(not isinstance(r, Exception) for r in results) == 1
+    assert all(isinstance(r, PrepareError) for r in results if isinstance(r, Exception))
+    assert len(core.cdi.owned()) == 1
+
+
+def test_failed_spec_write_rolls_back_and_leaks_nothing(core: PluginCore) -> None:
+    g = gpu_names(core)[0]
+    c = claim(uid(), [g])
+    core.add(c)
+    core.cdi.dir.parent.mkdir(parents=True, exist_ok=True)
+    core.cdi.dir.write_text("not a directory")  # every spec write now fails
+    with pytest.raises(PrepareError, match="cannot write CDI spec"):
+        prepare(core, c)
+    assert core.checkpoint.get(c["metadata"]["uid"]) is None
+    core.cdi.dir.unlink()
+    other = claim(uid(), [g])
+    core.add(other)
+    assert prepare(core, other)[0].device_name == g  # the device was not leaked
+
+
+def test_restart_reconciles_checkpoint_and_cdi_dir(core: PluginCore) -> None:
+    g0, g1, g2 = gpu_names(core)[:3]
+    done, lost, half = claim(uid(), [g0]), claim(uid(), [g1]), claim(uid(), [g2])
+    for c in (done, lost, half):
+        core.add(c)
+        prepare(core, c)
+    core.cdi.path(lost["metadata"]["uid"]).unlink()  # a spec that vanished
+    rec = core.checkpoint.get(half["metadata"]["uid"])
+    assert rec is not None
+    core.checkpoint.put(half["metadata"]["uid"], {**rec.raw, "state": STARTED})  # crash mid-prepare
+    orphan = core.cdi.path(uid())
+    orphan.write_text("{}")  # a spec no claim owns
+    restarted = core.restart()
+    counts = restarted.preparer.reconcile()
+    assert counts == {"rolledBack": 1, "rebuilt": 1, "removed": 1}
+    assert restarted.cdi.path(lost["metadata"]["uid"]).exists()
+    assert not restarted.cdi.path(half["metadata"]["uid"]).exists()
+    assert restarted.checkpoint.get(half["metadata"]["uid"]) is None
+    assert not orphan.exists()
+    assert prepare(restarted, done)[0].device_name == g0  # still prepared after the restart
+
+
+def test_sweeper_unprepares_claims_gone_for_the_grace_period(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    prepare(core, c)
+    del core.claims[("default", c["metadata"]["name"])]
+    clock = [100.0]
+
+    async def sweep() -> list:
+        return await core.preparer.sweep(30, now=lambda: clock[0])
+
+    assert asyncio.run(sweep()) == []  # gone, but not for long enough
+    clock[0] += 31
+    assert asyncio.run(sweep()) == [ref_of(c)]
+    assert core.checkpoint.get(c["metadata"]["uid"]) is None
+
+
+def test_checkpoint_from_another_boot_is_discarded(core: PluginCore, tmp_path: Path) -> None:
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    prepare(core, c)
+    assert Checkpoint(core.checkpoint.path, boot_id="boot-1").get(c["metadata"]["uid"])
+    assert Checkpoint(core.checkpoint.path, boot_id="boot-2").records() == []
+
+
+def test_node_name_is_the_pool(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    assert prepare(core, c)[0].pool_name == NODE
