@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
+
+from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
 DRA_GPU = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
 

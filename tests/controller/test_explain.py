@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
-
 from dra_gpu.controller.commands import Inputs, explain_inputs
+
+from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
 
 def run(slices: list[dict[str, Any]], *objs: dict[str, Any]) -> list[dict[str, Any]]:

@@ -6,9 +6,10 @@ import copy
 from typing import Any
 
 import pytest
-from conftest import DRIVER, GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
 from dra_gpu.controller.rules import Validator
+
+from .objects import DRIVER, GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
 D = f'device.attributes["{DRIVER}"]'
 C = f'device.capacity["{DRIVER}"]'

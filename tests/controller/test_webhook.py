@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from dra_gpu.controller.webhook import serve
+
+from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
 
 def make_cert(directory: Path, cn: str) -> tuple[Path, Path]:
