@@ -221,6 +221,7 @@ class Cluster:
         ) or [""]
         self._devices: dict[str, list[Device]] = {}
         self._selected: dict[tuple[str, int], bool] = {}  # (expression, id(device)) -> match
+        self._candidates: dict[tuple[str, str, tuple[str, ...]], list[Device]] = {}
 
     @staticmethod
     def _gather(slices: Iterable[Mapping[str, Any]]) -> list[Pool]:
@@ -309,7 +310,12 @@ class Cluster:
         return all(self.matches(e, device) for e in sub.selectors)
 
     def candidates(self, node: str, sub: SubRequest) -> list[Device]:
-        return [d for d in self.devices(node) if self.selectable(sub, d)]
+        """Devices on `node` matching the class and request selectors (cached: selectors are pure)."""
+        k = (node, sub.device_class, tuple(sub.selectors))
+        hit = self._candidates.get(k)
+        if hit is None:
+            hit = self._candidates[k] = [d for d in self.devices(node) if self.selectable(sub, d)]
+        return hit
 
 
 def link_cost(devices: Sequence[Device]) -> int:
@@ -378,6 +384,10 @@ class _Search:
             else:
                 if len(self.chosen) + sub.count > MAX_RESULTS_PER_CLAIM or len(cands) < sub.count:
                     continue
+                if not sub.admin_access and self.in_use:
+                    cands = [d for d in cands if d.key not in self.in_use]
+                    if len(cands) < sub.count:
+                        continue
                 if self._fill(ri, sub, cands, sub.count, 0):
                     return True
         return False
