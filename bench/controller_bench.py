@@ -19,7 +19,6 @@ import os
 import shutil
 import socket
 import ssl
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,7 @@ def cluster(nodes: int, busy_nodes: int) -> list[dict[str, Any]]:
 
 def pct(values: list[float], p: float) -> float:
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
@@ -74,9 +73,24 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
-    proc = subprocess.Popen([exe, "controller", "--cert", str(cert), "--key", str(key), "--address", "127.0.0.1",
-                             "--port", str(port), "--no-watch", "-f", str(tmp / "cluster.yaml")],
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "controller",
+            "--cert",
+            str(cert),
+            "--key",
+            str(key),
+            "--address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-watch",
+            "-f",
+            str(tmp / "cluster.yaml"),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
     try:
         ctx = ssl.create_default_context(cafile=str(cert))
         deadline = time.monotonic() + 60
@@ -91,9 +105,18 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
                     raise
                 time.sleep(0.2)
         obj = claim("bench", 2, selectors=SELECTORS, constraints=NVLINK)
-        body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-            "uid": "bench", "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
-            "operation": "CREATE", "object": obj}}).encode()
+        body = json.dumps(
+            {
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": {
+                    "uid": "bench",
+                    "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+                    "operation": "CREATE",
+                    "object": obj,
+                },
+            }
+        ).encode()
 
         def once() -> tuple[float, dict[str, Any]]:
             t0 = time.perf_counter()
@@ -113,11 +136,16 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
                 time.sleep(target - now)
             lat.append(once()[0])
         elapsed = time.perf_counter() - start
-        print(f"webhook: {devices} devices on {nodes} nodes ({nodes // 2} fully in use), claim with "
-              f"{len(SELECTORS)} selectors + NVLink constraint")
+        print(
+            f"webhook: {devices} devices on {nodes} nodes ({nodes // 2} fully in use), claim with "
+            f"{len(SELECTORS)} selectors + NVLink constraint"
+        )
         print(f"  cold first request: {cold:.2f} ms")
-        print(f"  {len(lat)} requests in {elapsed:.1f} s ({len(lat) / elapsed:.0f}/s): p50 {pct(lat, 50):.2f} ms, "
-              f"p90 {pct(lat, 90):.2f} ms, p99 {pct(lat, 99):.2f} ms, max {max(lat):.2f} ms")
+        print(
+            f"  {len(lat)} requests in {elapsed:.1f} s ({len(lat) / elapsed:.0f}/s): "
+            f"p50 {pct(lat, 50):.2f} ms, "
+            f"p90 {pct(lat, 90):.2f} ms, p99 {pct(lat, 99):.2f} ms, max {max(lat):.2f} ms"
+        )
     finally:
         proc.terminate()
         proc.wait(10)
@@ -150,14 +178,20 @@ def bench_explain(nodes: int) -> None:
     (tmp / "all.yaml").write_text(yaml.safe_dump_all([*docs, *claims]))
     exe = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
     t0 = time.perf_counter()
-    out = subprocess.run([exe, "explain", "-f", str(tmp / "all.yaml"), "-o", "json"], capture_output=True,
-                         check=True, text=True)
+    out = subprocess.run(
+        [exe, "explain", "-f", str(tmp / "all.yaml"), "-o", "json"],
+        capture_output=True,
+        check=True,
+        text=True,
+    )
     cli = time.perf_counter() - t0
     assert len(json.loads(out.stdout)["claims"]) == 20
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"explain: {nodes} nodes x 8 GPUs ({nodes // 2} nodes fully in use), 20 claims ({ok} allocatable): "
-          f"in-process {in_process * 1000:.0f} ms ({in_process * 1000 / 20:.1f} ms/claim); "
-          f"CLI incl. start-up and YAML parsing {cli:.2f} s")
+    print(
+        f"explain: {nodes} nodes x 8 GPUs ({nodes // 2} nodes fully in use), 20 claims ({ok} allocatable): "
+        f"in-process {in_process * 1000:.0f} ms ({in_process * 1000 / 20:.1f} ms/claim); "
+        f"CLI incl. start-up and YAML parsing {cli:.2f} s"
+    )
 
 
 def main() -> None:
