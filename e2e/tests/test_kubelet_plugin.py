@@ -114,17 +114,19 @@ def our_slices(dyn):
     return api, api.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]
 
 
-def claim_pod(core, namespace, name, template, command, busybox_image):
-    from kubernetes import client
-    core.create_namespaced_pod(namespace, client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1PodSpec(
-            restart_policy="Never", termination_grace_period_seconds=0,
-            resource_claims=[client.V1PodResourceClaim(name="gpus", **template)],
-            containers=[client.V1Container(
-                name="main", image=busybox_image, image_pull_policy="Never",
-                command=["sh", "-c", command],
-                resources=client.V1ResourceRequirements(claims=[client.V1ResourceClaim(name="gpus")]))])))
+def claim_pod(core, namespace, name, claim_source, command, busybox_image):
+    """A pod whose one container uses the claim `gpus` (`claim_source`: resource_claim_name or
+    resource_claim_template_name)."""
+    (key, value), = claim_source.items()
+    source = {"resource_claim_name": "resourceClaimName",
+              "resource_claim_template_name": "resourceClaimTemplateName"}[key]
+    core.create_namespaced_pod(namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                 "resourceClaims": [{"name": "gpus", source: value}],
+                 "containers": [{"name": "main", "image": busybox_image,
+                                 "imagePullPolicy": "Never", "command": ["sh", "-c", command],
+                                 "resources": {"claims": [{"name": "gpus"}]}}]}})
 
 
 def template(dyn, namespace, name, count=1, nvlink=False, selectors=(), device_class=DRIVER,
@@ -209,24 +211,27 @@ def test_deleted_and_edited_slices_are_restored_within_5s(plugin, dyn):
 
 
 def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, namespace,
-                                                          busybox_image, wait_pod):
+                                                          busybox_image):
     nvlink_template(dyn, namespace)
     claim_pod(core, namespace, "nvlink4", {"resource_claim_template_name": "four-nvlink"},
-              "ls -l /dev/nvidia*; env | grep ^NVIDIA", busybox_image)
-    phase = wait_pod(core, namespace, "nvlink4", timeout=120)
-    log = core.read_namespaced_pod_log("nvlink4", namespace)
-    assert phase == "Succeeded", log + "\n" + plugin.log_tail()
+              "ls -l /dev/nvidia*; env | grep ^NVIDIA; sleep 3600", busybox_image)
+
+    def log_when_running():
+        if core.read_namespaced_pod("nvlink4", namespace).status.phase != "Running":
+            return None
+        log = core.read_namespaced_pod_log("nvlink4", namespace)
+        return log if "NVIDIA_VISIBLE_DEVICES=" in log else None
+
+    log = wait_for("the pod to run and print its devices", log_when_running, timeout=120)
     nodes = [line for line in log.splitlines() if line.startswith("c")]
     gpu_nodes = [line for line in nodes if line.split()[-1][len("/dev/nvidia"):].isdigit()]
     assert len(gpu_nodes) == 4, log
     assert all(" 195, " in line for line in gpu_nodes), log  # real char devices, NVIDIA major
     assert any(line.endswith("/dev/nvidiactl") for line in nodes), log
-    visible = next(line for line in log.splitlines() if line.startswith("NVIDIA_VISIBLE_DEVICES="))
-    uuids = visible.split("=", 1)[1].split(",")
-    _, items = our_slices(dyn)
-    by_uuid = {d["attributes"]["uuid"]["string"]: d for d in items[0]["spec"]["devices"]}
-    assert len(uuids) == 4 and set(uuids) <= set(by_uuid)
-    assert len({by_uuid[u]["attributes"]["nvlinkDomain"]["string"] for u in uuids}) == 1
+    devices = visible_devices(dyn, log)
+    attrs = device_attrs(dyn)
+    assert len(devices) == 4 and len({attrs[d]["nvlinkDomain"] for d in devices}) == 1
+    assert sorted(allocated(dyn, namespace, "nvlink4")) == sorted(devices)
 
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     (claim,) = claims.get(namespace=namespace).to_dict()["items"]
@@ -241,6 +246,11 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
              timeout=90)
     checkpoint = json.loads((PLUGIN_DIR / "checkpoint.json").read_text())
     assert uid not in checkpoint["data"]["claims"]
+    # The GPUs go to the next claim.
+    claim_pod(core, namespace, "next", {"resource_claim_template_name": "four-nvlink"},
+              "env | grep ^NVIDIA_VISIBLE; sleep 3600", busybox_image)
+    wait_for("the next pod to get GPUs", lambda: allocated(dyn, namespace, "next"), timeout=60)
+    core.delete_namespaced_pod("next", namespace, grace_period_seconds=0)
 
 
 def test_shared_claim_and_plugin_restart(plugin, core, dyn, namespace, busybox_image, wait_pod):
