@@ -418,3 +418,30 @@ def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, bus
         plugin.stop()
         plugin.profile = PROFILE
         plugin.start()
+
+
+def test_kubelet_restart_reregisters_and_keeps_claims_prepared(plugin, target, core, dyn, namespace,
+                                                               busybox_image, wait_pod):
+    template(dyn, namespace, "one-gpu")
+    claim_pod(core, namespace, "steady", {"resource_claim_template_name": "one-gpu"}, "sleep 3600",
+              busybox_image)
+    wait_for("the pod to run", lambda: core.read_namespaced_pod("steady", namespace).status.phase
+             == "Running", timeout=90)
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    (claim,) = claims.get(namespace=namespace).to_dict()["items"]
+    spec_file = CDI_DIR / f"k8s.{DRIVER}-claim_{claim['metadata']['uid']}.json"
+    assert spec_file.exists()
+    restarts = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "cluster"),
+                               "restart-kubelet"], capture_output=True, text=True, timeout=120)
+    assert restarts.returncode == 0, restarts.stdout + restarts.stderr
+    # The kubelet wiped the node's slices at start; the plugin put them back and re-registered.
+    wait_for("slices back after the kubelet restart", lambda: our_slices(dyn)[1], timeout=10)
+    assert spec_file.exists() and plugin.healthy()
+    assert core.read_namespaced_pod("steady", namespace).status.phase == "Running"
+    claim_pod(core, namespace, "fresh", {"resource_claim_template_name": "one-gpu"},
+              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    assert wait_pod(core, namespace, "fresh", timeout=120) == "Succeeded"
+    fresh = visible_devices(dyn, core.read_namespaced_pod_log("fresh", namespace))
+    assert not set(fresh) & set(allocated(dyn, namespace, "steady"))
+    core.delete_namespaced_pod("steady", namespace, grace_period_seconds=0)
+    wait_for("the steady claim to be unprepared", lambda: not spec_file.exists(), timeout=90)
