@@ -395,12 +395,15 @@ def test_bad_opaque_config_fails_prepare_with_the_field_and_writes_nothing(
 
 def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, busybox_image,
                                                wait_pod):
+    before = our_slices(dyn)[1][0]["spec"]["pool"]["generation"]
     plugin.stop()
     plugin.profile = "dgx-a100-mig"
     try:
         plugin.start()
         wait_for("MIG devices published", lambda: any(
             a.get("type") == "mig" for a in device_attrs(dyn).values()), timeout=10)
+        # Other devices than before: the pool's generation went up.
+        assert our_slices(dyn)[1][0]["spec"]["pool"]["generation"] == before + 1
         template(dyn, namespace, "mig", device_class=MIG_CLASS,
                  selectors=[f"device.attributes['{DRIVER}'].profile == '3g.40gb'"])
         claim_pod(core, namespace, "mig", {"resource_claim_template_name": "mig"},
