@@ -168,6 +168,7 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
             "allocatable": False,
             "node": "",
             "devices": [],
+            "results": [],
             "linkCost": 0,
             "bestDevices": [],
             "bestLinkCost": 0,
@@ -185,6 +186,10 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
                 allocatable=True,
                 node=e.placement.node,
                 devices=e.placement.devices,
+                results=[
+                    {"request": r, "driver": d.driver, "pool": d.pool, "device": d.name}
+                    for r, d in e.placement.results
+                ],
                 linkCost=e.placement.link_cost,
                 bestDevices=e.best.devices,
                 bestLinkCost=e.best.link_cost,

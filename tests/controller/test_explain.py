@@ -27,12 +27,17 @@ def test_classic_example(hgx: list[dict[str, Any]]) -> None:
     # First fit without the constraint: GPUs 2, 3, 4, 5 -> 2 same-domain pairs + 4 cross pairs * 4.
     assert plain["devices"] == names[2:6] and plain["linkCost"] == 18
     assert plain["bestDevices"] == names[4:8] and plain["bestLinkCost"] == 6
+    # The first-fit result in the shape of status.allocation.devices.results.
+    assert plain["results"] == [
+        {"request": "gpus", "driver": "gpu.dra-gpu.io", "pool": "node-a", "device": d} for d in names[2:6]
+    ]
     assert set(plain) == {
         "namespace",
         "name",
         "allocatable",
         "node",
         "devices",
+        "results",
         "linkCost",
         "bestDevices",
         "bestLinkCost",
