@@ -28,7 +28,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from cel_expr_python import cel
-from cel_expr_python.ext import ext_bindings, ext_optional
+from cel_expr_python.ext import ext_bindings, ext_optional, ext_strings
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
 from kubernetes.utils.quantity import parse_quantity
 
@@ -80,6 +80,37 @@ _ERROR_LINE = re.compile(r"ERROR: <input>:(\d+):(\d+): ([^\n]*)")
 
 class CelError(ValueError):
     """An expression that does not compile, type-check or fit the limits."""
+
+
+# Functions of the Kubernetes CEL libraries in the DRA environment (k8s.io/apiserver/pkg/cel/environment,
+# base.go, compatibility version 1.36) that cel-cpp does not provide: Regex, Lists, ext.Lists(3), ext.Sets,
+# URLs, IP, CIDR, Format and two-variable comprehensions. An expression that fails to compile only for
+# these is valid for the apiserver and the scheduler: it is not denied, only neither checked nor simulated.
+UNMODELLED_FUNCTIONS = frozenset(
+    {
+        # library.Regex
+        "find", "findAll",
+        # library.Lists (v0), ext.Lists (v3)
+        "isSorted", "sum", "min", "max", "indexOf", "lastIndexOf", "lists", "range", "flatten",
+        "distinct", "slice", "sort", "sortBy",
+        # ext.Sets
+        "sets", "contains", "equivalent", "intersects",
+        # library.URLs, library.IP, library.CIDR
+        "url", "isURL", "getScheme", "getHost", "getHostname", "getPort", "getEscapedPath", "getQuery",
+        "ip", "isIP", "cidr", "isCIDR", "family", "isUnspecified", "isLoopback", "isLinkLocalMulticast",
+        "isLinkLocalUnicast", "isGlobalUnicast", "isCanonical", "prefixLength", "masked",
+        # library.Format
+        "format", "named", "validate", "dns1123Label", "dns1123Subdomain", "dns1035Label",
+        "qualifiedName", "dns1123LabelPrefix", "dns1123SubdomainPrefix", "dns1035LabelPrefix",
+        "labelValue", "uri", "uuid", "byte", "date", "datetime",
+        # ext.TwoVarComprehensions
+        "all", "exists", "existsOne", "transformList", "transformMap", "transformMapEntry",
+    }
+)  # fmt: skip
+_UNDECLARED = re.compile(r"undeclared reference to '([^']+)'|found no matching overload for '([^']+)'")
+_TWO_VAR_LOOP = re.compile(
+    r"\.\s*(?:all|exists|existsOne|transformList|transformMap|transformMapEntry)\s*\(\s*(\w+)\s*,\s*(\w+)\s*,"
+)
 
 
 # ---------------------------------------------------------------- quantity and semver values
@@ -289,6 +320,7 @@ class CelEnvironment:
             r"(?:\s*\[\s*(\"|')([A-Za-z_][A-Za-z0-9_]*)\3\s*\]|(?=\s*\.\s*\??\s*[A-Za-z_]\w*\b(?!\s*\()))"
         )
         self._compiled: dict[str, Selector] = {}
+        self._unmodelled: dict[str, list[str]] = {}
 
     # -- function implementations (one dispatcher per name: cel-cpp dispatches by kind only)
 
@@ -419,7 +451,7 @@ class CelEnvironment:
         return cel.NewEnv(
             self.pool,
             variables={"device": device},
-            extensions=[ext_bindings.ExtBindings(), ext_optional.ExtOptional()],
+            extensions=[ext_bindings.ExtBindings(), ext_optional.ExtOptional(), ext_strings.ExtStrings(2)],
             functions=self._decls(typed),
         )
 
@@ -435,6 +467,29 @@ class CelEnvironment:
         text = re.sub(r"\s*\[[A-Z_]+\]\s*$", "", text.strip())
         return re.sub(r"^[A-Z_]+: ", "", text)
 
+    def unmodelled(self, expression: str) -> list[str]:
+        """The Kubernetes CEL functions (UNMODELLED_FUNCTIONS) that keep `expression` from compiling
+        here; empty when it compiles or when it fails for anything else too."""
+        hit = self._unmodelled.get(expression)
+        if hit is None:
+            hit = []
+            try:
+                self._eval_env.compile(expression)
+            except Exception as exc:
+                names = {a or b for a, b in _UNDECLARED.findall(str(exc))}
+                known = names & UNMODELLED_FUNCTIONS
+                rest = names - UNMODELLED_FUNCTIONS
+                # A two-variable comprehension also leaves its loop variables undeclared.
+                allowed = {v for pair in _TWO_VAR_LOOP.findall(expression) for v in pair}
+                # Every error must come from those names (or cascade from them: an '*error*' type).
+                others = [m for _, _, m in _ERROR_LINE.findall(str(exc)) if not _UNDECLARED.search(m)]
+                if known and not (rest - allowed) and all("'*error*'" in m for m in others):
+                    hit = sorted(known)
+            if len(self._unmodelled) > 10_000:
+                self._unmodelled.clear()
+            self._unmodelled[expression] = hit
+        return hit
+
     def check(self, expression: str) -> list[str]:
         """Problems with a selector expression (empty when it is valid)."""
         if not isinstance(expression, str) or not expression.strip():
@@ -444,6 +499,8 @@ class CelEnvironment:
         try:
             self._eval_env.compile(expression)
         except Exception as exc:  # cel-cpp raises RuntimeError/ValueError with a status text
+            if self.unmodelled(expression):
+                return []  # valid in Kubernetes; the caller warns that it is not checked
             return [f"does not compile: {self._format_error(exc)}"]
         cost = estimate_cost(expression)
         if cost > MAX_ESTIMATED_COST:

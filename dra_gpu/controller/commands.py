@@ -173,6 +173,7 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
             "bestDevices": [],
             "bestLinkCost": 0,
             "reason": "",
+            "simulated": True,  # False: a selector uses Kubernetes CEL functions dra-gpu does not model
         }
         verdict = validator.validate({**claim, "status": {}})
         if verdict.errors and not any("can never be satisfied" in p.message for p in verdict.errors):
@@ -195,7 +196,7 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
                 bestLinkCost=e.best.link_cost,
             )
         else:
-            entry["reason"] = e.reason
+            entry.update(reason=e.reason, simulated=e.simulated)
         out.append(entry)
     return {"claims": out}
 
@@ -205,7 +206,8 @@ def render_text(result: dict[str, Any]) -> str:
     for c in result["claims"]:
         head = f"{c['namespace']}/{c['name']}:"
         if not c["allocatable"]:
-            lines.append(f"{head} not allocatable: {c['reason']}")
+            verdict = "not allocatable" if c.get("simulated", True) else "cannot be simulated"
+            lines.append(f"{head} {verdict}: {c['reason']}")
             continue
         lines.append(
             f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"

@@ -6,7 +6,7 @@ from typing import Any
 
 from dra_gpu.controller.commands import Inputs, explain_inputs
 
-from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
+from .objects import DRIVER, GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
 
 def run(slices: list[dict[str, Any]], *objs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -42,6 +42,7 @@ def test_classic_example(hgx: list[dict[str, Any]]) -> None:
         "bestDevices",
         "bestLinkCost",
         "reason",
+        "simulated",
     }
 
 
@@ -123,3 +124,10 @@ def test_many_nodes_is_fast() -> None:
     results = run(slices, *[claim(f"c{i}", 4, constraints=NVLINK) for i in range(5)])
     assert all(r["allocatable"] for r in results)
     assert time.perf_counter() - start < 10
+
+
+def test_unmodelled_selector_is_reported_as_not_simulated(hgx: list[dict[str, Any]]) -> None:
+    sel = f'device.attributes["{DRIVER}"].productName.find("H[0-9]+") == "H100"'
+    (r,) = run(hgx, claim("k8s-lib", 1, selectors=[sel]))
+    assert not r["allocatable"] and not r["simulated"]
+    assert "uses find of the Kubernetes CEL libraries" in r["reason"]
