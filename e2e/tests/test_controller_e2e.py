@@ -499,10 +499,11 @@ def test_webhook_in_the_apiserver(target, core, dyn, namespace, published, tmp_p
 # ---------------------------------------------------------------- 2. explain vs the real scheduler
 
 
-def _explain(published, claims: list[dict[str, Any]], driver: str, tmp: Path) -> dict[str, dict[str, Any]]:
-    """`dra-gpu explain -o json` over the published slices and classes, each claim on its own
-    (nothing in use): the same situation as each claim alone in the cluster."""
-    docs = published["slices"][driver] + published["classes"] + [
+def _explain(published, claims: list[dict[str, Any]], driver: str, tmp: Path,
+             in_use: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
+    """`dra-gpu explain -o json` over the published slices and classes, each claim on its own, with
+    the devices of the allocated claims `in_use` taken."""
+    docs = published["slices"][driver] + published["classes"] + list(in_use) + [
         {**c, "metadata": {**c["metadata"], "namespace": "fidelity"}} for c in claims]
     path = tmp / f"explain-{driver}.yaml"
     path.write_text(yaml.safe_dump_all(docs))
@@ -511,9 +512,11 @@ def _explain(published, claims: list[dict[str, Any]], driver: str, tmp: Path) ->
     return {e["name"]: e for e in json.loads(r.stdout)["claims"]}
 
 
-def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: str, timeout: float = 30):
+def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: str, timeout: float = 30,
+              keep: bool = False):
     """Create the claim and a pod using it; return ("allocated", allocation results), or
-    ("unschedulable" | "schedulererror", message). Deletes both before returning."""
+    ("unschedulable" | "schedulererror", message). Deletes both before returning, unless `keep`
+    and the claim was allocated."""
     name = claim["metadata"]["name"]
     pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
@@ -541,22 +544,32 @@ def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: st
                     return (cond.reason.lower(), cond.message)
             return None
 
-        return wait_for(f"claim {name} to be allocated or its pod unschedulable", outcome,
-                        timeout=timeout, interval=0.05)
-    finally:
-        ignore_404(core.delete_namespaced_pod, name, namespace, grace_period_seconds=0)
-        ignore_404(claims_api.delete, name=name, namespace=namespace)
+        result = wait_for(f"claim {name} to be allocated or its pod unschedulable", outcome,
+                          timeout=timeout, interval=0.05)
+        if keep and result[0] == "allocated":
+            return result
+        _delete(core, claims_api, namespace, name)
+        return result
+    except BaseException:
+        _delete(core, claims_api, namespace, name)
+        raise
 
-        def gone():
-            try:
-                claims_api.get(name=name, namespace=namespace)
-            except Exception as exc:
-                if status_of(exc) == 404:
-                    return True
-                raise
-            return False
 
-        wait_for(f"claim {name} to be deleted (deallocated)", gone, timeout=60, interval=0.05)
+def _delete(core, claims_api, namespace: str, name: str) -> None:
+    """Delete the pod and its claim; wait until the claim is gone (deallocated)."""
+    ignore_404(core.delete_namespaced_pod, name, namespace, grace_period_seconds=0)
+    ignore_404(claims_api.delete, name=name, namespace=namespace)
+
+    def gone():
+        try:
+            claims_api.get(name=name, namespace=namespace)
+        except Exception as exc:
+            if status_of(exc) == 404:
+                return True
+            raise
+        return False
+
+    wait_for(f"claim {name} to be deleted (deallocated)", gone, timeout=60, interval=0.05)
 
 
 def _key(results: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
@@ -601,6 +614,73 @@ def test_explain_matches_scheduler(core, dyn, namespace, published, busybox_imag
           f"{len(rows) - len(mismatches)} equal to explain, "
           f"{len(mismatches)} different; retried {retried or 'none'}; {took:.1f} s "
           f"({took / len(rows):.2f} s per claim)", file=sys.stderr)
+    assert not mismatches, "explain differs from the scheduler:\n" + "\n".join(mismatches)
+
+
+def in_use_sequence() -> list[dict[str, Any]]:
+    """Claims that stay allocated one after the other: each is placed around the earlier ones."""
+    h = f'device.attributes["{HGX}"]'
+    m = f'device.attributes["{MIG}"]'
+    nvl = {"matchAttribute": f"{HGX}/nvlinkDomain"}
+    g, a, mi = GPU_CLASS, A100_CLASS, MIG_CLASS
+    specs = [
+        ([_req("gpus", g, 1, [f"{h}.index == 1"])], None),
+        ([_req("gpus", g, 2)], [nvl]),  # 0 and 2 (1 is taken)
+        ([_req("gpus", g, 2)], [nvl]),  # 3 alone in its group: 4 and 5
+        ([_req("gpus", g, 3)], [nvl]),  # impossible now: 6, 7 left in one group, 3 in the other
+        ([_first("gpus", _req("three", g, 3), _req("two", g, 2))], [nvl]),  # two: 6, 7
+        ([_req("gpus", g, all_=True)], None),  # impossible: All with devices in use
+        ([_req("gpus", g, 1)], [{"distinctAttribute": f"{HGX}/nvlinkDomain"}]),  # 3
+        ([_req("gpus", g, 1)], None),  # impossible: all 8 in use
+        ([_req("mig", mi, 2, [f'{m}.profile == "1g.10gb"'])], None),
+        # impossible: one 1g.10gb left on GPU 1, one on GPU 2
+        ([_req("mig", mi, 2, [f'{m}.profile == "1g.10gb"'])], [{"matchAttribute": f"{MIG}/parentIndex"}]),
+        ([_req("mig", mi, 1, [f'{m}.profile == "1g.10gb"'])], None),  # the third of GPU 1
+        ([_req("mig", mi, all_=True, sel=[f'{m}.profile == "3g.40gb"'])], None),
+        ([_req("gpu", a, 3)], [{"matchAttribute": f"{MIG}/nvlinkDomain"}]),
+        ([_req("gpu", a, 1), _req("mig", mi, 1)], None),
+        ([_req("gpu", a, 2)], None),  # impossible: one whole GPU left
+        ([_first("any", _req("gpu", a, 1), _req("mig", mi, 1))], None),  # the last whole GPU
+    ]
+    return [_claim(f"seq{i:02d}", r, c) for i, (r, c) in enumerate(specs)]
+
+
+def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, published, busybox_image,
+                                                       tmp_path):
+    """The other mode: claims stay allocated, and explain gets the allocated claims (as read back
+    from the apiserver, status included) for each next one."""
+    claims_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
+    kept: list[str] = []
+    mismatches, rows = [], []
+    t0 = time.time()
+    try:
+        for claim in in_use_sequence():
+            name = claim["metadata"]["name"]
+            driver = driver_of(claim)
+            allocated = [c for c in claims_api.get(namespace=namespace).to_dict()["items"]
+                         if (c.get("status") or {}).get("allocation")]
+            for c in allocated:
+                c.setdefault("apiVersion", RESOURCE)
+                c.setdefault("kind", "ResourceClaim")
+            want = _explain(published, [claim], driver, tmp_path, in_use=allocated)[name]
+            kind, got = _schedule(core, claims_api, namespace, claim, busybox_image, keep=True)
+            if kind == "allocated":
+                kept.append(name)
+            same = (kind == "allocated") == want["allocatable"] and (
+                kind != "allocated" or _key(got) == _key(want["results"]))
+            devs = ",".join(r["device"] for r in got) if kind == "allocated" else "-"
+            print(f"[in-use] {name} ({len(allocated)} claims allocated) {kind:15s} {devs} "
+                  f"{'ok' if same else 'DIFFERENT'}", file=sys.stderr)
+            rows.append(kind)
+            if not same:
+                mismatches.append(f"{name}: scheduler {kind} {got}\n  explain {want}")
+    finally:
+        for name in kept:
+            _delete(core, claims_api, namespace, name)
+    took = time.time() - t0
+    print(f"\n[in-use] {len(rows)} claims in sequence, {rows.count('allocated')} allocated around the "
+          f"earlier ones, {len(rows) - len(mismatches)} equal to explain, {len(mismatches)} different; "
+          f"{took:.1f} s", file=sys.stderr)
     assert not mismatches, "explain differs from the scheduler:\n" + "\n".join(mismatches)
 
 
