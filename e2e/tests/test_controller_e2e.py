@@ -21,6 +21,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -35,11 +36,17 @@ pytestmark = pytest.mark.e2e
 RUN = uuid.uuid4().hex[:6]
 HGX = "fidelity.dra-gpu.io"
 MIG = "fidelity-mig.dra-gpu.io"
-PROFILES = {HGX: "hgx-2x4", MIG: "dgx-a100-mig"}
+TAINT = "fidelity-taint.dra-gpu.io"
+PROFILES = {HGX: "hgx-2x4", MIG: "dgx-a100-mig", TAINT: "mixed"}
 GPU_CLASS = f"fid-gpu-{RUN}"  # whole GPUs of HGX
 A100_CLASS = f"fid-a100-{RUN}"  # whole GPUs of MIG's node
 MIG_CLASS = f"fid-mig-{RUN}"  # MIG devices
-CLASS_DRIVER = {GPU_CLASS: HGX, A100_CLASS: MIG, MIG_CLASS: MIG}
+TAINT_CLASS = f"fid-taint-{RUN}"  # the mixed profile with tainted devices
+ANY_CLASS = f"fid-any-{RUN}"  # whole GPUs of every fidelity driver: several pools, in pool-ID order
+CLASS_DRIVER = {GPU_CLASS: HGX, A100_CLASS: MIG, MIG_CLASS: MIG, TAINT_CLASS: TAINT, ANY_CLASS: "*"}
+# Taints on the mixed profile's GPUs 0 (NoSchedule) and 2 (NoExecute), by device index.
+TAINTS = {0: {"key": "example.com/broken", "effect": "NoSchedule"},
+          2: {"key": "example.com/flaky", "value": "yes", "effect": "NoExecute"}}
 WEBHOOK_LABEL = "e2e.dra-gpu.io/webhook"
 RESOURCE = "resource.k8s.io/v1"
 
@@ -101,15 +108,24 @@ def published(target, core, dyn):
                 ignore_404(slices_api.delete, name=s["metadata"]["name"])
 
     drop_slices()  # a crashed earlier run of this file
+    any_gpu = device_class(ANY_CLASS, HGX, "gpu")
+    any_gpu["spec"]["selectors"] = [{"cel": {"expression": f"device.driver in {json.dumps(list(PROFILES))} "
+                                             '&& device.attributes[device.driver].type == "gpu"'}}]
     classes = [device_class(GPU_CLASS, HGX, "gpu"), device_class(A100_CLASS, MIG, "gpu"),
-               device_class(MIG_CLASS, MIG, "mig")]
+               device_class(MIG_CLASS, MIG, "mig"), device_class(TAINT_CLASS, TAINT, "gpu"), any_gpu]
     try:
         for driver, profile in PROFILES.items():
             for s in build_slices(discover_node(node, profile), driver):
+                if driver == TAINT:
+                    for d in s["spec"]["devices"]:
+                        taint = TAINTS.get(d["attributes"]["index"]["int"])
+                        if taint:
+                            d["taints"] = [taint]
                 slices_api.create(body=s)
         for c in classes:
             classes_api.create(body=c)
         got = {d: slices_api.get(field_selector=f"spec.driver={d}").to_dict()["items"] for d in PROFILES}
+        got["*"] = [x for d in PROFILES for x in got[d]]
         yield {"node": node, "slices": got, "classes": [classes_api.get(name=c["metadata"]["name"]).to_dict()
                                                         for c in classes]}
     finally:
@@ -261,6 +277,40 @@ def corpus() -> list[dict[str, Any]]:
     add([_req("migs", mi, all_=True), _req("gpus", a, all_=True)])
     add([_req("mig", mi, 8, [f'{m}.productName == "NVIDIA A100-SXM4-80GB"',
                              f'{m}.driverVersion.isGreaterThan(semver("570.100.0"))'])])
+    # -- mixed (2x A100 PCIe, 2x L4), GPU 0 tainted NoSchedule, GPU 2 NoExecute (flaky=yes)
+    t, tt = TAINT_CLASS, f'device.attributes["{TAINT}"]'
+
+    def tol(req, *tolerations):
+        req["exactly"]["tolerations"] = list(tolerations)
+        return req
+
+    add([_req("gpu", t, 1)])
+    add([_req("gpu", t, 2)])
+    add([_req("gpu", t, 3)])  # impossible: two are tainted
+    add([tol(_req("gpu", t, 3), {"key": "example.com/broken", "operator": "Exists"})])
+    add([tol(_req("gpu", t, 4), {"operator": "Exists"})])
+    add([tol(_req("gpu", t, 1, [f"{tt}.index == 2"]),
+             {"key": "example.com/flaky", "operator": "Equal", "value": "yes", "effect": "NoExecute"})])
+    add([tol(_req("gpu", t, 1, [f"{tt}.index == 2"]),
+             {"key": "example.com/flaky", "operator": "Equal", "value": "no"})])  # impossible: wrong value
+    add([tol(_req("gpu", t, 1, [f"{tt}.index == 2"]),
+             {"key": "example.com/flaky", "operator": "Exists", "effect": "NoSchedule"})])  # wrong effect
+    add([_req("gpu", t, all_=True)])
+    add([tol(_req("gpu", t, all_=True), {"operator": "Exists"})])
+    add([_req("gpu", t, all_=True, sel=[f'{tt}.productName == "NVIDIA L4"'])])
+    add([_first("gpu", _req("a100", t, 2, [f'{tt}.productName.endsWith("PCIe")']),
+                _req("l4", t, 1, [f'{tt}.productName == "NVIDIA L4"']))])
+    # -- one class over all three drivers: pools in pool-ID order (fidelity-mig < fidelity-taint < fidelity)
+    add([_req("gpu", ANY_CLASS, 1)])
+    add([_req("gpu", ANY_CLASS, 8)])
+    add([_req("gpu", ANY_CLASS, 12)])
+    add([_req("gpu", ANY_CLASS, 2,
+              [f'device.driver == "{HGX}" || device.attributes[device.driver].index == 4'])])
+    add([_req("gpu", ANY_CLASS, 3)], [{"matchAttribute": "resource.kubernetes.io/pcieRoot"}])  # impossible
+    add([_req("gpu", ANY_CLASS, 3)], [{"distinctAttribute": f"{HGX}/index"}])  # only HGX has it
+    add([_req("a", ANY_CLASS, 1), _req("m", MIG_CLASS, 1), _req("h", GPU_CLASS, 2)],
+        [{"matchAttribute": f"{HGX}/nvlinkDomain", "requests": ["a", "h"]}])
+    add([_req("gpu", ANY_CLASS, 1, [f'device.attributes["{MIG}"].?index.orValue(-1) == 5'])])
     return c
 
 
@@ -269,8 +319,7 @@ def driver_of(claim: dict[str, Any]) -> str:
     for r in claim["spec"]["devices"]["requests"]:
         for sub in r.get("firstAvailable") or [r.get("exactly")]:
             classes.add(CLASS_DRIVER[sub["deviceClassName"]])
-    assert len(classes) == 1, claim
-    return classes.pop()
+    return classes.pop() if len(classes) == 1 else "*"
 
 
 # ---------------------------------------------------------------- 1. the webhook in the cluster
@@ -505,18 +554,60 @@ def _explain(published, claims: list[dict[str, Any]], driver: str, tmp: Path,
     the devices of the allocated claims `in_use` taken."""
     docs = published["slices"][driver] + published["classes"] + list(in_use) + [
         {**c, "metadata": {**c["metadata"], "namespace": "fidelity"}} for c in claims]
-    path = tmp / f"explain-{driver}.yaml"
+    path = tmp / f"explain-{driver.strip('*') or 'all'}.yaml"
     path.write_text(yaml.safe_dump_all(docs))
-    r = cli("explain", "-f", str(path), "-o", "json", "--driver-name", driver)
+    # "*": claims over several drivers, explained with all slices (validated as HGX's)
+    r = cli("explain", "-f", str(path), "-o", "json", "--driver-name", HGX if driver == "*" else driver)
     assert r.returncode == 0, r.stderr
     return {e["name"]: e for e in json.loads(r.stdout)["claims"]}
 
 
-def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: str, timeout: float = 30,
-              keep: bool = False):
+class AllocationWatch:
+    """Every allocation the scheduler writes into a claim of the namespace, from a watch: a poll can
+    miss one that is short-lived (a pod evicted for a NoExecute device taint it tolerates only for
+    scheduling, and its claim deallocated right after)."""
+
+    def __init__(self, dyn, namespace: str) -> None:
+        from kubernetes import watch
+
+        self.first: dict[str, list[dict[str, Any]]] = {}
+        self.error: Exception | None = None
+        api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
+        rv = api.get(namespace=namespace).metadata.resourceVersion
+        self.w = watch.Watch()
+        # The dynamic client's watch: the typed one (kubernetes 37) cannot map ResourceClaim's model.
+        self.stream = api.watch(namespace=namespace, resource_version=rv, timeout=600, watcher=self.w)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for ev in self.stream:
+                obj = ev.get("raw_object") or {}
+                alloc = (obj.get("status") or {}).get("allocation")
+                name = (obj.get("metadata") or {}).get("name")
+                if alloc and name and name not in self.first:
+                    self.first[name] = alloc["devices"]["results"]
+        except Exception as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self.w.stop()
+
+
+@pytest.fixture
+def allocations(dyn, namespace):
+    w = AllocationWatch(dyn, namespace)
+    yield w
+    w.stop()
+
+
+def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: str,
+              allocations: AllocationWatch, timeout: float = 30, keep: bool = False):
     """Create the claim and a pod using it; return ("allocated", allocation results), or
     ("unschedulable" | "schedulererror", message). Deletes both before returning, unless `keep`
     and the claim was allocated."""
+    allocations.first.pop(claim["metadata"]["name"], None)
     name = claim["metadata"]["name"]
     pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
@@ -531,11 +622,16 @@ def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: st
     core.create_namespaced_pod(namespace, pod)
     try:
         def outcome():
-            c = claims_api.get(name=name, namespace=namespace).to_dict()
-            alloc = (c.get("status") or {}).get("allocation")
-            if alloc:
-                return ("allocated", alloc["devices"]["results"])
-            p = core.read_namespaced_pod(name, namespace)
+            if allocations.error is not None:
+                raise AssertionError(f"the claim watch failed: {allocations.error!r}")
+            if name in allocations.first:
+                return ("allocated", allocations.first[name])
+            try:
+                p = core.read_namespaced_pod(name, namespace)
+            except Exception as exc:
+                if status_of(exc) == 404:  # evicted (after an allocation the watch will report)
+                    return None
+                raise
             for cond in p.status.conditions or []:
                 if cond.type == "PodScheduled" and cond.status == "False" and cond.reason in (
                         "Unschedulable", "SchedulerError"):
@@ -576,12 +672,12 @@ def _key(results: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
     return sorted((r["request"], r["driver"], r["pool"], r["device"]) for r in results)
 
 
-def test_explain_matches_scheduler(core, dyn, namespace, published, busybox_image, tmp_path):
+def test_explain_matches_scheduler(core, dyn, namespace, published, busybox_image, allocations, tmp_path):
     claims_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
     claims = corpus()
     assert len(claims) >= 50
     predicted: dict[str, dict[str, Any]] = {}
-    for driver in PROFILES:
+    for driver in [*PROFILES, "*"]:
         predicted.update(_explain(published, [c for c in claims if driver_of(c) == driver], driver,
                                   tmp_path))
     t0 = time.time()
@@ -590,7 +686,7 @@ def test_explain_matches_scheduler(core, dyn, namespace, published, busybox_imag
         name = claim["metadata"]["name"]
         want = predicted[name]
         for _ in range(2):
-            kind, got = _schedule(core, claims_api, namespace, claim, busybox_image)
+            kind, got = _schedule(core, claims_api, namespace, claim, busybox_image, allocations)
             same = (kind == "allocated") == want["allocatable"] and (
                 kind != "allocated" or _key(got) == _key(want["results"]))
             if same:
@@ -646,7 +742,7 @@ def in_use_sequence() -> list[dict[str, Any]]:
 
 
 def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, published, busybox_image,
-                                                       tmp_path):
+                                                       allocations, tmp_path):
     """The other mode: claims stay allocated, and explain gets the allocated claims (as read back
     from the apiserver, status included) for each next one."""
     claims_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
@@ -663,7 +759,7 @@ def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, pub
                 c.setdefault("apiVersion", RESOURCE)
                 c.setdefault("kind", "ResourceClaim")
             want = _explain(published, [claim], driver, tmp_path, in_use=allocated)[name]
-            kind, got = _schedule(core, claims_api, namespace, claim, busybox_image, keep=True)
+            kind, got = _schedule(core, claims_api, namespace, claim, busybox_image, allocations, keep=True)
             if kind == "allocated":
                 kept.append(name)
             same = (kind == "allocated") == want["allocatable"] and (
