@@ -719,6 +719,11 @@ def in_use_sequence() -> list[dict[str, Any]]:
     m = f'device.attributes["{MIG}"]'
     nvl = {"matchAttribute": f"{HGX}/nvlinkDomain"}
     g, a, mi = GPU_CLASS, A100_CLASS, MIG_CLASS
+
+    def admin(req):
+        req["exactly"]["adminAccess"] = True
+        return req
+
     specs = [
         ([_req("gpus", g, 1, [f"{h}.index == 1"])], None),
         ([_req("gpus", g, 2)], [nvl]),  # 0 and 2 (1 is taken)
@@ -728,6 +733,8 @@ def in_use_sequence() -> list[dict[str, Any]]:
         ([_req("gpus", g, all_=True)], None),  # impossible: All with devices in use
         ([_req("gpus", g, 1)], [{"distinctAttribute": f"{HGX}/nvlinkDomain"}]),  # 3
         ([_req("gpus", g, 1)], None),  # impossible: all 8 in use
+        ([admin(_req("gpus", g, 2))], None),  # admin access: devices in use are fine
+        ([_req("gpus", g, 1)], None),  # still impossible: admin access does not free anything
         ([_req("mig", mi, 2, [f'{m}.profile == "1g.10gb"'])], None),
         # impossible: one 1g.10gb left on GPU 1, one on GPU 2
         ([_req("mig", mi, 2, [f'{m}.profile == "1g.10gb"'])], [{"matchAttribute": f"{MIG}/parentIndex"}]),
@@ -746,6 +753,8 @@ def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, pub
     """The other mode: claims stay allocated, and explain gets the allocated claims (as read back
     from the apiserver, status included) for each next one."""
     claims_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
+    # adminAccess is allowed only in namespaces with this label (DRAAdminAccess).
+    core.patch_namespace(namespace, {"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}})
     kept: list[str] = []
     mismatches, rows = [], []
     t0 = time.time()
