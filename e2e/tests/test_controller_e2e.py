@@ -311,6 +311,22 @@ def corpus() -> list[dict[str, Any]]:
     add([_req("a", ANY_CLASS, 1), _req("m", MIG_CLASS, 1), _req("h", GPU_CLASS, 2)],
         [{"matchAttribute": f"{HGX}/nvlinkDomain", "requests": ["a", "h"]}])
     add([_req("gpu", ANY_CLASS, 1, [f'device.attributes["{MIG}"].?index.orValue(-1) == 5'])])
+    add([_req("gpu", ANY_CLASS, 1)], [{"matchAttribute": f"{MIG}/profile"}])  # impossible: no profile
+    # -- more CEL: presence tests, map membership, cross-type numbers, quantity and semver helpers
+    add([_req("gpus", g, 2, [f'!has(device.attributes["other.example.com"].model) && has({h}.numaNode)',
+                             f'"nvlinkDomain" in {h} && !("profile" in {h})'])])
+    add([_req("gpus", g, 2, [f"{h}.index > 2.5 && {h}.index < 6u"])])
+    add([_req("gpus", g, 1, [f"{hc}.memory.asApproximateFloat() > 8.5e10 && {hc}.memory.isInteger()",
+                             f'sign({hc}.memory.sub(quantity("80Gi"))) == -1'])])
+    add([_req("gpus", g, 2, [f"{h}.driverVersion.major() == 570 && {h}.driverVersion.minor() > 100",
+                             f'semver("1.2.3").isLessThan({h}.cudaDriverVersion)'])])
+    add([_req("gpus", g, 2, [f'{h}.productName.matches("^NVIDIA H[0-9]+ 80GB") && size({h}.uuid) == 40'])])
+    add([_req("gpus", g, 1, ["device.allowMultipleAllocations == false"])])
+    add([_req("mig", mi, 2, [f'{mc}.memory.add(quantity("1Gi")).compareTo(quantity("11Gi")) < 0'])])
+    # firstAvailable backtracking: "four" leaves 4 GPUs, b needs 5, so "two" is chosen
+    add([_first("a", _req("four", g, 4), _req("two", g, 2)), _req("b", g, 5)])
+    add([_first("a", _req("four", g, 4), _req("two", g, 2)), _req("b", g, 3)],
+        [{**nvl, "requests": ["a/four", "b"]}])
     return c
 
 
@@ -893,3 +909,56 @@ def status_of_create(api, obj) -> int:
             raise
         return int(status_of(exc) or 0)
     return 201
+
+
+def cel_conformance() -> list[tuple[str, str]]:
+    """Selector expressions and how the validator relates to the apiserver on them:
+    "same": both accept or both refuse; "stricter": the apiserver accepts, the validator denies
+    because the selector can never match (always false or a runtime error on every device);
+    "gap": the apiserver refuses, the validator lets it through (the apiserver's own error then)."""
+    h = f'device.attributes["{HGX}"]'
+    q = f'device.capacity["{HGX}"].memory'
+    v = f"{h}.driverVersion"
+    return [
+        (f"sign({q}) == 1", "same"),  # a global function in Kubernetes...
+        (f"{q}.sign() == 1", "same"),  # ... not a member one
+        (f"{q}.add(1).isGreaterThan({q}) && {q}.sub({q}).asInteger() == 0", "same"),
+        (f"{q}.asApproximateFloat() > 1.0 && {q}.isInteger()", "same"),
+        (f'{v}.major() == 570 && semver("v1.2", true).minor() == 2 && isSemver("1.2", true)', "same"),
+        (f"{h}.index > 2.5 && {h}.index < 6u && {h}.index != 3.0", "same"),  # cross-type comparisons
+        (f"{h}.numaNode != null && {h}.?index.orValue(0.5) >= 0", "same"),
+        ("1 == 1.0", "same"),  # literals are typed: no heterogeneous equality at compile time
+        (f'{h}.productName.reverse() != ""', "same"),  # strings extension version 3: not in Kubernetes
+        (f'"%s".format(["a"]) == "a" && strings.quote("a") != "" && {h}.productName.charAt(0) == "N"',
+         "same"),
+        (f'{h}.productName.matches("[")', "same"),
+        ('timestamp("2020-01-01T00:00:00Z") < now', "same"),
+        (f'dyn({h}.index) > 2.5 && double({h}.index) > -1.0 && string({h}.index) != ""', "same"),
+        (f"{h}.productName == 1", "stricter"),  # always false
+        (f"{h}.index.size() == 1", "stricter"),  # a runtime error on every device
+        (f"{h}.index + 1.0 > 2.0", "stricter"),  # no int + double at runtime either
+        (f"{h}.index in [1, 2.0]", "gap"),  # homogeneous aggregate literals
+        (f"type({h}.index) == int", "gap"),
+    ]
+
+
+def test_cel_conformance_with_the_apiserver(dyn, namespace, published):
+    from dra_gpu.controller.rules import Validator
+
+    claims_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
+    validator = Validator(HGX, published["slices"][HGX], published["classes"])
+    wrong = []
+    for i, (expr, relation) in enumerate(cel_conformance()):
+        claim = _claim(f"cel{i}", [_req("gpus", GPU_CLASS, 1, [expr])])
+        claim["metadata"]["namespace"] = namespace
+        api_ok = status_of_create(claims_api, claim) == 201
+        verdict = validator.validate(claim)
+        got = ("same" if api_ok == verdict.allowed else
+               "stricter" if api_ok else "gap")
+        if got != relation:
+            api = "accepts" if api_ok else "refuses"
+            wrong.append(f"{expr}: expected {relation}, got {got} (apiserver {api}, "
+                         f"validator {[p.message for p in verdict.errors] or 'allows'})")
+    print(f"\n[cel] {len(cel_conformance())} selector expressions against the apiserver, "
+          f"{len(wrong)} unexpected", file=sys.stderr)
+    assert not wrong, "\n".join(wrong)

@@ -28,6 +28,13 @@ def device_class(**spec: Any) -> dict[str, Any]:
 
 
 CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("sign as a member", claim("c", selectors=[f"{C}.memory.sign() == 1"]), SEL, "reference to 'sign'"),
+    (
+        "int plus double",  # compiles in Kubernetes (dyn), fails at runtime on every device
+        claim("c", selectors=[f"{D}.index + 1.0 > 2.0"]),
+        SEL,
+        "no matching overload for '_+_' applied to '(int, double)'",
+    ),
     ("bad CEL", claim("c", selectors=[f"{D}.productName =="]), SEL, "does not compile: column"),
     (
         "undeclared function",
@@ -205,6 +212,16 @@ VALID = [
             f'{C}.memory.compareTo(quantity("40Gi")) >= 0',
             f'{D}.driverVersion.isGreaterThan(semver("550.0.0"))',
             f'cel.bind(a, {D}, a.productName.startsWith("NVIDIA") && a.?nvlinkDomainSize.orValue(0) >= 4)',
+        ],
+    ),
+    # Kubernetes: sign() is a global function; comparisons across int/uint/double and with null are
+    # valid (attributes are dyn there, cel.CrossTypeNumericComparisons); found by the e2e tests.
+    claim(
+        "kubernetes-typing",
+        selectors=[
+            f'sign({C}.memory.sub(quantity("1Gi"))) == 1',
+            f"{D}.index > 2.5 && {D}.index < 6u && {D}.index != 3.0",
+            f"{D}.numaNode != null && {D}.?index.orValue(0.5) >= 0",
         ],
     ),
     # Kubernetes' strings extension (version 2), as the scheduler has it (found by the e2e fidelity test).
