@@ -3,7 +3,8 @@ kube-apiserver, `dra-gpu explain` compared claim by claim with the real kube-sch
 and every claim the validator accepts also accepted by the apiserver.
 
 The test slices are published under drivers of our own (fidelity.dra-gpu.io: hgx-2x4,
-fidelity-mig.dra-gpu.io: dgx-a100-mig) on the real node, so that the scheduler considers them while
+fidelity-mig.dra-gpu.io: dgx-a100-mig, fidelity-taint.dra-gpu.io: mixed with device taints) on the
+real node, so that the scheduler considers them while
 another developer's kubelet plugin (gpu.dra-gpu.io) and its classes stay untouched; the classes,
 namespaces and the webhook configuration carry a per-run suffix and are deleted at the end. No
 kubelet plugin runs for these drivers: a pod that references a claim is allocated by the scheduler
