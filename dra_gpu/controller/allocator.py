@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from dra_gpu.controller.cel_env import CelEnvironment, SelectorEvalError, parse_quantity_str
+from dra_gpu.controller.cel_env import CelEnvironment, CelError, SelectorEvalError, parse_quantity_str
 
 SAME_DOMAIN_COST = 1
 CROSS_DOMAIN_COST = 4
@@ -29,6 +29,10 @@ DEFAULT_STEP_BUDGET = 500_000
 
 class AllocationError(RuntimeError):
     """The allocation cannot even be attempted (unknown class, a selector failing at runtime, ...)."""
+
+
+class UnmodelledError(AllocationError):
+    """A selector uses Kubernetes CEL functions this simulation does not model (valid, not simulated)."""
 
 
 class SearchLimitError(AllocationError):
@@ -292,7 +296,17 @@ class Cluster:
                 device._view = self.env.device_view(device.driver, device.raw)
                 device._activation = self.env.activation(device._view)
             try:
-                hit = self.env.evaluate(self.env.compile(expression), device._view, device._activation)
+                selector = self.env.compile(expression)
+            except CelError as exc:
+                names = self.env.unmodelled(expression)
+                if names:
+                    raise UnmodelledError(
+                        f"selector {expression!r} uses {', '.join(names)} of the Kubernetes CEL libraries, "
+                        "which dra-gpu does not model: the allocation cannot be simulated"
+                    ) from exc
+                raise AllocationError(f"selector {expression!r} {exc}") from exc
+            try:
+                hit = self.env.evaluate(selector, device._view, device._activation)
             except SelectorEvalError as exc:
                 raise AllocationError(
                     f"selector {expression!r} failed on device {device.name} ({device.pool}): {exc}"
@@ -476,6 +490,7 @@ class Explanation:
     placement: Placement | None = None
     best: Placement | None = None
     reason: str = ""
+    simulated: bool = True  # False: a selector could not be evaluated here (UnmodelledError)
 
 
 def place(
@@ -502,7 +517,7 @@ def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = Fal
                         b = p
                 return Explanation(True, p, b if b.link_cost < p.link_cost else p)
     except AllocationError as exc:
-        return Explanation(False, reason=str(exc))
+        return Explanation(False, reason=str(exc), simulated=not isinstance(exc, UnmodelledError))
     from dra_gpu.controller.diagnosis import why_not  # late: diagnosis builds on this module
 
     return Explanation(False, reason=why_not(cluster, spec, ignore_in_use))

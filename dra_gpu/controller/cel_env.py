@@ -28,7 +28,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from cel_expr_python import cel
-from cel_expr_python.ext import ext_bindings, ext_optional
+from cel_expr_python.ext import ext_bindings, ext_optional, ext_strings
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
 from kubernetes.utils.quantity import parse_quantity
 
@@ -80,6 +80,49 @@ _ERROR_LINE = re.compile(r"ERROR: <input>:(\d+):(\d+): ([^\n]*)")
 
 class CelError(ValueError):
     """An expression that does not compile, type-check or fit the limits."""
+
+
+# Functions of the Kubernetes CEL libraries in the DRA environment (k8s.io/apiserver/pkg/cel/environment,
+# base.go, compatibility version 1.36) that cel-cpp does not provide: Regex, Lists, ext.Lists(3), ext.Sets,
+# URLs, IP, CIDR, Format and two-variable comprehensions. An expression that fails to compile only for
+# these is valid for the apiserver and the scheduler: it is not denied, only neither checked nor simulated.
+UNMODELLED_FUNCTIONS = frozenset(
+    {
+        # library.Regex
+        "find", "findAll",
+        # library.Lists (v0), ext.Lists (v3)
+        "isSorted", "sum", "min", "max", "indexOf", "lastIndexOf", "lists", "range", "flatten",
+        "distinct", "slice", "sort", "sortBy",
+        # ext.Sets
+        "sets", "contains", "equivalent", "intersects",
+        # library.URLs, library.IP, library.CIDR
+        "url", "isURL", "getScheme", "getHost", "getHostname", "getPort", "getEscapedPath", "getQuery",
+        "ip", "isIP", "cidr", "isCIDR", "family", "isUnspecified", "isLoopback", "isLinkLocalMulticast",
+        "isLinkLocalUnicast", "isGlobalUnicast", "isCanonical", "prefixLength", "masked",
+        # library.Format
+        "format", "named", "validate", "dns1123Label", "dns1123Subdomain", "dns1035Label",
+        "qualifiedName", "dns1123LabelPrefix", "dns1123SubdomainPrefix", "dns1035LabelPrefix",
+        "labelValue", "uri", "uuid", "byte", "date", "datetime",
+        # ext.TwoVarComprehensions
+        "all", "exists", "existsOne", "transformList", "transformMap", "transformMapEntry",
+    }
+)  # fmt: skip
+_UNDECLARED = re.compile(r"undeclared reference to '([^']+)'|found no matching overload for '([^']+)'")
+# Typed-check errors that are not errors for Kubernetes: there attribute values are `dyn`, comparisons
+# across int/uint/double are enabled (cel.CrossTypeNumericComparisons) and equality is heterogeneous,
+# and each of these evaluates fine at runtime: `index > 2.5`, `index < 6u`, `index == 3.0`,
+# `numaNode != null`, `?index.orValue(0.5)`. (Arithmetic across numeric types is not in this list: it
+# fails at runtime, so the claim could never be allocated.)
+_NUM = r"(?:int|uint|double)"
+_LENIENT_TYPE_ERRORS = (
+    re.compile(rf"found no matching overload for '_(?:<|<=|>|>=|==|!=)_' applied to '\({_NUM}, {_NUM}\)'"),
+    re.compile(r"found no matching overload for '_(?:==|!=)_' applied to '\([^,()]+, null_type\)'"),
+    re.compile(r"found no matching overload for '_(?:==|!=)_' applied to '\(null_type, [^,()]+\)'"),
+    re.compile(rf"found no matching overload for 'orValue' applied to '\(optional_type\({_NUM}\), {_NUM}\)'"),
+)
+_TWO_VAR_LOOP = re.compile(
+    r"\.\s*(?:all|exists|existsOne|transformList|transformMap|transformMapEntry)\s*\(\s*(\w+)\s*,\s*(\w+)\s*,"
+)
 
 
 # ---------------------------------------------------------------- quantity and semver values
@@ -289,6 +332,7 @@ class CelEnvironment:
             r"(?:\s*\[\s*(\"|')([A-Za-z_][A-Za-z0-9_]*)\3\s*\]|(?=\s*\.\s*\??\s*[A-Za-z_]\w*\b(?!\s*\()))"
         )
         self._compiled: dict[str, Selector] = {}
+        self._unmodelled: dict[str, list[str]] = {}
 
     # -- function implementations (one dispatcher per name: cel-cpp dispatches by kind only)
 
@@ -334,6 +378,10 @@ class CelEnvironment:
     def _arith(self, a: Any, b: Any, sign: int) -> Any:
         y = self._q(b) if self._is_q(b) else Decimal(b)
         return self.Quantity(value=str(self._q(a) + sign * y))
+
+    def _sign(self, a: Any) -> int:
+        q = self._q(a)
+        return (q > 0) - (q < 0)
 
     def _decls(self, typed: bool) -> list[Any]:
         T = cel.Type
@@ -405,7 +453,11 @@ class CelEnvironment:
                     ),
                 ],
             ),
-            unary("sign", T.INT, Q, lambda a: (self._q(a) > 0) - (self._q(a) < 0)),
+            # A global function in Kubernetes (`sign(q)`), unlike the other quantity functions.
+            cel.FunctionDecl(
+                "sign",
+                [cel.Overload("sign_quantity", T.INT, [Q], impl=self._sign)],
+            ),
             unary("asInteger", T.INT, Q, lambda a: int(self._q(a))),
             unary("isInteger", T.BOOL, Q, lambda a: self._q(a) == self._q(a).to_integral_value()),
             unary("asApproximateFloat", T.DOUBLE, Q, lambda a: float(self._q(a))),
@@ -419,7 +471,7 @@ class CelEnvironment:
         return cel.NewEnv(
             self.pool,
             variables={"device": device},
-            extensions=[ext_bindings.ExtBindings(), ext_optional.ExtOptional()],
+            extensions=[ext_bindings.ExtBindings(), ext_optional.ExtOptional(), ext_strings.ExtStrings(2)],
             functions=self._decls(typed),
         )
 
@@ -435,6 +487,29 @@ class CelEnvironment:
         text = re.sub(r"\s*\[[A-Z_]+\]\s*$", "", text.strip())
         return re.sub(r"^[A-Z_]+: ", "", text)
 
+    def unmodelled(self, expression: str) -> list[str]:
+        """The Kubernetes CEL functions (UNMODELLED_FUNCTIONS) that keep `expression` from compiling
+        here; empty when it compiles or when it fails for anything else too."""
+        hit = self._unmodelled.get(expression)
+        if hit is None:
+            hit = []
+            try:
+                self._eval_env.compile(expression)
+            except Exception as exc:
+                names = {a or b for a, b in _UNDECLARED.findall(str(exc))}
+                known = names & UNMODELLED_FUNCTIONS
+                rest = names - UNMODELLED_FUNCTIONS
+                # A two-variable comprehension also leaves its loop variables undeclared.
+                allowed = {v for pair in _TWO_VAR_LOOP.findall(expression) for v in pair}
+                # Every error must come from those names (or cascade from them: an '*error*' type).
+                others = [m for _, _, m in _ERROR_LINE.findall(str(exc)) if not _UNDECLARED.search(m)]
+                if known and not (rest - allowed) and all("'*error*'" in m for m in others):
+                    hit = sorted(known)
+            if len(self._unmodelled) > 10_000:
+                self._unmodelled.clear()
+            self._unmodelled[expression] = hit
+        return hit
+
     def check(self, expression: str) -> list[str]:
         """Problems with a selector expression (empty when it is valid)."""
         if not isinstance(expression, str) or not expression.strip():
@@ -444,6 +519,8 @@ class CelEnvironment:
         try:
             self._eval_env.compile(expression)
         except Exception as exc:  # cel-cpp raises RuntimeError/ValueError with a status text
+            if self.unmodelled(expression):
+                return []  # valid in Kubernetes; the caller warns that it is not checked
             return [f"does not compile: {self._format_error(exc)}"]
         cost = estimate_cost(expression)
         if cost > MAX_ESTIMATED_COST:
@@ -454,6 +531,12 @@ class CelEnvironment:
         try:
             typed = self._check_env.compile(rewritten)
         except Exception as exc:
+            lines = _ERROR_LINE.findall(str(exc))
+            strict = [x for x in lines if not any(p.search(x[2]) for p in _LENIENT_TYPE_ERRORS)]
+            if lines and not strict:
+                return []  # valid for Kubernetes, and the eval env (dyn, as Kubernetes) evaluates it
+            if lines:
+                return [self._type_error("\n".join(f"ERROR: <input>:{r}:{c}: {m}" for r, c, m in strict))]
             return [self._type_error(str(exc))]
         rtype = typed.return_type()
         if rtype != cel.Type.BOOL and rtype != cel.Type.DYN:

@@ -168,10 +168,12 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
             "allocatable": False,
             "node": "",
             "devices": [],
+            "results": [],
             "linkCost": 0,
             "bestDevices": [],
             "bestLinkCost": 0,
             "reason": "",
+            "simulated": True,  # False: a selector uses Kubernetes CEL functions dra-gpu does not model
         }
         verdict = validator.validate({**claim, "status": {}})
         if verdict.errors and not any("can never be satisfied" in p.message for p in verdict.errors):
@@ -185,12 +187,16 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
                 allocatable=True,
                 node=e.placement.node,
                 devices=e.placement.devices,
+                results=[
+                    {"request": r, "driver": d.driver, "pool": d.pool, "device": d.name}
+                    for r, d in e.placement.results
+                ],
                 linkCost=e.placement.link_cost,
                 bestDevices=e.best.devices,
                 bestLinkCost=e.best.link_cost,
             )
         else:
-            entry["reason"] = e.reason
+            entry.update(reason=e.reason, simulated=e.simulated)
         out.append(entry)
     return {"claims": out}
 
@@ -200,7 +206,8 @@ def render_text(result: dict[str, Any]) -> str:
     for c in result["claims"]:
         head = f"{c['namespace']}/{c['name']}:"
         if not c["allocatable"]:
-            lines.append(f"{head} not allocatable: {c['reason']}")
+            verdict = "not allocatable" if c.get("simulated", True) else "cannot be simulated"
+            lines.append(f"{head} {verdict}: {c['reason']}")
             continue
         lines.append(
             f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"

@@ -173,6 +173,15 @@ class Validator:
             if expr not in self._checked:
                 self._checked[expr] = self.env.check(expr)
             v.errors.extend(Problem(p, m) for m in self._checked[expr])
+            unmodelled = self.env.unmodelled(expr)
+            if unmodelled:
+                v.warnings.append(
+                    Problem(
+                        p,
+                        f"uses {', '.join(unmodelled)} of the Kubernetes CEL libraries, which dra-gpu does "
+                        "not model: not type-checked, and feasibility is not checked",
+                    )
+                )
 
     def _configs(self, configs: Any, path: str, v: Verdict, request_names: set[str] | None) -> None:
         for i, c in enumerate(self._list(configs, path, v, MAX_CONFIGS)):
@@ -365,7 +374,9 @@ class Validator:
             v.warnings.append(Problem(path, str(exc)))
             return
         if not ever.allocatable:
-            if "does not exist" in ever.reason:  # the class may be created later
+            if not ever.simulated:  # a selector (the claim's or its class's) is valid but not modelled
+                v.warnings.append(Problem(path, f"feasibility not checked: {ever.reason}"))
+            elif "does not exist" in ever.reason:  # the class may be created later
                 v.warnings.append(Problem(path, ever.reason))
             else:
                 v.errors.append(

@@ -6,7 +6,7 @@ from typing import Any
 
 from dra_gpu.controller.commands import Inputs, explain_inputs
 
-from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
+from .objects import DRIVER, GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
 
 def run(slices: list[dict[str, Any]], *objs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -27,16 +27,22 @@ def test_classic_example(hgx: list[dict[str, Any]]) -> None:
     # First fit without the constraint: GPUs 2, 3, 4, 5 -> 2 same-domain pairs + 4 cross pairs * 4.
     assert plain["devices"] == names[2:6] and plain["linkCost"] == 18
     assert plain["bestDevices"] == names[4:8] and plain["bestLinkCost"] == 6
+    # The first-fit result in the shape of status.allocation.devices.results.
+    assert plain["results"] == [
+        {"request": "gpus", "driver": "gpu.dra-gpu.io", "pool": "node-a", "device": d} for d in names[2:6]
+    ]
     assert set(plain) == {
         "namespace",
         "name",
         "allocatable",
         "node",
         "devices",
+        "results",
         "linkCost",
         "bestDevices",
         "bestLinkCost",
         "reason",
+        "simulated",
     }
 
 
@@ -118,3 +124,10 @@ def test_many_nodes_is_fast() -> None:
     results = run(slices, *[claim(f"c{i}", 4, constraints=NVLINK) for i in range(5)])
     assert all(r["allocatable"] for r in results)
     assert time.perf_counter() - start < 10
+
+
+def test_unmodelled_selector_is_reported_as_not_simulated(hgx: list[dict[str, Any]]) -> None:
+    sel = f'device.attributes["{DRIVER}"].productName.find("H[0-9]+") == "H100"'
+    (r,) = run(hgx, claim("k8s-lib", 1, selectors=[sel]))
+    assert not r["allocatable"] and not r["simulated"]
+    assert "uses find of the Kubernetes CEL libraries" in r["reason"]

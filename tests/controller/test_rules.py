@@ -28,6 +28,13 @@ def device_class(**spec: Any) -> dict[str, Any]:
 
 
 CORPUS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("sign as a member", claim("c", selectors=[f"{C}.memory.sign() == 1"]), SEL, "reference to 'sign'"),
+    (
+        "int plus double",  # compiles in Kubernetes (dyn), fails at runtime on every device
+        claim("c", selectors=[f"{D}.index + 1.0 > 2.0"]),
+        SEL,
+        "no matching overload for '_+_' applied to '(int, double)'",
+    ),
     ("bad CEL", claim("c", selectors=[f"{D}.productName =="]), SEL, "does not compile: column"),
     (
         "undeclared function",
@@ -207,6 +214,26 @@ VALID = [
             f'cel.bind(a, {D}, a.productName.startsWith("NVIDIA") && a.?nvlinkDomainSize.orValue(0) >= 4)',
         ],
     ),
+    # Kubernetes: sign() is a global function; comparisons across int/uint/double and with null are
+    # valid (attributes are dyn there, cel.CrossTypeNumericComparisons); found by the e2e tests.
+    claim(
+        "kubernetes-typing",
+        selectors=[
+            f'sign({C}.memory.sub(quantity("1Gi"))) == 1',
+            f"{D}.index > 2.5 && {D}.index < 6u && {D}.index != 3.0",
+            f"{D}.numaNode != null && {D}.?index.orValue(0.5) >= 0",
+        ],
+    ),
+    # Kubernetes' strings extension (version 2), as the scheduler has it (found by the e2e fidelity test).
+    claim(
+        "strings",
+        2,
+        selectors=[
+            f'{D}.architecture.lowerAscii() == "hopper" && {D}.productName.upperAscii().contains("H100")',
+            f'{D}.productName.split(" ")[1] == "H100" && {D}.productName.substring(0, 6) == "NVIDIA"',
+            f'{D}.productName.replace("NVIDIA ", "").indexOf("H") == 0 && ["a", "b"].join("-") == "a-b"',
+        ],
+    ),
     with_config(
         {
             "apiVersion": "gpu.dra-gpu.io/v1alpha1",
@@ -256,3 +283,35 @@ def test_template_paths() -> None:
     verdict = v.validate(tmpl)
     assert [p.path for p in verdict.errors] == ["spec.spec.devices"]
     assert "largest NVLink domain: 4 GPUs (node-a)" in verdict.errors[0].message
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        f'{D}.productName.find("H[0-9]+") == "H100"',
+        f"sets.contains([0, 1, 2, 3], [{D}.index])",
+        f"[{D}.index, 1].sum() > 1",
+        f'[1, 2].all(i, v, v > i) && {D}.type == "gpu"',
+    ],
+)
+def test_unmodelled_kubernetes_functions_warn_not_deny(validator: Validator, expression: str) -> None:
+    """Valid for the apiserver and the scheduler, but not in cel-cpp: never a denial, a warning."""
+    verdict = validator.validate(claim("k8s-lib", selectors=[expression]))
+    assert verdict.allowed and verdict.concerned, verdict.errors
+    messages = [w.message for w in verdict.warnings]
+    assert any("of the Kubernetes CEL libraries, which dra-gpu does not model" in m for m in messages)
+    assert any(m.startswith("feasibility not checked") for m in messages), messages
+
+
+def test_unmodelled_function_in_a_class_does_not_deny_claims() -> None:
+    cls = device_class(selectors=[{"cel": {"expression": f'{D}.productName.find("H100") != ""'}}])
+    v = Validator(DRIVER, node_slices(), [cls])
+    c = claim("c", 2)
+    c["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "custom"
+    verdict = v.validate(c)
+    assert verdict.allowed, verdict.errors
+
+
+def test_typos_next_to_unmodelled_functions_are_still_errors(validator: Validator) -> None:
+    verdict = validator.validate(claim("c", selectors=[f'{D}.productName.fnd("H100") == ""']))
+    assert "undeclared reference to 'fnd'" in verdict.errors[0].message
