@@ -256,3 +256,144 @@ def test_token_without_node_is_denied(api_client, core, plugin_identity):
         status_of(lambda: client.ResourceV1Api(api_client).delete_resource_slice(f"{node_a}-nt"))
         time.sleep(0.5)
     assert code == 403 and "no node in the user's token" in msg, (code, msg)
+
+
+# ---------------------------------------------------------------- the examples, run
+
+
+# (profile the plugin serves, example file, what the pods must show)
+RUNS = [
+    ("hgx-2x4", "one-gpu.yaml"),
+    ("hgx-2x4", "four-nvlink-gpus.yaml"),
+    ("hgx-2x4", "gpu-by-product-name.yaml"),
+    ("hgx-2x4", "gpu-memory-40gi.yaml"),
+    ("hgx-2x4", "gpu-driver-550.yaml"),
+    ("hgx-2x4", "prioritized-h100-else-a100.yaml"),
+    ("hgx-2x4", "shared-gpu-two-pods.yaml"),
+    ("hgx-2x4", "classic-nvidia-gpu.yaml"),
+    ("dgx-a100-mig", "mig-3g40gb.yaml"),
+    ("dgx-a100-mig", "prioritized-h100-else-a100.yaml"),
+]
+
+
+class SimulatedNode:
+    """`dra-gpu kubelet-plugin` as a host process (as in test_kubelet_plugin.py) serving one
+    simulated profile at a time, with the chart's DeviceClasses installed."""
+
+    def __init__(self, target, dyn, core, log_dir):
+        from test_kubelet_plugin import Plugin
+
+        node = core.list_node().items[0].metadata.name
+        self.plugin = Plugin(target.kubeconfig, node, log_dir / "plugin.log")
+        self.plugin.profile = ""
+        self.dyn = dyn
+
+    def serve(self, profile):
+        if self.plugin.profile == profile and self.plugin.proc and self.plugin.proc.poll() is None:
+            return
+        self.plugin.stop()
+        self.plugin.profile = profile
+        self.plugin.start()
+        want = {"hgx-2x4": "NVIDIA H100 80GB HBM3", "dgx-a100-mig": "NVIDIA A100-SXM4-80GB"}[profile]
+        deadline = time.time() + 30
+        while time.time() < deadline:  # the old profile's slices replaced by the new one's
+            names = {a.get("productName") for a in self.devices().values()}
+            if names == {want}:
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"slices of {profile} not published: {self.devices()}")
+
+    def devices(self):
+        api = self.dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
+        items = api.get(field_selector="spec.driver=gpu.dra-gpu.io").to_dict()["items"]
+        return {d["name"]: {k: next(iter(v.values())) for k, v in d["attributes"].items()}
+                for s in items for d in s["spec"]["devices"]}
+
+    def by_uuid(self):
+        return {a["uuid"]: a for a in self.devices().values()}
+
+
+@pytest.fixture(scope="module")
+def simulated_node(target, helm, dyn, core, tmp_path_factory):
+    if not target.local:
+        pytest.skip("the plugin runs as a host process only on the local e2e cluster")
+    for obj in render(helm, "default", "examples", "controller.enabled=false",
+                      "kubeletPlugin.enabled=false"):
+        assert obj["kind"] == "DeviceClass"
+        apply(dyn, obj, dry_run=False)  # the chart's classes, extendedResourceName included
+    node = SimulatedNode(target, dyn, core, tmp_path_factory.mktemp("examples"))
+    yield node
+    node.plugin.stop()
+    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
+    for s in api.get(field_selector="spec.driver=gpu.dra-gpu.io").to_dict()["items"]:
+        status_of(lambda s=s: api.delete(name=s["metadata"]["name"]))
+
+
+def visible(log):
+    line = next((x for x in log.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES=")), "")
+    return [u for u in line.split("=", 1)[-1].split(",") if u]
+
+
+def claim_results(dyn, namespace):
+    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    out = {}
+    for c in api.get(namespace=namespace).to_dict()["items"]:
+        alloc = (c.get("status") or {}).get("allocation")
+        if alloc:
+            out[c["metadata"]["name"]] = alloc["devices"]["results"]
+    return out
+
+
+@pytest.mark.parametrize(("profile", "example"), RUNS, ids=[f"{p}-{e[:-5]}" for p, e in RUNS])
+def test_example_runs(simulated_node, dyn, core, namespace, wait_pod, profile, example):
+    simulated_node.serve(profile)
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / example).read_text()) if d]
+    for obj in docs:
+        apply(dyn, obj, namespace, dry_run=False)
+    pods = [d["metadata"]["name"] for d in docs if d["kind"] == "Pod"]
+    logs, results = {}, {}
+    try:
+        for pod in pods:
+            phase = wait_pod(core, namespace, pod, timeout=120)
+            logs[pod] = core.read_namespaced_pod_log(pod, namespace)
+            assert phase == "Succeeded", f"{pod}: {phase}\n{logs[pod]}"
+        results = claim_results(dyn, namespace)
+        extended = {p: core.read_namespaced_pod(p, namespace).status.extended_resource_claim_status
+                    for p in pods}
+    finally:
+        for pod in pods:
+            status_of(lambda pod=pod: core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0))
+        claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+        for c in claims.get(namespace=namespace).to_dict()["items"]:
+            status_of(lambda c=c: claims.delete(name=c["metadata"]["name"], namespace=namespace))
+        deadline = time.time() + 60  # devices free again before the next example
+        while time.time() < deadline and claims.get(namespace=namespace).to_dict()["items"]:
+            time.sleep(0.3)
+
+    devs = simulated_node.by_uuid()
+    seen = {p: visible(log) for p, log in logs.items()}
+    for pod, uuids in seen.items():
+        assert uuids and all(u in devs for u in uuids), f"{pod} saw {uuids}:\n{logs[pod]}"
+        assert "nvidia" in logs[pod]  # device nodes injected (ls /dev | grep nvidia)
+    (first, *_) = seen.values()
+    attrs = [devs[u] for u in first]
+    if example == "four-nvlink-gpus.yaml":
+        assert len(attrs) == 4 and len({a["nvlinkDomain"] for a in attrs}) == 1, attrs
+    elif example == "gpu-by-product-name.yaml":
+        assert attrs[0]["productName"] == "NVIDIA H100 80GB HBM3"
+    elif example == "gpu-driver-550.yaml":
+        assert int(attrs[0]["driverVersion"].split(".")[0]) >= 550
+    elif example == "mig-3g40gb.yaml":
+        assert attrs[0]["type"] == "mig" and attrs[0]["profile"] == "3g.40gb", attrs
+    elif example == "prioritized-h100-else-a100.yaml":
+        (res,) = [r for rs in results.values() for r in rs]
+        want = "gpu/h100" if profile == "hgx-2x4" else "gpu/a100"
+        assert res["request"] == want, res
+    elif example == "shared-gpu-two-pods.yaml":
+        assert seen["shared-gpu-a"] == seen["shared-gpu-b"] and len(seen["shared-gpu-a"]) == 1
+    elif example == "classic-nvidia-gpu.yaml":
+        status = extended["classic-nvidia-gpu"]
+        assert status is not None and status.resource_claim_name, status  # served through DRA
+        assert len(first) == 1 and attrs[0]["type"] == "gpu"
+    else:
+        assert len(first) == 1 and attrs[0]["type"] == "gpu"
