@@ -8,10 +8,11 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import yaml
 
+from dra_gpu.controller.commands import add_commands
 from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
 from dra_gpu.inventory_report import render
@@ -74,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds between stale-claim sweeps")
     plug.add_argument("--sweep-grace", type=float, default=float(env("DRA_GPU_SWEEP_GRACE", "60")),
                       help="seconds a claim must be gone before the sweeper unprepares it")
+    p.set_defaults(extra_commands=add_commands(sub))
     return p
 
 
@@ -150,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger(noisy).setLevel(logging.INFO)
     elif args.command != "inventory":
         logging.getLogger("dra_gpu").setLevel(logging.INFO)
-    commands = {"inventory": cmd_inventory, "kubelet-plugin": cmd_kubelet_plugin}
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = args.extra_commands
+    commands = {"inventory": cmd_inventory, "kubelet-plugin": cmd_kubelet_plugin, **handlers}
     try:
         return commands[args.command](args)
     except BrokenPipeError:

@@ -1,0 +1,210 @@
+"""Controller benchmarks: webhook latency at a fixed request rate, and `explain` on a large cluster.
+
+    .venv/bin/python bench/controller_bench.py [--rate 200] [--seconds 10] [--nodes 125]
+
+1. Webhook: `dra-gpu controller --no-watch -f cluster.yaml` runs as its own process over HTTPS with
+   1,000 published devices (125 hgx-2x4 nodes; every GPU of the first half of the nodes in use). A
+   client sends AdmissionReviews for a claim with three selectors (memory, driver version, product)
+   plus an NVLink constraint at a fixed rate on one keep-alive connection; latency is measured per
+   request, client side. The first (cold) request is reported on its own.
+2. explain: 100 nodes x 8 GPUs, 20 claims, in-process and through the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dra_gpu.discovery import discover_node  # noqa: E402
+from dra_gpu.slices import build_slices  # noqa: E402
+from tests.controller.objects import GPU_CLASS, NVLINK, allocated, claim  # noqa: E402
+from tests.controller.test_webhook import make_cert  # noqa: E402
+
+D = 'device.attributes["gpu.dra-gpu.io"]'
+C = 'device.capacity["gpu.dra-gpu.io"]'
+SELECTORS = [
+    f'{C}.memory.compareTo(quantity("40Gi")) >= 0',
+    f'{D}.driverVersion.isGreaterThan(semver("550.0.0"))',
+    f'{D}.productName.startsWith("NVIDIA H100")',
+]
+
+
+def cluster(nodes: int, busy_nodes: int) -> list[dict[str, Any]]:
+    base = build_slices(discover_node("node-000", "hgx-2x4"))
+    docs: list[dict[str, Any]] = []
+    text = json.dumps(base)
+    for i in range(nodes):
+        node = f"node-{i:03d}"
+        slices = json.loads(text.replace("node-000", node))
+        docs += slices
+        if i < busy_nodes:
+            docs.append(allocated(f"busy-{i}", node, [d["name"] for d in slices[0]["spec"]["devices"]]))
+    return [*docs, GPU_CLASS]
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
+    tmp = Path(tempfile.mkdtemp())
+    cert, key = make_cert(tmp, "bench")
+    docs = cluster(nodes, nodes // 2)
+    (tmp / "cluster.yaml").write_text(yaml.safe_dump_all(docs))
+    devices = sum(len(d["spec"]["devices"]) for d in docs if d.get("kind") == "ResourceSlice")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
+    proc = subprocess.Popen(
+        [
+            exe,
+            "controller",
+            "--cert",
+            str(cert),
+            "--key",
+            str(key),
+            "--address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-watch",
+            "-f",
+            str(tmp / "cluster.yaml"),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        ctx = ssl.create_default_context(cafile=str(cert))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+                conn.request("GET", "/healthz")
+                conn.getresponse().read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        obj = claim("bench", 2, selectors=SELECTORS, constraints=NVLINK)
+        body = json.dumps(
+            {
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": {
+                    "uid": "bench",
+                    "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+                    "operation": "CREATE",
+                    "object": obj,
+                },
+            }
+        ).encode()
+
+        def once() -> tuple[float, dict[str, Any]]:
+            t0 = time.perf_counter()
+            conn.request("POST", "/validate", body, {"Content-Type": "application/json"})
+            resp = json.loads(conn.getresponse().read())
+            return (time.perf_counter() - t0) * 1000, resp["response"]
+
+        cold, first = once()
+        assert first["allowed"], first
+        lat: list[float] = []
+        interval = 1.0 / rate
+        start = time.perf_counter()
+        for i in range(rate * seconds):
+            target = start + i * interval
+            now = time.perf_counter()
+            if target > now:
+                time.sleep(target - now)
+            lat.append(once()[0])
+        elapsed = time.perf_counter() - start
+        print(
+            f"webhook: {devices} devices on {nodes} nodes ({nodes // 2} fully in use), claim with "
+            f"{len(SELECTORS)} selectors + NVLink constraint"
+        )
+        print(f"  cold first request: {cold:.2f} ms")
+        print(
+            f"  {len(lat)} requests in {elapsed:.1f} s ({len(lat) / elapsed:.0f}/s): "
+            f"p50 {pct(lat, 50):.2f} ms, "
+            f"p90 {pct(lat, 90):.2f} ms, p99 {pct(lat, 99):.2f} ms, max {max(lat):.2f} ms"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_explain(nodes: int) -> None:
+    from dra_gpu.controller.commands import Inputs, explain_inputs
+
+    docs = cluster(nodes, nodes // 2)
+    claims = []
+    for i in range(20):
+        kind = i % 4
+        if kind == 0:
+            claims.append(claim(f"c{i}", 4, constraints=NVLINK))
+        elif kind == 1:
+            claims.append(claim(f"c{i}", 4))
+        elif kind == 2:
+            claims.append(claim(f"c{i}", 2, selectors=SELECTORS, constraints=NVLINK))
+        else:
+            claims.append(claim(f"c{i}", 5, constraints=NVLINK))  # never fits: scans every node
+    inputs = Inputs()
+    for d in [*docs, *claims]:
+        inputs.add(d, "bench")
+    t0 = time.perf_counter()
+    result = explain_inputs(inputs)["claims"]
+    in_process = time.perf_counter() - t0
+    ok = sum(c["allocatable"] for c in result)
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "all.yaml").write_text(yaml.safe_dump_all([*docs, *claims]))
+    exe = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [exe, "explain", "-f", str(tmp / "all.yaml"), "-o", "json"],
+        capture_output=True,
+        check=True,
+        text=True,
+    )
+    cli = time.perf_counter() - t0
+    assert len(json.loads(out.stdout)["claims"]) == 20
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"explain: {nodes} nodes x 8 GPUs ({nodes // 2} nodes fully in use), 20 claims ({ok} allocatable): "
+        f"in-process {in_process * 1000:.0f} ms ({in_process * 1000 / 20:.1f} ms/claim); "
+        f"CLI incl. start-up and YAML parsing {cli:.2f} s"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rate", type=int, default=200)
+    p.add_argument("--seconds", type=int, default=10)
+    p.add_argument("--nodes", type=int, default=125)
+    p.add_argument("--explain-nodes", type=int, default=100)
+    args = p.parse_args()
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    bench_webhook(args.rate, args.seconds, args.nodes)
+    bench_explain(args.explain_nodes)
+
+
+if __name__ == "__main__":
+    main()

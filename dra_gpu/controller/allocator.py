@@ -1,0 +1,508 @@
+"""A simulation of the Kubernetes structured allocator (k8s.io/dynamic-resource-allocation/structured).
+
+Per node: pools (highest generation, complete ones only) sorted by ID, their slices and devices in
+published order; requests in order, `firstAvailable` subrequests in listed order; for each device slot
+the first device that is free, matches the class and request selectors, is not tainted, fits the
+counters and keeps every matchAttribute/distinctAttribute constraint; depth-first backtracking, the
+first full solution wins. Constraints are set properties, so trying devices in increasing order per
+request (combinations) finds the same first solution as the scheduler's permutation search, faster.
+
+Besides the first-fit answer it finds the placement with the lowest NVLink link cost on that node
+(1 per pair of devices in one NVLink domain, 4 per pair across domains).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from dra_gpu.controller.cel_env import CelEnvironment, SelectorEvalError, parse_quantity_str
+
+SAME_DOMAIN_COST = 1
+CROSS_DOMAIN_COST = 4
+MAX_RESULTS_PER_CLAIM = 32  # AllocationResultsMaxSize
+DEFAULT_STEP_BUDGET = 500_000
+
+
+class AllocationError(RuntimeError):
+    """The allocation cannot even be attempted (unknown class, a selector failing at runtime, ...)."""
+
+
+class SearchLimitError(AllocationError):
+    """The search ran out of its step budget (the scheduler has a filter timeout for the same reason)."""
+
+
+@dataclass(eq=False)
+class Device:
+    driver: str
+    pool: str
+    name: str
+    node: str | None  # None: all nodes
+    raw: Mapping[str, Any]
+    pool_key: tuple[str, str]
+    consumes: list[tuple[str, dict[str, Decimal]]] = field(default_factory=list)
+    _view: dict[str, Any] | None = None
+    _activation: Any = None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.driver, self.pool, self.name)
+
+    def attribute(self, qualified: str) -> tuple[str, Any] | None:
+        """(kind, value) of a fully qualified attribute; the driver's own may be published unqualified."""
+        attrs = self.raw.get("attributes") or {}
+        value = attrs.get(qualified)
+        domain, _, ident = qualified.rpartition("/")
+        if value is None and domain == self.driver:
+            value = attrs.get(ident)
+        if not isinstance(value, dict) or len(value) != 1:
+            return None
+        kind, v = next(iter(value.items()))
+        return kind, v
+
+    def capacity(self, name: str) -> Decimal | None:
+        caps = self.raw.get("capacity") or {}
+        value = caps.get(name) or caps.get(f"{self.driver}/{name}")
+        if isinstance(value, dict) and "value" in value:
+            try:
+                return parse_quantity_str(str(value["value"]))
+            except ValueError:
+                return None
+        return None
+
+    def taints(self) -> list[Mapping[str, Any]]:
+        return [t for t in self.raw.get("taints") or [] if isinstance(t, dict)]
+
+
+@dataclass
+class Pool:
+    driver: str
+    name: str
+    generation: int
+    slice_count: int
+    slices: list[Mapping[str, Any]]
+    counters: dict[tuple[str, str], Decimal] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.slices) == self.slice_count
+
+
+@dataclass
+class SubRequest:
+    """One alternative of a request: the request itself (`sub` None) or one `firstAvailable` entry."""
+
+    request: str
+    sub: str | None
+    device_class: str
+    selectors: list[str]
+    mode: str  # ExactCount | All
+    count: int
+    admin_access: bool
+    tolerations: list[Mapping[str, Any]]
+
+    @property
+    def name(self) -> str:
+        return f"{self.request}/{self.sub}" if self.sub else self.request
+
+
+@dataclass
+class Request:
+    name: str
+    alternatives: list[SubRequest]
+
+
+@dataclass
+class Constraint:
+    kind: str  # match | distinct
+    attribute: str
+    requests: list[str]
+
+    def applies(self, sub: SubRequest) -> bool:
+        return not self.requests or sub.request in self.requests or sub.name in self.requests
+
+
+@dataclass
+class Placement:
+    node: str
+    results: list[tuple[str, Device]]  # (request name as in the allocation result, device)
+    link_cost: int
+
+    @property
+    def devices(self) -> list[str]:
+        return [d.name for _, d in self.results]
+
+
+def parse_requests(spec: Mapping[str, Any]) -> tuple[list[Request], list[Constraint]]:
+    """Requests and constraints of a claim's `spec.devices`, with API defaults applied."""
+    devices = spec.get("devices") or {}
+    requests: list[Request] = []
+    for r in devices.get("requests") or []:
+        name = str(r.get("name", ""))
+        if r.get("firstAvailable"):
+            alts = [_sub(name, s.get("name"), s) for s in r["firstAvailable"]]
+        else:
+            alts = [_sub(name, None, r.get("exactly") or r)]
+        requests.append(Request(name, alts))
+    constraints: list[Constraint] = []
+    for c in devices.get("constraints") or []:
+        if c.get("matchAttribute"):
+            constraints.append(Constraint("match", str(c["matchAttribute"]), list(c.get("requests") or [])))
+        elif c.get("distinctAttribute"):
+            constraints.append(
+                Constraint("distinct", str(c["distinctAttribute"]), list(c.get("requests") or []))
+            )
+    return requests, constraints
+
+
+def _sub(request: str, sub: Any, body: Mapping[str, Any]) -> SubRequest:
+    mode = body.get("allocationMode") or "ExactCount"
+    count = body.get("count")
+    return SubRequest(
+        request=request,
+        sub=str(sub) if sub else None,
+        device_class=str(body.get("deviceClassName", "")),
+        selectors=[
+            str((s.get("cel") or {}).get("expression", ""))
+            for s in body.get("selectors") or []
+            if isinstance(s, dict)
+        ],
+        mode=str(mode),
+        count=int(count) if isinstance(count, int) and not isinstance(count, bool) else 1,
+        admin_access=bool(body.get("adminAccess", False)),
+        tolerations=list(body.get("tolerations") or []),
+    )
+
+
+def allocated_devices(claims: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]:
+    """Devices in use by allocated claims (admin-access results do not block others)."""
+    out: set[tuple[str, str, str]] = set()
+    for c in claims:
+        alloc = ((c.get("status") or {}).get("allocation") or {}).get("devices") or {}
+        for r in alloc.get("results") or []:
+            if not r.get("adminAccess"):
+                out.add((str(r.get("driver")), str(r.get("pool")), str(r.get("device"))))
+    return out
+
+
+def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]) -> bool:
+    for t in tolerations:
+        if t.get("effect") and t.get("effect") != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists":
+            if not t.get("key") or t.get("key") == taint.get("key"):
+                return True
+        elif t.get("key") == taint.get("key") and (t.get("value") or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
+class Cluster:
+    """Published slices, device classes and devices in use: what the allocator sees."""
+
+    def __init__(
+        self,
+        env: CelEnvironment,
+        slices: Iterable[Mapping[str, Any]],
+        classes: Mapping[str, Mapping[str, Any]],
+        in_use: set[tuple[str, str, str]] | None = None,
+        step_budget: int = DEFAULT_STEP_BUDGET,
+    ) -> None:
+        self.env = env
+        self.classes = dict(classes)
+        self.in_use = set(in_use or ())
+        self.step_budget = step_budget
+        self.pools = self._gather(slices)
+        self.nodes = sorted(
+            {str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices if s["spec"].get("nodeName")}
+        ) or [""]
+        self._devices: dict[str, list[Device]] = {}
+        self._selected: dict[tuple[str, int], bool] = {}  # (expression, id(device)) -> match
+        self._candidates: dict[tuple[str, str, tuple[str, ...]], list[Device]] = {}
+
+    @staticmethod
+    def _gather(slices: Iterable[Mapping[str, Any]]) -> list[Pool]:
+        pools: dict[tuple[str, str], Pool] = {}
+        for s in slices:
+            spec = s.get("spec") or {}
+            pool = spec.get("pool") or {}
+            key = (str(spec.get("driver", "")), str(pool.get("name", "")))
+            gen = int(pool.get("generation") or 0)
+            p = pools.get(key)
+            if p is None or gen > p.generation:
+                p = pools[key] = Pool(key[0], key[1], gen, int(pool.get("resourceSliceCount") or 1), [])
+            if gen == p.generation:
+                p.slices.append(s)
+        for p in pools.values():
+            p.slices.sort(key=lambda s: str((s.get("metadata") or {}).get("name", "")))
+            for s in p.slices:
+                for cs in s["spec"].get("sharedCounters") or []:
+                    for cname, c in (cs.get("counters") or {}).items():
+                        p.counters[(str(cs.get("name")), str(cname))] = parse_quantity_str(
+                            str(c.get("value"))
+                        )
+        return [pools[k] for k in sorted(pools)]
+
+    def devices(self, node: str) -> list[Device]:
+        """The devices usable on `node`, in the allocator's order."""
+        if node not in self._devices:
+            out: list[Device] = []
+            for p in self.pools:
+                if not p.complete:
+                    continue
+                names: set[str] = set()
+                for s in p.slices:
+                    spec = s["spec"]
+                    if not (spec.get("allNodes") or spec.get("nodeName") == node or node == ""):
+                        continue
+                    for d in spec.get("devices") or []:
+                        name = str(d.get("name", ""))
+                        if name in names:
+                            continue
+                        names.add(name)
+                        consumes = [
+                            (
+                                str(cc.get("counterSet")),
+                                {
+                                    str(k): parse_quantity_str(str(v.get("value")))
+                                    for k, v in (cc.get("counters") or {}).items()
+                                },
+                            )
+                            for cc in d.get("consumesCounters") or []
+                        ]
+                        out.append(
+                            Device(
+                                p.driver, p.name, name, spec.get("nodeName"), d, (p.driver, p.name), consumes
+                            )
+                        )
+            self._devices[node] = out
+        return self._devices[node]
+
+    def pool(self, key: tuple[str, str]) -> Pool | None:
+        return next((p for p in self.pools if (p.driver, p.name) == key), None)
+
+    def matches(self, expression: str, device: Device) -> bool:
+        k = (expression, id(device))
+        hit = self._selected.get(k)
+        if hit is None:
+            if device._view is None:
+                device._view = self.env.device_view(device.driver, device.raw)
+                device._activation = self.env.activation(device._view)
+            try:
+                hit = self.env.evaluate(self.env.compile(expression), device._view, device._activation)
+            except SelectorEvalError as exc:
+                raise AllocationError(
+                    f"selector {expression!r} failed on device {device.name} ({device.pool}): {exc}"
+                ) from exc
+            self._selected[k] = hit
+        return hit
+
+    def selectable(self, sub: SubRequest, device: Device) -> bool:
+        cls = self.classes.get(sub.device_class)
+        if cls is None:
+            raise AllocationError(f"device class {sub.device_class!r} does not exist")
+        for s in (cls.get("spec") or {}).get("selectors") or []:
+            if not self.matches(str((s.get("cel") or {}).get("expression", "")), device):
+                return False
+        return all(self.matches(e, device) for e in sub.selectors)
+
+    def candidates(self, node: str, sub: SubRequest) -> list[Device]:
+        """Devices on `node` matching the class and request selectors (cached: selectors are pure)."""
+        k = (node, sub.device_class, tuple(sub.selectors))
+        hit = self._candidates.get(k)
+        if hit is None:
+            hit = self._candidates[k] = [d for d in self.devices(node) if self.selectable(sub, d)]
+        return hit
+
+
+def link_cost(devices: Sequence[Device]) -> int:
+    doms = [d.attribute(f"{d.driver}/nvlinkDomain") for d in devices]
+    cost = 0
+    for a, b in itertools.combinations(doms, 2):
+        cost += SAME_DOMAIN_COST if a is not None and a == b else CROSS_DOMAIN_COST
+    return cost
+
+
+class _Search:
+    """Backtracking over one node for one claim."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        node: str,
+        requests: list[Request],
+        constraints: list[Constraint],
+        ignore_in_use: bool,
+        best: bool,
+    ) -> None:
+        self.c = cluster
+        self.node = node
+        self.requests = requests
+        self.constraints = constraints
+        self.in_use = set() if ignore_in_use else cluster.in_use
+        self.best_mode = best
+        self.chosen: list[tuple[SubRequest, Device]] = []
+        self.allocating: set[tuple[str, str, str]] = set()
+        self.values: list[list[tuple[str, Any]]] = [[] for _ in constraints]  # per constraint: taken values
+        self.consumed: dict[tuple[tuple[str, str], str, str], Decimal] = {}
+        self.steps = 0
+        self.found: list[tuple[SubRequest, Device]] | None = None
+        self.best_cost: int | None = None
+        self.cands: dict[int, list[Device]] = {}
+        self._taken_stack: list[list[int]] = []  # per chosen device: the constraints it set a value in
+
+    def run(self) -> list[tuple[SubRequest, Device]] | None:
+        self._next(0)
+        return self.found
+
+    def _candidates(self, sub: SubRequest) -> list[Device]:
+        k = id(sub)
+        if k not in self.cands:
+            self.cands[k] = self.c.candidates(self.node, sub)
+        return self.cands[k]
+
+    def _next(self, ri: int) -> bool:
+        if ri == len(self.requests):
+            return self._solution()
+        for sub in self.requests[ri].alternatives:
+            cands = self._candidates(sub)
+            if sub.mode == "All":
+                if not cands or any(not self.c.pool(d.pool_key) for d in cands):
+                    continue
+                added = 0
+                for d in cands:
+                    if not self._add(sub, d):
+                        break
+                    added += 1
+                if added == len(cands) and len(self.chosen) <= MAX_RESULTS_PER_CLAIM and self._next(ri + 1):
+                    return True
+                for _ in range(added):
+                    self._remove()
+            else:
+                if len(self.chosen) + sub.count > MAX_RESULTS_PER_CLAIM or len(cands) < sub.count:
+                    continue
+                if not sub.admin_access and self.in_use:
+                    cands = [d for d in cands if d.key not in self.in_use]
+                    if len(cands) < sub.count:
+                        continue
+                if self._fill(ri, sub, cands, sub.count, 0):
+                    return True
+        return False
+
+    def _fill(self, ri: int, sub: SubRequest, cands: list[Device], remaining: int, start: int) -> bool:
+        if remaining == 0:
+            return self._next(ri + 1)
+        for j in range(start, len(cands) - remaining + 1):
+            self.steps += 1
+            if self.steps > self.c.step_budget:
+                raise SearchLimitError(f"search gave up after {self.c.step_budget} steps on node {self.node}")
+            d = cands[j]
+            if self.best_mode and self.best_cost is not None and self._partial_cost(d) >= self.best_cost:
+                continue
+            if not self._add(sub, d):
+                continue
+            if self._fill(ri, sub, cands, remaining - 1, j + 1):
+                return True
+            self._remove()
+        return False
+
+    def _partial_cost(self, d: Device) -> int:
+        return link_cost([x for _, x in self.chosen] + [d])
+
+    def _add(self, sub: SubRequest, d: Device) -> bool:
+        if d.key in self.allocating or (d.key in self.in_use and not sub.admin_access):
+            return False
+        for t in d.taints():
+            if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(t, sub.tolerations):
+                return False
+        pool = self.c.pool(d.pool_key)
+        if d.consumes and pool is not None:
+            for cset, counters in d.consumes:
+                for cname, v in counters.items():
+                    avail = pool.counters.get((cset, cname))
+                    used = self.consumed.get((d.pool_key, cset, cname), Decimal(0))
+                    if avail is None or used + v > avail:
+                        return False
+        taken: list[int] = []
+        for i, con in enumerate(self.constraints):
+            if not con.applies(sub):
+                continue
+            value = d.attribute(con.attribute)
+            if value is None:
+                return False
+            if con.kind == "match" and self.values[i] and self.values[i][0] != value:
+                return False
+            if con.kind == "distinct" and value in self.values[i]:
+                return False
+            taken.append(i)
+        for i in taken:
+            self.values[i].append(d.attribute(self.constraints[i].attribute))  # type: ignore[arg-type]
+        for cset, counters in d.consumes:
+            for cname, v in counters.items():
+                k = (d.pool_key, cset, cname)
+                self.consumed[k] = self.consumed.get(k, Decimal(0)) + v
+        self.chosen.append((sub, d))
+        self._taken_stack.append(taken)
+        if not sub.admin_access:
+            self.allocating.add(d.key)
+        return True
+
+    def _remove(self) -> None:
+        _, d = self.chosen.pop()
+        for i in self._taken_stack.pop():
+            self.values[i].pop()
+        for cset, counters in d.consumes:
+            for cname, v in counters.items():
+                self.consumed[(d.pool_key, cset, cname)] -= v
+        self.allocating.discard(d.key)
+
+    def _solution(self) -> bool:
+        if not self.best_mode:
+            self.found = list(self.chosen)
+            return True
+        cost = link_cost([d for _, d in self.chosen])
+        if self.best_cost is None or cost < self.best_cost:
+            self.best_cost = cost
+            self.found = list(self.chosen)
+        return cost == 0  # nothing beats 0
+
+
+@dataclass
+class Explanation:
+    allocatable: bool
+    placement: Placement | None = None
+    best: Placement | None = None
+    reason: str = ""
+
+
+def place(
+    cluster: Cluster, spec: Mapping[str, Any], node: str, ignore_in_use: bool = False, best: bool = False
+) -> Placement | None:
+    requests, constraints = parse_requests(spec)
+    found = _Search(cluster, node, requests, constraints, ignore_in_use, best).run()
+    if found is None:
+        return None
+    return Placement(node, [(s.name, d) for s, d in found], link_cost([d for _, d in found]))
+
+
+def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> Explanation:
+    """First-fit placement on the first node (by name) where the claim fits, and the cheapest there."""
+    try:
+        for node in cluster.nodes:
+            p = place(cluster, spec, node, ignore_in_use)
+            if p is not None:
+                b = p
+                if len(p.results) > 1:
+                    try:
+                        b = place(cluster, spec, node, ignore_in_use, best=True) or p
+                    except SearchLimitError:
+                        b = p
+                return Explanation(True, p, b if b.link_cost < p.link_cost else p)
+    except AllocationError as exc:
+        return Explanation(False, reason=str(exc))
+    from dra_gpu.controller.diagnosis import why_not  # late: diagnosis builds on this module
+
+    return Explanation(False, reason=why_not(cluster, spec, ignore_in_use))

@@ -1,0 +1,294 @@
+"""`dra-gpu validate`, `dra-gpu explain` and `dra-gpu controller`: argparse wiring and the offline fronts.
+
+The CEL engine and the webhook's HTTP stack are imported by the handlers, so other subcommands of
+`dra-gpu` (the kubelet plugin) neither load nor need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dra_gpu.model import DEFAULT_DRIVER_NAME
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
+
+class InputError(Exception):
+    """A file that cannot be read (exit 2)."""
+
+
+@dataclass
+class Inputs:
+    slices: list[dict[str, Any]] = field(default_factory=list)
+    classes: list[dict[str, Any]] = field(default_factory=list)
+    claims: list[dict[str, Any]] = field(default_factory=list)  # ResourceClaims (allocated or not)
+    others: list[dict[str, Any]] = field(default_factory=list)  # templates and anything else
+    problems: list[str] = field(default_factory=list)  # documents that are not objects at all
+
+    def add(self, doc: Any, where: str) -> None:
+        if doc is None:
+            return
+        if not isinstance(doc, dict):
+            self.problems.append(f"{where}: not a Kubernetes object (got {type(doc).__name__})")
+            return
+        if doc.get("kind") == "List" or (str(doc.get("kind", "")).endswith("List") and "items" in doc):
+            for i, item in enumerate(doc.get("items") or []):
+                self.add(item, f"{where}: items[{i}]")
+            return
+        kind = doc.get("kind")
+        {"ResourceSlice": self.slices, "DeviceClass": self.classes, "ResourceClaim": self.claims}.get(
+            str(kind), self.others
+        ).append(doc)
+
+
+def load_files(paths: list[str], inputs: Inputs | None = None) -> Inputs:
+    inputs = inputs or Inputs()
+    for path in paths:
+        try:
+            if path == "-":
+                text = sys.stdin.read(MAX_FILE_BYTES + 1)
+            else:
+                p = Path(path)
+                if p.stat().st_size > MAX_FILE_BYTES:
+                    raise InputError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+                text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from exc
+        if len(text) > MAX_FILE_BYTES:
+            raise InputError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+        try:
+            for i, doc in enumerate(yaml.safe_load_all(text)):
+                inputs.add(doc, f"{path}: document {i + 1}")
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            inputs.problems.append(f"{path}{line}: not valid YAML: {problem}")
+        except RecursionError:
+            inputs.problems.append(f"{path}: not valid YAML: nested too deeply")
+    return inputs
+
+
+def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
+    """Add the cluster's slices, classes and claims to `inputs` (read-only list calls)."""
+    from kubernetes import client, config
+
+    try:
+        api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        api = client.ResourceV1Api(api_client)
+        fns: tuple[tuple[Any, list[dict[str, Any]]], ...]
+        fns = (
+            (api.list_resource_slice, inputs.slices),
+            (api.list_device_class, inputs.classes),
+            (api.list_resource_claim_for_all_namespaces, inputs.claims),
+        )
+        for fn, dest in fns:
+            resp: Any = fn(_preload_content=False)
+            dest.extend(json.loads(resp.data).get("items") or [])
+    except Exception as exc:  # config errors, connection errors, API errors: all exit 2
+        raise InputError(f"cannot read the cluster with {kubeconfig}: {str(exc).splitlines()[0]}") from exc
+
+
+# ---------------------------------------------------------------- validate
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from dra_gpu.controller.rules import Validator  # the CEL engine loads only for these commands
+
+    try:
+        inputs = load_files(args.filename)
+        if args.kubeconfig:
+            cluster = Inputs()
+            load_cluster(args.kubeconfig, cluster)
+            in_files = {_key(o) for o in inputs.slices + inputs.classes + inputs.claims}
+            inputs.slices += [o for o in cluster.slices if _key(o) not in in_files]
+            inputs.classes += [o for o in cluster.classes if _key(o) not in in_files]
+            inputs.claims += [o for o in cluster.claims if _key(o) not in in_files and _allocated(o)]
+    except InputError as exc:
+        print(f"dra-gpu: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    invalid = bool(inputs.problems)
+    for line in inputs.problems:
+        print(line)
+    to_check = inputs.classes + [c for c in inputs.claims if not _allocated(c)] + inputs.others
+    validator = Validator(
+        args.driver_name, inputs.slices, inputs.classes, [c for c in inputs.claims if _allocated(c)]
+    )
+    if not to_check and not inputs.problems:
+        print("dra-gpu: no DeviceClass, ResourceClaim or ResourceClaimTemplate in the input", file=sys.stderr)
+        return EXIT_USAGE
+    for obj in to_check:
+        verdict = validator.validate(obj)
+        for line in verdict.lines():
+            print(line)
+        for line in verdict.warning_lines():
+            print(line, file=sys.stderr)
+        invalid = invalid or not verdict.allowed
+    return EXIT_INVALID if invalid else EXIT_OK
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
+    meta = obj.get("metadata") or {}
+    return (str(obj.get("kind")), str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+
+
+def _allocated(claim: dict[str, Any]) -> bool:
+    status = claim.get("status")
+    return isinstance(status, dict) and bool(status.get("allocation"))
+
+
+# ---------------------------------------------------------------- explain
+
+
+def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[str, Any]:
+    from dra_gpu.controller.allocator import Cluster, allocated_devices, explain
+    from dra_gpu.controller.rules import Validator
+
+    validator = Validator(driver, inputs.slices, inputs.classes)
+    classes = {str((c.get("metadata") or {}).get("name")): c for c in inputs.classes}
+    in_use = allocated_devices([c for c in inputs.claims if _allocated(c)])
+    cluster = Cluster(validator.env, inputs.slices, classes, in_use)
+    out = []
+    for claim in inputs.claims:
+        if _allocated(claim):
+            continue
+        meta = claim.get("metadata") or {}
+        entry: dict[str, Any] = {
+            "namespace": str(meta.get("namespace") or "default"),
+            "name": str(meta.get("name") or ""),
+            "allocatable": False,
+            "node": "",
+            "devices": [],
+            "linkCost": 0,
+            "bestDevices": [],
+            "bestLinkCost": 0,
+            "reason": "",
+        }
+        verdict = validator.validate({**claim, "status": {}})
+        if verdict.errors and not any("can never be satisfied" in p.message for p in verdict.errors):
+            entry["reason"] = "; ".join(f"{p.path}: {p.message}" for p in verdict.errors)
+            out.append(entry)
+            continue
+        spec: dict[str, Any] = claim["spec"] if isinstance(claim.get("spec"), dict) else {}
+        e = explain(cluster, spec)
+        if e.allocatable and e.placement is not None and e.best is not None:
+            entry.update(
+                allocatable=True,
+                node=e.placement.node,
+                devices=e.placement.devices,
+                linkCost=e.placement.link_cost,
+                bestDevices=e.best.devices,
+                bestLinkCost=e.best.link_cost,
+            )
+        else:
+            entry["reason"] = e.reason
+        out.append(entry)
+    return {"claims": out}
+
+
+def render_text(result: dict[str, Any]) -> str:
+    lines = []
+    for c in result["claims"]:
+        head = f"{c['namespace']}/{c['name']}:"
+        if not c["allocatable"]:
+            lines.append(f"{head} not allocatable: {c['reason']}")
+            continue
+        lines.append(
+            f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"
+        )
+        if c["bestLinkCost"] < c["linkCost"]:
+            lines.append(
+                f"  a cheaper placement on {c['node']}: {', '.join(c['bestDevices'])} "
+                f"(link cost {c['bestLinkCost']})"
+            )
+    return "\n".join(lines)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    try:
+        inputs = load_files(args.filename)
+    except InputError as exc:
+        print(f"dra-gpu: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for line in inputs.problems:
+        print(line, file=sys.stderr)
+    if inputs.problems:
+        return EXIT_INVALID
+    if not any(not _allocated(c) for c in inputs.claims):
+        print(
+            "dra-gpu: no ResourceClaim to allocate (without status.allocation) in the input", file=sys.stderr
+        )
+        return EXIT_USAGE
+    result = explain_inputs(inputs, args.driver_name)
+    if args.output == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        print(render_text(result))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- controller
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from dra_gpu.controller.webhook import run
+
+    return run(args)
+
+
+def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add the controller's subcommands to `sub` (argparse subparsers); returns name -> handler."""
+    v = sub.add_parser("validate", help="validate DeviceClasses, ResourceClaims and templates offline")
+    v.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="YAML/JSON file ('-' for stdin); may hold ResourceSlices used for feasibility",
+    )
+    v.add_argument(
+        "--kubeconfig", metavar="PATH", help="also read slices, classes and claims from this cluster"
+    )
+    v.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
+    e = sub.add_parser("explain", help="simulate the scheduler's allocation of claims against slices")
+    e.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="files with ResourceSlices, DeviceClasses and ResourceClaims",
+    )
+    e.add_argument("-o", "--output", choices=("json", "text"), default="text")
+    e.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
+    c = sub.add_parser("controller", help="run the validating admission webhook (HTTPS)")
+    c.add_argument("--cert", required=True, help="TLS certificate file (PEM); reloaded when it changes")
+    c.add_argument("--key", required=True, help="TLS private key file (PEM); reloaded when it changes")
+    c.add_argument("--address", default="0.0.0.0", help="listen address")
+    c.add_argument("--port", type=int, default=8443, help="listen port")
+    c.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
+    c.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig (default: in-cluster config)")
+    c.add_argument(
+        "--no-watch",
+        action="store_true",
+        help="do not watch the cluster (no feasibility checks); for tests and local runs",
+    )
+    c.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="static slices/classes/claims to use as the cluster view (with --no-watch)",
+    )
+    return {"validate": cmd_validate, "explain": cmd_explain, "controller": cmd_controller}

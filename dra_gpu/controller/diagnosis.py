@@ -1,0 +1,163 @@
+"""Why a claim cannot be placed, said with the best the cluster offers.
+
+"request 'gpus': no GPU with memory >= 100Gi; largest: 80Gi", "largest NVLink domain: 8 GPUs
+(node-a); the claim needs 16 NVLink-connected GPUs", ...
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from dra_gpu.controller.allocator import (
+    AllocationError,
+    Cluster,
+    Constraint,
+    Device,
+    Request,
+    SubRequest,
+    parse_requests,
+)
+from dra_gpu.controller.cel_env import format_quantity
+
+_CAP_COMPARE = re.compile(
+    r"capacity\s*\[\s*[\"']([^\"']+)[\"']\s*\]\s*\.\s*(\w+)\s*\.\s*"
+    r"(?:compareTo\s*\(\s*quantity\s*\(\s*[\"']([^\"']+)[\"']\s*\)\s*\)\s*(>=|>|==)\s*0"
+    r"|(isGreaterThan)\s*\(\s*quantity\s*\(\s*[\"']([^\"']+)[\"']\s*\)\s*\))"
+)
+_CAP_REF = re.compile(r"capacity\s*\[\s*[\"']([^\"']+)[\"']\s*\]\s*\.\s*(\w+)")
+
+
+def _noun(devices: list[Device], plural: bool = False) -> str:
+    kinds = {(d.attribute(f"{d.driver}/type") or ("", ""))[1] for d in devices}
+    noun = {"gpu": "GPU", "mig": "MIG device"}.get(kinds.pop(), "device") if len(kinds) == 1 else "device"
+    return noun + "s" if plural else noun
+
+
+def _selector_problem(cluster: Cluster, sub: SubRequest, pool: list[Device]) -> str:
+    """Why no device of the class matches the request's selectors."""
+    for i, expr in enumerate(sub.selectors):
+        if any(cluster.matches(expr, d) for d in pool):
+            continue
+        m = _CAP_COMPARE.search(expr)
+        if m:
+            name = m.group(2)
+            op = m.group(4) or ">"
+            want = m.group(3) or m.group(6)
+            sizes = [c for c in (d.capacity(name) for d in pool) if c is not None]
+            largest = f"; largest: {format_quantity(max(sizes))}" if sizes else ""
+            return f"no {_noun(pool)} with {name} {op} {want}{largest}"
+        ref = _CAP_REF.search(expr)
+        extra = ""
+        if ref:
+            sizes = [c for c in (d.capacity(ref.group(2)) for d in pool) if c is not None]
+            if sizes:
+                extra = f"; largest {ref.group(2)}: {format_quantity(max(sizes))}"
+        return f"selectors[{i}] matches none of the {len(pool)} devices of class {sub.device_class!r}{extra}"
+    return f"no device matches all selectors together (class {sub.device_class!r} has {len(pool)} devices)"
+
+
+def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) -> tuple[int, str]:
+    """(most devices on one node, reason) for one request alternative; reason empty when counts fit."""
+    best_n, best_node = -1, ""
+    per_class: list[Device] = []
+    cls = cluster.classes.get(sub.device_class)
+    if cls is None:
+        raise AllocationError(f"device class {sub.device_class!r} does not exist")
+    class_sel = [
+        str((s.get("cel") or {}).get("expression", ""))
+        for s in (cls.get("spec") or {}).get("selectors") or []
+    ]
+    for node in cluster.nodes:
+        devs = cluster.devices(node)
+        in_class = [d for d in devs if all(cluster.matches(e, d) for e in class_sel)]
+        per_class += in_class
+        ok = [d for d in in_class if all(cluster.matches(e, d) for e in sub.selectors)]
+        if not ignore_in_use:
+            ok = [d for d in ok if d.key not in cluster.in_use or sub.admin_access]
+        if len(ok) > best_n:
+            best_n, best_node = len(ok), node
+    if sub.mode == "All":
+        return best_n, "" if best_n > 0 else f"request {sub.name!r}: no device matches (allocationMode All)"
+    if best_n >= sub.count:
+        return best_n, ""
+    if not per_class:
+        return best_n, f"request {sub.name!r}: no published device belongs to class {sub.device_class!r}"
+    if best_n <= 0:
+        return best_n, f"request {sub.name!r}: {_selector_problem(cluster, sub, per_class)}"
+    where = f" ({best_node})" if best_node else ""
+    return best_n, (
+        f"request {sub.name!r} needs {sub.count} {_noun(per_class, True)}; "
+        f"at most {best_n} match on one node{where}"
+    )
+
+
+def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> str:
+    try:
+        return _why_not(cluster, spec, ignore_in_use)
+    except AllocationError as exc:
+        return str(exc)
+
+
+def _why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> str:
+    requests, constraints = parse_requests(spec)
+    if not cluster.pools:
+        return "no ResourceSlices are published"
+    count_reasons: list[str] = []
+    for req in requests:
+        found = [_alternative_reason(cluster, sub, ignore_in_use) for sub in req.alternatives]
+        reasons = [r for _, r in found]
+        if all(reasons):
+            if all(n <= 0 for n, _ in found):  # nothing matches at all: that is the reason
+                return "; ".join(reasons)
+            count_reasons.append("; ".join(reasons))
+    constraint_reasons = _constraint_reasons(cluster, requests, constraints, ignore_in_use)
+    if constraint_reasons or count_reasons:
+        return "; ".join(constraint_reasons + count_reasons)
+    nodes = ", ".join(n for n in cluster.nodes if n) or "any node"
+    if not ignore_in_use and cluster.in_use:
+        return f"no free combination of devices satisfies the requests and constraints on {nodes}"
+    return f"no combination of devices satisfies all requests and constraints together on {nodes}"
+
+
+def _constraint_reasons(
+    cluster: Cluster, requests: list[Request], constraints: list[Constraint], ignore_in_use: bool
+) -> list[str]:
+    out: list[str] = []
+    for con in constraints:
+        if con.kind != "match":
+            continue
+        subs = [req.alternatives[0] for req in requests if con.applies(req.alternatives[0])]
+        need = sum(s.count for s in subs if s.mode == "ExactCount")
+        largest, node_of = 0, ""
+        noun_pool: list[Device] = []
+        for node in cluster.nodes:
+            groups: Counter[Any] = Counter()
+            for d in cluster.devices(node):
+                if not any(cluster.selectable(s, d) for s in subs):
+                    continue
+                if not ignore_in_use and d.key in cluster.in_use:
+                    continue
+                value = d.attribute(con.attribute)
+                if value is not None:
+                    groups[value] += 1
+                    noun_pool.append(d)
+            if groups and max(groups.values()) > largest:
+                largest, node_of = max(groups.values()), node
+        if need > largest:
+            where = f" ({node_of})" if node_of else ""
+            if con.attribute.endswith("/nvlinkDomain"):
+                noun = _noun(noun_pool, True) if noun_pool else "GPUs"
+                free = "" if ignore_in_use else "free "
+                out.append(
+                    f"largest {free}NVLink domain: {largest} {noun}{where}; "
+                    f"the claim needs {need} NVLink-connected {noun}"
+                )
+            else:
+                out.append(
+                    f"at most {largest} devices share one value of {con.attribute}{where}; "
+                    f"the constraint needs {need}"
+                )
+    return out

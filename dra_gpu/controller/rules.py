@@ -1,0 +1,379 @@
+"""Validation rules for DeviceClasses, ResourceClaims and ResourceClaimTemplates that concern the driver.
+
+One core for the admission webhook and `dra-gpu validate`: structure and API limits, CEL selectors
+(compile, type-check against the attributes the driver publishes), constraints, opaque config, and
+feasibility against the published ResourceSlices. Objects that do not concern the driver pass
+untouched. Every problem names its field path and says what would be valid.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dra_gpu.api import ConfigError, decode
+from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices, explain
+from dra_gpu.controller.cel_env import CelEnvironment, Schema
+from dra_gpu.model import DEFAULT_DRIVER_NAME
+
+API_VERSION = "resource.k8s.io/v1"
+KINDS = ("DeviceClass", "ResourceClaim", "ResourceClaimTemplate")
+MAX_OBJECT_BYTES = 3 * 1024 * 1024  # the apiserver's request size limit
+MAX_REQUESTS = MAX_SELECTORS = MAX_CONSTRAINTS = MAX_CONFIGS = 32
+MAX_SUBREQUESTS = 8
+MAX_PARAMETERS_BYTES = 10 * 1024
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_QUALIFIED_NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+
+
+@dataclass
+class Verdict:
+    kind: str
+    name: str
+    namespace: str = ""
+    concerned: bool = False
+    errors: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+
+    @property
+    def allowed(self) -> bool:
+        return not self.errors
+
+    def lines(self) -> list[str]:
+        who = f"{self.kind}/{self.name}"
+        return [f"{who}: {p.path}: {p.message}" for p in self.errors]
+
+    def warning_lines(self) -> list[str]:
+        who = f"{self.kind}/{self.name}"
+        return [f"{who}: {p.path}: warning: {p.message}" for p in self.warnings]
+
+
+def is_extended_resource_name(name: str) -> str | None:
+    """None when `name` is a valid extended resource name (as Kubernetes checks it), else why not."""
+    if "/" not in name or "kubernetes.io/" in name:
+        return "must be a domain-prefixed name outside kubernetes.io, such as example.com/gpu"
+    if name.startswith("requests."):
+        return "must not start with 'requests.'"
+    prefix, _, ident = ("requests." + name).partition("/")
+    if len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
+        return f"domain {name.partition('/')[0]!r} must be a lowercase DNS subdomain"
+    if len(ident) > 63 or not _QUALIFIED_NAME_PART.match(ident):
+        return (
+            f"name {ident!r} must be <= 63 characters of [A-Za-z0-9-_.], "
+            "starting and ending with an alphanumeric character"
+        )
+    return None
+
+
+class Validator:
+    """The rules, over one view of the cluster (published slices, classes, allocated claims)."""
+
+    def __init__(
+        self,
+        driver: str = DEFAULT_DRIVER_NAME,
+        slices: Iterable[Mapping[str, Any]] = (),
+        classes: Iterable[Mapping[str, Any]] = (),
+        claims: Iterable[Mapping[str, Any]] = (),
+        env: CelEnvironment | None = None,
+    ) -> None:
+        self.driver = driver
+        self.slices = list(slices)
+        if env is None:
+            schema = Schema.default(driver)
+            schema.add_slices(self.slices)
+            env = CelEnvironment(schema)
+        self.env = env
+        self.classes = {str((c.get("metadata") or {}).get("name", "")): c for c in classes}
+        self.cluster = Cluster(env, self.slices, self.classes, allocated_devices(claims))
+        self.has_driver_slices = any((s.get("spec") or {}).get("driver") == driver for s in self.slices)
+        self._checked: dict[str, list[str]] = {}
+
+    # -- entry point
+
+    def validate(self, obj: Any) -> Verdict:
+        if not isinstance(obj, dict):
+            return Verdict(
+                "?", "?", errors=[Problem("(document)", "must be a Kubernetes object (a mapping)")]
+            )
+        kind = str(obj.get("kind") or "?")
+        meta: dict[str, Any] = obj["metadata"] if isinstance(obj.get("metadata"), dict) else {}
+        name = str(meta.get("name") or meta.get("generateName") or "?")
+        v = Verdict(kind, name, str(meta.get("namespace") or ""))
+        if kind not in KINDS:
+            v.errors.append(Problem("kind", f"unsupported kind {kind!r} (validated: {', '.join(KINDS)})"))
+            return v
+        if obj.get("apiVersion") != API_VERSION:
+            v.errors.append(Problem("apiVersion", f"must be {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
+            return v
+        size = len(json.dumps(obj, default=str))
+        if size > MAX_OBJECT_BYTES:
+            v.errors.append(
+                Problem("(object)", f"is {size} bytes; the apiserver accepts at most {MAX_OBJECT_BYTES}")
+            )
+            return v
+        if name == "?":
+            v.errors.append(Problem("metadata.name", "required"))
+        if kind == "DeviceClass":
+            self._device_class(obj, v)
+        elif kind == "ResourceClaim":
+            self._claim_spec(
+                obj.get("spec"),
+                "spec",
+                v,
+                feasibility=not obj.get("status", {}).get("allocation")
+                if isinstance(obj.get("status"), dict)
+                else True,
+            )
+        else:
+            spec = obj.get("spec")
+            inner = spec.get("spec") if isinstance(spec, dict) else None
+            self._claim_spec(inner, "spec.spec", v, feasibility=True)
+        if not v.concerned:
+            v.errors.clear()
+            v.warnings.clear()
+        return v
+
+    # -- helpers
+
+    def _mentions_driver(self, text: str) -> bool:
+        return self.driver in text
+
+    def _list(self, value: Any, path: str, v: Verdict, limit: int) -> list[Any]:
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            v.errors.append(Problem(path, "must be a list"))
+            return []
+        if len(value) > limit:
+            v.errors.append(Problem(path, f"has {len(value)} entries, at most {limit} are allowed"))
+        return value
+
+    def _selectors(self, selectors: Any, path: str, v: Verdict) -> None:
+        for i, s in enumerate(self._list(selectors, path, v, MAX_SELECTORS)):
+            p = f"{path}[{i}].cel.expression"
+            expr = (
+                s.get("cel", {}).get("expression")
+                if isinstance(s, dict) and isinstance(s.get("cel"), dict)
+                else None
+            )
+            if not isinstance(expr, str):
+                v.errors.append(Problem(p, "required: a CEL expression (string)"))
+                continue
+            if expr not in self._checked:
+                self._checked[expr] = self.env.check(expr)
+            v.errors.extend(Problem(p, m) for m in self._checked[expr])
+
+    def _configs(self, configs: Any, path: str, v: Verdict, request_names: set[str] | None) -> None:
+        for i, c in enumerate(self._list(configs, path, v, MAX_CONFIGS)):
+            p = f"{path}[{i}]"
+            if not isinstance(c, dict):
+                v.errors.append(Problem(p, "must be an object"))
+                continue
+            if request_names is not None:
+                for j, r in enumerate(c.get("requests") or []):
+                    if str(r) not in request_names and str(r).split("/")[0] not in request_names:
+                        v.errors.append(
+                            Problem(
+                                f"{p}.requests[{j}]",
+                                f"unknown request {r!r} "
+                                f"(requests: {', '.join(sorted(request_names)) or 'none'})",
+                            )
+                        )
+            opaque = c.get("opaque")
+            if not isinstance(opaque, dict) or opaque.get("driver") != self.driver:
+                continue
+            v.concerned = True
+            params = opaque.get("parameters")
+            if len(json.dumps(params, default=str)) > MAX_PARAMETERS_BYTES:
+                v.errors.append(
+                    Problem(f"{p}.opaque.parameters", f"larger than {MAX_PARAMETERS_BYTES} bytes")
+                )
+                continue
+            try:
+                decode(params)
+            except ConfigError as exc:
+                where = f"{p}.opaque.parameters" + (f".{exc.path}" if exc.path else "")
+                v.errors.append(Problem(where, exc.message))
+
+    # -- DeviceClass
+
+    def _device_class(self, obj: Mapping[str, Any], v: Verdict) -> None:
+        spec = obj.get("spec")
+        if not isinstance(spec, dict):
+            v.errors.append(Problem("spec", "required: an object"))
+            return
+        exprs = [json.dumps(s) for s in spec.get("selectors") or [] if isinstance(s, dict)]
+        if any(self._mentions_driver(e) for e in exprs):
+            v.concerned = True
+        self._selectors(spec.get("selectors"), "spec.selectors", v)
+        self._configs(spec.get("config"), "spec.config", v, None)
+        ern = spec.get("extendedResourceName")
+        if ern is not None:
+            problem = is_extended_resource_name(ern) if isinstance(ern, str) else "must be a string"
+            if problem:
+                v.errors.append(Problem("spec.extendedResourceName", f"{ern!r}: {problem}"))
+
+    # -- ResourceClaim / template
+
+    def _class_concerns_us(self, name: str) -> bool:
+        cls = self.classes.get(name)
+        if cls is None:
+            return name == self.driver or name.endswith("." + self.driver)
+        return self._mentions_driver(json.dumps(cls.get("spec") or {}))
+
+    def _claim_spec(self, spec: Any, path: str, v: Verdict, feasibility: bool) -> None:
+        if not isinstance(spec, dict) or not isinstance(spec.get("devices", {}), dict):
+            v.errors.append(Problem(path, "must be an object with 'devices'"))
+            v.concerned = True
+            return
+        devices = spec.get("devices") or {}
+        dpath = f"{path}.devices"
+        names: set[str] = set()
+        full_names: set[str] = set()
+        for i, r in enumerate(self._list(devices.get("requests"), f"{dpath}.requests", v, MAX_REQUESTS)):
+            self._request(r, f"{dpath}.requests[{i}]", v, names, full_names)
+        for i, c in enumerate(
+            self._list(devices.get("constraints"), f"{dpath}.constraints", v, MAX_CONSTRAINTS)
+        ):
+            self._constraint(c, f"{dpath}.constraints[{i}]", v, names, full_names)
+        self._configs(devices.get("config"), f"{dpath}.config", v, names)
+        if v.concerned and not v.errors and feasibility and names:
+            self._feasibility(spec, dpath, v)
+
+    def _request(self, r: Any, p: str, v: Verdict, names: set[str], full: set[str]) -> None:
+        if not isinstance(r, dict):
+            v.errors.append(Problem(p, "must be an object"))
+            return
+        name = r.get("name")
+        if not isinstance(name, str) or not _DNS_LABEL.match(name) or len(name) > 63:
+            v.errors.append(Problem(f"{p}.name", f"{name!r}: must be a DNS label"))
+        elif name in names:
+            v.errors.append(Problem(f"{p}.name", f"duplicate request name {name!r}"))
+        names.add(str(name))
+        full.add(str(name))
+        has_exact, has_first = r.get("exactly") is not None, r.get("firstAvailable") is not None
+        if has_exact == has_first:
+            v.errors.append(Problem(p, "exactly one of 'exactly' and 'firstAvailable' is required"))
+            return
+        if has_exact:
+            self._exact(r["exactly"], f"{p}.exactly", v)
+            return
+        subs = self._list(r["firstAvailable"], f"{p}.firstAvailable", v, MAX_SUBREQUESTS)
+        if not subs:
+            v.errors.append(Problem(f"{p}.firstAvailable", "must list at least one subrequest"))
+        seen: set[str] = set()
+        for j, s in enumerate(subs):
+            sp = f"{p}.firstAvailable[{j}]"
+            if not isinstance(s, dict):
+                v.errors.append(Problem(sp, "must be an object"))
+                continue
+            sname = s.get("name")
+            if not isinstance(sname, str) or not _DNS_LABEL.match(sname):
+                v.errors.append(Problem(f"{sp}.name", f"{sname!r}: must be a DNS label"))
+            elif sname in seen:
+                v.errors.append(Problem(f"{sp}.name", f"duplicate subrequest name {sname!r}"))
+            seen.add(str(sname))
+            full.add(f"{name}/{sname}")
+            if "adminAccess" in s:
+                v.errors.append(Problem(f"{sp}.adminAccess", "not allowed in a subrequest"))
+            self._exact(s, sp, v)
+
+    def _exact(self, e: Any, p: str, v: Verdict) -> None:
+        if not isinstance(e, dict):
+            v.errors.append(Problem(p, "must be an object"))
+            return
+        cls = e.get("deviceClassName")
+        if not isinstance(cls, str) or not cls:
+            v.errors.append(Problem(f"{p}.deviceClassName", "required"))
+        elif self._class_concerns_us(cls):
+            v.concerned = True
+        sels = e.get("selectors") or []
+        if any(self._mentions_driver(json.dumps(s)) for s in sels if isinstance(s, dict)):
+            v.concerned = True
+        mode = e.get("allocationMode", "ExactCount")
+        count = e.get("count")
+        if mode not in ("ExactCount", "All"):
+            v.errors.append(Problem(f"{p}.allocationMode", f"{mode!r}: must be ExactCount or All"))
+        elif mode == "All" and count is not None:
+            v.errors.append(Problem(f"{p}.count", "must not be set with allocationMode All"))
+        elif count is not None and (isinstance(count, bool) or not isinstance(count, int) or count <= 0):
+            v.errors.append(Problem(f"{p}.count", f"{count!r}: must be a positive integer"))
+        elif isinstance(count, int) and count > 32:
+            v.errors.append(Problem(f"{p}.count", f"{count}: a claim can hold at most 32 devices"))
+        self._selectors(sels, f"{p}.selectors", v)
+
+    def _constraint(self, c: Any, p: str, v: Verdict, names: set[str], full: set[str]) -> None:
+        if not isinstance(c, dict):
+            v.errors.append(Problem(p, "must be an object"))
+            return
+        for j, r in enumerate(c.get("requests") or []):
+            if str(r) not in full:
+                v.errors.append(
+                    Problem(
+                        f"{p}.requests[{j}]",
+                        f"unknown request {r!r} (requests: {', '.join(sorted(full)) or 'none'})",
+                    )
+                )
+        keys = [k for k in ("matchAttribute", "distinctAttribute") if c.get(k) is not None]
+        if len(keys) != 1:
+            v.errors.append(Problem(p, "exactly one of matchAttribute and distinctAttribute is required"))
+            return
+        key = keys[0]
+        attr = c[key]
+        ap = f"{p}.{key}"
+        if not isinstance(attr, str):
+            v.errors.append(Problem(ap, "must be a string"))
+            return
+        domain, sep, ident = attr.rpartition("/")
+        if not sep:
+            hint = f"{self.driver}/{attr}" if attr in self.env.schema.attributes else f"<domain>/{attr}"
+            v.errors.append(Problem(ap, f"{attr!r} must be fully qualified, e.g. {hint!r}"))
+            return
+        if (
+            not _DNS_SUBDOMAIN.match(domain)
+            or len(domain) > 63
+            or not _C_IDENTIFIER.match(ident)
+            or len(ident) > 32
+        ):
+            v.errors.append(Problem(ap, f"{attr!r} is not a valid qualified attribute name"))
+            return
+        if domain == self.driver:
+            v.concerned = True
+            if ident not in self.env.schema.attributes:
+                v.errors.append(Problem(ap, f"unknown attribute {attr}: {self.env.schema.suggest(ident)}"))
+
+    def _feasibility(self, spec: Mapping[str, Any], path: str, v: Verdict) -> None:
+        if not self.has_driver_slices:
+            v.warnings.append(
+                Problem(path, f"no ResourceSlices of {self.driver} are published; feasibility not checked")
+            )
+            return
+        try:
+            ever = explain(self.cluster, spec, ignore_in_use=True)
+        except AllocationError as exc:  # pragma: no cover - explain reports these in .reason
+            v.warnings.append(Problem(path, str(exc)))
+            return
+        if not ever.allocatable:
+            if "does not exist" in ever.reason:  # the class may be created later
+                v.warnings.append(Problem(path, ever.reason))
+            else:
+                v.errors.append(
+                    Problem(path, f"can never be satisfied by the published devices: {ever.reason}")
+                )
+            return
+        if not self.cluster.in_use:
+            return
+        now = explain(self.cluster, spec)
+        if not now.allocatable:
+            v.warnings.append(Problem(path, f"cannot be allocated right now (devices in use): {now.reason}"))

@@ -1,0 +1,374 @@
+"""`dra-gpu controller`: the validating admission webhook (AdmissionReview v1 over HTTPS).
+
+One asyncio loop serves HTTPS (aiohttp, already a dependency of `kubernetes.aio`, so no second HTTP
+stack) and keeps the cluster view current with list+watch loops of `kubernetes.aio` on ResourceSlices,
+DeviceClasses and ResourceClaims. The certificate and key are re-read when their files change: the
+new chain is loaded into the live SSLContext, so new connections get it without a restart.
+
+Endpoints: POST /validate (also /), GET /healthz, GET /metrics (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import ssl
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from dra_gpu.controller.cel_env import CelEnvironment, Schema
+from dra_gpu.controller.rules import KINDS, Validator
+from dra_gpu.model import DEFAULT_DRIVER_NAME
+
+log = logging.getLogger(__name__)
+MAX_REVIEW_BYTES = 4 * 1024 * 1024
+ADMISSION_API = "admission.k8s.io/v1"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.reviews = Counter(
+            "dra_gpu_admission_reviews_total",
+            "Admission reviews by kind and result",
+            ["kind", "operation", "result"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "dra_gpu_admission_duration_seconds",
+            "Time to answer an admission review",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5),
+            registry=self.registry,
+        )
+        self.devices = Gauge(
+            "dra_gpu_published_devices", "Devices in the watched ResourceSlices", registry=self.registry
+        )
+        self.cert_reloads = Counter(
+            "dra_gpu_cert_reloads_total", "Certificate reloads", ["result"], registry=self.registry
+        )
+        self.watch_events = Counter(
+            "dra_gpu_watch_events_total", "Watch events by resource", ["resource"], registry=self.registry
+        )
+
+
+class ClusterState:
+    """Slices, classes and claims as last seen; a Validator rebuilt lazily after a change."""
+
+    def __init__(self, driver: str) -> None:
+        self.driver = driver
+        self.stores: dict[str, dict[str, dict[str, Any]]] = {"slices": {}, "classes": {}, "claims": {}}
+        self._validator: Validator | None = None
+        self._env: tuple[tuple[Any, ...], CelEnvironment] | None = None
+        self.synced: set[str] = set()
+
+    @staticmethod
+    def key(obj: Mapping[str, Any]) -> str:
+        meta = obj.get("metadata") or {}
+        return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
+
+    def replace(self, store: str, items: Iterable[dict[str, Any]]) -> None:
+        self.stores[store] = {self.key(o): o for o in items}
+        self.synced.add(store)
+        self._validator = None
+
+    def apply(self, store: str, event_type: str, obj: dict[str, Any]) -> None:
+        if event_type == "DELETED":
+            self.stores[store].pop(self.key(obj), None)
+        elif event_type in ("ADDED", "MODIFIED"):
+            self.stores[store][self.key(obj)] = obj
+        else:
+            return
+        self._validator = None
+
+    def validator(self) -> Validator:
+        if self._validator is None:
+            slices = list(self.stores["slices"].values())
+            schema = Schema.default(self.driver)
+            schema.add_slices(slices)
+            sig = (tuple(sorted(schema.attributes.items())), tuple(sorted(schema.capacities)))
+            if self._env is None or self._env[0] != sig:
+                self._env = (sig, CelEnvironment(schema))
+            claims = [c for c in self.stores["claims"].values() if (c.get("status") or {}).get("allocation")]
+            self._validator = Validator(
+                self.driver, slices, self.stores["classes"].values(), claims, env=self._env[1]
+            )
+        return self._validator
+
+    def device_count(self) -> int:
+        return sum(len((s.get("spec") or {}).get("devices") or []) for s in self.stores["slices"].values())
+
+
+class CertReloader:
+    """Loads cert+key into one SSLContext and reloads them when either file changes."""
+
+    def __init__(self, cert: str, key: str, metrics: Metrics) -> None:
+        self.cert, self.key, self.metrics = cert, key, metrics
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.context.load_cert_chain(cert, key)
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> tuple[float, int, float, int]:
+        c, k = os.stat(self.cert), os.stat(self.key)
+        return (c.st_mtime, c.st_size, k.st_mtime, k.st_size)
+
+    def check(self) -> bool:
+        """Reload when the files changed; True when a new chain was loaded."""
+        try:
+            stamp = self._stamp()
+        except OSError as exc:
+            log.warning("event=cert_stat_failed error=%r", str(exc))
+            return False
+        if stamp == self.stamp:
+            return False
+        try:
+            self.context.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:  # e.g. cert written, key not yet: keep the old chain
+            log.warning("event=cert_reload_failed cert=%s error=%r", self.cert, str(exc))
+            self.metrics.cert_reloads.labels("error").inc()
+            return False
+        self.stamp = stamp
+        self.metrics.cert_reloads.labels("ok").inc()
+        log.info("event=cert_reloaded cert=%s", self.cert)
+        return True
+
+    async def run(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.check()
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+class Webhook:
+    def __init__(self, state: ClusterState, metrics: Metrics) -> None:
+        self.state = state
+        self.metrics = metrics
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_REVIEW_BYTES)
+        app.router.add_post("/validate", self.review)
+        app.router.add_post("/", self.review)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics_page)
+        return app
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def metrics_page(self, _: web.Request) -> web.Response:
+        self.metrics.devices.set(self.state.device_count())
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def review(self, request: web.Request) -> web.Response:
+        start = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.reviews.labels("?", "?", "malformed").inc()
+            return _bad_request(f"review larger than {MAX_REVIEW_BYTES} bytes")
+        try:
+            review = json.loads(raw)
+        except (ValueError, RecursionError):
+            self.metrics.reviews.labels("?", "?", "malformed").inc()
+            return _bad_request("body is not JSON")
+        problem = _review_problem(review)
+        if problem:
+            self.metrics.reviews.labels("?", "?", "malformed").inc()
+            return _bad_request(problem)
+        req = review["request"]
+        kind = str((req.get("kind") or {}).get("kind") or (req.get("object") or {}).get("kind") or "")
+        op = str(req.get("operation") or "")
+        response: dict[str, Any] = {"uid": req["uid"], "allowed": True}
+        result = "allowed"
+        if kind in KINDS and op in ("CREATE", "UPDATE") and not _unchanged_spec(req):
+            obj = req.get("object")
+            if isinstance(obj, dict):
+                obj = {
+                    **obj,
+                    "kind": obj.get("kind") or kind,
+                    "apiVersion": obj.get("apiVersion")
+                    or f"{(req.get('kind') or {}).get('group')}/{(req.get('kind') or {}).get('version')}",
+                }
+            verdict = self.state.validator().validate(obj)
+            if verdict.errors:
+                result = "denied"
+                response["allowed"] = False
+                response["status"] = {
+                    "code": 403,
+                    "reason": "Invalid",
+                    "message": "; ".join(f"{p.path}: {p.message}" for p in verdict.errors),
+                }
+            if verdict.warnings:
+                result = "warned" if result == "allowed" else result
+                response["warnings"] = [f"{p.path}: {p.message}"[:1000] for p in verdict.warnings]
+            log.info(
+                "event=admission kind=%s name=%s namespace=%s operation=%s result=%s uid=%s",
+                kind,
+                verdict.name,
+                verdict.namespace,
+                op,
+                result,
+                req["uid"],
+            )
+        self.metrics.reviews.labels(kind or "?", op or "?", result).inc()
+        self.metrics.latency.observe(time.perf_counter() - start)
+        return web.json_response(
+            {"apiVersion": ADMISSION_API, "kind": "AdmissionReview", "response": response}
+        )
+
+
+def _review_problem(review: Any) -> str | None:
+    if not isinstance(review, dict):
+        return "body must be an AdmissionReview object"
+    if review.get("apiVersion") != ADMISSION_API or review.get("kind") != "AdmissionReview":
+        return f"apiVersion/kind must be {ADMISSION_API}/AdmissionReview"
+    req = review.get("request")
+    if not isinstance(req, dict):
+        return "request is missing"
+    if not isinstance(req.get("uid"), str) or not req["uid"]:
+        return "request.uid is missing"
+    if req.get("object") is not None and not isinstance(req.get("object"), dict):
+        return "request.object must be an object"
+    return None
+
+
+def _unchanged_spec(req: Mapping[str, Any]) -> bool:
+    """UPDATEs that leave the spec alone (finalizers, labels) are never blocked."""
+    if req.get("operation") != "UPDATE":
+        return False
+    old, new = req.get("oldObject"), req.get("object")
+    return isinstance(old, dict) and isinstance(new, dict) and old.get("spec") == new.get("spec")
+
+
+# ---------------------------------------------------------------- watching the cluster
+
+
+async def watch_resource(
+    state: ClusterState,
+    store: str,
+    list_fn: Callable[..., Awaitable[Any]],
+    raw_list_fn: Callable[..., Awaitable[Any]],
+    metrics: Metrics,
+) -> None:
+    """List, then watch from the list's resourceVersion; relist on 410 Gone or any error (with backoff)."""
+    from kubernetes.aio import watch
+
+    backoff = 1.0
+    while True:
+        try:
+            resp = await raw_list_fn()
+            body = json.loads(await resp.read())
+            state.replace(store, body.get("items") or [])
+            rv = (body.get("metadata") or {}).get("resourceVersion")
+            log.info(
+                "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), rv
+            )
+            w = watch.Watch()  # type: ignore[no-untyped-call]
+            async for ev in w.stream(  # type: ignore[no-untyped-call]
+                list_fn, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=300
+            ):
+                backoff = 1.0
+                metrics.watch_events.labels(store).inc()
+                if isinstance(ev.get("raw_object"), dict):
+                    state.apply(store, str(ev.get("type")), ev["raw_object"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "event=watch_error resource=%s error=%r retry_in=%.0fs", store, str(exc)[:200], backoff
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+
+async def start_watches(
+    state: ClusterState, kubeconfig: str | None, metrics: Metrics
+) -> list[asyncio.Task[None]]:
+    from kubernetes.aio import client, config
+
+    if kubeconfig:
+        api_client = await config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig
+        )
+    else:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        api_client = client.ApiClient()
+    api = client.ResourceV1Api(api_client)
+    pairs = (
+        ("slices", api.list_resource_slice, api.list_resource_slice_without_preload_content),
+        ("classes", api.list_device_class, api.list_device_class_without_preload_content),
+        (
+            "claims",
+            api.list_resource_claim_for_all_namespaces,
+            api.list_resource_claim_for_all_namespaces_without_preload_content,
+        ),
+    )
+    return [asyncio.create_task(watch_resource(state, s, fn, raw, metrics)) for s, fn, raw in pairs]
+
+
+async def serve(
+    args: argparse.Namespace, ready: asyncio.Event | None = None, reload_interval: float = 2.0
+) -> None:
+    from dra_gpu.controller.commands import Inputs, load_files
+
+    metrics = Metrics()
+    state = ClusterState(getattr(args, "driver_name", DEFAULT_DRIVER_NAME))
+    if getattr(args, "filename", None):
+        inputs: Inputs = load_files(args.filename)
+        state.replace("slices", inputs.slices)
+        state.replace("classes", inputs.classes)
+        state.replace("claims", inputs.claims)
+    certs = CertReloader(args.cert, args.key, metrics)
+    runner = web.AppRunner(Webhook(state, metrics).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.address, args.port, ssl_context=certs.context)
+    await site.start()
+    log.info("event=serving address=%s port=%d driver=%s", args.address, args.port, state.driver)
+    tasks = [asyncio.create_task(certs.run(reload_interval))]
+    if not getattr(args, "no_watch", False):
+        tasks += await start_watches(state, getattr(args, "kubeconfig", None), metrics)
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    from dra_gpu.controller.commands import InputError
+
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        asyncio.run(serve(args))
+    except (OSError, ssl.SSLError, InputError) as exc:
+        print(f"dra-gpu controller: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,146 @@
+"""The main job on the built-in default: a real cluster, dra-gpu's plugin on the simulated `hgx-2x4`
+node, and a pod asking for "4 NVLink-connected GPUs". Prints which GPUs it got and what the
+container saw. Run through `scripts/demo` (which builds what is needed first).
+
+The cluster is brought up if it is not running, and down again at the end unless it was already
+running or DRA_GPU_DEMO_KEEP=1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from kubernetes import client, config, dynamic
+
+HERE = Path(__file__).resolve().parent
+CLUSTER = HERE / "cluster"
+DRIVER = "gpu.dra-gpu.io"
+PROFILE = os.environ.get("PROFILE", "hgx-2x4")
+IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
+
+MANIFESTS = f"""
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {{name: {DRIVER}}}
+spec:
+  selectors:
+  - cel: {{expression: "device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].type == 'gpu'"}}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: four-nvlink-gpus, namespace: dra-gpu-demo}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpus
+        exactly: {{deviceClassName: {DRIVER}, count: 4}}
+      constraints:
+      - matchAttribute: {DRIVER}/nvlinkDomain
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: nvlink-demo, namespace: dra-gpu-demo}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 0
+  resourceClaims: [{{name: gpus, resourceClaimTemplateName: four-nvlink-gpus}}]
+  containers:
+  - name: main
+    image: {IMAGE}
+    imagePullPolicy: Never
+    command: ["sh", "-c", "echo devices:; ls -l /dev/nvidia*; echo; env | grep ^NVIDIA"]
+    resources: {{claims: [{{name: gpus}}]}}
+"""
+
+
+def say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(CLUSTER), *args], text=True, capture_output=True,
+                          check=check)
+
+
+def apply(dyn: dynamic.DynamicClient, doc: dict) -> None:
+    api = dyn.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+    ns = doc["metadata"].get("namespace")
+    try:
+        api.create(body=doc, namespace=ns)
+    except Exception as exc:
+        if getattr(exc, "status", None) != 409:
+            raise
+
+
+def main() -> int:
+    started = cluster("status", check=False).returncode != 0
+    if started:
+        say("bringing up the e2e cluster (etcd, kube-apiserver, scheduler, controller-manager, "
+            "containerd, kubelet)")
+        subprocess.run([sys.executable, str(CLUSTER), "up"], check=True)
+    env = dict(line[len("export "):].split("=", 1) for line in cluster("env").stdout.splitlines())
+    kubeconfig = env["KUBECONFIG"].strip('"')
+    state = Path(env["DRA_GPU_E2E_STATE"].strip('"'))
+    config.load_kube_config(kubeconfig)
+    api = client.ApiClient()
+    core, dyn = client.CoreV1Api(api), dynamic.DynamicClient(api)
+    node = core.list_node().items[0].metadata.name
+    log = open(state / "logs" / "dra-gpu-plugin.log", "ab")  # noqa: SIM115 - the child writes it
+    plugin = subprocess.Popen(
+        [sys.executable, "-m", "dra_gpu.cli", "kubelet-plugin", "--node-name", node,
+         "--profile", PROFILE, "--kubeconfig", kubeconfig, "--http-address", ""],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        say(f"dra-gpu kubelet plugin started on node {node} (simulated {PROFILE}); "
+            f"log {log.name}")
+        slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
+        deadline = time.time() + 30
+        while not slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]:
+            if time.time() > deadline or plugin.poll() is not None:
+                raise SystemExit("the plugin did not publish its ResourceSlices; see " + log.name)
+            time.sleep(0.2)
+        try:
+            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="dra-gpu-demo")))
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+        for doc in yaml.safe_load_all(MANIFESTS):
+            apply(dyn, doc)
+        say("pod nvlink-demo asks for 4 NVLink-connected GPUs; waiting for it")
+        deadline = time.time() + 120
+        while (phase := core.read_namespaced_pod("nvlink-demo", "dra-gpu-demo").status.phase) \
+                not in ("Succeeded", "Failed"):
+            if time.time() > deadline:
+                raise SystemExit(f"pod still {phase} after 120 s")
+            time.sleep(0.5)
+        output = core.read_namespaced_pod_log("nvlink-demo", "dra-gpu-demo")
+        devices = {d["attributes"]["uuid"]["string"]: d for s in
+                   slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]
+                   for d in s["spec"]["devices"]}
+        visible = next(x for x in output.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES="))
+        say(f"pod {phase}; the scheduler allocated:")
+        for uuid in visible.split("=", 1)[1].split(","):
+            a = {k: next(iter(v.values())) for k, v in devices[uuid]["attributes"].items()}
+            print(f"    {devices[uuid]['name']}  GPU {a['index']}  {a['productName']}  "
+                  f"nvlinkDomain {a['nvlinkDomain']}")
+        say("what the container saw:")
+        print("    " + output.strip().replace("\n", "\n    "))
+        core.delete_namespace("dra-gpu-demo")
+        return 0 if phase == "Succeeded" else 1
+    finally:
+        plugin.send_signal(signal.SIGTERM)
+        plugin.wait(timeout=20)
+        if started and os.environ.get("DRA_GPU_DEMO_KEEP") != "1":
+            say("bringing the cluster down (DRA_GPU_DEMO_KEEP=1 keeps it)")
+            subprocess.run([sys.executable, str(CLUSTER), "down"], check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

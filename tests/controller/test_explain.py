@@ -1,0 +1,120 @@
+"""`explain`: the simulated structured allocator, starting with the classic example."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dra_gpu.controller.commands import Inputs, explain_inputs
+
+from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
+
+
+def run(slices: list[dict[str, Any]], *objs: dict[str, Any]) -> list[dict[str, Any]]:
+    inputs = Inputs()
+    for o in [*slices, GPU_CLASS, *objs]:
+        inputs.add(o, "test")
+    result: list[dict[str, Any]] = explain_inputs(inputs)["claims"]
+    return result
+
+
+def test_classic_example(hgx: list[dict[str, Any]]) -> None:
+    names = device_names(hgx)
+    in_use = allocated("busy", "node-a", names[:2])
+    linked, plain = run(hgx, in_use, claim("four-linked", 4, constraints=NVLINK), claim("four", 4))
+    assert linked["allocatable"] and linked["node"] == "node-a"
+    assert linked["devices"] == names[4:8] and linked["linkCost"] == 6
+    assert linked["bestDevices"] == names[4:8] and linked["bestLinkCost"] == 6
+    # First fit without the constraint: GPUs 2, 3, 4, 5 -> 2 same-domain pairs + 4 cross pairs * 4.
+    assert plain["devices"] == names[2:6] and plain["linkCost"] == 18
+    assert plain["bestDevices"] == names[4:8] and plain["bestLinkCost"] == 6
+    assert set(plain) == {
+        "namespace",
+        "name",
+        "allocatable",
+        "node",
+        "devices",
+        "linkCost",
+        "bestDevices",
+        "bestLinkCost",
+        "reason",
+    }
+
+
+def test_not_allocatable_reasons(hgx: list[dict[str, Any]]) -> None:
+    names = device_names(hgx)
+    busy = allocated("busy", "node-a", names[:2])
+    five, sixteen, nine = run(
+        hgx, busy, claim("five", 5, constraints=NVLINK), claim("sixteen", 16), claim("nine", 7)
+    )
+    assert not five["allocatable"]
+    assert "largest free NVLink domain: 4 GPUs (node-a)" in five["reason"]
+    assert not sixteen["allocatable"] and "needs 16 GPUs; at most 6" in sixteen["reason"]
+    assert not nine["allocatable"]
+
+
+def test_first_available_falls_back_and_respects_order(hgx: list[dict[str, Any]]) -> None:
+    names = device_names(hgx)
+    c = claim("fa")
+    c["spec"]["devices"] = {
+        "requests": [
+            {
+                "name": "gpus",
+                "firstAvailable": [
+                    {"name": "eight", "deviceClassName": "gpu.dra-gpu.io", "count": 8},
+                    {"name": "two", "deviceClassName": "gpu.dra-gpu.io", "count": 2},
+                ],
+            }
+        ],
+        "constraints": NVLINK,
+    }
+    (r,) = run(hgx, allocated("busy", "node-a", [names[0]]), c)
+    assert r["allocatable"] and r["devices"] == names[1:3] and r["linkCost"] == 1
+
+
+def test_all_mode_fails_when_one_device_is_in_use(hgx: list[dict[str, Any]]) -> None:
+    names = device_names(hgx)
+    c = claim("all")
+    c["spec"]["devices"]["requests"][0]["exactly"] = {
+        "deviceClassName": "gpu.dra-gpu.io",
+        "allocationMode": "All",
+    }
+    (free,) = run(hgx, c)
+    assert free["allocatable"] and free["devices"] == names
+    (busy,) = run(hgx, allocated("busy", "node-a", [names[7]]), c)
+    assert not busy["allocatable"]
+
+
+def test_distinct_attribute_and_selectors(hgx: list[dict[str, Any]]) -> None:
+    names = device_names(hgx)
+    c = claim(
+        "spread",
+        2,
+        selectors=['device.attributes["gpu.dra-gpu.io"].index >= 2'],
+        constraints=[{"distinctAttribute": "gpu.dra-gpu.io/nvlinkDomain"}],
+    )
+    (r,) = run(hgx, c)
+    assert r["devices"] == [names[2], names[4]] and r["linkCost"] == 4
+
+
+def test_two_nodes_first_node_that_fits() -> None:
+    slices = node_slices("node-a", "mixed") + node_slices("node-b", "hgx-2x4")
+    (r,) = run(
+        slices,
+        claim(
+            "big",
+            4,
+            selectors=['device.capacity["gpu.dra-gpu.io"].memory.compareTo(quantity("70Gi")) >= 0'],
+            constraints=NVLINK,
+        ),
+    )
+    assert r["allocatable"] and r["node"] == "node-b"
+
+
+def test_many_nodes_is_fast() -> None:
+    import time
+
+    slices = [s for i in range(30) for s in node_slices(f"node-{i:03d}")]
+    start = time.perf_counter()
+    results = run(slices, *[claim(f"c{i}", 4, constraints=NVLINK) for i in range(5)])
+    assert all(r["allocatable"] for r in results)
+    assert time.perf_counter() - start < 10
