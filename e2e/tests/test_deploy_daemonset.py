@@ -29,6 +29,7 @@ CHART = ROOT / "deploy" / "helm" / "dra-gpu"
 EXAMPLES = ROOT / "deploy" / "examples"
 DRIVER = "gpu.dra-gpu.io"
 LABEL = "nvidia.com/gpu.present"
+BROKEN_CEL = "device.attributes['gpu.dra-gpu.io'].productName =="  # a syntax error
 
 
 def helm_binary():
@@ -46,6 +47,7 @@ def run_from_host(ds, apiserver_port):
     c = spec["containers"][0]
     c["image"], c["imagePullPolicy"] = "localhost/dra-gpu-e2e/busybox:1", "Never"
     c["command"] = [sys.executable, "-m", "dra_gpu.cli"]
+    c.setdefault("env", [])
     c["env"] += [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                  {"name": "KUBERNETES_SERVICE_PORT", "value": str(apiserver_port)},
                  {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
@@ -135,3 +137,91 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
         for s in slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]:
             with contextlib.suppress(ApiException):
                 slices.delete(name=s["metadata"]["name"])
+
+
+def test_controller_deployment_serves_admission_reviews(target, dyn, core, namespace):
+    """The chart's controller Deployment (non-root, no capabilities, read-only root) with the
+    chart's generated certificate: Ready through its HTTPS probe, watching the cluster through
+    its read-only RBAC without a denial, and answering an AdmissionReview over TLS that verifies
+    with the webhook's caBundle for the Service's DNS name. (The apiserver cannot call it here:
+    no kube-proxy routes the Service, so the ValidatingWebhookConfiguration is not applied.)"""
+    if not target.local:
+        pytest.skip("runs the host's Python in the pod: only on the local e2e cluster")
+    import base64
+    import json
+    import socket
+    import ssl
+
+    from kubernetes.client.exceptions import ApiException
+
+    port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
+    release = "ctl-" + uuid.uuid4().hex[:6]
+    out = subprocess.run(
+        [helm_binary(), "template", release, str(CHART), "-n", namespace,
+         "--set", "kubeletPlugin.enabled=false", "--set", "controller.replicas=1",
+         "--set", "deviceClasses.gpu.enabled=false", "--set", "deviceClasses.mig.enabled=false"],
+        capture_output=True, text=True, check=True).stdout
+    objs = [o for o in yaml.safe_load_all(out) if o]
+    (vwc,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
+    objs = [o for o in objs if o is not vwc]
+    (dep,) = [o for o in objs if o["kind"] == "Deployment"]
+    run_from_host(dep, port)
+    applied = []
+
+    def api_for(o):
+        return dyn.resources.get(api_version=o["apiVersion"], kind=o["kind"])
+
+    try:
+        for o in objs:
+            api = api_for(o)
+            api.server_side_apply(body=o, namespace=namespace if api.namespaced else None,
+                                  field_manager="dra-gpu-e2e", force_conflicts=True)
+            applied.append(o)
+        sel = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=controller"
+        deadline, pod = time.time() + 90, None
+        while time.time() < deadline:
+            pods = core.list_namespaced_pod(namespace, label_selector=sel).items
+            pod = pods[0] if pods else None
+            if pod and any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
+                break
+            time.sleep(1)
+        else:
+            log = ""
+            with contextlib.suppress(ApiException):
+                log = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=40) if pod else ""
+            pytest.fail(f"controller pod not Ready: {pod.status if pod else None}\nlog:\n{log}")
+        assert pod.spec.security_context.run_as_user == 65532
+        time.sleep(2)  # let the list+watch loops run once
+        log = core.read_namespaced_pod_log(pod.metadata.name, namespace)
+        # Its read-only RBAC covers every list and watch it makes.
+        assert "forbidden" not in log.lower(), log
+        for resource in ("slices", "classes", "claims"):
+            assert f"event=listed resource={resource}" in log, log
+
+        ca = base64.b64decode(vwc["webhooks"][0]["clientConfig"]["caBundle"]).decode()
+        svc = vwc["webhooks"][0]["clientConfig"]["service"]
+        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                 "metadata": {"name": "bad", "namespace": namespace},
+                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                     "deviceClassName": DRIVER,
+                     "selectors": [{"cel": {"expression": BROKEN_CEL}}]}}]}}}
+        review = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "u1", "operation": "CREATE", "namespace": namespace, "name": "bad",
+            "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
+            "object": claim}}).encode()
+        ctx = ssl.create_default_context(cadata=ca)
+        with socket.create_connection((pod.status.pod_ip, 8443), timeout=10) as raw, \
+                ctx.wrap_socket(raw, server_hostname=f"{svc['name']}.{svc['namespace']}.svc") as s:
+            s.sendall(f"POST {svc['path']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(review)}\r\nConnection: close\r\n\r\n".encode() + review)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        response = json.loads(data.split(b"\r\n\r\n", 1)[1])["response"]
+        assert response["uid"] == "u1" and response["allowed"] is False, response
+    finally:
+        for o in reversed(applied):
+            api = api_for(o)
+            with contextlib.suppress(ApiException):
+                api.delete(name=o["metadata"]["name"], namespace=namespace if api.namespaced else None)
