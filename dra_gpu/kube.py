@@ -1,7 +1,10 @@
 """The few Kubernetes API calls the driver makes, on the official async client (kubernetes.aio).
 
-Objects are plain JSON dicts: the driver builds and compares raw API objects, and skipping the
-client's model classes keeps the prepare path short. Every call has a timeout.
+The connection, TLS and credentials come from the client's Configuration and ApiClient
+(kubeconfig or in-cluster). Requests go through the ApiClient's generic request path rather than
+the generated per-resource API classes: objects stay plain JSON dicts (the driver builds and
+compares raw API objects), and the prepare path skips a model layer it does not need. Every call
+has a timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from kubernetes.aio import client as kclient
 from kubernetes.aio import config as kconfig
 
 REQUEST_TIMEOUT = 10.0
+RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 
 
 class KubeError(RuntimeError):
@@ -44,14 +48,13 @@ class Kube:
 
     def __init__(self, api_client: Any) -> None:
         self.api_client = api_client
-        self.resource = kclient.ResourceV1Api(api_client)
 
     @classmethod
     async def connect(cls, kubeconfig: str | None = None) -> Kube:
         configuration = kclient.Configuration()
         if kubeconfig or os.environ.get("KUBECONFIG"):
-            await kconfig.load_kube_config(config_file=kubeconfig or os.environ["KUBECONFIG"],
-                                           client_configuration=configuration)  # type: ignore[no-untyped-call]
+            await kconfig.load_kube_config(config_file=kubeconfig or os.environ["KUBECONFIG"],  # type: ignore[no-untyped-call]
+                                           client_configuration=configuration)
         else:
             kconfig.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         return cls(kclient.ApiClient(configuration))
@@ -59,10 +62,23 @@ class Kube:
     async def close(self) -> None:
         await self.api_client.close()
 
+    async def _request(self, method: str, path: str, query: dict[str, Any] | None = None,
+                       body: Any = None, content_type: str = "application/json",
+                       timeout: float = REQUEST_TIMEOUT) -> Any:
+        """The raw aiohttp response of one authenticated request (the caller releases it)."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        params = await self.api_client.param_serialize(
+            method=method, resource_path=path, query_params=list((query or {}).items()),
+            header_params=headers, body=body, auth_settings=["BearerToken"])
+        response = await self.api_client.call_api(*params, _request_timeout=timeout,
+                                                  _preload_content=False)
+        return response.response
+
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The ResourceClaim, or None when it does not exist."""
-        resp = await self.resource.read_namespaced_resource_claim_without_preload_content(
-            name, namespace, _request_timeout=REQUEST_TIMEOUT)
+        resp = await self._request("GET", f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaims/{name}")
         if resp.status == 404:
             resp.release()
             return None
@@ -70,32 +86,33 @@ class Kube:
 
     async def apply_slice(self, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         """Server-side apply of a ResourceSlice; returns what the apiserver stored."""
-        resp = await self.resource.patch_resource_slice_without_preload_content(
-            body["metadata"]["name"], body, field_manager=field_manager, force=True,
-            _content_type="application/apply-patch+yaml", _request_timeout=REQUEST_TIMEOUT)
-        return await _json(resp, f"apply resourceslice {body['metadata']['name']}")
+        name = body["metadata"]["name"]
+        resp = await self._request("PATCH", f"{RESOURCE_V1}/resourceslices/{name}",
+                                   {"fieldManager": field_manager, "force": "true"}, body,
+                                   content_type="application/apply-patch+yaml")
+        return await _json(resp, f"apply resourceslice {name}")
 
     async def delete_slice(self, name: str) -> None:
-        resp = await self.resource.delete_resource_slice_without_preload_content(
-            name, _request_timeout=REQUEST_TIMEOUT)
+        resp = await self._request("DELETE", f"{RESOURCE_V1}/resourceslices/{name}")
         if resp.status == 404:
             resp.release()
             return
         await _json(resp, f"delete resourceslice {name}")
 
     async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
-        resp = await self.resource.list_resource_slice_without_preload_content(
-            field_selector=field_selector, _request_timeout=REQUEST_TIMEOUT)
+        resp = await self._request("GET", f"{RESOURCE_V1}/resourceslices",
+                                   {"fieldSelector": field_selector})
         data = await _json(resp, "list resourceslices")
         return list(data.get("items") or []), str(data["metadata"].get("resourceVersion", ""))
 
     async def watch_slices(self, field_selector: str, resource_version: str,
                            timeout_seconds: int) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Watch events (type, object) until the server closes the watch after `timeout_seconds`."""
-        resp = await self.resource.list_resource_slice_without_preload_content(
-            field_selector=field_selector, resource_version=resource_version, watch=True,
-            allow_watch_bookmarks=True, timeout_seconds=timeout_seconds,
-            _request_timeout=timeout_seconds + REQUEST_TIMEOUT)
+        resp = await self._request(
+            "GET", f"{RESOURCE_V1}/resourceslices",
+            {"fieldSelector": field_selector, "resourceVersion": resource_version, "watch": "true",
+             "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)},
+            timeout=timeout_seconds + REQUEST_TIMEOUT)
         if resp.status >= 400:
             await _json(resp, "watch resourceslices")
         try:

@@ -27,6 +27,7 @@ debs() {
   dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' \
     || missing+=(busybox-static)
   command -v openssl >/dev/null || missing+=(openssl)
+  command -v ip >/dev/null || missing+=(iproute2)
   command -v iptables >/dev/null || missing+=(iptables)
   command -v mount >/dev/null || missing+=(mount)
   command -v conntrack >/dev/null || missing+=(conntrack)

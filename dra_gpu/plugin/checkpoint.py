@@ -120,8 +120,30 @@ class Checkpoint:
         self._data = data
 
     def _save(self) -> None:
-        doc = {"version": FORMAT_VERSION, "checksum": _checksum(self._data), "data": self._data}
-        atomic_write(self.path, json.dumps(doc, indent=1).encode())
+        self.write(self.encode())
+
+    def encode(self) -> bytes:
+        """The file content for the current state (data serialised once, checksummed as is)."""
+        canonical = json.dumps(self._data, sort_keys=True, separators=(",", ":"))
+        checksum = hashlib.sha256(canonical.encode()).hexdigest()
+        return (f'{{"version":{FORMAT_VERSION},"checksum":"{checksum}","data":{canonical}}}\n'
+                ).encode()
+
+    def write(self, blob: bytes) -> None:
+        atomic_write(self.path, blob)
+
+    def stage(self, uid: str, entry: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Change the in-memory state only (the caller writes it); returns the previous entry."""
+        claims: dict[str, dict[str, Any]] = self._data["claims"]
+        old = claims.get(uid)
+        if entry is None:
+            claims.pop(uid, None)
+        else:
+            claims[uid] = copy.deepcopy(entry)
+        return old
+
+    def has(self, uid: str) -> bool:
+        return uid in self._data["claims"]
 
     def get(self, uid: str) -> ClaimRecord | None:
         raw = self._data["claims"].get(uid)
@@ -129,6 +151,10 @@ class Checkpoint:
 
     def records(self) -> list[ClaimRecord]:
         return [ClaimRecord(uid, copy.deepcopy(raw)) for uid, raw in self._data["claims"].items()]
+
+    def views(self) -> list[ClaimRecord]:
+        """Like records(), without copying: read-only use on the hot path."""
+        return [ClaimRecord(uid, raw) for uid, raw in self._data["claims"].items()]
 
     def put(self, uid: str, entry: dict[str, Any]) -> None:
         old = self._data["claims"].get(uid)

@@ -8,9 +8,10 @@ under one state lock, so two claims can never both be prepared with the same dev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,15 +87,46 @@ class Preparer:
                 self.devices[gpu.device_name] = (gpu, None)
             for mig in gpu.mig_devices:
                 self.devices[gpu.mig_device_name(mig)] = (gpu, mig)
-        self._claim_locks: dict[str, asyncio.Lock] = {}
+        self._claim_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._state_lock = asyncio.Lock()
+        # Group commit: concurrent claims share checkpoint writes (see _commit).
+        self._commit_lock = asyncio.Lock()
+        self._staged = 0
+        self._written = 0
         self._gone_since: dict[str, float] = {}
 
-    def _lock(self, uid: str) -> asyncio.Lock:
-        return self._claim_locks.setdefault(uid, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _lock(self, uid: str) -> AsyncIterator[None]:
+        """Serialises calls for one claim; the lock is dropped when nobody holds or waits."""
+        lock, users = self._claim_locks.setdefault(uid, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._claim_locks[uid]
+
+    def _stage(self, uid: str, entry: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Change the checkpoint in memory (call under the state lock, then `_commit`)."""
+        self._staged += 1
+        return self.checkpoint.stage(uid, entry)
+
+    async def _commit(self) -> None:
+        """Make everything staged so far durable. Whoever writes, writes all that is staged, so
+        100 claims in flight need far fewer than 100 checkpoint writes."""
+        target = self._staged
+        async with self._commit_lock:
+            if self._written >= target:
+                return  # an earlier write already carried this change
+            version = self._staged
+            blob = self.checkpoint.encode()
+            await asyncio.to_thread(self.checkpoint.write, blob)
+            self._written = version
 
     def prepared_device_count(self) -> int:
-        return sum(len(r.devices) for r in self.checkpoint.records() if r.state == COMPLETED)
+        return sum(len(r.devices) for r in self.checkpoint.views() if r.state == COMPLETED)
 
     # -- prepare -------------------------------------------------------------------------------
 
@@ -111,34 +143,38 @@ class Preparer:
                 raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
                                    f"uid is {uid}, the kubelet asked for {ref.uid}")
             devices, spec = self._plan(ref, claim)
+            entry = {"state": STARTED, "namespace": ref.namespace, "name": ref.name,
+                     "devices": [d.to_dict() for d in devices], "cdiSpec": spec}
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
                     await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
                 self._check_conflicts(ref, devices)
-                entry = {"state": STARTED, "namespace": ref.namespace, "name": ref.name,
-                         "devices": [d.to_dict() for d in devices], "cdiSpec": spec}
-                await asyncio.to_thread(self.checkpoint.put, ref.uid, entry)
+                self._stage(ref.uid, entry)
             try:
-                await asyncio.to_thread(self.cdi.write, ref.uid, spec)
+                # "started" and the spec may land in either order: a spec without a completed
+                # record is removed by the start-up reconciliation.
+                await asyncio.gather(self._commit(), asyncio.to_thread(self.cdi.write, ref.uid, spec))
                 async with self._state_lock:
-                    await asyncio.to_thread(self.checkpoint.put, ref.uid, {**entry, "state": COMPLETED})
+                    self._stage(ref.uid, {**entry, "state": COMPLETED})
+                await self._commit()
             except BaseException as exc:
                 await self._roll_back(ref.uid)
                 if isinstance(exc, OSError):
-                    raise PrepareError(f"claim {ref}: cannot write CDI spec: {exc}") from exc
+                    raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
                 raise
             log.info("claim prepared claim=%s/%s uid=%s devices=%s", ref.namespace, ref.name,
                      ref.uid, ",".join(d.device_name for d in devices))
             return devices
 
     async def _roll_back(self, uid: str) -> None:
+        """Remove the claim's spec and record (either order is safe, see reconcile)."""
         async with self._state_lock:
-            await asyncio.to_thread(self.cdi.remove, uid)
-            await asyncio.to_thread(self.checkpoint.remove, uid)
+            self._stage(uid, None)
+        await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
 
     def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice]) -> None:
         mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}
-        for other in self.checkpoint.records():
+        for other in self.checkpoint.views():
             if other.uid == ref.uid:
                 continue
             clash = mine & other.device_names
@@ -235,7 +271,7 @@ class Preparer:
 
     async def unprepare(self, ref: ClaimRef) -> None:
         async with self._lock(ref.uid):
-            if self.checkpoint.get(ref.uid) is None:
+            if not self.checkpoint.has(ref.uid):
                 return  # unknown claims succeed: the kubelet may repeat itself
             try:
                 await self._roll_back(ref.uid)

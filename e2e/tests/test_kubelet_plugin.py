@@ -114,17 +114,19 @@ def our_slices(dyn):
     return api, api.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]
 
 
-def claim_pod(core, namespace, name, template, command, busybox_image):
-    from kubernetes import client
-    core.create_namespaced_pod(namespace, client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1PodSpec(
-            restart_policy="Never", termination_grace_period_seconds=0,
-            resource_claims=[client.V1PodResourceClaim(name="gpus", **template)],
-            containers=[client.V1Container(
-                name="main", image=busybox_image, image_pull_policy="Never",
-                command=["sh", "-c", command],
-                resources=client.V1ResourceRequirements(claims=[client.V1ResourceClaim(name="gpus")]))])))
+def claim_pod(core, namespace, name, claim_source, command, busybox_image):
+    """A pod whose one container uses the claim `gpus` (`claim_source`: resource_claim_name or
+    resource_claim_template_name)."""
+    (key, value), = claim_source.items()
+    source = {"resource_claim_name": "resourceClaimName",
+              "resource_claim_template_name": "resourceClaimTemplateName"}[key]
+    core.create_namespaced_pod(namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                 "resourceClaims": [{"name": "gpus", source: value}],
+                 "containers": [{"name": "main", "image": busybox_image,
+                                 "imagePullPolicy": "Never", "command": ["sh", "-c", command],
+                                 "resources": {"claims": [{"name": "gpus"}]}}]}})
 
 
 def template(dyn, namespace, name, count=1, nvlink=False, selectors=(), device_class=DRIVER,
@@ -209,24 +211,27 @@ def test_deleted_and_edited_slices_are_restored_within_5s(plugin, dyn):
 
 
 def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, namespace,
-                                                          busybox_image, wait_pod):
+                                                          busybox_image):
     nvlink_template(dyn, namespace)
     claim_pod(core, namespace, "nvlink4", {"resource_claim_template_name": "four-nvlink"},
-              "ls -l /dev/nvidia*; env | grep ^NVIDIA", busybox_image)
-    phase = wait_pod(core, namespace, "nvlink4", timeout=120)
-    log = core.read_namespaced_pod_log("nvlink4", namespace)
-    assert phase == "Succeeded", log + "\n" + plugin.log_tail()
+              "ls -l /dev/nvidia*; env | grep ^NVIDIA; sleep 3600", busybox_image)
+
+    def log_when_running():
+        if core.read_namespaced_pod("nvlink4", namespace).status.phase != "Running":
+            return None
+        log = core.read_namespaced_pod_log("nvlink4", namespace)
+        return log if "NVIDIA_VISIBLE_DEVICES=" in log else None
+
+    log = wait_for("the pod to run and print its devices", log_when_running, timeout=120)
     nodes = [line for line in log.splitlines() if line.startswith("c")]
     gpu_nodes = [line for line in nodes if line.split()[-1][len("/dev/nvidia"):].isdigit()]
     assert len(gpu_nodes) == 4, log
     assert all(" 195, " in line for line in gpu_nodes), log  # real char devices, NVIDIA major
     assert any(line.endswith("/dev/nvidiactl") for line in nodes), log
-    visible = next(line for line in log.splitlines() if line.startswith("NVIDIA_VISIBLE_DEVICES="))
-    uuids = visible.split("=", 1)[1].split(",")
-    _, items = our_slices(dyn)
-    by_uuid = {d["attributes"]["uuid"]["string"]: d for d in items[0]["spec"]["devices"]}
-    assert len(uuids) == 4 and set(uuids) <= set(by_uuid)
-    assert len({by_uuid[u]["attributes"]["nvlinkDomain"]["string"] for u in uuids}) == 1
+    devices = visible_devices(dyn, log)
+    attrs = device_attrs(dyn)
+    assert len(devices) == 4 and len({attrs[d]["nvlinkDomain"] for d in devices}) == 1
+    assert sorted(allocated(dyn, namespace, "nvlink4")) == sorted(devices)
 
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     (claim,) = claims.get(namespace=namespace).to_dict()["items"]
@@ -241,6 +246,11 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
              timeout=90)
     checkpoint = json.loads((PLUGIN_DIR / "checkpoint.json").read_text())
     assert uid not in checkpoint["data"]["claims"]
+    # The GPUs go to the next claim.
+    claim_pod(core, namespace, "next", {"resource_claim_template_name": "four-nvlink"},
+              "env | grep ^NVIDIA_VISIBLE; sleep 3600", busybox_image)
+    wait_for("the next pod to get GPUs", lambda: allocated(dyn, namespace, "next"), timeout=60)
+    core.delete_namespaced_pod("next", namespace, grace_period_seconds=0)
 
 
 def test_shared_claim_and_plugin_restart(plugin, core, dyn, namespace, busybox_image, wait_pod):
@@ -385,12 +395,15 @@ def test_bad_opaque_config_fails_prepare_with_the_field_and_writes_nothing(
 
 def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, busybox_image,
                                                wait_pod):
+    before = our_slices(dyn)[1][0]["spec"]["pool"]["generation"]
     plugin.stop()
     plugin.profile = "dgx-a100-mig"
     try:
         plugin.start()
         wait_for("MIG devices published", lambda: any(
             a.get("type") == "mig" for a in device_attrs(dyn).values()), timeout=10)
+        # Other devices than before: the pool's generation went up.
+        assert our_slices(dyn)[1][0]["spec"]["pool"]["generation"] == before + 1
         template(dyn, namespace, "mig", device_class=MIG_CLASS,
                  selectors=[f"device.attributes['{DRIVER}'].profile == '3g.40gb'"])
         claim_pod(core, namespace, "mig", {"resource_claim_template_name": "mig"},
@@ -408,3 +421,30 @@ def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, bus
         plugin.stop()
         plugin.profile = PROFILE
         plugin.start()
+
+
+def test_kubelet_restart_reregisters_and_keeps_claims_prepared(plugin, target, core, dyn, namespace,
+                                                               busybox_image, wait_pod):
+    template(dyn, namespace, "one-gpu")
+    claim_pod(core, namespace, "steady", {"resource_claim_template_name": "one-gpu"}, "sleep 3600",
+              busybox_image)
+    wait_for("the pod to run", lambda: core.read_namespaced_pod("steady", namespace).status.phase
+             == "Running", timeout=90)
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    (claim,) = claims.get(namespace=namespace).to_dict()["items"]
+    spec_file = CDI_DIR / f"k8s.{DRIVER}-claim_{claim['metadata']['uid']}.json"
+    assert spec_file.exists()
+    restarts = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "cluster"),
+                               "restart-kubelet"], capture_output=True, text=True, timeout=120)
+    assert restarts.returncode == 0, restarts.stdout + restarts.stderr
+    # The kubelet wiped the node's slices at start; the plugin put them back and re-registered.
+    wait_for("slices back after the kubelet restart", lambda: our_slices(dyn)[1], timeout=10)
+    assert spec_file.exists() and plugin.healthy()
+    assert core.read_namespaced_pod("steady", namespace).status.phase == "Running"
+    claim_pod(core, namespace, "fresh", {"resource_claim_template_name": "one-gpu"},
+              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    assert wait_pod(core, namespace, "fresh", timeout=120) == "Succeeded"
+    fresh = visible_devices(dyn, core.read_namespaced_pod_log("fresh", namespace))
+    assert not set(fresh) & set(allocated(dyn, namespace, "steady"))
+    core.delete_namespaced_pod("steady", namespace, grace_period_seconds=0)
+    wait_for("the steady claim to be unprepared", lambda: not spec_file.exists(), timeout=90)

@@ -8,9 +8,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-def test_claim_pod_sees_injected_env(core, dyn, namespace, peer_driver, busybox_image,
-                                     wait_pod):
-    from kubernetes import client
+def test_claim_pod_sees_injected_env(core, dyn, namespace, peer_driver, busybox_image):
     templates = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaimTemplate")
     templates.create(namespace=namespace, body={
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
@@ -22,37 +20,50 @@ def test_claim_pod_sees_injected_env(core, dyn, namespace, peer_driver, busybox_
                                    "parameters": {"GPU_DEVICE_0": "peer-gpu-0"}}}],
         }}},
     })
-    pod = client.V1Pod(
-        metadata=client.V1ObjectMeta(name="claim-pod"),
-        spec=client.V1PodSpec(
-            restart_policy="Never",
-            termination_grace_period_seconds=0,
-            resource_claims=[client.V1PodResourceClaim(name="gpu",
-                                                       resource_claim_template_name="gpu")],
-            containers=[client.V1Container(
-                name="main", image=busybox_image, image_pull_policy="Never",
-                command=["sh", "-c", "env | sort"],
-                resources=client.V1ResourceRequirements(
-                    claims=[client.V1ResourceClaim(name="gpu")]))]))
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "claim-pod"},
+        "spec": {
+            "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu"}],
+            "containers": [{
+                "name": "main", "image": busybox_image, "imagePullPolicy": "Never",
+                "command": ["sh", "-c", "env | sort; echo END-OF-ENV; exec sleep 3600"],
+                "resources": {"claims": [{"name": "gpu"}]}}]}}
     core.create_namespaced_pod(namespace, pod)
-    phase = wait_pod(core, namespace, "claim-pod", timeout=120)
-    log = core.read_namespaced_pod_log("claim-pod", namespace, container="main")
-    assert phase == "Succeeded", log
+    log = wait_log(core, namespace, "claim-pod", "END-OF-ENV", timeout=120)
     env = dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
     gpu_vars = {k: v for k, v in env.items() if "GPU_DEVICE_" in k}
     assert gpu_vars == {"user_GPU_DEVICE_0": "peer-gpu-0"}, log
     assert any(k.startswith("claim_") and k.endswith("_gpu") for k in env), log
 
-    # The claim made from the template was allocated by the scheduler to the peer driver.
+    # The claim made from the template was allocated by the scheduler to the peer driver and
+    # reserved for the pod.
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     items = claims.get(namespace=namespace).to_dict()["items"]
-    assert len(items) == 1
-    results = items[0]["status"]["allocation"]["devices"]["results"]
-    assert [r["driver"] for r in results] == [peer_driver]
-    # Deleting the pod lets the kubelet unprepare the claim (the driver removes its CDI file).
+    assert len(items) == 1, items
+    status = items[0]["status"]
+    assert [r["driver"] for r in status["allocation"]["devices"]["results"]] == [peer_driver]
+    assert [r["name"] for r in status["reservedFor"]] == ["claim-pod"]
+
+    # Deleting the pod makes the kubelet unprepare the claim and the controller delete it.
     core.delete_namespaced_pod("claim-pod", namespace, grace_period_seconds=0)
     deadline = time.time() + 60
-    while time.time() < deadline:
-        if not core.list_namespaced_pod(namespace).items:
-            break
+    while claims.get(namespace=namespace).to_dict()["items"]:
+        assert time.time() < deadline, "claim not deleted 60 s after its pod"
         time.sleep(0.5)
+
+
+def wait_log(core, ns, name, marker, timeout):
+    deadline = time.time() + timeout
+    log = ""
+    while time.time() < deadline:
+        pod = core.read_namespaced_pod(name, ns)
+        if pod.status.phase in ("Running", "Succeeded", "Failed"):
+            log = core.read_namespaced_pod_log(name, ns)
+            if marker in log:
+                return log
+        time.sleep(0.5)
+    events = core.list_namespaced_event(ns, field_selector="involvedObject.name=" + name)
+    raise AssertionError("pod %s/%s: no %r in its log after %d s; status %s\nlog:\n%s\nevents:\n%s" % (
+        ns, name, marker, timeout, pod.status.phase, log,
+        "\n".join("%s %s: %s" % (e.type, e.reason, e.message) for e in events.items)))
