@@ -1,0 +1,65 @@
+{{/* Names and labels shared by the templates. */}}
+
+{{- define "dra-gpu.name" -}}
+{{- default "dra-gpu" .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "dra-gpu.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "dra-gpu.name" . -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dra-gpu.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "dra-gpu.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "dra-gpu.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dra-gpu.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dra-gpu.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "dra-gpu.pluginName" -}}
+{{ include "dra-gpu.fullname" . | trunc 48 | trimSuffix "-" }}-kubelet-plugin
+{{- end -}}
+
+{{- define "dra-gpu.controllerName" -}}
+{{ include "dra-gpu.fullname" . | trunc 52 | trimSuffix "-" }}-controller
+{{- end -}}
+
+{{/* The plugin's and the controller's service account user names, as the apiserver sees them. */}}
+{{- define "dra-gpu.pluginUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "dra-gpu.pluginName" . }}
+{{- end -}}
+
+{{/* mig.<domain>: gpu.dra-gpu.io -> mig.dra-gpu.io; any other driver name d -> mig.d */}}
+{{- define "dra-gpu.migClassName" -}}
+{{- if hasPrefix "gpu." .Values.driverName -}}
+mig.{{ trimPrefix "gpu." .Values.driverName }}
+{{- else -}}
+mig.{{ .Values.driverName }}
+{{- end -}}
+{{- end -}}
+
+{{- define "dra-gpu.webhookSecretName" -}}
+{{- if .Values.controller.tls.existingSecret -}}
+{{ .Values.controller.tls.existingSecret }}
+{{- else -}}
+{{ include "dra-gpu.controllerName" . }}-tls
+{{- end -}}
+{{- end -}}

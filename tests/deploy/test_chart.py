@@ -1,0 +1,357 @@
+"""The Helm chart rendered by the real Helm: objects, wiring, least-privilege RBAC, the node-scoped
+slice policy, TLS, DeviceClasses; and that the chart's settings are ones the CLI reads."""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+
+from .conftest import CHART, ROOT, Render, by_kind, one
+
+DRIVER = "gpu.dra-gpu.io"
+NAMESPACED = {"ServiceAccount", "Secret", "Service", "DaemonSet", "Deployment",
+              "PodDisruptionBudget", "Certificate", "Issuer"}
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    containers = obj["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def test_lint(helm: str) -> None:
+    r = subprocess.run([helm, "lint", str(CHART), "--kube-version", "1.37.2", "--strict"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_helm_knows_its_kubernetes_version(helm: str) -> None:
+    """deploy/build-helm.sh links in the Kubernetes version (as upstream's Makefile does), so
+    `helm template` without --kube-version accepts the chart's kubeVersion >= 1.34."""
+    r = subprocess.run([helm, "template", "x", str(CHART)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_default_render_kinds(render: Render) -> None:
+    objs = render()
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == sorted([
+        "ServiceAccount", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
+        "ClusterRoleBinding", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget", "Secret",
+        "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding", "DeviceClass", "DeviceClass"])
+    for o in objs:
+        if o["kind"] in NAMESPACED:
+            assert o["metadata"]["namespace"] == "dra-gpu", o["metadata"]["name"]
+        else:
+            assert "namespace" not in o["metadata"], o["metadata"]["name"]
+        assert o["metadata"]["labels"]["app.kubernetes.io/instance"] == "dra-gpu"
+
+
+def test_release_name_and_namespace_flow_everywhere(render: Render) -> None:
+    objs = render(namespace="gpu-system", release="acme")
+    vap = one(objs, "ValidatingAdmissionPolicy")
+    sa = one(objs, "ServiceAccount", "kubelet-plugin")
+    user = f"system:serviceaccount:gpu-system:{sa['metadata']['name']}"
+    assert user in vap["spec"]["matchConditions"][0]["expression"]
+    ds = one(objs, "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+    crb = one(objs, "ClusterRoleBinding", "kubelet-plugin")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                "namespace": "gpu-system"}]
+
+
+# ---------------------------------------------------------------- kubelet plugin DaemonSet
+
+
+def test_daemonset_host_paths_env_and_probes(render: Render) -> None:
+    ds = one(render(), "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    c = container(ds)
+    assert c["args"] == ["kubelet-plugin"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    # Identical paths inside and outside the container.
+    for name in ("plugins", "plugins-registry", "cdi", "dev"):
+        assert mounts[name] == host[name], name
+    assert host["plugins"] == "/var/lib/kubelet/plugins"
+    assert host["plugins-registry"] == "/var/lib/kubelet/plugins_registry"
+    assert host["cdi"] == "/var/run/cdi"
+    assert host["dev"] == "/dev"
+    env = env_of(c)
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["DRIVER_NAME"] == DRIVER
+    assert env["DRA_GPU_PLUGIN_DIR"] == f"/var/lib/kubelet/plugins/{DRIVER}"
+    assert env["DRA_GPU_REGISTRY_DIR"] == "/var/lib/kubelet/plugins_registry"
+    assert env["DRA_GPU_CDI_DIR"] == "/var/run/cdi"
+    assert "DRA_GPU_PROFILE" not in env
+    # The health endpoint listens where the kubelet's probe reaches it: the pod IP, probe's port.
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["DRA_GPU_HTTP_ADDRESS"] == "$(POD_IP):51516"
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe in ("livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["path"] == "/healthz"
+        assert port[c[probe]["httpGet"]["port"]] == 51516
+    assert {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present",
+            "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert "hostNetwork" not in pod and "hostPID" not in pod
+
+
+def test_daemonset_privileged_only_for_real_gpus(render: Render) -> None:
+    real = container(one(render(), "DaemonSet"))
+    assert real["securityContext"]["privileged"] is True
+    sim_ds = one(render("simulatedProfile=dgx-a100-mig"), "DaemonSet")
+    sim = container(sim_ds)
+    sc = sim["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["MKNOD"]}
+    assert env_of(sim)["DRA_GPU_PROFILE"] == "dgx-a100-mig"
+    mounts = {m["mountPath"] for m in sim["volumeMounts"]}
+    assert "/dev" not in mounts and "/driver-root" not in mounts
+    text = (CHART / "templates" / "kubeletplugin-daemonset.yaml").read_text()
+    assert re.search(r"# Privileged: .*\n", text), "privileged mode must say why in a comment"
+
+
+def test_kubelet_root_dir_is_configurable(render: Render) -> None:
+    ds = one(render("kubeletPlugin.kubeletRootDir=/data/kubelet/"), "DaemonSet")
+    env = env_of(container(ds))
+    assert env["DRA_GPU_PLUGIN_DIR"] == f"/data/kubelet/plugins/{DRIVER}"
+    host = {v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    assert {"/data/kubelet/plugins", "/data/kubelet/plugins_registry"} <= host
+
+
+def test_chart_env_names_are_read_by_the_cli(render: Render) -> None:
+    """Every DRA_GPU_*/driver env var the chart sets is one `dra-gpu kubelet-plugin` reads."""
+    cli = (ROOT / "dra_gpu" / "cli.py").read_text()
+    env = env_of(container(one(render("simulatedProfile=hgx-2x4"), "DaemonSet")))
+    for name in env:
+        if name.startswith("DRA_GPU_") or name in ("NODE_NAME", "DRIVER_NAME"):
+            assert f'"{name}"' in cli, f"{name} is set by the chart but not read by dra_gpu/cli.py"
+
+
+# ---------------------------------------------------------------- controller (webhook)
+
+
+def test_controller_deployment_pdb_service_webhook(render: Render) -> None:
+    objs = render()
+    dep = one(objs, "Deployment")
+    assert dep["spec"]["replicas"] == 2
+    c = container(dep)
+    assert c["args"][0] == "controller"
+    assert "--cert=/tls/tls.crt" in c["args"] and "--key=/tls/tls.key" in c["args"]
+    assert "--port=8443" in c["args"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    svc = one(objs, "Service")
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    vwc = one(objs, "ValidatingWebhookConfiguration")
+    (hook,) = vwc["webhooks"]
+    assert hook["failurePolicy"] == "Ignore"
+    assert hook["sideEffects"] == "None"
+    assert hook["clientConfig"]["service"] == {
+        "name": svc["metadata"]["name"], "namespace": "dra-gpu", "path": "/validate", "port": 443}
+    resources = sorted(r for rule in hook["rules"] for r in rule["resources"])
+    assert resources == ["deviceclasses", "resourceclaims", "resourceclaimtemplates"]
+    assert all(rule["operations"] == ["CREATE", "UPDATE"] for rule in hook["rules"])
+
+
+def test_controller_args_parse_with_the_cli(render: Render) -> None:
+    from dra_gpu import cli
+
+    args = container(one(render(), "Deployment"))["args"]
+    try:
+        parsed = cli._parser().parse_args(args)
+    except SystemExit:
+        if "controller" not in (ROOT / "dra_gpu" / "cli.py").read_text():
+            pytest.skip("`dra-gpu controller` is not in this tree yet")
+        raise
+    assert parsed.command == "controller"
+
+
+def test_self_signed_tls_secret_matches_the_webhook(render: Render) -> None:
+    objs = render()
+    secret = one(objs, "Secret")
+    assert secret["type"] == "kubernetes.io/tls"
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert "BEGIN CERTIFICATE" in data["tls.crt"] and "PRIVATE KEY" in data["tls.key"]
+    hook = one(objs, "ValidatingWebhookConfiguration")["webhooks"][0]
+    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    dep = one(objs, "Deployment")
+    vol = dep["spec"]["template"]["spec"]["volumes"][0]
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    if shutil.which("openssl"):
+        svc = one(objs, "Service")["metadata"]["name"]
+        r = subprocess.run(["openssl", "x509", "-noout", "-text"], input=data["tls.crt"],
+                           capture_output=True, text=True, check=True)
+        assert f"DNS:{svc}.dra-gpu.svc" in r.stdout
+
+
+def test_cert_manager_tls(render: Render) -> None:
+    objs = render("controller.tls.certManager.enabled=true")
+    assert not by_kind(objs, "Secret")
+    cert = one(objs, "Certificate")
+    issuer = one(objs, "Issuer")
+    assert cert["spec"]["issuerRef"] == {"kind": "Issuer", "name": issuer["metadata"]["name"]}
+    svc = one(objs, "Service")["metadata"]["name"]
+    assert f"{svc}.dra-gpu.svc" in cert["spec"]["dnsNames"]
+    vwc = one(objs, "ValidatingWebhookConfiguration")
+    assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        f"dra-gpu/{cert['metadata']['name']}"
+    assert "caBundle" not in vwc["webhooks"][0]["clientConfig"]
+    dep = one(objs, "Deployment")
+    assert dep["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] == cert["spec"]["secretName"]
+    # With an existing issuer, no Issuer is made.
+    objs = render("controller.tls.certManager.enabled=true",
+                  "controller.tls.certManager.issuerRef.kind=ClusterIssuer",
+                  "controller.tls.certManager.issuerRef.name=my-ca")
+    assert not by_kind(objs, "Issuer")
+    assert one(objs, "Certificate")["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "my-ca"}
+
+
+def test_existing_tls_secret(render: Render) -> None:
+    objs = render("controller.tls.existingSecret=my-tls", "controller.tls.caBundle=Q0E=")
+    assert not by_kind(objs, "Secret") and not by_kind(objs, "Certificate")
+    dep = one(objs, "Deployment")
+    assert dep["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] == "my-tls"
+    assert one(objs, "ValidatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"] == "Q0E="
+
+
+def test_components_can_be_disabled(render: Render) -> None:
+    objs = render("controller.enabled=false")
+    assert not by_kind(objs, "Deployment") and not by_kind(objs, "ValidatingWebhookConfiguration")
+    objs = render("kubeletPlugin.enabled=false")
+    assert not by_kind(objs, "DaemonSet") and not by_kind(objs, "ValidatingAdmissionPolicy")
+
+
+# ---------------------------------------------------------------- RBAC
+
+
+def rules_of(objs: list[dict[str, Any]], part: str) -> set[tuple[str, str, str, str]]:
+    role = one(objs, "ClusterRole", part)
+    out = set()
+    for r in role["rules"]:
+        for g in r["apiGroups"]:
+            for res in r["resources"]:
+                for v in r["verbs"]:
+                    out.add((g, res, v, ",".join(r.get("resourceNames", []))))
+    return out
+
+
+def test_rbac_is_least_privilege(render: Render) -> None:
+    objs = render()
+    slice_verbs = ("get", "list", "watch", "create", "update", "patch", "delete")
+    assert rules_of(objs, "kubelet-plugin") == {
+        *(("resource.k8s.io", "resourceslices", v, "") for v in slice_verbs),
+        ("resource.k8s.io", "resourceclaims", "get", ""),
+        ("", "nodes", "get", ""),
+    }
+    assert rules_of(objs, "controller") == {
+        ("resource.k8s.io", res, v, "")
+        for res in ("resourceslices", "deviceclasses", "resourceclaims")
+        for v in ("get", "list", "watch")
+    }
+    for role in by_kind(objs, "ClusterRole"):
+        for r in role["rules"]:
+            assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], role["metadata"]["name"]
+    assert not by_kind(objs, "Role") and not by_kind(objs, "RoleBinding")
+
+
+def test_claim_status_writes_are_opt_in(render: Render) -> None:
+    rules = rules_of(render("kubeletPlugin.claimStatusWrites=true"), "kubelet-plugin")
+    assert ("resource.k8s.io", "resourceclaims/status", "update", "") in rules
+    assert ("resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER) in rules
+
+
+# ---------------------------------------------------------------- node-scoped slice policy
+
+
+def test_validating_admission_policy(render: Render) -> None:
+    objs = render()
+    vap = one(objs, "ValidatingAdmissionPolicy")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
+    spec = vap["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"]
+    assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    assert "authentication.kubernetes.io/node-name" in variables["userNodeName"]
+    assert "render()" not in str(spec)  # nothing left unrendered
+    assert not by_kind(render("kubeletPlugin.nodeScopedSlicesPolicy=false"), "ValidatingAdmissionPolicy")
+
+
+# ---------------------------------------------------------------- DeviceClasses
+
+
+def test_device_classes(render: Render) -> None:
+    classes = {c["metadata"]["name"]: c["spec"] for c in by_kind(render(), "DeviceClass")}
+    assert set(classes) == {"gpu.dra-gpu.io", "mig.dra-gpu.io"}
+    assert classes["gpu.dra-gpu.io"]["extendedResourceName"] == "nvidia.com/gpu"
+    assert "extendedResourceName" not in classes["mig.dra-gpu.io"]
+    gpu_cel = classes["gpu.dra-gpu.io"]["selectors"][0]["cel"]["expression"]
+    mig_cel = classes["mig.dra-gpu.io"]["selectors"][0]["cel"]["expression"]
+    assert gpu_cel == "device.driver == 'gpu.dra-gpu.io' && device.attributes['gpu.dra-gpu.io'].type == 'gpu'"
+    assert mig_cel == "device.driver == 'gpu.dra-gpu.io' && device.attributes['gpu.dra-gpu.io'].type == 'mig'"
+    other = {c["metadata"]["name"] for c in by_kind(render("driverName=gpu.example.org"), "DeviceClass")}
+    assert other == {"gpu.example.org", "mig.example.org"}
+    plain = by_kind(render("deviceClasses.gpu.extendedResourceName="), "DeviceClass")
+    assert all("extendedResourceName" not in c["spec"] for c in plain)
+
+
+def test_values_are_documented() -> None:
+    """Every leaf key of values.yaml has a comment on it or on a parent key."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z][\w.]*):", line)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        j, documented = i - 1, False
+        while j >= 0 and lines[j].strip().startswith("#"):
+            documented = True
+            j -= 1
+        k = i - 1
+        while not documented and k >= 0:  # a documented parent covers its children
+            pm = re.match(r"^( *)[A-Za-z][\w.]*:", lines[k])
+            if pm and len(pm.group(1)) < indent:
+                documented = k > 0 and lines[k - 1].strip().startswith("#")
+                indent = len(pm.group(1))
+                if indent == 0:
+                    break
+            k -= 1
+        if not documented:
+            undocumented.append(m.group(2))
+    allowed = {"kubeletPlugin", "controller", "image", "deviceClasses", "serviceAccount", "tls",
+               "enabled", "resources", "requests", "limits", "podAnnotations", "nodeSelector",
+               "tolerations", "affinity", "extraEnv", "priorityClassName", "pullPolicy", "replicas",
+               "port", "timeoutSeconds", "minAvailable", "rollingUpdate", "type", "maxUnavailable",
+               "fullnameOverride", "existingSecret", "gpu", "mig"}
+    assert set(undocumented) <= allowed, sorted(set(undocumented) - allowed)
+
+
+def test_chart_files_name_no_local_paths() -> None:
+    for p in [*CHART.rglob("*"), *(ROOT / "deploy").glob("*")]:
+        if p.is_file():
+            text = p.read_text(errors="replace")
+            assert "/work/" not in text and "/root/" not in text, p
+
+

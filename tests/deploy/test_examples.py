@@ -1,0 +1,101 @@
+"""deploy/examples: each file is claims + pods that fit together, and (where `dra-gpu validate`
+exists) every claim and template passes it against the chart's DeviceClasses and the slices of
+the simulated nodes they are written for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from .conftest import EXAMPLES, Render, by_kind
+
+EXPECTED = {
+    "one-gpu.yaml", "four-nvlink-gpus.yaml", "gpu-by-product-name.yaml", "gpu-memory-40gi.yaml",
+    "gpu-driver-550.yaml", "mig-3g40gb.yaml", "prioritized-h100-else-a100.yaml",
+    "shared-gpu-two-pods.yaml", "classic-nvidia-gpu.yaml",
+}
+CLASSES = {"gpu.dra-gpu.io", "mig.dra-gpu.io"}
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def examples() -> list[Path]:
+    return sorted(EXAMPLES.glob("*.yaml"))
+
+
+def test_every_example_is_there() -> None:
+    assert {p.name for p in examples()} == EXPECTED
+
+
+@pytest.mark.parametrize("path", examples(), ids=lambda p: p.name)
+def test_example_pods_reference_their_claims(path: Path) -> None:
+    docs = load(path)
+    templates = {d["metadata"]["name"] for d in by_kind(docs, "ResourceClaimTemplate")}
+    claims = {d["metadata"]["name"] for d in by_kind(docs, "ResourceClaim")}
+    pods = by_kind(docs, "Pod")
+    assert pods, "an example runs at least one pod"
+    for d in docs:
+        assert "namespace" not in d["metadata"], "examples go into the namespace they are applied to"
+    for pod in pods:
+        spec = pod["spec"]
+        assert spec["restartPolicy"] == "Never"
+        for c in spec["containers"]:
+            assert c["image"] == "localhost/dra-gpu-e2e/busybox:1" and c["imagePullPolicy"] == "Never"
+            names = {rc["name"] for rc in spec.get("resourceClaims", [])}
+            assert {x["name"] for x in c["resources"].get("claims", [])} == names
+        for rc in spec.get("resourceClaims", []):
+            if "resourceClaimTemplateName" in rc:
+                assert rc["resourceClaimTemplateName"] in templates
+            else:
+                assert rc["resourceClaimName"] in claims
+    for obj in by_kind(docs, "ResourceClaimTemplate") + by_kind(docs, "ResourceClaim"):
+        devices = obj["spec"]["spec"]["devices"] if obj["kind"] == "ResourceClaimTemplate" \
+            else obj["spec"]["devices"]
+        for req in devices["requests"]:
+            subs = req.get("firstAvailable") or [req["exactly"]]
+            assert all(s["deviceClassName"] in CLASSES for s in subs)
+
+
+def test_classic_pod_uses_the_extended_resource(render: Render) -> None:
+    (pod,) = load(EXAMPLES / "classic-nvidia-gpu.yaml")
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    gpu_class = [c for c in by_kind(render(), "DeviceClass") if c["metadata"]["name"] == "gpu.dra-gpu.io"]
+    assert limits == {gpu_class[0]["spec"]["extendedResourceName"]: 1}
+    assert "resourceClaims" not in pod["spec"]
+
+
+def _has_validate() -> bool:
+    r = subprocess.run([sys.executable, "-m", "dra_gpu.cli", "validate", "--help"],
+                       capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
+    if not _has_validate():
+        pytest.skip("`dra-gpu validate` is not in this tree yet")
+    classes = tmp_path / "classes.yaml"
+    classes.write_text(yaml.safe_dump_all(by_kind(render(), "DeviceClass")))
+    files = ["-f", str(classes)]
+    for profile, node in (("hgx-2x4", "node-a"), ("dgx-a100-mig", "node-b")):
+        out = subprocess.run(
+            [sys.executable, "-m", "dra_gpu.cli", "inventory", "--profile", profile, "--node-name", node,
+             "--slices", "-o", "yaml"], capture_output=True, text=True, check=True).stdout
+        (tmp_path / f"{node}.yaml").write_text(out)
+        files += ["-f", str(tmp_path / f"{node}.yaml")]
+    for path in examples():
+        # validate checks DeviceClasses, ResourceClaims and templates; the pods are left out.
+        claims = [d for d in load(path) if d["kind"] != "Pod"]
+        if not claims:
+            continue
+        f = tmp_path / path.name
+        f.write_text(yaml.safe_dump_all(claims))
+        r = subprocess.run([sys.executable, "-m", "dra_gpu.cli", "validate", *files, "-f", str(f)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"{path.name}:\n{r.stdout}{r.stderr}"
