@@ -99,22 +99,25 @@ class Kube:
             return
         await _json(resp, f"delete resourceslice {name}")
 
-    async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
-        resp = await self._request("GET", f"{RESOURCE_V1}/resourceslices",
-                                   {"fieldSelector": field_selector})
-        data = await _json(resp, "list resourceslices")
+    async def list_objects(self, path: str,
+                           field_selector: str | None = None) -> tuple[list[dict[str, Any]], str]:
+        """All objects of a collection (e.g. RESOURCE_V1 + "/resourceclaims") and its resourceVersion."""
+        query = {"fieldSelector": field_selector} if field_selector else None
+        resp = await self._request("GET", path, query)
+        data = await _json(resp, f"list {path}")
         return list(data.get("items") or []), str(data["metadata"].get("resourceVersion", ""))
 
-    async def watch_slices(self, field_selector: str, resource_version: str,
-                           timeout_seconds: int) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """Watch events (type, object) until the server closes the watch after `timeout_seconds`."""
-        resp = await self._request(
-            "GET", f"{RESOURCE_V1}/resourceslices",
-            {"fieldSelector": field_selector, "resourceVersion": resource_version, "watch": "true",
-             "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)},
-            timeout=timeout_seconds + REQUEST_TIMEOUT)
+    async def watch_objects(self, path: str, resource_version: str, timeout_seconds: int,
+                            field_selector: str | None = None,
+                            ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Watch events (type, object) until the server ends the watch after `timeout_seconds`."""
+        query = {"resourceVersion": resource_version, "watch": "true",
+                 "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
+        if field_selector:
+            query["fieldSelector"] = field_selector
+        resp = await self._request("GET", path, query, timeout=timeout_seconds + REQUEST_TIMEOUT)
         if resp.status >= 400:
-            await _json(resp, "watch resourceslices")
+            await _json(resp, f"watch {path}")
         try:
             async for line in resp.content:
                 if line.strip():
@@ -122,3 +125,11 @@ class Kube:
                     yield event["type"], event["object"]
         finally:
             resp.release()
+
+    async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
+        return await self.list_objects(f"{RESOURCE_V1}/resourceslices", field_selector)
+
+    def watch_slices(self, field_selector: str, resource_version: str,
+                     timeout_seconds: int) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        return self.watch_objects(f"{RESOURCE_V1}/resourceslices", resource_version,
+                                  timeout_seconds, field_selector)

@@ -119,7 +119,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     invalid = bool(inputs.problems)
     for line in inputs.problems:
         print(line)
-    to_check = inputs.classes + [c for c in inputs.claims if not _allocated(c)] + inputs.others
+    # Files such as the examples hold Pods and other workload objects beside the claims: those
+    # are not DRA objects and are skipped with a note; anything of the resource.k8s.io group (or
+    # with no apiVersion at all) is checked and an unsupported kind there is an error.
+    others = []
+    for obj in inputs.others:
+        group = str(obj.get("apiVersion") or "").rpartition("/")[0]
+        if obj.get("apiVersion") and obj.get("kind") and group != "resource.k8s.io":
+            meta = obj.get("metadata") or {}
+            print(f"{obj['kind']}/{meta.get('name', '?')}: skipped: not a DRA object", file=sys.stderr)
+        else:
+            others.append(obj)
+    to_check = inputs.classes + [c for c in inputs.claims if not _allocated(c)] + others
     validator = Validator(
         args.driver_name, inputs.slices, inputs.classes, [c for c in inputs.claims if _allocated(c)]
     )

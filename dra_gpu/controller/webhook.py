@@ -19,7 +19,7 @@ import os
 import ssl
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +34,7 @@ from prometheus_client import (
 
 from dra_gpu.controller.cel_env import CelEnvironment, Schema
 from dra_gpu.controller.rules import KINDS, Validator
+from dra_gpu.kube import RESOURCE_V1, Kube
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 log = logging.getLogger(__name__)
@@ -263,34 +264,23 @@ def _unchanged_spec(req: Mapping[str, Any]) -> bool:
 # ---------------------------------------------------------------- watching the cluster
 
 
-async def watch_resource(
-    state: ClusterState,
-    store: str,
-    list_fn: Callable[..., Awaitable[Any]],
-    raw_list_fn: Callable[..., Awaitable[Any]],
-    metrics: Metrics,
-) -> None:
+async def watch_resource(state: ClusterState, store: str, kube: Kube, path: str,
+                         metrics: Metrics) -> None:
     """List, then watch from the list's resourceVersion; relist on 410 Gone or any error (with backoff)."""
-    from kubernetes.aio import watch
-
     backoff = 1.0
     while True:
         try:
-            resp = await raw_list_fn()
-            body = json.loads(await resp.read())
-            state.replace(store, body.get("items") or [])
-            rv = (body.get("metadata") or {}).get("resourceVersion")
-            log.info(
-                "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), rv
-            )
-            w = watch.Watch()  # type: ignore[no-untyped-call]
-            async for ev in w.stream(  # type: ignore[no-untyped-call]
-                list_fn, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=300
-            ):
+            items, rv = await kube.list_objects(path)
+            state.replace(store, items)
+            log.info("event=listed resource=%s count=%d resourceVersion=%s", store,
+                     len(state.stores[store]), rv)
+            async for kind, obj in kube.watch_objects(path, rv, timeout_seconds=300):
                 backoff = 1.0
                 metrics.watch_events.labels(store).inc()
-                if isinstance(ev.get("raw_object"), dict):
-                    state.apply(store, str(ev.get("type")), ev["raw_object"])
+                if kind == "ERROR":
+                    break  # e.g. 410 Gone: list again
+                if kind != "BOOKMARK":
+                    state.apply(store, kind, obj)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -304,26 +294,10 @@ async def watch_resource(
 async def start_watches(
     state: ClusterState, kubeconfig: str | None, metrics: Metrics
 ) -> list[asyncio.Task[None]]:
-    from kubernetes.aio import client, config
-
-    if kubeconfig:
-        api_client = await config.new_client_from_config(  # type: ignore[no-untyped-call]
-            config_file=kubeconfig
-        )
-    else:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        api_client = client.ApiClient()
-    api = client.ResourceV1Api(api_client)
-    pairs = (
-        ("slices", api.list_resource_slice, api.list_resource_slice_without_preload_content),
-        ("classes", api.list_device_class, api.list_device_class_without_preload_content),
-        (
-            "claims",
-            api.list_resource_claim_for_all_namespaces,
-            api.list_resource_claim_for_all_namespaces_without_preload_content,
-        ),
-    )
-    return [asyncio.create_task(watch_resource(state, s, fn, raw, metrics)) for s, fn, raw in pairs]
+    kube = await Kube.connect(kubeconfig)
+    stores = (("slices", "resourceslices"), ("classes", "deviceclasses"), ("claims", "resourceclaims"))
+    return [asyncio.create_task(watch_resource(state, store, kube, f"{RESOURCE_V1}/{plural}", metrics))
+            for store, plural in stores]
 
 
 async def serve(

@@ -82,8 +82,14 @@ def test_validate_stdin(cluster_file: str) -> None:
         ("[" * 5000 + "]" * 5000, 1, "not valid YAML"),
         (
             yaml.safe_dump({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}),
+            2,
+            "no DeviceClass, ResourceClaim or ResourceClaimTemplate in the input",
+        ),
+        (
+            yaml.safe_dump({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule",
+                            "metadata": {"name": "t"}}),
             1,
-            "Pod/p: kind: unsupported kind 'Pod'",
+            "DeviceTaintRule/t: kind: unsupported kind 'DeviceTaintRule'",
         ),
         (
             yaml.safe_dump(
@@ -110,7 +116,8 @@ def test_validate_stdin(cluster_file: str) -> None:
             "ResourceClaim/s: spec: must be an object with 'devices'",
         ),
     ],
-    ids=["unclosed", "garbage", "scalar", "deeply-nested-yaml", "wrong-kind", "old-api", "bad-spec"],
+    ids=["unclosed", "garbage", "scalar", "deeply-nested-yaml", "only-a-pod", "wrong-dra-kind", "old-api",
+         "bad-spec"],
 )
 def test_bad_input(tmp_path: Path, content: str, code: int, message: str) -> None:
     p = tmp_path / "in.yaml"
@@ -140,3 +147,13 @@ def test_usage_and_io_errors(tmp_path: Path) -> None:
     only_slices = write(tmp_path, "s.yaml", node_slices())
     assert run("explain", "-f", only_slices).returncode == 2
     assert run("validate", "--kubeconfig", str(tmp_path / "nope"), "-f", only_slices).returncode == 2
+
+
+def test_workload_objects_beside_claims_are_skipped(tmp_path: Path) -> None:
+    """Example files hold Pods next to their claims: the Pods are skipped, the claims checked."""
+    p = tmp_path / "example.yaml"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}
+    p.write_text(yaml.safe_dump_all([claim("ok"), pod]))
+    out = run("validate", "-f", str(p))
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "Pod/p: skipped: not a DRA object" in out.stderr
