@@ -110,9 +110,9 @@ def write_image(path, name, layer, config_extra):
 def main(outdir):
     os.makedirs(outdir, exist_ok=True)
     with open(BUSYBOX, "rb") as f:
-        stamp = "%s %s %s" % (hashlib.sha256(f.read()).hexdigest(), BUSYBOX_IMAGE, PAUSE_IMAGE)
+        stamp = f"{hashlib.sha256(f.read()).hexdigest()} {BUSYBOX_IMAGE} {PAUSE_IMAGE}"
     stamp_path = os.path.join(outdir, ".stamp")
-    if os.path.exists(stamp_path) and open(stamp_path).read() == stamp and all(
+    if os.path.exists(stamp_path) and _read(stamp_path) == stamp and all(
             os.path.exists(os.path.join(outdir, n)) for n in ("busybox.tar", "pause.tar")):
         return
     layer = build_layer()
@@ -121,6 +121,11 @@ def main(outdir):
                 {"Entrypoint": ["/bin/sleep", "2147483647"]})
     with open(stamp_path, "w") as f:
         f.write(stamp)
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read()
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def api_client(target):
         import kubernetes  # noqa: F401
     except ImportError:
         pytest.fail("the e2e tier needs the `kubernetes` Python package (pip install kubernetes)")
-    from kubernetes import client, config
+    from kubernetes import config
     return config.new_client_from_config(config_file=target.kubeconfig)
 
 
@@ -127,9 +127,9 @@ def wait_pod_done(core, ns, name, timeout=90):
             return pod.status.phase
         time.sleep(0.5)
     events = core.list_namespaced_event(ns, field_selector="involvedObject.name=" + name)
-    raise AssertionError("pod %s/%s not done after %d s: %s\nevents:\n%s" % (
-        ns, name, timeout, pod.status if pod else None,
-        "\n".join("%s %s: %s" % (e.type, e.reason, e.message) for e in events.items)))
+    lines = "\n".join(f"{e.type} {e.reason}: {e.message}" for e in events.items)
+    raise AssertionError(f"pod {ns}/{name} not done after {timeout} s: "
+                         f"{pod.status if pod else None}\nevents:\n{lines}")
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ def test_dra_feature_gates_keep_fields(dyn):
         missing = [f for f in ("allowMultipleAllocations", "consumesCounters", "taints",
                                "bindsToNode", "bindingConditions", "bindingFailureConditions")
                    if not dev.get(f)]
-        assert not missing, "fields dropped by the apiserver (gates off?): %s" % missing
+        assert not missing, f"fields dropped by the apiserver (gates off?): {missing}"
         assert dev.get("capacity", {}).get("memory", {}).get("requestPolicy"), \
             "capacity.requestPolicy dropped (DRAConsumableCapacity off?)"
     finally:

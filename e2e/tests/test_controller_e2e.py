@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -50,17 +51,6 @@ TAINTS = {0: {"key": "example.com/broken", "effect": "NoSchedule"},
           2: {"key": "example.com/flaky", "value": "yes", "effect": "NoExecute"}}
 WEBHOOK_LABEL = "e2e.dra-gpu.io/webhook"
 RESOURCE = "resource.k8s.io/v1"
-
-
-def wait_for(what, check, timeout=30.0, interval=0.1):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
 
 
 def status_of(exc: Exception) -> int | None:

@@ -12,7 +12,6 @@ Running the examples as pods with the plugin serving a simulated node is done el
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 import time
 import uuid
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import helm_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -32,12 +32,7 @@ TEST_DRIVER = "vap-test.dra-gpu.io"  # slices of fake nodes must not be mistaken
 
 @pytest.fixture(scope="session")
 def helm():
-    if os.environ.get("DRA_GPU_HELM"):
-        return os.environ["DRA_GPU_HELM"]
-    r = subprocess.run(["bash", str(ROOT / "deploy" / "build-helm.sh")], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.fail("deploy/build-helm.sh failed:\n" + r.stderr[-3000:])
-    return r.stdout.strip().splitlines()[-1]
+    return helm_binary()
 
 
 def render(helm, namespace, release, *sets):

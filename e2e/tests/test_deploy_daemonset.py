@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import helm_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -30,15 +31,6 @@ EXAMPLES = ROOT / "deploy" / "examples"
 DRIVER = "gpu.dra-gpu.io"
 LABEL = "nvidia.com/gpu.present"
 BROKEN_CEL = "device.attributes['gpu.dra-gpu.io'].productName =="  # a syntax error
-
-
-def helm_binary():
-    if os.environ.get("DRA_GPU_HELM"):
-        return os.environ["DRA_GPU_HELM"]
-    r = subprocess.run(["bash", str(ROOT / "deploy" / "build-helm.sh")], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.fail("deploy/build-helm.sh failed:\n" + r.stderr[-3000:])
-    return r.stdout.strip().splitlines()[-1]
 
 
 def run_from_host(ds, apiserver_port):

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -24,17 +25,6 @@ KUBELET_ROOT = Path(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet
 PLUGIN_DIR = KUBELET_ROOT / "plugins" / DRIVER
 CDI_DIR = Path("/var/run/cdi")
 MIG_CLASS = "mig.dra-gpu.io"
-
-
-def wait_for(what, check, timeout=30.0, interval=0.2):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
 
 
 class Plugin:

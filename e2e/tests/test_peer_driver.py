@@ -64,6 +64,6 @@ def wait_log(core, ns, name, marker, timeout):
                 return log
         time.sleep(0.5)
     events = core.list_namespaced_event(ns, field_selector="involvedObject.name=" + name)
-    raise AssertionError("pod %s/%s: no %r in its log after %d s; status %s\nlog:\n%s\nevents:\n%s" % (
-        ns, name, marker, timeout, pod.status.phase, log,
-        "\n".join("%s %s: %s" % (e.type, e.reason, e.message) for e in events.items)))
+    lines = "\n".join(f"{e.type} {e.reason}: {e.message}" for e in events.items)
+    raise AssertionError(f"pod {ns}/{name}: no {marker!r} in its log after {timeout} s; status "
+                         f"{pod.status.phase}\nlog:\n{log}\nevents:\n{lines}")
