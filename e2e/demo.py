@@ -111,6 +111,13 @@ def main() -> int:
         except client.ApiException as exc:
             if exc.status != 409:
                 raise
+        # Pods can be created only once the service-account controller made "default".
+        deadline = time.time() + 30
+        while not any(sa.metadata.name == "default" for sa in
+                      core.list_namespaced_service_account("dra-gpu-demo").items):
+            if time.time() > deadline:
+                raise SystemExit("namespace dra-gpu-demo got no default service account in 30 s")
+            time.sleep(0.2)
         for doc in yaml.safe_load_all(MANIFESTS):
             apply(dyn, doc)
         say("pod nvlink-demo asks for 4 NVLink-connected GPUs; waiting for it")
