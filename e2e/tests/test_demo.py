@@ -1,0 +1,23 @@
+"""The README's main job (scripts/demo -> e2e/demo.py) keeps working."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_demo_gets_four_nvlink_connected_gpus(target):
+    if not target.local:
+        pytest.skip("the demo runs the plugin as a host process on the local e2e cluster")
+    demo = Path(__file__).resolve().parents[1] / "demo.py"
+    out = subprocess.run([sys.executable, str(demo)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    gpus = [line.split() for line in out.stdout.splitlines() if line.startswith("    gpu-")]
+    assert len(gpus) == 4, out.stdout
+    assert len({g[-1] for g in gpus}) == 1, out.stdout  # one NVLink domain
+    assert "NVIDIA_VISIBLE_DEVICES=" in out.stdout
