@@ -149,6 +149,11 @@ class Checkpoint:
         raw = self._data["claims"].get(uid)
         return ClaimRecord(uid, copy.deepcopy(raw)) if raw is not None else None
 
+    def view(self, uid: str) -> ClaimRecord | None:
+        """Like get(), without copying: read-only use on the hot path."""
+        raw = self._data["claims"].get(uid)
+        return ClaimRecord(uid, raw) if raw is not None else None
+
     def records(self) -> list[ClaimRecord]:
         return [ClaimRecord(uid, copy.deepcopy(raw)) for uid, raw in self._data["claims"].items()]
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -132,7 +132,7 @@ class Preparer:
 
     async def prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
         async with self._lock(ref.uid):
-            record = self.checkpoint.get(ref.uid)
+            record = self.checkpoint.view(ref.uid)  # entries are replaced, never changed in place
             if record is not None and record.state == COMPLETED:
                 return [PreparedDevice.from_dict(d) for d in record.devices]  # idempotent: no writes
             claim = await self.claims.get_claim(ref.namespace, ref.name)
@@ -302,8 +302,8 @@ class Preparer:
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
         return counts
 
-    async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic,
-                    on_unprepare: Callable[[ClaimRef], Awaitable[None]] | None = None) -> list[ClaimRef]:
+    async def sweep(self, grace_seconds: float,
+                    now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:
         """Unprepare claims whose ResourceClaim has been gone (or replaced) for `grace_seconds`."""
         swept = []
         for rec in self.checkpoint.records():
@@ -317,7 +317,7 @@ class Preparer:
             first = self._gone_since.setdefault(rec.uid, now())
             if now() - first >= grace_seconds:
                 ref = ClaimRef(rec.namespace, rec.uid, rec.name)
-                await (on_unprepare or self.unprepare)(ref)
+                await self.unprepare(ref)
                 self._gone_since.pop(rec.uid, None)
                 log.warning("stale claim unprepared by the sweeper claim=%s", ref)
                 swept.append(ref)

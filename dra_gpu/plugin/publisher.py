@@ -90,13 +90,6 @@ class SlicePublisher:
         log.info("slices published node=%s generation=%d slices=%d devices=%d", self.node,
                  self.generation, len(self.desired), len(self.device_names()))
 
-    async def republish(self) -> None:
-        """The inventory changed: new generation on every slice."""
-        self.generation += 1
-        self.desired = {s["metadata"]["name"]: s for s in self.build(self.generation)}
-        existing, _ = await self.kube.list_slices(self.selector)
-        await self.sync(existing)
-
     async def sync(self, existing: list[dict[str, Any]]) -> int:
         """Apply what is missing or differs, delete what is not desired; returns slices applied."""
         by_name = {s["metadata"]["name"]: s for s in existing}

@@ -54,6 +54,50 @@ def run_from_host(ds, apiserver_port):
         c["volumeMounts"].append({"name": f"host-{i}", "mountPath": inside, "readOnly": True})
 
 
+def api_for(dyn, o):
+    return dyn.resources.get(api_version=o["apiVersion"], kind=o["kind"])
+
+
+def apply_all(dyn, objs, namespace, applied):
+    """Server-side apply each rendered object, recording it in `applied` for delete_all."""
+    for o in objs:
+        api = api_for(dyn, o)
+        api.server_side_apply(body=o, namespace=namespace if api.namespaced else None,
+                              field_manager="dra-gpu-e2e", force_conflicts=True)
+        applied.append(o)
+
+
+def delete_all(dyn, applied, namespace):
+    from kubernetes.client.exceptions import ApiException
+
+    for o in reversed(applied):
+        api = api_for(dyn, o)
+        with contextlib.suppress(ApiException):
+            api.delete(name=o["metadata"]["name"], namespace=namespace if api.namespaced else None)
+
+
+def wait_ready_pod(core, namespace, selector, timeout, what):
+    """The first pod matching `selector` once Ready; fails with its status, log tail and events."""
+    from kubernetes.client.exceptions import ApiException
+
+    deadline, pod = time.time() + timeout, None
+    while time.time() < deadline:
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+        pod = pods[0] if pods else None
+        if pod and any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
+            return pod
+        time.sleep(1)
+    log = ""
+    if pod:
+        try:
+            log = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=40)
+        except ApiException as exc:
+            log = str(exc)
+    events = core.list_namespaced_event(namespace).items
+    pytest.fail(f"{what} pod not Ready: {pod.status if pod else None}\nlog:\n{log}\nevents:\n"
+                + "\n".join(f"{e.reason}: {e.message}" for e in events))
+
+
 def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_pod):
     if not target.local:
         pytest.skip("runs the host's Python in the pod: only on the local e2e cluster")
@@ -70,37 +114,13 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
     (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
     run_from_host(ds, port)
     applied = []
-
-    def api_for(o):
-        return dyn.resources.get(api_version=o["apiVersion"], kind=o["kind"])
-
     slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
     core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
     try:
-        for o in objs:
-            api = api_for(o)
-            api.server_side_apply(body=o, namespace=namespace if api.namespaced else None,
-                                  field_manager="dra-gpu-e2e", force_conflicts=True)
-            applied.append(o)
+        apply_all(dyn, objs, namespace, applied)
         # The pod becomes Ready only after its startup probe got 200 from /healthz on the pod IP.
         sel = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=kubelet-plugin"
-        deadline, pod = time.time() + 120, None
-        while time.time() < deadline:
-            pods = core.list_namespaced_pod(namespace, label_selector=sel).items
-            pod = pods[0] if pods else None
-            if pod and any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
-                break
-            time.sleep(1)
-        else:
-            events = core.list_namespaced_event(namespace).items
-            log = ""
-            if pod:
-                try:
-                    log = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=40)
-                except ApiException as exc:
-                    log = str(exc)
-            pytest.fail(f"plugin pod not Ready: {pod.status if pod else None}\nlog:\n{log}\nevents:\n"
-                        + "\n".join(f"{e.reason}: {e.message}" for e in events))
+        pod = wait_ready_pod(core, namespace, sel, 120, "plugin")
         sc = pod.spec.containers[0].security_context
         assert sc.privileged is False and sc.capabilities.add == ["MKNOD"]
         # Published through its own service account (RBAC + the node-scoped policy let it).
@@ -110,7 +130,7 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
         assert DRIVER in managers
         # A claim pod gets a GPU prepared by the plugin pod.
         for o in yaml.safe_load_all((EXAMPLES / "one-gpu.yaml").read_text()):
-            api_for(o).create(body=o, namespace=namespace)
+            api_for(dyn, o).create(body=o, namespace=namespace)
         phase = wait_pod(core, namespace, "one-gpu", timeout=120)
         log = core.read_namespaced_pod_log("one-gpu", namespace)
         assert phase == "Succeeded", log
@@ -118,10 +138,7 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
     finally:
         core.delete_collection_namespaced_pod(namespace, label_selector="!nonexistent",
                                               grace_period_seconds=0)
-        for o in reversed(applied):
-            api = api_for(o)
-            with contextlib.suppress(ApiException):
-                api.delete(name=o["metadata"]["name"], namespace=namespace if api.namespaced else None)
+        delete_all(dyn, applied, namespace)
         deadline = time.time() + 60  # the plugin pod gone before anything else uses the socket dir
         while time.time() < deadline and core.list_namespaced_pod(namespace).items:
             time.sleep(0.5)
@@ -144,7 +161,6 @@ def test_controller_deployment_serves_admission_reviews(target, dyn, core, names
     import socket
     import ssl
 
-    from kubernetes.client.exceptions import ApiException
 
     port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
     release = "ctl-" + uuid.uuid4().hex[:6]
@@ -159,29 +175,10 @@ def test_controller_deployment_serves_admission_reviews(target, dyn, core, names
     (dep,) = [o for o in objs if o["kind"] == "Deployment"]
     run_from_host(dep, port)
     applied = []
-
-    def api_for(o):
-        return dyn.resources.get(api_version=o["apiVersion"], kind=o["kind"])
-
     try:
-        for o in objs:
-            api = api_for(o)
-            api.server_side_apply(body=o, namespace=namespace if api.namespaced else None,
-                                  field_manager="dra-gpu-e2e", force_conflicts=True)
-            applied.append(o)
+        apply_all(dyn, objs, namespace, applied)
         sel = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=controller"
-        deadline, pod = time.time() + 90, None
-        while time.time() < deadline:
-            pods = core.list_namespaced_pod(namespace, label_selector=sel).items
-            pod = pods[0] if pods else None
-            if pod and any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
-                break
-            time.sleep(1)
-        else:
-            log = ""
-            with contextlib.suppress(ApiException):
-                log = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=40) if pod else ""
-            pytest.fail(f"controller pod not Ready: {pod.status if pod else None}\nlog:\n{log}")
+        pod = wait_ready_pod(core, namespace, sel, 90, "controller")
         assert pod.spec.security_context.run_as_user == 65532
         time.sleep(2)  # let the list+watch loops run once
         log = core.read_namespaced_pod_log(pod.metadata.name, namespace)
@@ -213,7 +210,4 @@ def test_controller_deployment_serves_admission_reviews(target, dyn, core, names
         response = json.loads(data.split(b"\r\n\r\n", 1)[1])["response"]
         assert response["uid"] == "u1" and response["allowed"] is False, response
     finally:
-        for o in reversed(applied):
-            api = api_for(o)
-            with contextlib.suppress(ApiException):
-                api.delete(name=o["metadata"]["name"], namespace=namespace if api.namespaced else None)
+        delete_all(dyn, applied, namespace)
