@@ -41,16 +41,31 @@ GROUP, VERSION = "resource.k8s.io", "v1"
 def bench_profile(path: Path, gpus: int = 16) -> None:
     """A node with `gpus` A100s split into seven 1g.10gb MIG devices each (112 devices)."""
     profile = {
-        "name": "bench", "driverVersion": "570.124.06", "cudaDriverVersion": 12080,
-        "migProfiles": [{"name": "1g.10gb", "id": 19, "index": 0, "slices": 1, "memoryMiB": 9856,
-                         "multiprocessors": 14}],
-        "defaults": {"name": "NVIDIA A100-SXM4-80GB", "brand": "nvidia", "architecture": "ampere",
-                     "computeCapability": "8.0", "memoryMiB": 81920},
-        "gpus": [{"index": i, "uuid": f"GPU-{i:08x}-0000-4000-8000-{i:012x}",
-                  "pciBusId": f"00000000:{0x10 + i:02X}:00.0",
-                  "mig": {"enabled": True, "instances": [{"profile": "1g.10gb", "placement": p}
-                                                         for p in range(7)]}}
-                 for i in range(gpus)],
+        "name": "bench",
+        "driverVersion": "570.124.06",
+        "cudaDriverVersion": 12080,
+        "migProfiles": [
+            {"name": "1g.10gb", "id": 19, "index": 0, "slices": 1, "memoryMiB": 9856, "multiprocessors": 14}
+        ],
+        "defaults": {
+            "name": "NVIDIA A100-SXM4-80GB",
+            "brand": "nvidia",
+            "architecture": "ampere",
+            "computeCapability": "8.0",
+            "memoryMiB": 81920,
+        },
+        "gpus": [
+            {
+                "index": i,
+                "uuid": f"GPU-{i:08x}-0000-4000-8000-{i:012x}",
+                "pciBusId": f"00000000:{0x10 + i:02X}:00.0",
+                "mig": {
+                    "enabled": True,
+                    "instances": [{"profile": "1g.10gb", "placement": p} for p in range(7)],
+                },
+            }
+            for i in range(gpus)
+        ],
     }
     path.write_text(yaml.safe_dump(profile))
 
@@ -79,28 +94,42 @@ class Cluster:
 
     def devices(self, driver: str) -> list[str]:
         slices = self.custom.list_cluster_custom_object(
-            GROUP, VERSION, "resourceslices", field_selector=f"spec.driver={driver}")["items"]
+            GROUP, VERSION, "resourceslices", field_selector=f"spec.driver={driver}"
+        )["items"]
         return [d["name"] for s in slices for d in s["spec"]["devices"]]
 
     def allocated_claim(self, ns: str, driver: str, device: str, pool: str) -> tuple[str, str]:
         name = f"bench-{uuid.uuid4().hex[:10]}"
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceClaim",
-                "metadata": {"name": name},
-                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                    "deviceClassName": "bench.example.com"}}]}}}
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "spec": {
+                "devices": {
+                    "requests": [{"name": "gpu", "exactly": {"deviceClassName": "bench.example.com"}}]
+                }
+            },
+        }
         claim = self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, "resourceclaims", body)
-        claim["status"] = {"allocation": {
-            "devices": {"results": [{"request": "gpu", "driver": driver, "pool": pool,
-                                     "device": device}]},
-            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [self.node]}]}]}}}
-        self.custom.replace_namespaced_custom_object_status(GROUP, VERSION, ns, "resourceclaims",
-                                                            name, claim)
+        claim["status"] = {
+            "allocation": {
+                "devices": {
+                    "results": [{"request": "gpu", "driver": driver, "pool": pool, "device": device}]
+                },
+                "nodeSelector": {
+                    "nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [self.node]}]}
+                    ]
+                },
+            }
+        }
+        self.custom.replace_namespaced_custom_object_status(GROUP, VERSION, ns, "resourceclaims", name, claim)
         return name, claim["metadata"]["uid"]
 
 
-async def measure(sock: Path, ns: str, claims: list[tuple[str, str]], rounds: int,
-                  inflight: int) -> dict[str, float]:
+async def measure(
+    sock: Path, ns: str, claims: list[tuple[str, str]], rounds: int, inflight: int
+) -> dict[str, float]:
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
         stub = pb_grpc.DRAPluginStub(ch)
 
@@ -109,8 +138,7 @@ async def measure(sock: Path, ns: str, claims: list[tuple[str, str]], rounds: in
 
         async def prepare(c: tuple[str, str]) -> float:
             t = time.perf_counter()
-            resp = await stub.NodePrepareResources(pb.NodePrepareResourcesRequest(claims=req(c)),
-                                                   timeout=45)
+            resp = await stub.NodePrepareResources(pb.NodePrepareResourcesRequest(claims=req(c)), timeout=45)
             took = time.perf_counter() - t
             err = resp.claims[c[1]].error
             if err:
@@ -118,8 +146,7 @@ async def measure(sock: Path, ns: str, claims: list[tuple[str, str]], rounds: in
             return took
 
         async def unprepare(c: tuple[str, str]) -> None:
-            await stub.NodeUnprepareResources(pb.NodeUnprepareResourcesRequest(claims=req(c)),
-                                              timeout=45)
+            await stub.NodeUnprepareResources(pb.NodeUnprepareResourcesRequest(claims=req(c)), timeout=45)
 
         for c in claims[:5]:  # warm-up
             await prepare(c)
@@ -135,9 +162,12 @@ async def measure(sock: Path, ns: str, claims: list[tuple[str, str]], rounds: in
         await asyncio.gather(*(prepare(c) for c in batch))
         wall = time.perf_counter() - t
         await asyncio.gather(*(unprepare(c) for c in batch))
-        return {"p50_ms": statistics.median(lat) * 1e3,
-                "p99_ms": lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3,
-                "throughput": len(batch) / wall, "inflight": len(batch)}
+        return {
+            "p50_ms": statistics.median(lat) * 1e3,
+            "p99_ms": lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3,
+            "throughput": len(batch) / wall,
+            "inflight": len(batch),
+        }
 
 
 def main() -> None:
@@ -154,10 +184,25 @@ def main() -> None:
     plugin_dir = KUBELET_ROOT / "plugins" / OURS
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dra_gpu.cli", "kubelet-plugin", "--node-name", cluster.node,
-         "--profile", str(profile), "--plugin-dir", str(plugin_dir), "--http-address", "",
-         "--registry-dir", str(KUBELET_ROOT / "plugins_registry")],
-        stdout=open(tmp / "plugin.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        [
+            sys.executable,
+            "-m",
+            "dra_gpu.cli",
+            "kubelet-plugin",
+            "--node-name",
+            cluster.node,
+            "--profile",
+            str(profile),
+            "--plugin-dir",
+            str(plugin_dir),
+            "--http-address",
+            "",
+            "--registry-dir",
+            str(KUBELET_ROOT / "plugins_registry"),
+        ],
+        stdout=open(tmp / "plugin.log", "wb"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
     try:
         while len(cluster.devices(OURS)) < 112:
             if proc.poll() is not None or time.perf_counter() - t0 > 60:
@@ -168,34 +213,48 @@ def main() -> None:
             time.sleep(0.05)
         results = {}
         ours = [cluster.allocated_claim(ns, OURS, d, cluster.node) for d in cluster.devices(OURS)]
-        results["dra-gpu"] = asyncio.run(measure(plugin_dir / "dra.sock", ns, ours, args.rounds,
-                                                 args.inflight))
+        results["dra-gpu"] = asyncio.run(
+            measure(plugin_dir / "dra.sock", ns, ours, args.rounds, args.inflight)
+        )
         results["dra-gpu"]["rss_mb"] = rss_mb(proc.pid)
         results["dra-gpu"]["startup_s"] = startup
-        subprocess.run([sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "start"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "start"],
+            check=True,
+            capture_output=True,
+        )
         peer_devices = cluster.devices(PEER)
-        peer = [cluster.allocated_claim(ns, PEER, peer_devices[i % len(peer_devices)], cluster.node)
-                for i in range(args.inflight)]
-        results["peer"] = asyncio.run(measure(KUBELET_ROOT / "plugins" / PEER / "dra.sock", ns, peer,
-                                              args.rounds, args.inflight))
+        peer = [
+            cluster.allocated_claim(ns, PEER, peer_devices[i % len(peer_devices)], cluster.node)
+            for i in range(args.inflight)
+        ]
+        results["peer"] = asyncio.run(
+            measure(KUBELET_ROOT / "plugins" / PEER / "dra.sock", ns, peer, args.rounds, args.inflight)
+        )
         results["peer"]["rss_mb"] = rss_mb(pid_of("dra-test-driver"))
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-        subprocess.run([sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "stop"],
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "stop"], capture_output=True
+        )
         cluster.core.delete_namespace(ns)
     print(f"{'plugin':<10} {'p50 ms':>8} {'p99 ms':>8} {'claims/s':>9} {'RSS MB':>7} {'start s':>8}")
     for name, r in results.items():
         start = f"{r['startup_s']:.2f}" if "startup_s" in r else "-"
-        print(f"{name:<10} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['throughput']:>9.0f} "
-              f"{r['rss_mb']:>7.1f} {start:>8}")
+        print(
+            f"{name:<10} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['throughput']:>9.0f} "
+            f"{r['rss_mb']:>7.1f} {start:>8}"
+        )
     o, p = results["dra-gpu"], results["peer"]
-    print(f"ratios dra-gpu/peer: p50 {o['p50_ms'] / p['p50_ms']:.2f}, p99 {o['p99_ms'] / p['p99_ms']:.2f}, "
-          f"throughput {o['throughput'] / p['throughput']:.2f}, RSS {o['rss_mb'] / p['rss_mb']:.2f}")
-    print(f"({args.rounds} one-claim rounds, {args.inflight} claims in flight; peer devices: "
-          f"{len(peer_devices)}, its claims share them; ours are distinct MIG devices)")
+    print(
+        f"ratios dra-gpu/peer: p50 {o['p50_ms'] / p['p50_ms']:.2f}, p99 {o['p99_ms'] / p['p99_ms']:.2f}, "
+        f"throughput {o['throughput'] / p['throughput']:.2f}, RSS {o['rss_mb'] / p['rss_mb']:.2f}"
+    )
+    print(
+        f"({args.rounds} one-claim rounds, {args.inflight} claims in flight; peer devices: "
+        f"{len(peer_devices)}, its claims share them; ours are distinct MIG devices)"
+    )
 
 
 if __name__ == "__main__":

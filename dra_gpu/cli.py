@@ -53,28 +53,51 @@ def _parser() -> argparse.ArgumentParser:
     )
     plug = sub.add_parser("kubelet-plugin", help="run the node plugin (kubelet gRPC, slices, CDI)")
     env = os.environ.get
-    plug.add_argument("--node-name", default=env("NODE_NAME"),
-                      help="this node's name (required; $NODE_NAME, from the downward API in a pod)")
+    plug.add_argument(
+        "--node-name",
+        default=env("NODE_NAME"),
+        help="this node's name (required; $NODE_NAME, from the downward API in a pod)",
+    )
     plug.add_argument("--driver-name", default=env("DRIVER_NAME", DEFAULT_DRIVER_NAME))
-    plug.add_argument("--profile", default=env("DRA_GPU_PROFILE"), metavar="NAME|PATH",
-                      help="serve a simulated node instead of NVML ($DRA_GPU_PROFILE)")
-    plug.add_argument("--kubeconfig", default=env("KUBECONFIG"),
-                      help="kubeconfig file; default: in-cluster config")
-    plug.add_argument("--plugin-dir", default=env("DRA_GPU_PLUGIN_DIR"),
-                      help="default: /var/lib/kubelet/plugins/<driver>")
-    plug.add_argument("--registry-dir",
-                      default=env("DRA_GPU_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry"))
+    plug.add_argument(
+        "--profile",
+        default=env("DRA_GPU_PROFILE"),
+        metavar="NAME|PATH",
+        help="serve a simulated node instead of NVML ($DRA_GPU_PROFILE)",
+    )
+    plug.add_argument(
+        "--kubeconfig", default=env("KUBECONFIG"), help="kubeconfig file; default: in-cluster config"
+    )
+    plug.add_argument(
+        "--plugin-dir", default=env("DRA_GPU_PLUGIN_DIR"), help="default: /var/lib/kubelet/plugins/<driver>"
+    )
+    plug.add_argument(
+        "--registry-dir", default=env("DRA_GPU_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry")
+    )
     plug.add_argument("--cdi-dir", default=env("DRA_GPU_CDI_DIR", "/var/run/cdi"))
-    plug.add_argument("--dev-root", default=env("DRA_GPU_DEV_ROOT"),
-                      help="root of dev/ and proc/ for device nodes; default: / (with --profile: "
-                           "<plugin-dir>/simulated-root, where the simulated nodes are made)")
-    plug.add_argument("--http-address", default=env("DRA_GPU_HTTP_ADDRESS", "127.0.0.1:51516"),
-                      help="host:port of /healthz and /metrics; empty disables")
-    plug.add_argument("--sweep-interval", type=float,
-                      default=float(env("DRA_GPU_SWEEP_INTERVAL", "600")),
-                      help="seconds between stale-claim sweeps")
-    plug.add_argument("--sweep-grace", type=float, default=float(env("DRA_GPU_SWEEP_GRACE", "60")),
-                      help="seconds a claim must be gone before the sweeper unprepares it")
+    plug.add_argument(
+        "--dev-root",
+        default=env("DRA_GPU_DEV_ROOT"),
+        help="root of dev/ and proc/ for device nodes; default: / (with --profile: "
+        "<plugin-dir>/simulated-root, where the simulated nodes are made)",
+    )
+    plug.add_argument(
+        "--http-address",
+        default=env("DRA_GPU_HTTP_ADDRESS", "127.0.0.1:51516"),
+        help="host:port of /healthz and /metrics; empty disables",
+    )
+    plug.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=float(env("DRA_GPU_SWEEP_INTERVAL", "600")),
+        help="seconds between stale-claim sweeps",
+    )
+    plug.add_argument(
+        "--sweep-grace",
+        type=float,
+        default=float(env("DRA_GPU_SWEEP_GRACE", "60")),
+        help="seconds a claim must be gone before the sweeper unprepares it",
+    )
     p.set_defaults(extra_commands=add_commands(sub))
     return p
 
@@ -90,10 +113,18 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
     dev_root = Path(args.dev_root or (plugin_dir / "simulated-root" if args.profile else "/"))
     cfg = PluginConfig(
-        node_name=args.node_name, driver=args.driver_name, profile=args.profile,
-        kubeconfig=args.kubeconfig, plugin_dir=plugin_dir, registry_dir=Path(args.registry_dir),
-        cdi_dir=Path(args.cdi_dir), dev_root=dev_root, http_address=args.http_address,
-        sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace)
+        node_name=args.node_name,
+        driver=args.driver_name,
+        profile=args.profile,
+        kubeconfig=args.kubeconfig,
+        plugin_dir=plugin_dir,
+        registry_dir=Path(args.registry_dir),
+        cdi_dir=Path(args.cdi_dir),
+        dev_root=dev_root,
+        http_address=args.http_address,
+        sweep_interval=args.sweep_interval,
+        sweep_grace=args.sweep_grace,
+    )
     try:
         cfg.check()
         return run(cfg)

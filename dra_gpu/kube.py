@@ -53,8 +53,10 @@ class Kube:
     async def connect(cls, kubeconfig: str | None = None) -> Kube:
         configuration = kclient.Configuration()
         if kubeconfig or os.environ.get("KUBECONFIG"):
-            await kconfig.load_kube_config(config_file=kubeconfig or os.environ["KUBECONFIG"],  # type: ignore[no-untyped-call]
-                                           client_configuration=configuration)
+            await kconfig.load_kube_config(
+                config_file=kubeconfig or os.environ["KUBECONFIG"],  # type: ignore[no-untyped-call]
+                client_configuration=configuration,
+            )
         else:
             kconfig.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         return cls(kclient.ApiClient(configuration))
@@ -62,18 +64,28 @@ class Kube:
     async def close(self) -> None:
         await self.api_client.close()
 
-    async def _request(self, method: str, path: str, query: dict[str, Any] | None = None,
-                       body: Any = None, content_type: str = "application/json",
-                       timeout: float = REQUEST_TIMEOUT) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        query: dict[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> Any:
         """The raw aiohttp response of one authenticated request (the caller releases it)."""
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
         params = await self.api_client.param_serialize(
-            method=method, resource_path=path, query_params=list((query or {}).items()),
-            header_params=headers, body=body, auth_settings=["BearerToken"])
-        response = await self.api_client.call_api(*params, _request_timeout=timeout,
-                                                  _preload_content=False)
+            method=method,
+            resource_path=path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = await self.api_client.call_api(*params, _request_timeout=timeout, _preload_content=False)
         return response.response
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -87,9 +99,13 @@ class Kube:
     async def apply_slice(self, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         """Server-side apply of a ResourceSlice; returns what the apiserver stored."""
         name = body["metadata"]["name"]
-        resp = await self._request("PATCH", f"{RESOURCE_V1}/resourceslices/{name}",
-                                   {"fieldManager": field_manager, "force": "true"}, body,
-                                   content_type="application/apply-patch+yaml")
+        resp = await self._request(
+            "PATCH",
+            f"{RESOURCE_V1}/resourceslices/{name}",
+            {"fieldManager": field_manager, "force": "true"},
+            body,
+            content_type="application/apply-patch+yaml",
+        )
         return await _json(resp, f"apply resourceslice {name}")
 
     async def delete_slice(self, name: str) -> None:
@@ -99,20 +115,29 @@ class Kube:
             return
         await _json(resp, f"delete resourceslice {name}")
 
-    async def list_objects(self, path: str,
-                           field_selector: str | None = None) -> tuple[list[dict[str, Any]], str]:
+    async def list_objects(
+        self, path: str, field_selector: str | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
         """All objects of a collection (e.g. RESOURCE_V1 + "/resourceclaims") and its resourceVersion."""
         query = {"fieldSelector": field_selector} if field_selector else None
         resp = await self._request("GET", path, query)
         data = await _json(resp, f"list {path}")
         return list(data.get("items") or []), str(data["metadata"].get("resourceVersion", ""))
 
-    async def watch_objects(self, path: str, resource_version: str, timeout_seconds: int,
-                            field_selector: str | None = None,
-                            ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def watch_objects(
+        self,
+        path: str,
+        resource_version: str,
+        timeout_seconds: int,
+        field_selector: str | None = None,
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Watch events (type, object) until the server ends the watch after `timeout_seconds`."""
-        query = {"resourceVersion": resource_version, "watch": "true",
-                 "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
+        query = {
+            "resourceVersion": resource_version,
+            "watch": "true",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_seconds),
+        }
         if field_selector:
             query["fieldSelector"] = field_selector
         resp = await self._request("GET", path, query, timeout=timeout_seconds + REQUEST_TIMEOUT)
@@ -129,7 +154,9 @@ class Kube:
     async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
         return await self.list_objects(f"{RESOURCE_V1}/resourceslices", field_selector)
 
-    def watch_slices(self, field_selector: str, resource_version: str,
-                     timeout_seconds: int) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        return self.watch_objects(f"{RESOURCE_V1}/resourceslices", resource_version,
-                                  timeout_seconds, field_selector)
+    def watch_slices(
+        self, field_selector: str, resource_version: str, timeout_seconds: int
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        return self.watch_objects(
+            f"{RESOURCE_V1}/resourceslices", resource_version, timeout_seconds, field_selector
+        )

@@ -65,8 +65,7 @@ def say(msg: str) -> None:
 
 
 def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(CLUSTER), *args], text=True, capture_output=True,
-                          check=check)
+    return subprocess.run([sys.executable, str(CLUSTER), *args], text=True, capture_output=True, check=check)
 
 
 def apply(dyn: dynamic.DynamicClient, doc: dict) -> None:
@@ -82,10 +81,12 @@ def apply(dyn: dynamic.DynamicClient, doc: dict) -> None:
 def main() -> int:
     started = cluster("status", check=False).returncode != 0
     if started:
-        say("bringing up the e2e cluster (etcd, kube-apiserver, scheduler, controller-manager, "
-            "containerd, kubelet)")
+        say(
+            "bringing up the e2e cluster (etcd, kube-apiserver, scheduler, controller-manager, "
+            "containerd, kubelet)"
+        )
         subprocess.run([sys.executable, str(CLUSTER), "up"], check=True)
-    env = dict(line[len("export "):].split("=", 1) for line in cluster("env").stdout.splitlines())
+    env = dict(line[len("export ") :].split("=", 1) for line in cluster("env").stdout.splitlines())
     kubeconfig = env["KUBECONFIG"].strip('"')
     state = Path(env["DRA_GPU_E2E_STATE"].strip('"'))
     config.load_kube_config(kubeconfig)
@@ -94,12 +95,25 @@ def main() -> int:
     node = core.list_node().items[0].metadata.name
     log = open(state / "logs" / "dra-gpu-plugin.log", "ab")  # noqa: SIM115 - the child writes it
     plugin = subprocess.Popen(
-        [sys.executable, "-m", "dra_gpu.cli", "kubelet-plugin", "--node-name", node,
-         "--profile", PROFILE, "--kubeconfig", kubeconfig, "--http-address", ""],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "dra_gpu.cli",
+            "kubelet-plugin",
+            "--node-name",
+            node,
+            "--profile",
+            PROFILE,
+            "--kubeconfig",
+            kubeconfig,
+            "--http-address",
+            "",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
-        say(f"dra-gpu kubelet plugin started on node {node} (simulated {PROFILE}); "
-            f"log {log.name}")
+        say(f"dra-gpu kubelet plugin started on node {node} (simulated {PROFILE}); log {log.name}")
         slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
         deadline = time.time() + 30
         while not slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]:
@@ -113,8 +127,9 @@ def main() -> int:
                 raise
         # Pods can be created only once the service-account controller made "default".
         deadline = time.time() + 30
-        while not any(sa.metadata.name == "default" for sa in
-                      core.list_namespaced_service_account("dra-gpu-demo").items):
+        while not any(
+            sa.metadata.name == "default" for sa in core.list_namespaced_service_account("dra-gpu-demo").items
+        ):
             if time.time() > deadline:
                 raise SystemExit("namespace dra-gpu-demo got no default service account in 30 s")
             time.sleep(0.2)
@@ -122,21 +137,27 @@ def main() -> int:
             apply(dyn, doc)
         say("pod nvlink-demo asks for 4 NVLink-connected GPUs; waiting for it")
         deadline = time.time() + 120
-        while (phase := core.read_namespaced_pod("nvlink-demo", "dra-gpu-demo").status.phase) \
-                not in ("Succeeded", "Failed"):
+        while (phase := core.read_namespaced_pod("nvlink-demo", "dra-gpu-demo").status.phase) not in (
+            "Succeeded",
+            "Failed",
+        ):
             if time.time() > deadline:
                 raise SystemExit(f"pod still {phase} after 120 s")
             time.sleep(0.5)
         output = core.read_namespaced_pod_log("nvlink-demo", "dra-gpu-demo")
-        devices = {d["attributes"]["uuid"]["string"]: d for s in
-                   slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]
-                   for d in s["spec"]["devices"]}
+        devices = {
+            d["attributes"]["uuid"]["string"]: d
+            for s in slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]
+            for d in s["spec"]["devices"]
+        }
         visible = next(x for x in output.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES="))
         say(f"pod {phase}; the scheduler allocated:")
         for uuid in visible.split("=", 1)[1].split(","):
             a = {k: next(iter(v.values())) for k, v in devices[uuid]["attributes"].items()}
-            print(f"    {devices[uuid]['name']}  GPU {a['index']}  {a['productName']}  "
-                  f"nvlinkDomain {a['nvlinkDomain']}")
+            print(
+                f"    {devices[uuid]['name']}  GPU {a['index']}  {a['productName']}  "
+                f"nvlinkDomain {a['nvlinkDomain']}"
+            )
         say("what the container saw:")
         print("    " + output.strip().replace("\n", "\n    "))
         core.delete_namespace("dra-gpu-demo")

@@ -14,6 +14,7 @@ Both share one layer: Debian's static busybox at /bin/busybox plus a symlink per
 The archives are deterministic (mtime 0, sorted entries), so the same busybox gives the same
 digests; OUTDIR/.stamp records the busybox hash so callers can skip rebuilding.
 """
+
 import hashlib
 import io
 import json
@@ -40,10 +41,10 @@ def _tarinfo(name, **kw):
 def build_layer():
     with open(BUSYBOX, "rb") as f:
         data = f.read()
-    applets = subprocess.run([BUSYBOX, "--list-full"], check=True, capture_output=True,
-                             text=True).stdout.split()
-    dirs = {"bin", "dev", "etc", "proc", "sys", "tmp", "root", "usr", "usr/bin", "usr/sbin",
-            "sbin", "var"}
+    applets = subprocess.run(
+        [BUSYBOX, "--list-full"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    dirs = {"bin", "dev", "etc", "proc", "sys", "tmp", "root", "usr", "usr/bin", "usr/sbin", "sbin", "var"}
     for a in applets:
         parts = a.split("/")[:-1]
         for i in range(1, len(parts) + 1):
@@ -67,8 +68,7 @@ def build_layer():
 
 def _blob(tf, data, media_type):
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    tf.addfile(_tarinfo("blobs/sha256/" + digest[7:], size=len(data), mode=0o644),
-               io.BytesIO(data))
+    tf.addfile(_tarinfo("blobs/sha256/" + digest[7:], size=len(data), mode=0o644), io.BytesIO(data))
     return {"mediaType": media_type, "digest": digest, "size": len(data)}
 
 
@@ -79,11 +79,9 @@ def _dumps(obj):
 def write_image(path, name, layer, config_extra):
     diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
     config = {
-        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine,
-                                                                    os.uname().machine),
+        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
         "os": "linux",
-        "config": dict({"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"},
-                       **config_extra),
+        "config": dict({"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"}, **config_extra),
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
         "history": [{"created_by": "dra-gpu e2e/images.py"}],
     }
@@ -93,16 +91,24 @@ def write_image(path, name, layer, config_extra):
         tf.addfile(_tarinfo("blobs/sha256/", type=tarfile.DIRTYPE, mode=0o755))
         layer_desc = _blob(tf, layer, "application/vnd.oci.image.layer.v1.tar")
         config_desc = _blob(tf, _dumps(config), "application/vnd.oci.image.config.v1+json")
-        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                    "config": config_desc, "layers": [layer_desc]}
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": config_desc,
+            "layers": [layer_desc],
+        }
         mdesc = _blob(tf, _dumps(manifest), "application/vnd.oci.image.manifest.v1+json")
         tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
-        mdesc["annotations"] = {"io.containerd.image.name": name,
-                                "org.opencontainers.image.ref.name": tag}
-        index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-                 "manifests": [mdesc]}
-        for fname, content in (("oci-layout", _dumps({"imageLayoutVersion": "1.0.0"})),
-                               ("index.json", _dumps(index))):
+        mdesc["annotations"] = {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag}
+        index = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "manifests": [mdesc],
+        }
+        for fname, content in (
+            ("oci-layout", _dumps({"imageLayoutVersion": "1.0.0"})),
+            ("index.json", _dumps(index)),
+        ):
             tf.addfile(_tarinfo(fname, size=len(content), mode=0o644), io.BytesIO(content))
     os.replace(tmp, path)
 
@@ -112,13 +118,17 @@ def main(outdir):
     with open(BUSYBOX, "rb") as f:
         stamp = f"{hashlib.sha256(f.read()).hexdigest()} {BUSYBOX_IMAGE} {PAUSE_IMAGE}"
     stamp_path = os.path.join(outdir, ".stamp")
-    if os.path.exists(stamp_path) and _read(stamp_path) == stamp and all(
-            os.path.exists(os.path.join(outdir, n)) for n in ("busybox.tar", "pause.tar")):
+    if (
+        os.path.exists(stamp_path)
+        and _read(stamp_path) == stamp
+        and all(os.path.exists(os.path.join(outdir, n)) for n in ("busybox.tar", "pause.tar"))
+    ):
         return
     layer = build_layer()
     write_image(os.path.join(outdir, "busybox.tar"), BUSYBOX_IMAGE, layer, {"Cmd": ["sh"]})
-    write_image(os.path.join(outdir, "pause.tar"), PAUSE_IMAGE, layer,
-                {"Entrypoint": ["/bin/sleep", "2147483647"]})
+    write_image(
+        os.path.join(outdir, "pause.tar"), PAUSE_IMAGE, layer, {"Entrypoint": ["/bin/sleep", "2147483647"]}
+    )
     with open(stamp_path, "w") as f:
         f.write(stamp)
 

@@ -15,8 +15,12 @@ def cfg(**sharing: Any) -> dict[str, Any]:
 
 def test_defaults_and_full_mps_config() -> None:
     assert decode({"apiVersion": API_VERSION, "kind": "GpuConfig"}).sharing.strategy == "Exclusive"
-    c = decode(cfg(strategy="MPS", mps={"defaultActiveThreadPercentage": 50,
-                                        "defaultPinnedDeviceMemoryLimit": "10Gi"}))
+    c = decode(
+        cfg(
+            strategy="MPS",
+            mps={"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"},
+        )
+    )
     assert c.sharing.mps is not None
     assert c.sharing.mps.default_pinned_device_memory_limit == 10 << 30
     env = c.container_env(["GPU-a", "GPU-b"])
@@ -26,27 +30,48 @@ def test_defaults_and_full_mps_config() -> None:
     assert ts.container_env([])["DRA_GPU_TIME_SLICE_INTERVAL"] == "Long"
 
 
-@pytest.mark.parametrize(("params", "path", "message"), [
-    ({"apiVersion": "v1", "kind": "GpuConfig"}, "apiVersion", "must be 'gpu.dra-gpu.io/v1alpha1'"),
-    ({"apiVersion": API_VERSION, "kind": "TpuConfig"}, "kind", "unknown value 'TpuConfig'"),
-    ({"apiVersion": API_VERSION, "kind": "GpuConfig", "shareing": {}}, "shareing", "unknown field"),
-    (cfg(strategy="Sometimes"), "sharing.strategy", "unknown value 'Sometimes'"),
-    (cfg(strategy="MPS", mps={"defaultActiveThreadPercentage": 150}),
-     "sharing.mps.defaultActiveThreadPercentage", "between 1 and 100, got 150"),
-    (cfg(strategy="MPS", mps={"defaultActiveThreadPercentage": "50"}),
-     "sharing.mps.defaultActiveThreadPercentage", "must be an integer, got a string"),
-    (cfg(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "512Ki"}),
-     "sharing.mps.defaultPinnedDeviceMemoryLimit", "at least 1Mi"),
-    (cfg(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "lots"}),
-     "sharing.mps.defaultPinnedDeviceMemoryLimit", "not a quantity"),
-    (cfg(strategy="MPS", mps={"threads": 1}), "sharing.mps.threads", "unknown field"),
-    (cfg(strategy="TimeSlicing", mps={}), "sharing.mps", "not allowed with strategy TimeSlicing"),
-    (cfg(strategy="TimeSlicing", timeSlicing={"interval": "Forever"}),
-     "sharing.timeSlicing.interval", "unknown value 'Forever'"),
-    ({"apiVersion": API_VERSION, "kind": "MigDeviceConfig", "sharing": {"strategy": "TimeSlicing"}},
-     "sharing.strategy", "valid: Exclusive, MPS"),
-    (["not", "an", "object"], "", "must be an object"),
-])
+@pytest.mark.parametrize(
+    ("params", "path", "message"),
+    [
+        ({"apiVersion": "v1", "kind": "GpuConfig"}, "apiVersion", "must be 'gpu.dra-gpu.io/v1alpha1'"),
+        ({"apiVersion": API_VERSION, "kind": "TpuConfig"}, "kind", "unknown value 'TpuConfig'"),
+        ({"apiVersion": API_VERSION, "kind": "GpuConfig", "shareing": {}}, "shareing", "unknown field"),
+        (cfg(strategy="Sometimes"), "sharing.strategy", "unknown value 'Sometimes'"),
+        (
+            cfg(strategy="MPS", mps={"defaultActiveThreadPercentage": 150}),
+            "sharing.mps.defaultActiveThreadPercentage",
+            "between 1 and 100, got 150",
+        ),
+        (
+            cfg(strategy="MPS", mps={"defaultActiveThreadPercentage": "50"}),
+            "sharing.mps.defaultActiveThreadPercentage",
+            "must be an integer, got a string",
+        ),
+        (
+            cfg(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "512Ki"}),
+            "sharing.mps.defaultPinnedDeviceMemoryLimit",
+            "at least 1Mi",
+        ),
+        (
+            cfg(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "lots"}),
+            "sharing.mps.defaultPinnedDeviceMemoryLimit",
+            "not a quantity",
+        ),
+        (cfg(strategy="MPS", mps={"threads": 1}), "sharing.mps.threads", "unknown field"),
+        (cfg(strategy="TimeSlicing", mps={}), "sharing.mps", "not allowed with strategy TimeSlicing"),
+        (
+            cfg(strategy="TimeSlicing", timeSlicing={"interval": "Forever"}),
+            "sharing.timeSlicing.interval",
+            "unknown value 'Forever'",
+        ),
+        (
+            {"apiVersion": API_VERSION, "kind": "MigDeviceConfig", "sharing": {"strategy": "TimeSlicing"}},
+            "sharing.strategy",
+            "valid: Exclusive, MPS",
+        ),
+        (["not", "an", "object"], "", "must be an object"),
+    ],
+)
 def test_invalid_configs_name_the_field(params: Any, path: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         decode(params)

@@ -95,8 +95,15 @@ def _mapping(value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(value), "a value")
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), "a value")
 
 
 def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:

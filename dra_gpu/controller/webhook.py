@@ -264,16 +264,16 @@ def _unchanged_spec(req: Mapping[str, Any]) -> bool:
 # ---------------------------------------------------------------- watching the cluster
 
 
-async def watch_resource(state: ClusterState, store: str, kube: Kube, path: str,
-                         metrics: Metrics) -> None:
+async def watch_resource(state: ClusterState, store: str, kube: Kube, path: str, metrics: Metrics) -> None:
     """List, then watch from the list's resourceVersion; relist on 410 Gone or any error (with backoff)."""
     backoff = 1.0
     while True:
         try:
             items, rv = await kube.list_objects(path)
             state.replace(store, items)
-            log.info("event=listed resource=%s count=%d resourceVersion=%s", store,
-                     len(state.stores[store]), rv)
+            log.info(
+                "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), rv
+            )
             async for kind, obj in kube.watch_objects(path, rv, timeout_seconds=300):
                 backoff = 1.0
                 metrics.watch_events.labels(store).inc()
@@ -296,8 +296,10 @@ async def start_watches(
 ) -> list[asyncio.Task[None]]:
     kube = await Kube.connect(kubeconfig)
     stores = (("slices", "resourceslices"), ("classes", "deviceclasses"), ("claims", "resourceclaims"))
-    return [asyncio.create_task(watch_resource(state, store, kube, f"{RESOURCE_V1}/{plural}", metrics))
-            for store, plural in stores]
+    return [
+        asyncio.create_task(watch_resource(state, store, kube, f"{RESOURCE_V1}/{plural}", metrics))
+        for store, plural in stores
+    ]
 
 
 async def serve(

@@ -83,8 +83,13 @@ class CdiSpecs:
     def device_id(self, claim_uid: str, device: str) -> str:
         return f"{self.kind}={claim_uid}-{device}"
 
-    def build(self, claim_uid: str, devices: list[CdiDevice], control_nodes: list[DeviceNode],
-              common_env: dict[str, str]) -> dict[str, Any]:
+    def build(
+        self,
+        claim_uid: str,
+        devices: list[CdiDevice],
+        control_nodes: list[DeviceNode],
+        common_env: dict[str, str],
+    ) -> dict[str, Any]:
         spec_devices = []
         for dev in devices:
             name = f"{claim_uid}-{dev.name}"
@@ -126,5 +131,5 @@ class CdiSpecs:
             return {}
         out = {}
         for path in self.dir.glob(f"{self.prefix}*.json"):
-            out[path.name[len(self.prefix):-len(".json")]] = path
+            out[path.name[len(self.prefix) : -len(".json")]] = path
         return out

@@ -104,17 +104,25 @@ class Checkpoint:
             if doc.get("checksum") != _checksum(data):
                 raise ValueError("checksum mismatch")
             if int(doc.get("version", 0)) > FORMAT_VERSION:
-                log.warning("checkpoint written by a newer version=%s path=%s; reading the fields "
-                            "this version knows", doc.get("version"), self.path)
+                log.warning(
+                    "checkpoint written by a newer version=%s path=%s; reading the fields this version knows",
+                    doc.get("version"),
+                    self.path,
+                )
         except (ValueError, KeyError, TypeError) as exc:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             self.path.rename(aside)
-            log.error("checkpoint corrupt, moved aside and starting clean path=%s moved_to=%s "
-                      "error=%r", self.path, aside, str(exc))
+            log.error(
+                "checkpoint corrupt, moved aside and starting clean path=%s moved_to=%s error=%r",
+                self.path,
+                aside,
+                str(exc),
+            )
             return
         if data.get("bootId") != self.boot_id:
-            log.warning("checkpoint from another boot discarded path=%s claims=%d", self.path,
-                        len(data["claims"]))
+            log.warning(
+                "checkpoint from another boot discarded path=%s claims=%d", self.path, len(data["claims"])
+            )
             self._save()
             return
         self._data = data
@@ -126,8 +134,7 @@ class Checkpoint:
         """The file content for the current state (data serialised once, checksummed as is)."""
         canonical = json.dumps(self._data, sort_keys=True, separators=(",", ":"))
         checksum = hashlib.sha256(canonical.encode()).hexdigest()
-        return (f'{{"version":{FORMAT_VERSION},"checksum":"{checksum}","data":{canonical}}}\n'
-                ).encode()
+        return (f'{{"version":{FORMAT_VERSION},"checksum":"{checksum}","data":{canonical}}}\n').encode()
 
     def write(self, blob: bytes) -> None:
         atomic_write(self.path, blob)

@@ -54,8 +54,10 @@ class DeviceNodes:
         """The parent's node plus the GI and CI capability nodes the driver lists in /proc."""
         caps = self.root / "proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
         nodes = self.gpu(gpu)
-        for access in (caps / f"gi{mig.gpu_instance_id}" / "access",
-                       caps / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access"):
+        for access in (
+            caps / f"gi{mig.gpu_instance_id}" / "access",
+            caps / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access",
+        ):
             try:
                 match = _MINOR_LINE.search(access.read_text())
             except OSError as exc:
@@ -103,11 +105,12 @@ def create_simulated(inventory: Inventory, dev_root: Path) -> int:
         count += 1
         for mig in gpu.mig_devices:
             base = dev_root / "proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
-            for access in (base / f"gi{mig.gpu_instance_id}" / "access",
-                           base / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access"):
+            for access in (
+                base / f"gi{mig.gpu_instance_id}" / "access",
+                base / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access",
+            ):
                 access.parent.mkdir(parents=True, exist_ok=True)
-                access.write_text(f"DeviceFileMinor: {cap_minor}\nDeviceFileMode: 292\n"
-                                  "DeviceFileModify: 1\n")
+                access.write_text(f"DeviceFileMinor: {cap_minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
                 _mknod(dev / "nvidia-caps" / f"nvidia-cap{cap_minor}", SIM_CAPS_MAJOR, cap_minor)
                 cap_minor += 1
                 count += 1

@@ -10,8 +10,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-PROTO_FILES = ("pluginregistration_v1.proto", "dra_v1.proto", "dra_v1beta1.proto",
-               "dra_health_v1alpha1.proto")
+PROTO_FILES = (
+    "pluginregistration_v1.proto",
+    "dra_v1.proto",
+    "dra_v1beta1.proto",
+    "dra_health_v1alpha1.proto",
+)
 
 
 def generate(proto_dir: Path, out_dir: Path) -> None:
@@ -20,8 +24,15 @@ def generate(proto_dir: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     include = Path(protoc.__file__).parent / "_proto"
     for name in PROTO_FILES:
-        args = ["protoc", f"-I{proto_dir}", f"-I{include}", f"--python_out={out_dir}",
-                f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", str(proto_dir / name)]
+        args = [
+            "protoc",
+            f"-I{proto_dir}",
+            f"-I{include}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            str(proto_dir / name),
+        ]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed for {proto_dir / name}")
     for path in out_dir.glob("*_pb2*.py"):

@@ -53,16 +53,19 @@ class RegistrationService(reg_grpc.RegistrationServicer):  # type: ignore[misc]
         self.registered = asyncio.Event()
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
-        return reg_pb.PluginInfo(type="DRAPlugin", name=self.driver, endpoint=self.endpoint,
-                                 supported_versions=list(SUPPORTED_SERVICES))
+        return reg_pb.PluginInfo(
+            type="DRAPlugin",
+            name=self.driver,
+            endpoint=self.endpoint,
+            supported_versions=list(SUPPORTED_SERVICES),
+        )
 
     async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
         if request.plugin_registered:
             log.info("registered with the kubelet driver=%s", self.driver)
             self.registered.set()
         else:
-            log.error("kubelet refused the registration driver=%s error=%r", self.driver,
-                      request.error)
+            log.error("kubelet refused the registration driver=%s error=%r", self.driver, request.error)
             self.registered.clear()
         return reg_pb.RegistrationStatusResponse()
 
@@ -74,8 +77,7 @@ class NodeService:
         self.preparer = preparer
         self.metrics = metrics
 
-    async def _one(self, operation: str, ref: ClaimRef,
-                   call: Callable[[ClaimRef], Any]) -> tuple[Any, str]:
+    async def _one(self, operation: str, ref: ClaimRef, call: Callable[[ClaimRef], Any]) -> tuple[Any, str]:
         start = time.perf_counter()
         try:
             result = await call(ref)
@@ -116,8 +118,12 @@ class NodeService:
 
 
 def _device(pb: Any, d: PreparedDevice) -> Any:
-    msg = pb.Device(request_names=d.request_names, pool_name=d.pool_name,
-                    device_name=d.device_name, cdi_device_ids=d.cdi_device_ids)
+    msg = pb.Device(
+        request_names=d.request_names,
+        pool_name=d.pool_name,
+        device_name=d.device_name,
+        cdi_device_ids=d.cdi_device_ids,
+    )
     if d.share_id is not None and pb is v1_pb:
         msg.share_id = d.share_id  # v1beta1 has no share_id
     return msg
@@ -148,21 +154,26 @@ class DraV1beta1Service(v1beta1_grpc.DRAPluginServicer):  # type: ignore[misc]
 class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
     """Reports every published device healthy, re-sent well within the kubelet's timeout."""
 
-    def __init__(self, pool: str, device_names: Callable[[], list[str]],
-                 resend_seconds: float = HEALTH_RESEND_SECONDS) -> None:
+    def __init__(
+        self, pool: str, device_names: Callable[[], list[str]], resend_seconds: float = HEALTH_RESEND_SECONDS
+    ) -> None:
         self.pool = pool
         self.device_names = device_names
         self.resend_seconds = resend_seconds
 
     def snapshot(self) -> Any:
         now = int(time.time())
-        return health_pb.NodeWatchResourcesResponse(devices=[
-            health_pb.DeviceHealth(
-                device=health_pb.DeviceIdentifier(pool_name=self.pool, device_name=name),
-                health=health_pb.HEALTHY, last_updated_time=now,
-                health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS)
-            for name in self.device_names()
-        ])
+        return health_pb.NodeWatchResourcesResponse(
+            devices=[
+                health_pb.DeviceHealth(
+                    device=health_pb.DeviceIdentifier(pool_name=self.pool, device_name=name),
+                    health=health_pb.HEALTHY,
+                    last_updated_time=now,
+                    health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
+                )
+                for name in self.device_names()
+            ]
+        )
 
     async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
         while True:

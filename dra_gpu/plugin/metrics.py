@@ -11,16 +11,26 @@ class PluginMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "dra_gpu_node_requests", "Claims the kubelet asked to prepare or unprepare.",
-            ["operation", "result"], registry=self.registry)
+            "dra_gpu_node_requests",
+            "Claims the kubelet asked to prepare or unprepare.",
+            ["operation", "result"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
-            "dra_gpu_node_request_duration_seconds", "Time to prepare or unprepare one claim.",
-            ["operation"], buckets=LATENCY_BUCKETS, registry=self.registry)
+            "dra_gpu_node_request_duration_seconds",
+            "Time to prepare or unprepare one claim.",
+            ["operation"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.prepared_devices = Gauge(
-            "dra_gpu_prepared_devices", "Devices held by prepared claims.", registry=self.registry)
+            "dra_gpu_prepared_devices", "Devices held by prepared claims.", registry=self.registry
+        )
         self.published_devices = Gauge(
-            "dra_gpu_published_devices", "Devices in this node's ResourceSlices.",
-            registry=self.registry)
+            "dra_gpu_published_devices", "Devices in this node's ResourceSlices.", registry=self.registry
+        )
         self.slice_restores = Counter(
-            "dra_gpu_slice_restores", "ResourceSlices re-applied after a deletion or edit.",
-            registry=self.registry)
+            "dra_gpu_slice_restores",
+            "ResourceSlices re-applied after a deletion or edit.",
+            registry=self.registry,
+        )

@@ -53,8 +53,12 @@ class PreparedDevice:
     admin_access: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"requestNames": self.request_names, "poolName": self.pool_name,
-                             "deviceName": self.device_name, "cdiDeviceIds": self.cdi_device_ids}
+        d: dict[str, Any] = {
+            "requestNames": self.request_names,
+            "poolName": self.pool_name,
+            "deviceName": self.device_name,
+            "cdiDeviceIds": self.cdi_device_ids,
+        }
         if self.share_id is not None:
             d["shareId"] = self.share_id
         if self.admin_access:
@@ -63,9 +67,14 @@ class PreparedDevice:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PreparedDevice:
-        return cls(request_names=list(d.get("requestNames", [])), pool_name=d["poolName"],
-                   device_name=d["deviceName"], cdi_device_ids=list(d.get("cdiDeviceIds", [])),
-                   share_id=d.get("shareId"), admin_access=bool(d.get("adminAccess", False)))
+        return cls(
+            request_names=list(d.get("requestNames", [])),
+            pool_name=d["poolName"],
+            device_name=d["deviceName"],
+            cdi_device_ids=list(d.get("cdiDeviceIds", [])),
+            share_id=d.get("shareId"),
+            admin_access=bool(d.get("adminAccess", False)),
+        )
 
 
 def _config_kind_for(mig: MigDevice | None) -> str:
@@ -73,8 +82,16 @@ def _config_kind_for(mig: MigDevice | None) -> str:
 
 
 class Preparer:
-    def __init__(self, driver: str, node_name: str, inventory: Inventory, checkpoint: Checkpoint,
-                 cdi: CdiSpecs, nodes: DeviceNodes, claims: ClaimSource) -> None:
+    def __init__(
+        self,
+        driver: str,
+        node_name: str,
+        inventory: Inventory,
+        checkpoint: Checkpoint,
+        cdi: CdiSpecs,
+        nodes: DeviceNodes,
+        claims: ClaimSource,
+    ) -> None:
         self.driver = driver
         self.node_name = node_name
         self.checkpoint = checkpoint
@@ -140,11 +157,18 @@ class Preparer:
                 raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
             uid = claim.get("metadata", {}).get("uid")
             if uid != ref.uid:
-                raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
-                                   f"uid is {uid}, the kubelet asked for {ref.uid}")
+                raise PrepareError(
+                    f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
+                    f"uid is {uid}, the kubelet asked for {ref.uid}"
+                )
             devices, spec = self._plan(ref, claim)
-            entry = {"state": STARTED, "namespace": ref.namespace, "name": ref.name,
-                     "devices": [d.to_dict() for d in devices], "cdiSpec": spec}
+            entry = {
+                "state": STARTED,
+                "namespace": ref.namespace,
+                "name": ref.name,
+                "devices": [d.to_dict() for d in devices],
+                "cdiSpec": spec,
+            }
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
                     await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
@@ -162,8 +186,13 @@ class Preparer:
                 if isinstance(exc, OSError):
                     raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
                 raise
-            log.info("claim prepared claim=%s/%s uid=%s devices=%s", ref.namespace, ref.name,
-                     ref.uid, ",".join(d.device_name for d in devices))
+            log.info(
+                "claim prepared claim=%s/%s uid=%s devices=%s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+                ",".join(d.device_name for d in devices),
+            )
             return devices
 
     async def _roll_back(self, uid: str) -> None:
@@ -181,15 +210,17 @@ class Preparer:
             if clash:
                 raise PrepareError(
                     f"claim {ref}: device {sorted(clash)[0]} is already prepared for claim "
-                    f"{other.ref()}; refusing to hand it to two claims")
+                    f"{other.ref()}; refusing to hand it to two claims"
+                )
 
     def _plan(self, ref: ClaimRef, claim: dict[str, Any]) -> tuple[list[PreparedDevice], dict[str, Any]]:
         """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
             raise PrepareError(f"claim {ref} is not allocated")
-        results = [r for r in allocation.get("devices", {}).get("results") or []
-                   if r.get("driver") == self.driver]
+        results = [
+            r for r in allocation.get("devices", {}).get("results") or [] if r.get("driver") == self.driver
+        ]
         if not results:
             raise PrepareError(f"claim {ref}: its allocation has no devices of driver {self.driver}")
         configs = self._configs(ref, allocation)
@@ -200,8 +231,9 @@ class Preparer:
             request, device = str(result.get("request", "")), str(result.get("device", ""))
             where = f"claim {ref}: status.allocation.devices.results[{i}]"
             if result.get("pool") != self.node_name:
-                raise PrepareError(f"{where}: device {result.get('pool')}/{device} is not on this "
-                                   f"node ({self.node_name})")
+                raise PrepareError(
+                    f"{where}: device {result.get('pool')}/{device} is not on this node ({self.node_name})"
+                )
             if device not in self.devices:
                 raise PrepareError(f"{where}: device {device} is not published by this node")
             gpu, mig = self.devices[device]
@@ -214,21 +246,28 @@ class Preparer:
                     raise PrepareError(f"{where}: {exc}") from exc
                 uuid = mig.uuid if mig is not None else gpu.uuid
                 uuids.append(uuid)
-                cdi_devices[device] = CdiDevice(name=device, device_nodes=nodes,
-                                                env=config.container_env([uuid]))
+                cdi_devices[device] = CdiDevice(
+                    name=device, device_nodes=nodes, env=config.container_env([uuid])
+                )
             share_id = result.get("shareID")
-            prepared.append(PreparedDevice(
-                request_names=[request.split("/", 1)[0]], pool_name=self.node_name,
-                device_name=device, cdi_device_ids=[self.cdi.device_id(ref.uid, device)],
-                share_id=str(share_id) if share_id else None,
-                admin_access=bool(result.get("adminAccess", False))))
+            prepared.append(
+                PreparedDevice(
+                    request_names=[request.split("/", 1)[0]],
+                    pool_name=self.node_name,
+                    device_name=device,
+                    cdi_device_ids=[self.cdi.device_id(ref.uid, device)],
+                    share_id=str(share_id) if share_id else None,
+                    admin_access=bool(result.get("adminAccess", False)),
+                )
+            )
         control = self.nodes.control()
         try:
             self.nodes.verify(control)
         except DeviceNodeError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from exc
-        spec = self.cdi.build(ref.uid, list(cdi_devices.values()), control,
-                              {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)})
+        spec = self.cdi.build(
+            ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
+        )
         return prepared, spec
 
     def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
@@ -249,8 +288,9 @@ class Preparer:
             out.append((list(entry.get("requests") or []), config, where))
         return out
 
-    def _config_for(self, where: str, request: str, mig: MigDevice | None,
-                    configs: list[tuple[list[str], GpuConfig, str]]) -> GpuConfig:
+    def _config_for(
+        self, where: str, request: str, mig: MigDevice | None, configs: list[tuple[list[str], GpuConfig, str]]
+    ) -> GpuConfig:
         """The last config naming this request (or naming none) wins; kinds must match."""
         base = request.split("/", 1)[0]
         kind = _config_kind_for(mig)
@@ -261,8 +301,10 @@ class Preparer:
                 continue
             if config.kind != kind:
                 if named:
-                    raise PrepareError(f"{where}: {cwhere}.kind: {config.kind} cannot configure "
-                                       f"a {'MIG device' if mig else 'whole GPU'} (use {kind})")
+                    raise PrepareError(
+                        f"{where}: {cwhere}.kind: {config.kind} cannot configure "
+                        f"a {'MIG device' if mig else 'whole GPU'} (use {kind})"
+                    )
                 continue
             chosen = config
         return chosen
@@ -302,8 +344,7 @@ class Preparer:
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
         return counts
 
-    async def sweep(self, grace_seconds: float,
-                    now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:
+    async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:
         """Unprepare claims whose ResourceClaim has been gone (or replaced) for `grace_seconds`."""
         swept = []
         for rec in self.checkpoint.records():

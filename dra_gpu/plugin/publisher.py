@@ -49,8 +49,14 @@ def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
 
 
 class SlicePublisher:
-    def __init__(self, kube: Kube, driver: str, node_name: str,
-                 build: Callable[[int], list[dict[str, Any]]], metrics: PluginMetrics) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        driver: str,
+        node_name: str,
+        build: Callable[[int], list[dict[str, Any]]],
+        metrics: PluginMetrics,
+    ) -> None:
         self.kube = kube
         self.driver = driver
         self.node = node_name
@@ -72,23 +78,30 @@ class SlicePublisher:
     async def start(self, timeout: float = 120.0) -> None:
         """First publication: keep the stored generation when nothing changed, else bump it."""
         async for attempt in AsyncRetrying(
-                wait=wait_exponential(multiplier=0.2, max=MAX_BACKOFF), stop=stop_after_delay(timeout),
-                retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
-                reraise=True):
+            wait=wait_exponential(multiplier=0.2, max=MAX_BACKOFF),
+            stop=stop_after_delay(timeout),
+            retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
+            reraise=True,
+        ):
             with attempt:
                 existing, _ = await self.kube.list_slices(self.selector)
-                stored_gen = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing),
-                                 default=0)
+                stored_gen = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing), default=0)
                 self.generation = max(stored_gen, 1)
                 self.desired = {s["metadata"]["name"]: s for s in self.build(self.generation)}
-                unchanged = existing and len(existing) == len(self.desired) and all(
-                    self._covers(s) for s in existing)
+                unchanged = (
+                    existing and len(existing) == len(self.desired) and all(self._covers(s) for s in existing)
+                )
                 if existing and not unchanged:
                     self.generation = stored_gen + 1
                     self.desired = {s["metadata"]["name"]: s for s in self.build(self.generation)}
                 await self.sync(existing)
-        log.info("slices published node=%s generation=%d slices=%d devices=%d", self.node,
-                 self.generation, len(self.desired), len(self.device_names()))
+        log.info(
+            "slices published node=%s generation=%d slices=%d devices=%d",
+            self.node,
+            self.generation,
+            len(self.desired),
+            len(self.device_names()),
+        )
 
     async def sync(self, existing: list[dict[str, Any]]) -> int:
         """Apply what is missing or differs, delete what is not desired; returns slices applied."""
@@ -113,8 +126,11 @@ class SlicePublisher:
             key = path.split("[")[0] + path.split("]")[-1] if "[" in path else path
             if key not in self._dropped_logged:
                 self._dropped_logged.add(key)
-                log.error("apiserver dropped a field of ResourceSlice %s: spec.%s; is the feature "
-                          "gate for it off?", sent["metadata"]["name"], path)
+                log.error(
+                    "apiserver dropped a field of ResourceSlice %s: spec.%s; is the feature gate for it off?",
+                    sent["metadata"]["name"],
+                    path,
+                )
 
     async def run(self) -> None:
         """Watch and restore until cancelled; lists again after each watch ends or fails."""
@@ -132,13 +148,16 @@ class SlicePublisher:
                     if kind == "BOOKMARK":
                         continue
                     if kind == "DELETED" or not self._covers(obj):
-                        log.warning("slice %s by someone else: restoring name=%s",
-                                    kind.lower(), obj["metadata"]["name"])
+                        log.warning(
+                            "slice %s by someone else: restoring name=%s",
+                            kind.lower(),
+                            obj["metadata"]["name"],
+                        )
                         break  # list + sync at the top of the loop
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 failures += 1
-                delay = min(MAX_BACKOFF, 0.2 * 2 ** failures)
+                delay = min(MAX_BACKOFF, 0.2 * 2**failures)
                 log.warning("slice watch failed, retrying in %.1fs error=%r", delay, str(exc))
                 await asyncio.sleep(delay)

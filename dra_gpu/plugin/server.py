@@ -80,7 +80,8 @@ async def self_check(cfg: PluginConfig, timeout: float = 2.0) -> str | None:
                 return f"registration socket answers for driver {info.name!r}"
         async with grpc.aio.insecure_channel(f"unix://{cfg.dra_socket}") as ch:
             await v1_grpc.DRAPluginStub(ch).NodePrepareResources(
-                v1_pb.NodePrepareResourcesRequest(), timeout=timeout)
+                v1_pb.NodePrepareResourcesRequest(), timeout=timeout
+            )
     except grpc.aio.AioRpcError as exc:
         return f"{exc.code().name}: {exc.details()}"
     return None
@@ -102,29 +103,52 @@ class KubeletPlugin:
         kube = await Kube.connect(cfg.kubeconfig)
         cfg.plugin_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = await asyncio.to_thread(Checkpoint, cfg.plugin_dir / "checkpoint.json")
-        preparer = Preparer(cfg.driver, cfg.node_name, inventory, checkpoint,
-                            CdiSpecs(cfg.cdi_dir, cfg.driver), DeviceNodes(cfg.dev_root), kube)
+        preparer = Preparer(
+            cfg.driver,
+            cfg.node_name,
+            inventory,
+            checkpoint,
+            CdiSpecs(cfg.cdi_dir, cfg.driver),
+            DeviceNodes(cfg.dev_root),
+            kube,
+        )
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
         self.metrics.prepared_devices.set(preparer.prepared_device_count())
-        publisher = SlicePublisher(kube, cfg.driver, cfg.node_name,
-                                   lambda gen: build_slices(inventory, cfg.driver, gen), self.metrics)
+        publisher = SlicePublisher(
+            kube,
+            cfg.driver,
+            cfg.node_name,
+            lambda gen: build_slices(inventory, cfg.driver, gen),
+            self.metrics,
+        )
         await publisher.start()
         node = NodeService(preparer, self.metrics)
         health = HealthService(cfg.node_name, publisher.device_names)
-        dra_server = await serve_unix(cfg.dra_socket, [
-            (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
-            (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
-            (health_grpc.add_DRAResourceHealthServicer_to_server, health),
-        ])
+        dra_server = await serve_unix(
+            cfg.dra_socket,
+            [
+                (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
+                (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
+                (health_grpc.add_DRAResourceHealthServicer_to_server, health),
+            ],
+        )
         registration = RegistrationService(cfg.driver, str(cfg.dra_socket))
-        reg_server = await serve_unix(cfg.registration_socket, [
-            (reg_grpc.add_RegistrationServicer_to_server, registration)])
+        reg_server = await serve_unix(
+            cfg.registration_socket, [(reg_grpc.add_RegistrationServicer_to_server, registration)]
+        )
         http = await self._start_http()
-        tasks = [asyncio.create_task(publisher.run(), name="publisher"),
-                 asyncio.create_task(self._sweep(preparer), name="sweeper")]
-        log.info("kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
-                 cfg.driver, cfg.node_name, cfg.dra_socket, cfg.registration_socket)
+        tasks = [
+            asyncio.create_task(publisher.run(), name="publisher"),
+            asyncio.create_task(self._sweep(preparer), name="sweeper"),
+        ]
+        log.info(
+            "kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
+            cfg.driver,
+            cfg.node_name,
+            cfg.dra_socket,
+            cfg.registration_socket,
+        )
         self.ready.set()
         try:
             await self.stopping.wait()
@@ -165,8 +189,9 @@ class KubeletPlugin:
             return web.Response(status=503, text=f"unhealthy: {problem}\n")
 
         async def metrics(_request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.metrics.registry),
-                                headers={"Content-Type": CONTENT_TYPE_LATEST})
+            return web.Response(
+                body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            )
 
         app = web.Application()
         app.add_routes([web.get("/healthz", healthz), web.get("/metrics", metrics)])

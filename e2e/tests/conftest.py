@@ -6,6 +6,7 @@ Target cluster:
 - otherwise the local cluster from e2e/cluster: reused when it already runs (and left running),
   else brought up once for the session (root needed) and brought down at its end.
 """
+
 import os
 import subprocess
 import sys
@@ -27,15 +28,14 @@ def pytest_configure(config):
 
 
 def _cluster(*args, check=True):
-    return subprocess.run([sys.executable, CLUSTER, *args], check=check, text=True,
-                          capture_output=True)
+    return subprocess.run([sys.executable, CLUSTER, *args], check=check, text=True, capture_output=True)
 
 
 def _cluster_env():
     out = _cluster("env").stdout
     env = {}
     for line in out.splitlines():
-        k, v = line[len("export "):].split("=", 1)
+        k, v = line[len("export ") :].split("=", 1)
         env[k] = v.strip('"')
     return env
 
@@ -76,31 +76,34 @@ def api_client(target):
     except ImportError:
         pytest.fail("the e2e tier needs the `kubernetes` Python package (pip install kubernetes)")
     from kubernetes import config
+
     return config.new_client_from_config(config_file=target.kubeconfig)
 
 
 @pytest.fixture(scope="session")
 def core(api_client):
     from kubernetes import client
+
     return client.CoreV1Api(api_client)
 
 
 @pytest.fixture(scope="session")
 def dyn(api_client):
     from kubernetes import dynamic
+
     return dynamic.DynamicClient(api_client)
 
 
 @pytest.fixture
 def namespace(core):
     from kubernetes import client
+
     name = "e2e-" + uuid.uuid4().hex[:8]
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     # The service-account controller creates "default"; pods cannot be created before it.
     deadline = time.time() + 30
     while time.time() < deadline:
-        if any(sa.metadata.name == "default"
-               for sa in core.list_namespaced_service_account(name).items):
+        if any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(name).items):
             break
         time.sleep(0.2)
     yield name
@@ -128,8 +131,9 @@ def wait_pod_done(core, ns, name, timeout=90):
         time.sleep(0.5)
     events = core.list_namespaced_event(ns, field_selector="involvedObject.name=" + name)
     lines = "\n".join(f"{e.type} {e.reason}: {e.message}" for e in events.items)
-    raise AssertionError(f"pod {ns}/{name} not done after {timeout} s: "
-                         f"{pod.status if pod else None}\nevents:\n{lines}")
+    raise AssertionError(
+        f"pod {ns}/{name} not done after {timeout} s: {pod.status if pod else None}\nevents:\n{lines}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -145,9 +149,12 @@ def peer_driver(target, dyn):
             pytest.fail("peer driver did not start:\n" + r.stderr)
         started = "already running" not in r.stderr
     elif os.environ.get("DRA_GPU_E2E_PEER_DRIVER") != "external":
-        pytest.skip("peer driver runs only on the local e2e cluster "
-                    "(set DRA_GPU_E2E_PEER_DRIVER=external if it is deployed)")
+        pytest.skip(
+            "peer driver runs only on the local e2e cluster "
+            "(set DRA_GPU_E2E_PEER_DRIVER=external if it is deployed)"
+        )
     import yaml
+
     with open(os.path.join(MANIFESTS, "peer-deviceclass.yaml")) as f:
         dc = yaml.safe_load(f)
     api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceClass")

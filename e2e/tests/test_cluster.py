@@ -1,4 +1,5 @@
 """The cluster itself works: a Ready node, a pod whose log is read back, DRA gates on."""
+
 import time
 import uuid
 
@@ -11,8 +12,11 @@ def test_node_ready(core):
     deadline = time.time() + 60
     while True:
         nodes = core.list_node().items
-        ready = [n.metadata.name for n in nodes
-                 if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions)]
+        ready = [
+            n.metadata.name
+            for n in nodes
+            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions)
+        ]
         if ready or time.time() > deadline:
             break
         time.sleep(1)
@@ -21,16 +25,24 @@ def test_node_ready(core):
 
 def test_busybox_pod_log(core, namespace, busybox_image, wait_pod):
     from kubernetes import client
+
     token = uuid.uuid4().hex
     pod = client.V1Pod(
         metadata=client.V1ObjectMeta(name="busybox"),
         spec=client.V1PodSpec(
             restart_policy="Never",
             termination_grace_period_seconds=0,
-            containers=[client.V1Container(
-                name="main", image=busybox_image, image_pull_policy="Never",
-                command=["sh", "-c", "echo hello-$TOKEN; uname -s"],
-                env=[client.V1EnvVar(name="TOKEN", value=token)])]))
+            containers=[
+                client.V1Container(
+                    name="main",
+                    image=busybox_image,
+                    image_pull_policy="Never",
+                    command=["sh", "-c", "echo hello-$TOKEN; uname -s"],
+                    env=[client.V1EnvVar(name="TOKEN", value=token)],
+                )
+            ],
+        ),
+    )
     core.create_namespaced_pod(namespace, pod)
     assert wait_pod(core, namespace, "busybox") == "Succeeded"
     log = core.read_namespaced_pod_log("busybox", namespace, container="main")
@@ -46,24 +58,37 @@ def test_dra_feature_gates_keep_fields(dyn):
     name = "e2e-gates-" + uuid.uuid4().hex[:6]
     pool = {"name": name, "generation": 1, "resourceSliceCount": 2}
     common = {"driver": "gates.e2e.dra-gpu.invalid", "allNodes": True, "pool": pool}
-    counters = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                "metadata": {"name": name + "-counters"},
-                "spec": dict(common, sharedCounters=[
-                    {"name": "mem", "counters": {"memory": {"value": "8Gi"}}}])}
-    devices = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-               "metadata": {"name": name + "-devices"},
-               "spec": dict(common, devices=[{
-                   "name": "dev0",
-                   "allowMultipleAllocations": True,
-                   "capacity": {"memory": {"value": "8Gi", "requestPolicy": {
-                       "default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}}},
-                   "consumesCounters": [{"counterSet": "mem",
-                                         "counters": {"memory": {"value": "8Gi"}}}],
-                   "taints": [{"key": "e2e.dra-gpu/check", "value": "x", "effect": "NoSchedule"}],
-                   "bindsToNode": True,
-                   "bindingConditions": ["e2e.dra-gpu/ready"],
-                   "bindingFailureConditions": ["e2e.dra-gpu/failed"],
-               }])}
+    counters = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name + "-counters"},
+        "spec": dict(common, sharedCounters=[{"name": "mem", "counters": {"memory": {"value": "8Gi"}}}]),
+    }
+    devices = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name + "-devices"},
+        "spec": dict(
+            common,
+            devices=[
+                {
+                    "name": "dev0",
+                    "allowMultipleAllocations": True,
+                    "capacity": {
+                        "memory": {
+                            "value": "8Gi",
+                            "requestPolicy": {"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}},
+                        }
+                    },
+                    "consumesCounters": [{"counterSet": "mem", "counters": {"memory": {"value": "8Gi"}}}],
+                    "taints": [{"key": "e2e.dra-gpu/check", "value": "x", "effect": "NoSchedule"}],
+                    "bindsToNode": True,
+                    "bindingConditions": ["e2e.dra-gpu/ready"],
+                    "bindingFailureConditions": ["e2e.dra-gpu/failed"],
+                }
+            ],
+        ),
+    }
     created = []
     try:
         got_c = api.create(body=counters).to_dict()
@@ -72,12 +97,22 @@ def test_dra_feature_gates_keep_fields(dyn):
         created.append(devices["metadata"]["name"])
         assert got_c["spec"].get("sharedCounters"), "sharedCounters dropped (DRAPartitionableDevices off?)"
         dev = got_d["spec"]["devices"][0]
-        missing = [f for f in ("allowMultipleAllocations", "consumesCounters", "taints",
-                               "bindsToNode", "bindingConditions", "bindingFailureConditions")
-                   if not dev.get(f)]
+        missing = [
+            f
+            for f in (
+                "allowMultipleAllocations",
+                "consumesCounters",
+                "taints",
+                "bindsToNode",
+                "bindingConditions",
+                "bindingFailureConditions",
+            )
+            if not dev.get(f)
+        ]
         assert not missing, f"fields dropped by the apiserver (gates off?): {missing}"
-        assert dev.get("capacity", {}).get("memory", {}).get("requestPolicy"), \
+        assert dev.get("capacity", {}).get("memory", {}).get("requestPolicy"), (
             "capacity.requestPolicy dropped (DRAConsumableCapacity off?)"
+        )
     finally:
         for n in created:
             api.delete(name=n)

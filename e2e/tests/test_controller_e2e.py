@@ -47,8 +47,10 @@ TAINT_CLASS = f"fid-taint-{RUN}"  # the mixed profile with tainted devices
 ANY_CLASS = f"fid-any-{RUN}"  # whole GPUs of every fidelity driver: several pools, in pool-ID order
 CLASS_DRIVER = {GPU_CLASS: HGX, A100_CLASS: MIG, MIG_CLASS: MIG, TAINT_CLASS: TAINT, ANY_CLASS: "*"}
 # Taints on the mixed profile's GPUs 0 (NoSchedule) and 2 (NoExecute), by device index.
-TAINTS = {0: {"key": "example.com/broken", "effect": "NoSchedule"},
-          2: {"key": "example.com/flaky", "value": "yes", "effect": "NoExecute"}}
+TAINTS = {
+    0: {"key": "example.com/broken", "effect": "NoSchedule"},
+    2: {"key": "example.com/flaky", "value": "yes", "effect": "NoExecute"},
+}
 WEBHOOK_LABEL = "e2e.dra-gpu.io/webhook"
 RESOURCE = "resource.k8s.io/v1"
 
@@ -70,14 +72,24 @@ def device_class(name: str, driver: str, kind: str) -> dict[str, Any]:
         "apiVersion": RESOURCE,
         "kind": "DeviceClass",
         "metadata": {"name": name},
-        "spec": {"selectors": [{"cel": {"expression":
-                 f'device.driver == "{driver}" && device.attributes["{driver}"].type == "{kind}"'}}]},
+        "spec": {
+            "selectors": [
+                {
+                    "cel": {
+                        "expression": (
+                            f'device.driver == "{driver}" && device.attributes["{driver}"].type == "{kind}"'
+                        )
+                    }
+                }
+            ]
+        },
     }
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dra_gpu.cli", *args], text=True, capture_output=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dra_gpu.cli", *args], text=True, capture_output=True, timeout=timeout
+    )
 
 
 # ---------------------------------------------------------------- published slices and classes
@@ -100,10 +112,21 @@ def published(target, core, dyn):
 
     drop_slices()  # a crashed earlier run of this file
     any_gpu = device_class(ANY_CLASS, HGX, "gpu")
-    any_gpu["spec"]["selectors"] = [{"cel": {"expression": f"device.driver in {json.dumps(list(PROFILES))} "
-                                             '&& device.attributes[device.driver].type == "gpu"'}}]
-    classes = [device_class(GPU_CLASS, HGX, "gpu"), device_class(A100_CLASS, MIG, "gpu"),
-               device_class(MIG_CLASS, MIG, "mig"), device_class(TAINT_CLASS, TAINT, "gpu"), any_gpu]
+    any_gpu["spec"]["selectors"] = [
+        {
+            "cel": {
+                "expression": f"device.driver in {json.dumps(list(PROFILES))} "
+                '&& device.attributes[device.driver].type == "gpu"'
+            }
+        }
+    ]
+    classes = [
+        device_class(GPU_CLASS, HGX, "gpu"),
+        device_class(A100_CLASS, MIG, "gpu"),
+        device_class(MIG_CLASS, MIG, "mig"),
+        device_class(TAINT_CLASS, TAINT, "gpu"),
+        any_gpu,
+    ]
     try:
         for driver, profile in PROFILES.items():
             for s in build_slices(discover_node(node, profile), driver):
@@ -117,8 +140,11 @@ def published(target, core, dyn):
             classes_api.create(body=c)
         got = {d: slices_api.get(field_selector=f"spec.driver={d}").to_dict()["items"] for d in PROFILES}
         got["*"] = [x for d in PROFILES for x in got[d]]
-        yield {"node": node, "slices": got, "classes": [classes_api.get(name=c["metadata"]["name"]).to_dict()
-                                                        for c in classes]}
+        yield {
+            "node": node,
+            "slices": got,
+            "classes": [classes_api.get(name=c["metadata"]["name"]).to_dict() for c in classes],
+        }
     finally:
         for c in classes:
             ignore_404(classes_api.delete, name=c["metadata"]["name"])
@@ -132,8 +158,12 @@ def _claim(name: str, requests: list[dict[str, Any]], constraints: list[dict[str
     devices: dict[str, Any] = {"requests": requests}
     if constraints:
         devices["constraints"] = constraints
-    return {"apiVersion": RESOURCE, "kind": "ResourceClaim", "metadata": {"name": name},
-            "spec": {"devices": devices}}
+    return {
+        "apiVersion": RESOURCE,
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": devices},
+    }
 
 
 def _req(name: str, cls: str, count: int | None = 1, sel: list[str] | None = None, all_: bool = False):
@@ -184,8 +214,16 @@ def corpus() -> list[dict[str, Any]]:
     add([_req("gpus", g, 4, [f"{h}.index % 2 == 1"])])
     add([_req("gpus", g, 2, [f'{h}.driverVersion.isGreaterThan(semver("570.0.0"))'])])
     add([_req("gpus", g, 1, [f'{h}.driverVersion.isLessThan(semver("560.0.0"))'])])  # impossible
-    add([_req("gpus", g, 2, [f'{h}.cudaComputeCapability.compareTo(semver("9.0.0")) >= 0',
-                             f'{h}.type == "gpu"'])])
+    add(
+        [
+            _req(
+                "gpus",
+                g,
+                2,
+                [f'{h}.cudaComputeCapability.compareTo(semver("9.0.0")) >= 0', f'{h}.type == "gpu"'],
+            )
+        ]
+    )
     add([_req("gpus", g, 4)], [nvl])
     add([_req("gpus", g, 5)], [nvl])  # impossible: groups of 4
     add([_req("gpus", g, 2, [f"{h}.index >= 3"])], [nvl])  # backtracks past GPU 3
@@ -200,36 +238,73 @@ def corpus() -> list[dict[str, Any]]:
     add([_req("gpus", g, 1, [f'{h}.type == "mig"'])])  # impossible: no MIG on hgx
     add([_req("a", g, 2, [f"{h}.index < 4"]), _req("b", g, 2)], [nvl])  # b must follow a's group
     add([_req("a", g, 3), _req("b", g, 3)], [{**nvl, "requests": ["b"]}])
-    add([_req("a", g, 1), _req("b", g, 1)],
-        [{"distinctAttribute": f"{HGX}/numaNode", "requests": ["a", "b"]}])
-    add([_first("gpus", _req("big", g, 8, [f'{h}.productName.startsWith("NVIDIA A100")']),
-                _req("small", g, 2))])
+    add(
+        [_req("a", g, 1), _req("b", g, 1)], [{"distinctAttribute": f"{HGX}/numaNode", "requests": ["a", "b"]}]
+    )
+    add(
+        [
+            _first(
+                "gpus", _req("big", g, 8, [f'{h}.productName.startsWith("NVIDIA A100")']), _req("small", g, 2)
+            )
+        ]
+    )
     add([_first("gpus", _req("four", g, 4), _req("two", g, 2))], [nvl])
     add([_first("gpus", _req("five", g, 5), _req("three", g, 3))], [nvl])  # five can't share a group
     add([_req("x", g, 6), _first("y", _req("three", g, 3), _req("two", g, 2), _req("one", g, 1))])
     # A selector that fails at runtime (H100s of this profile publish no multiprocessors): the
     # scheduler reports a SchedulerError, explain "not allocatable" with the failing device.
-    add([_req("gpus", g, 2, [f'{hc}.multiprocessors.compareTo(quantity("100")) > 0',
-                             f"{h}.nvlinkDomainSize == 4"])])
+    add(
+        [
+            _req(
+                "gpus",
+                g,
+                2,
+                [f'{hc}.multiprocessors.compareTo(quantity("100")) > 0', f"{h}.nvlinkDomainSize == 4"],
+            )
+        ]
+    )
     add([_req("a", g, 1), _req("b", g, 3, [f"{h}.index >= 4"])], [nvl])  # backtracks into a
     add([_req("gpus", g, all_=True)], [nvl])  # impossible: All spans both groups
     add([_req("gpus", g, all_=True, sel=[f"{h}.numaNode == 1"])], [nvl])
     add([_req("gpus", g, all_=True, sel=[f'{h}.productName.startsWith("NVIDIA A100")'])])  # none
     add([_req("all", g, all_=True), _req("one", g, 1)])  # impossible: All took everything
-    add([_first("gpus", _req("four", g, 4, [f"{h}.index >= 5"]), _req("two", g, 2))],
-        [{"distinctAttribute": f"{HGX}/nvlinkDomain", "requests": ["gpus/two"]}])
-    add([_req("a", g, 1), _req("b", g, 1), _req("c", g, 1)],
-        [{"distinctAttribute": f"{HGX}/numaNode", "requests": ["a", "b"]}, {**nvl, "requests": ["b", "c"]}])
+    add(
+        [_first("gpus", _req("four", g, 4, [f"{h}.index >= 5"]), _req("two", g, 2))],
+        [{"distinctAttribute": f"{HGX}/nvlinkDomain", "requests": ["gpus/two"]}],
+    )
+    add(
+        [_req("a", g, 1), _req("b", g, 1), _req("c", g, 1)],
+        [{"distinctAttribute": f"{HGX}/numaNode", "requests": ["a", "b"]}, {**nvl, "requests": ["b", "c"]}],
+    )
     add([_req("gpus", g, 3, [f"{h}.index in [1, 3, 6]"])])
     add([_req("gpus", g, 1, [f"{h}.index > 7"])])  # impossible
     add([_req("gpus", g, 2, [f'{std}.pcieRoot.startsWith("pci0000:a") || {std}.pcieRoot == "pci0000:d7"'])])
-    add([_req("gpus", g, 8, [f'{hc}.memory.compareTo(quantity("81559Mi")) == 0',
-                             f'{h}.productName.matches("H1[0-9]0")'])])
+    add(
+        [
+            _req(
+                "gpus",
+                g,
+                8,
+                [f'{hc}.memory.compareTo(quantity("81559Mi")) == 0', f'{h}.productName.matches("H1[0-9]0")'],
+            )
+        ]
+    )
     add([_req("gpus", g, 1, [f'{hc}.memory.isLessThan(quantity("81559Mi"))'])])  # impossible
     add([_req("gpus", g, 2, [f'has({h}.nvlinkDomain) && {h}.architecture.lowerAscii() == "hopper"'])])
     add([_req("gpus", g, 1, ['device.attributes["other.example.com"].model == "x"'])])  # runtime error
-    add([_req("gpus", g, 3, [f'{h}.productName.split(" ")[1] == "H100" && {h}.index > 2',
-                             f'{std}.pciBusID.substring(5, 7).upperAscii() in ["9A", "AB", "DB"]'])])
+    add(
+        [
+            _req(
+                "gpus",
+                g,
+                3,
+                [
+                    f'{h}.productName.split(" ")[1] == "H100" && {h}.index > 2',
+                    f'{std}.pciBusID.substring(5, 7).upperAscii() in ["9A", "AB", "DB"]',
+                ],
+            )
+        ]
+    )
     # -- dgx-a100-mig: GPUs 3-7 whole (one NVSwitch domain), GPUs 0-2 with 10 MIG devices
     add([_req("mig", mi, 1)])
     add([_req("mig", mi, 4)])
@@ -237,10 +312,8 @@ def corpus() -> list[dict[str, Any]]:
     for n in (1, 2, 4, 5):  # 4 x 1g.10gb: the fifth is impossible
         add([_req("mig", mi, n, [f'{m}.profile == "1g.10gb"'])])
     add([_req("mig", mi, 3, [f'{m}.profile == "3g.40gb"'])])
-    add([_req("mig", mi, 2, [f'{m}.profile == "2g.20gb"'])],
-        [{"distinctAttribute": f"{MIG}/parentIndex"}])
-    add([_req("mig", mi, 3, [f'{m}.profile == "1g.10gb"'])],
-        [{"matchAttribute": f"{MIG}/parentIndex"}])
+    add([_req("mig", mi, 2, [f'{m}.profile == "2g.20gb"'])], [{"distinctAttribute": f"{MIG}/parentIndex"}])
+    add([_req("mig", mi, 3, [f'{m}.profile == "1g.10gb"'])], [{"matchAttribute": f"{MIG}/parentIndex"}])
     add([_req("mig", mi, 2, [f'{mc}.memory.compareTo(quantity("20Gi")) >= 0'])])
     add([_req("mig", mi, 4, [f'{mc}.memory.compareTo(quantity("19Gi")) >= 0'])])
     add([_req("mig", mi, 3, [f"{m}.parentIndex == 2"])])
@@ -254,20 +327,55 @@ def corpus() -> list[dict[str, Any]]:
     add([_req("gpu", a, 2), _req("mig", mi, 2)])
     add([_req("gpu", a, 1), _req("mig", mi, 1)], [{"matchAttribute": f"{MIG}/productName"}])
     add([_req("gpu", a, 1), _req("mig", mi, 1)], [{"matchAttribute": f"{MIG}/uuid"}])  # impossible
-    add([_first("dev", _req("whole0", a, 1, [f"{m}.index == 0"]),
-                _req("mig", mi, 1, [f'{m}.profile == "3g.40gb"']))])
-    add([_first("dev", _req("big", mi, 1, [f'{mc}.memory.isGreaterThan(quantity("40Gi"))']),
-                _req("mid", mi, 2, [f'{m}.profile == "2g.20gb"']))])
+    add(
+        [
+            _first(
+                "dev",
+                _req("whole0", a, 1, [f"{m}.index == 0"]),
+                _req("mig", mi, 1, [f'{m}.profile == "3g.40gb"']),
+            )
+        ]
+    )
+    add(
+        [
+            _first(
+                "dev",
+                _req("big", mi, 1, [f'{mc}.memory.isGreaterThan(quantity("40Gi"))']),
+                _req("mid", mi, 2, [f'{m}.profile == "2g.20gb"']),
+            )
+        ]
+    )
     add([_req("gpu", a, 1, [f'{m}.type == "mig"'])])  # impossible: the class wants whole GPUs
     add([_req("gpu", a, 1, [f'{m}.profile == "3g.40gb"'])])  # runtime error: whole GPUs have no profile
-    add([_req("mig", mi, 2, [f'{m}.profile != "3g.40gb"'])],
-        [{"distinctAttribute": f"{MIG}/parentIndex"}, {"matchAttribute": f"{MIG}/productName"}])
+    add(
+        [_req("mig", mi, 2, [f'{m}.profile != "3g.40gb"'])],
+        [{"distinctAttribute": f"{MIG}/parentIndex"}, {"matchAttribute": f"{MIG}/productName"}],
+    )
     add([_req("gpu", a, 1), _req("mig", mi, 3)], [{"matchAttribute": f"{MIG}/numaNode"}])
-    add([_first("dev", _req("x", mi, 6, [f'{m}.profile == "3g.40gb"']),
-                _req("y", a, 6), _req("z", mi, 2, [f"{m}.parentIndex == 1"]))])
+    add(
+        [
+            _first(
+                "dev",
+                _req("x", mi, 6, [f'{m}.profile == "3g.40gb"']),
+                _req("y", a, 6),
+                _req("z", mi, 2, [f"{m}.parentIndex == 1"]),
+            )
+        ]
+    )
     add([_req("migs", mi, all_=True), _req("gpus", a, all_=True)])
-    add([_req("mig", mi, 8, [f'{m}.productName == "NVIDIA A100-SXM4-80GB"',
-                             f'{m}.driverVersion.isGreaterThan(semver("570.100.0"))'])])
+    add(
+        [
+            _req(
+                "mig",
+                mi,
+                8,
+                [
+                    f'{m}.productName == "NVIDIA A100-SXM4-80GB"',
+                    f'{m}.driverVersion.isGreaterThan(semver("570.100.0"))',
+                ],
+            )
+        ]
+    )
     # -- mixed (2x A100 PCIe, 2x L4), GPU 0 tainted NoSchedule, GPU 2 NoExecute (flaky=yes)
     t, tt = TAINT_CLASS, f'device.attributes["{TAINT}"]'
 
@@ -280,44 +388,114 @@ def corpus() -> list[dict[str, Any]]:
     add([_req("gpu", t, 3)])  # impossible: two are tainted
     add([tol(_req("gpu", t, 3), {"key": "example.com/broken", "operator": "Exists"})])
     add([tol(_req("gpu", t, 4), {"operator": "Exists"})])
-    add([tol(_req("gpu", t, 1, [f"{tt}.index == 2"]),
-             {"key": "example.com/flaky", "operator": "Equal", "value": "yes", "effect": "NoExecute"})])
-    add([tol(_req("gpu", t, 1, [f"{tt}.index == 2"]),
-             {"key": "example.com/flaky", "operator": "Equal", "value": "no"})])  # impossible: wrong value
-    add([tol(_req("gpu", t, 1, [f"{tt}.index == 2"]),
-             {"key": "example.com/flaky", "operator": "Exists", "effect": "NoSchedule"})])  # wrong effect
+    add(
+        [
+            tol(
+                _req("gpu", t, 1, [f"{tt}.index == 2"]),
+                {"key": "example.com/flaky", "operator": "Equal", "value": "yes", "effect": "NoExecute"},
+            )
+        ]
+    )
+    add(
+        [
+            tol(
+                _req("gpu", t, 1, [f"{tt}.index == 2"]),
+                {"key": "example.com/flaky", "operator": "Equal", "value": "no"},
+            )
+        ]
+    )  # impossible: wrong value
+    add(
+        [
+            tol(
+                _req("gpu", t, 1, [f"{tt}.index == 2"]),
+                {"key": "example.com/flaky", "operator": "Exists", "effect": "NoSchedule"},
+            )
+        ]
+    )  # wrong effect
     add([_req("gpu", t, all_=True)])
     add([tol(_req("gpu", t, all_=True), {"operator": "Exists"})])
     add([_req("gpu", t, all_=True, sel=[f'{tt}.productName == "NVIDIA L4"'])])
-    add([_first("gpu", _req("a100", t, 2, [f'{tt}.productName.endsWith("PCIe")']),
-                _req("l4", t, 1, [f'{tt}.productName == "NVIDIA L4"']))])
+    add(
+        [
+            _first(
+                "gpu",
+                _req("a100", t, 2, [f'{tt}.productName.endsWith("PCIe")']),
+                _req("l4", t, 1, [f'{tt}.productName == "NVIDIA L4"']),
+            )
+        ]
+    )
     # -- one class over all three drivers: pools in pool-ID order (fidelity-mig < fidelity-taint < fidelity)
     add([_req("gpu", ANY_CLASS, 1)])
     add([_req("gpu", ANY_CLASS, 8)])
     add([_req("gpu", ANY_CLASS, 12)])
-    add([_req("gpu", ANY_CLASS, 2,
-              [f'device.driver == "{HGX}" || device.attributes[device.driver].index == 4'])])
+    add(
+        [
+            _req(
+                "gpu",
+                ANY_CLASS,
+                2,
+                [f'device.driver == "{HGX}" || device.attributes[device.driver].index == 4'],
+            )
+        ]
+    )
     add([_req("gpu", ANY_CLASS, 3)], [{"matchAttribute": "resource.kubernetes.io/pcieRoot"}])  # impossible
     add([_req("gpu", ANY_CLASS, 3)], [{"distinctAttribute": f"{HGX}/index"}])  # only HGX has it
-    add([_req("a", ANY_CLASS, 1), _req("m", MIG_CLASS, 1), _req("h", GPU_CLASS, 2)],
-        [{"matchAttribute": f"{HGX}/nvlinkDomain", "requests": ["a", "h"]}])
+    add(
+        [_req("a", ANY_CLASS, 1), _req("m", MIG_CLASS, 1), _req("h", GPU_CLASS, 2)],
+        [{"matchAttribute": f"{HGX}/nvlinkDomain", "requests": ["a", "h"]}],
+    )
     add([_req("gpu", ANY_CLASS, 1, [f'device.attributes["{MIG}"].?index.orValue(-1) == 5'])])
     add([_req("gpu", ANY_CLASS, 1)], [{"matchAttribute": f"{MIG}/profile"}])  # impossible: no profile
     # -- more CEL: presence tests, map membership, cross-type numbers, quantity and semver helpers
-    add([_req("gpus", g, 2, [f'!has(device.attributes["other.example.com"].model) && has({h}.numaNode)',
-                             f'"nvlinkDomain" in {h} && !("profile" in {h})'])])
+    add(
+        [
+            _req(
+                "gpus",
+                g,
+                2,
+                [
+                    f'!has(device.attributes["other.example.com"].model) && has({h}.numaNode)',
+                    f'"nvlinkDomain" in {h} && !("profile" in {h})',
+                ],
+            )
+        ]
+    )
     add([_req("gpus", g, 2, [f"{h}.index > 2.5 && {h}.index < 6u"])])
-    add([_req("gpus", g, 1, [f"{hc}.memory.asApproximateFloat() > 8.5e10 && {hc}.memory.isInteger()",
-                             f'sign({hc}.memory.sub(quantity("80Gi"))) == -1'])])
-    add([_req("gpus", g, 2, [f"{h}.driverVersion.major() == 570 && {h}.driverVersion.minor() > 100",
-                             f'semver("1.2.3").isLessThan({h}.cudaDriverVersion)'])])
+    add(
+        [
+            _req(
+                "gpus",
+                g,
+                1,
+                [
+                    f"{hc}.memory.asApproximateFloat() > 8.5e10 && {hc}.memory.isInteger()",
+                    f'sign({hc}.memory.sub(quantity("80Gi"))) == -1',
+                ],
+            )
+        ]
+    )
+    add(
+        [
+            _req(
+                "gpus",
+                g,
+                2,
+                [
+                    f"{h}.driverVersion.major() == 570 && {h}.driverVersion.minor() > 100",
+                    f'semver("1.2.3").isLessThan({h}.cudaDriverVersion)',
+                ],
+            )
+        ]
+    )
     add([_req("gpus", g, 2, [f'{h}.productName.matches("^NVIDIA H[0-9]+ 80GB") && size({h}.uuid) == 40'])])
     add([_req("gpus", g, 1, ["device.allowMultipleAllocations == false"])])
     add([_req("mig", mi, 2, [f'{mc}.memory.add(quantity("1Gi")).compareTo(quantity("11Gi")) < 0'])])
     # firstAvailable backtracking: "four" leaves 4 GPUs, b needs 5, so "two" is chosen
     add([_first("a", _req("four", g, 4), _req("two", g, 2)), _req("b", g, 5)])
-    add([_first("a", _req("four", g, 4), _req("two", g, 2)), _req("b", g, 3)],
-        [{**nvl, "requests": ["a/four", "b"]}])
+    add(
+        [_first("a", _req("four", g, 4), _req("two", g, 2)), _req("b", g, 3)],
+        [{**nvl, "requests": ["a/four", "b"]}],
+    )
     return c
 
 
@@ -342,32 +520,52 @@ def _make_certs(tmp: Path) -> tuple[Path, Path, bytes]:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dra-gpu e2e webhook CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
     ca_pem = ca.public_bytes(pem)
     (tmp / "tls.crt").write_bytes(cert.public_bytes(pem))
-    (tmp / "tls.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                    serialization.NoEncryption()))
+    (tmp / "tls.key").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     (tmp / "tls.key").chmod(0o600)
     (tmp / "ca.crt").write_bytes(ca_pem)
     return tmp / "tls.crt", tmp / "tls.key", ca_pem
@@ -388,15 +586,32 @@ class Controller:
         self.log_path = tmp / "controller.log"
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child keeps writing to it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dra_gpu.cli", "controller", "--cert", str(self.cert), "--key",
-             str(self.key), "--address", "127.0.0.1", "--port", str(self.port), "--kubeconfig",
-             kubeconfig, "--driver-name", HGX], stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "dra_gpu.cli",
+                "controller",
+                "--cert",
+                str(self.cert),
+                "--key",
+                str(self.key),
+                "--address",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--kubeconfig",
+                kubeconfig,
+                "--driver-name",
+                HGX,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         self.ssl = ssl.create_default_context(cadata=self.ca_pem.decode())
 
     def get(self, path: str) -> str:
-        with urllib.request.urlopen(f"https://127.0.0.1:{self.port}{path}", context=self.ssl,
-                                    timeout=3) as r:
+        with urllib.request.urlopen(f"https://127.0.0.1:{self.port}{path}", context=self.ssl, timeout=3) as r:
             return r.read().decode()
 
     def log(self) -> str:
@@ -424,8 +639,10 @@ class Controller:
 
 def _webhook_config(name: str, ctl: Controller, namespace: str) -> dict[str, Any]:
     common = {
-        "clientConfig": {"url": f"https://127.0.0.1:{ctl.port}/validate",
-                         "caBundle": base64.b64encode(ctl.ca_pem).decode()},
+        "clientConfig": {
+            "url": f"https://127.0.0.1:{ctl.port}/validate",
+            "caBundle": base64.b64encode(ctl.ca_pem).decode(),
+        },
         "failurePolicy": "Fail",
         "sideEffects": "None",
         "admissionReviewVersions": ["v1"],
@@ -436,19 +653,37 @@ def _webhook_config(name: str, ctl: Controller, namespace: str) -> dict[str, Any
         "kind": "ValidatingWebhookConfiguration",
         "metadata": {"name": name},
         "webhooks": [
-            {**common, "name": "claims.e2e.dra-gpu.io",
-             "rules": [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["v1"],
+            {
+                **common,
+                "name": "claims.e2e.dra-gpu.io",
+                "rules": [
+                    {
+                        "apiGroups": ["resource.k8s.io"],
+                        "apiVersions": ["v1"],
                         "operations": ["CREATE", "UPDATE"],
-                        "resources": ["resourceclaims", "resourceclaimtemplates"], "scope": "Namespaced"}],
-             # Only the test's namespace: other developers' claims never reach this webhook.
-             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}},
+                        "resources": ["resourceclaims", "resourceclaimtemplates"],
+                        "scope": "Namespaced",
+                    }
+                ],
+                # Only the test's namespace: other developers' claims never reach this webhook.
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            },
             # DeviceClasses are cluster-scoped, where a namespaceSelector matches everything: an
             # objectSelector on a per-run label keeps other developers' classes out.
-            {**common, "name": "classes.e2e.dra-gpu.io",
-             "rules": [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["v1"],
-                        "operations": ["CREATE", "UPDATE"], "resources": ["deviceclasses"],
-                        "scope": "Cluster"}],
-             "objectSelector": {"matchLabels": {WEBHOOK_LABEL: RUN}}},
+            {
+                **common,
+                "name": "classes.e2e.dra-gpu.io",
+                "rules": [
+                    {
+                        "apiGroups": ["resource.k8s.io"],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["deviceclasses"],
+                        "scope": "Cluster",
+                    }
+                ],
+                "objectSelector": {"matchLabels": {WEBHOOK_LABEL: RUN}},
+            },
         ],
     }
 
@@ -474,8 +709,9 @@ def test_webhook_in_the_apiserver(target, core, dyn, namespace, published, tmp_p
     claims_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
     templates_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaimTemplate")
     classes_api = dyn.resources.get(api_version=RESOURCE, kind="DeviceClass")
-    hooks_api = dyn.resources.get(api_version="admissionregistration.k8s.io/v1",
-                                  kind="ValidatingWebhookConfiguration")
+    hooks_api = dyn.resources.get(
+        api_version="admissionregistration.k8s.io/v1", kind="ValidatingWebhookConfiguration"
+    )
     h = f'device.attributes["{HGX}"]'
     typo = _claim("typo", [_req("gpus", GPU_CLASS, 1, [f'{h}.prodcutName == "NVIDIA H100 80GB HBM3"'])])
     sixteen = _claim("sixteen", [_req("gpus", GPU_CLASS, 16)], [{"matchAttribute": f"{HGX}/nvlinkDomain"}])
@@ -512,8 +748,12 @@ def test_webhook_in_the_apiserver(target, core, dyn, namespace, published, tmp_p
             msg = _denied(claims_api.create, body=sixteen, namespace=namespace)
             assert "can never be satisfied" in msg, msg
 
-            tmpl = {"apiVersion": RESOURCE, "kind": "ResourceClaimTemplate",
-                    "metadata": {"name": "typo-template"}, "spec": {"spec": typo["spec"]}}
+            tmpl = {
+                "apiVersion": RESOURCE,
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "typo-template"},
+                "spec": {"spec": typo["spec"]},
+            }
             msg = _denied(templates_api.create, body=tmpl, namespace=namespace)
             assert "spec.spec.devices.requests[0]" in msg and "'productName'" in msg, msg
 
@@ -529,21 +769,30 @@ def test_webhook_in_the_apiserver(target, core, dyn, namespace, published, tmp_p
             # UPDATE goes through the webhook too: a spec change is refused (the apiserver would
             # refuse it anyway, the spec being immutable; the webhook must not crash on it).
             metrics = ctl.get("/metrics")
-            assert 'dra_gpu_admission_reviews_total{kind="ResourceClaim",operation="CREATE",' \
-                   'result="denied"}' in metrics, metrics
+            assert (
+                'dra_gpu_admission_reviews_total{kind="ResourceClaim",operation="CREATE",'
+                'result="denied"}' in metrics
+            ), metrics
 
             # Scoping: the same invalid claim elsewhere never reaches our webhook.
             core.create_namespace({"metadata": {"name": other_ns}})
             try:
-                wait_for("the default service account", lambda: any(
-                    sa.metadata.name == "default" for sa in core.list_namespaced_service_account(
-                        other_ns).items), timeout=30)
+                wait_for(
+                    "the default service account",
+                    lambda: any(
+                        sa.metadata.name == "default"
+                        for sa in core.list_namespaced_service_account(other_ns).items
+                    ),
+                    timeout=30,
+                )
                 claims_api.create(body=typo, namespace=other_ns)
             finally:
                 ignore_404(core.delete_namespace, other_ns, grace_period_seconds=0)
-            print(f"\n[controller] ready in {t_ready:.1f} s; denied: CEL typo, 16 NVLink GPUs, template, "
-                  "class; admitted: 4 NVLink GPUs, a find() selector; other namespace untouched",
-                  file=sys.stderr)
+            print(
+                f"\n[controller] ready in {t_ready:.1f} s; denied: CEL typo, 16 NVLink GPUs, template, "
+                "class; admitted: 4 NVLink GPUs, a find() selector; other namespace untouched",
+                file=sys.stderr,
+            )
         finally:
             ignore_404(hooks_api.delete, name=hook_name)
             ignore_404(classes_api.delete, name=bad_class["metadata"]["name"])
@@ -555,12 +804,17 @@ def test_webhook_in_the_apiserver(target, core, dyn, namespace, published, tmp_p
 # ---------------------------------------------------------------- 2. explain vs the real scheduler
 
 
-def _explain(published, claims: list[dict[str, Any]], driver: str, tmp: Path,
-             in_use: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
+def _explain(
+    published, claims: list[dict[str, Any]], driver: str, tmp: Path, in_use: list[dict[str, Any]] = ()
+) -> dict[str, dict[str, Any]]:
     """`dra-gpu explain -o json` over the published slices and classes, each claim on its own, with
     the devices of the allocated claims `in_use` taken."""
-    docs = published["slices"][driver] + published["classes"] + list(in_use) + [
-        {**c, "metadata": {**c["metadata"], "namespace": "fidelity"}} for c in claims]
+    docs = (
+        published["slices"][driver]
+        + published["classes"]
+        + list(in_use)
+        + [{**c, "metadata": {**c["metadata"], "namespace": "fidelity"}} for c in claims]
+    )
     path = tmp / f"explain-{driver.strip('*') or 'all'}.yaml"
     path.write_text(yaml.safe_dump_all(docs))
     # "*": claims over several drivers, explained with all slices (validated as HGX's)
@@ -609,25 +863,43 @@ def allocations(dyn, namespace):
     w.stop()
 
 
-def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: str,
-              allocations: AllocationWatch, timeout: float = 30, keep: bool = False):
+def _schedule(
+    core,
+    claims_api,
+    namespace: str,
+    claim: dict[str, Any],
+    image: str,
+    allocations: AllocationWatch,
+    timeout: float = 30,
+    keep: bool = False,
+):
     """Create the claim and a pod using it; return ("allocated", allocation results), or
     ("unschedulable" | "schedulererror", message). Deletes both before returning, unless `keep`
     and the claim was allocated."""
     allocations.first.pop(claim["metadata"]["name"], None)
     name = claim["metadata"]["name"]
     pod = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
         "spec": {
             "terminationGracePeriodSeconds": 0,
             "resourceClaims": [{"name": "devs", "resourceClaimName": name}],
-            "containers": [{"name": "c", "image": image, "imagePullPolicy": "Never",
-                            "command": ["sleep", "3600"], "resources": {"claims": [{"name": "devs"}]}}],
+            "containers": [
+                {
+                    "name": "c",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "3600"],
+                    "resources": {"claims": [{"name": "devs"}]},
+                }
+            ],
         },
     }
     claims_api.create(body=claim, namespace=namespace)
     core.create_namespaced_pod(namespace, pod)
     try:
+
         def outcome():
             if allocations.error is not None:
                 raise AssertionError(f"the claim watch failed: {allocations.error!r}")
@@ -640,15 +912,19 @@ def _schedule(core, claims_api, namespace: str, claim: dict[str, Any], image: st
                     return None
                 raise
             for cond in p.status.conditions or []:
-                if cond.type == "PodScheduled" and cond.status == "False" and cond.reason in (
-                        "Unschedulable", "SchedulerError"):
+                if (
+                    cond.type == "PodScheduled"
+                    and cond.status == "False"
+                    and cond.reason in ("Unschedulable", "SchedulerError")
+                ):
                     # SchedulerError: e.g. a selector failing at runtime on a device (a missing
                     # capacity); the claim is never allocated either.
                     return (cond.reason.lower(), cond.message)
             return None
 
-        result = wait_for(f"claim {name} to be allocated or its pod unschedulable", outcome,
-                          timeout=timeout, interval=0.05)
+        result = wait_for(
+            f"claim {name} to be allocated or its pod unschedulable", outcome, timeout=timeout, interval=0.05
+        )
         if keep and result[0] == "allocated":
             return result
         _delete(core, claims_api, namespace, name)
@@ -685,8 +961,7 @@ def test_explain_matches_scheduler(core, dyn, namespace, published, busybox_imag
     assert len(claims) >= 50
     predicted: dict[str, dict[str, Any]] = {}
     for driver in [*PROFILES, "*"]:
-        predicted.update(_explain(published, [c for c in claims if driver_of(c) == driver], driver,
-                                  tmp_path))
+        predicted.update(_explain(published, [c for c in claims if driver_of(c) == driver], driver, tmp_path))
     t0 = time.time()
     rows, mismatches, retried = [], [], []
     for claim in claims:
@@ -695,7 +970,8 @@ def test_explain_matches_scheduler(core, dyn, namespace, published, busybox_imag
         for _ in range(2):
             kind, got = _schedule(core, claims_api, namespace, claim, busybox_image, allocations)
             same = (kind == "allocated") == want["allocatable"] and (
-                kind != "allocated" or _key(got) == _key(want["results"]))
+                kind != "allocated" or _key(got) == _key(want["results"])
+            )
             if same:
                 break
             # A stale scheduler cache (the previous claim's deallocation not yet seen) would look
@@ -706,17 +982,24 @@ def test_explain_matches_scheduler(core, dyn, namespace, published, busybox_imag
         devs = ",".join(r["device"] for r in got) if kind == "allocated" else "-"
         print(f"[fidelity] {name} {kind:15s} {devs} {'ok' if same else 'DIFFERENT'}", file=sys.stderr)
         if not same:
-            said = (f"allocatable {want['results']}" if want["allocatable"]
-                    else f"not allocatable: {want['reason']}")
-            mismatches.append(f"{name}: scheduler {kind} {got}\n  explain {said}\n"
-                              f"  spec {json.dumps(claim['spec'])}")
+            said = (
+                f"allocatable {want['results']}"
+                if want["allocatable"]
+                else f"not allocatable: {want['reason']}"
+            )
+            mismatches.append(
+                f"{name}: scheduler {kind} {got}\n  explain {said}\n  spec {json.dumps(claim['spec'])}"
+            )
     took = time.time() - t0
     allocatable = sum(1 for _, k, _, _ in rows if k == "allocated")
-    print(f"\n[fidelity] {len(rows)} claims, {allocatable} allocatable, "
-          f"{len(rows) - allocatable} not (unschedulable or selector error), "
-          f"{len(rows) - len(mismatches)} equal to explain, "
-          f"{len(mismatches)} different; retried {retried or 'none'}; {took:.1f} s "
-          f"({took / len(rows):.2f} s per claim)", file=sys.stderr)
+    print(
+        f"\n[fidelity] {len(rows)} claims, {allocatable} allocatable, "
+        f"{len(rows) - allocatable} not (unschedulable or selector error), "
+        f"{len(rows) - len(mismatches)} equal to explain, "
+        f"{len(mismatches)} different; retried {retried or 'none'}; {took:.1f} s "
+        f"({took / len(rows):.2f} s per claim)",
+        file=sys.stderr,
+    )
     assert not mismatches, "explain differs from the scheduler:\n" + "\n".join(mismatches)
 
 
@@ -755,8 +1038,9 @@ def in_use_sequence() -> list[dict[str, Any]]:
     return [_claim(f"seq{i:02d}", r, c) for i, (r, c) in enumerate(specs)]
 
 
-def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, published, busybox_image,
-                                                       allocations, tmp_path):
+def test_explain_matches_scheduler_with_devices_in_use(
+    core, dyn, namespace, published, busybox_image, allocations, tmp_path
+):
     """The other mode: claims stay allocated, and explain gets the allocated claims (as read back
     from the apiserver, status included) for each next one."""
     claims_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
@@ -769,8 +1053,11 @@ def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, pub
         for claim in in_use_sequence():
             name = claim["metadata"]["name"]
             driver = driver_of(claim)
-            allocated = [c for c in claims_api.get(namespace=namespace).to_dict()["items"]
-                         if (c.get("status") or {}).get("allocation")]
+            allocated = [
+                c
+                for c in claims_api.get(namespace=namespace).to_dict()["items"]
+                if (c.get("status") or {}).get("allocation")
+            ]
             for c in allocated:
                 c.setdefault("apiVersion", RESOURCE)
                 c.setdefault("kind", "ResourceClaim")
@@ -779,10 +1066,14 @@ def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, pub
             if kind == "allocated":
                 kept.append(name)
             same = (kind == "allocated") == want["allocatable"] and (
-                kind != "allocated" or _key(got) == _key(want["results"]))
+                kind != "allocated" or _key(got) == _key(want["results"])
+            )
             devs = ",".join(r["device"] for r in got) if kind == "allocated" else "-"
-            print(f"[in-use] {name} ({len(allocated)} claims allocated) {kind:15s} {devs} "
-                  f"{'ok' if same else 'DIFFERENT'}", file=sys.stderr)
+            print(
+                f"[in-use] {name} ({len(allocated)} claims allocated) {kind:15s} {devs} "
+                f"{'ok' if same else 'DIFFERENT'}",
+                file=sys.stderr,
+            )
             rows.append(kind)
             if not same:
                 mismatches.append(f"{name}: scheduler {kind} {got}\n  explain {want}")
@@ -790,9 +1081,12 @@ def test_explain_matches_scheduler_with_devices_in_use(core, dyn, namespace, pub
         for name in kept:
             _delete(core, claims_api, namespace, name)
     took = time.time() - t0
-    print(f"\n[in-use] {len(rows)} claims in sequence, {rows.count('allocated')} allocated around the "
-          f"earlier ones, {len(rows) - len(mismatches)} equal to explain, {len(mismatches)} different; "
-          f"{took:.1f} s", file=sys.stderr)
+    print(
+        f"\n[in-use] {len(rows)} claims in sequence, {rows.count('allocated')} allocated around the "
+        f"earlier ones, {len(rows) - len(mismatches)} equal to explain, {len(mismatches)} different; "
+        f"{took:.1f} s",
+        file=sys.stderr,
+    )
     assert not mismatches, "explain differs from the scheduler:\n" + "\n".join(mismatches)
 
 
@@ -810,7 +1104,7 @@ def k8s_library_claims() -> list[dict[str, Any]]:
         f"sets.intersects([{h}.index], [4, 5])",
         f"[{h}.index, {h}.numaNode].sum() > 1 && [{h}.numaNode, {h}.index].max() >= 1",
         f"[1, 2].all(i, v, v > i) && {h}.index >= 0",
-        f'lists.range(4).exists(i, i == {h}.index)',
+        f"lists.range(4).exists(i, i == {h}.index)",
         f'isIP("10.0.0.1") && {h}.type == "gpu"',
     ]
     return [_claim(f"lib{i}", [_req("gpus", GPU_CLASS, 1, [e])]) for i, e in enumerate(exprs)]
@@ -826,9 +1120,12 @@ def test_validator_accepts_only_what_the_apiserver_accepts(dyn, namespace, publi
     objects: list[tuple[Any, dict[str, Any]]] = []
     for c in corpus():
         claim = {**c, "metadata": {"name": c["metadata"]["name"], "namespace": namespace}}
-        tmpl = {"apiVersion": RESOURCE, "kind": "ResourceClaimTemplate",
-                "metadata": {"name": "t-" + c["metadata"]["name"], "namespace": namespace},
-                "spec": {"spec": c["spec"]}}
+        tmpl = {
+            "apiVersion": RESOURCE,
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "t-" + c["metadata"]["name"], "namespace": namespace},
+            "spec": {"spec": c["spec"]},
+        }
         objects += [(claims_api, claim), (templates_api, tmpl)]
     lib_claims = []
     for c in k8s_library_claims():
@@ -836,16 +1133,26 @@ def test_validator_accepts_only_what_the_apiserver_accepts(dyn, namespace, publi
         objects.append((claims_api, claim))
         lib_claims.append(claim)
     for cls in published["classes"]:
-        body = {"apiVersion": RESOURCE, "kind": "DeviceClass",
-                "metadata": {"name": "dry-" + cls["metadata"]["name"]}, "spec": cls["spec"]}
+        body = {
+            "apiVersion": RESOURCE,
+            "kind": "DeviceClass",
+            "metadata": {"name": "dry-" + cls["metadata"]["name"]},
+            "spec": cls["spec"],
+        }
         objects.append((classes_api, body))
     examples = Path(__file__).resolve().parents[2] / "deploy" / "examples"
     for path in sorted(examples.glob("*.yaml")) if examples.is_dir() else []:
         for doc in yaml.safe_load_all(path.read_text()):
-            if isinstance(doc, dict) and doc.get("kind") in ("ResourceClaim", "ResourceClaimTemplate",
-                                                              "DeviceClass"):
-                api = {"ResourceClaim": claims_api, "ResourceClaimTemplate": templates_api,
-                       "DeviceClass": classes_api}[doc["kind"]]
+            if isinstance(doc, dict) and doc.get("kind") in (
+                "ResourceClaim",
+                "ResourceClaimTemplate",
+                "DeviceClass",
+            ):
+                api = {
+                    "ResourceClaim": claims_api,
+                    "ResourceClaimTemplate": templates_api,
+                    "DeviceClass": classes_api,
+                }[doc["kind"]]
                 if doc["kind"] != "DeviceClass":
                     doc.setdefault("metadata", {})["namespace"] = namespace
                 objects.append((api, doc))
@@ -870,11 +1177,17 @@ def test_validator_accepts_only_what_the_apiserver_accepts(dyn, namespace, publi
         verdict = validators[HGX].validate(claim)
         assert verdict.allowed, (claim["spec"], verdict.errors)
         assert any("does not model" in w.message for w in verdict.warnings), verdict.warnings
-    print(f"\n[validator] {len(lib_claims)} claims with Kubernetes CEL library functions not modelled: "
-          "accepted by the apiserver, allowed with a warning by the validator", file=sys.stderr)
-    print(f"\n[validator] {len(objects)} objects, {accepted_by_validator} accepted by the validator, "
-          f"{accepted_by_validator - refused_by_apiserver} of them accepted by the apiserver "
-          f"(server-side dry run)", file=sys.stderr)
+    print(
+        f"\n[validator] {len(lib_claims)} claims with Kubernetes CEL library functions not modelled: "
+        "accepted by the apiserver, allowed with a warning by the validator",
+        file=sys.stderr,
+    )
+    print(
+        f"\n[validator] {len(objects)} objects, {accepted_by_validator} accepted by the validator, "
+        f"{accepted_by_validator - refused_by_apiserver} of them accepted by the apiserver "
+        f"(server-side dry run)",
+        file=sys.stderr,
+    )
     assert accepted_by_validator >= 80
     assert not problems, "\n".join(problems)
 
@@ -907,8 +1220,10 @@ def cel_conformance() -> list[tuple[str, str]]:
         (f"{h}.numaNode != null && {h}.?index.orValue(0.5) >= 0", "same"),
         ("1 == 1.0", "same"),  # literals are typed: no heterogeneous equality at compile time
         (f'{h}.productName.reverse() != ""', "same"),  # strings extension version 3: not in Kubernetes
-        (f'"%s".format(["a"]) == "a" && strings.quote("a") != "" && {h}.productName.charAt(0) == "N"',
-         "same"),
+        (
+            f'"%s".format(["a"]) == "a" && strings.quote("a") != "" && {h}.productName.charAt(0) == "N"',
+            "same",
+        ),
         (f'{h}.productName.matches("[")', "same"),
         ('timestamp("2020-01-01T00:00:00Z") < now', "same"),
         (f'dyn({h}.index) > 2.5 && double({h}.index) > -1.0 && string({h}.index) != ""', "same"),
@@ -931,12 +1246,16 @@ def test_cel_conformance_with_the_apiserver(dyn, namespace, published):
         claim["metadata"]["namespace"] = namespace
         api_ok = status_of_create(claims_api, claim) == 201
         verdict = validator.validate(claim)
-        got = ("same" if api_ok == verdict.allowed else
-               "stricter" if api_ok else "gap")
+        got = "same" if api_ok == verdict.allowed else "stricter" if api_ok else "gap"
         if got != relation:
             api = "accepts" if api_ok else "refuses"
-            wrong.append(f"{expr}: expected {relation}, got {got} (apiserver {api}, "
-                         f"validator {[p.message for p in verdict.errors] or 'allows'})")
-    print(f"\n[cel] {len(cel_conformance())} selector expressions against the apiserver, "
-          f"{len(wrong)} unexpected", file=sys.stderr)
+            wrong.append(
+                f"{expr}: expected {relation}, got {got} (apiserver {api}, "
+                f"validator {[p.message for p in verdict.errors] or 'allows'})"
+            )
+    print(
+        f"\n[cel] {len(cel_conformance())} selector expressions against the apiserver, "
+        f"{len(wrong)} unexpected",
+        file=sys.stderr,
+    )
     assert not wrong, "\n".join(wrong)

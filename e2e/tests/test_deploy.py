@@ -47,8 +47,13 @@ def render(helm, namespace, release, *sets):
 def apply(dyn, obj, namespace=None, dry_run=True):
     api = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
     kw = {"dry_run": "All"} if dry_run else {}
-    return api.server_side_apply(body=obj, namespace=namespace if api.namespaced else None,
-                                 field_manager=MANAGER, force_conflicts=True, **kw)
+    return api.server_side_apply(
+        body=obj,
+        namespace=namespace if api.namespaced else None,
+        field_manager=MANAGER,
+        force_conflicts=True,
+        **kw,
+    )
 
 
 def error_text(exc):
@@ -57,8 +62,11 @@ def error_text(exc):
 
 VARIANTS = {
     "defaults": (),
-    "simulated-node": ("simulatedProfile=dgx-a100-mig", "kubeletPlugin.claimStatusWrites=true",
-                       "verbose=true"),
+    "simulated-node": (
+        "simulatedProfile=dgx-a100-mig",
+        "kubeletPlugin.claimStatusWrites=true",
+        "verbose=true",
+    ),
     "cert-manager": ("controller.tls.certManager.enabled=true",),
 }
 
@@ -107,14 +115,21 @@ def as_token(api_client, token):
 
 
 def slice_body(name, node=None, all_nodes=False):
-    spec = {"driver": TEST_DRIVER, "pool": {"name": node or "cluster", "generation": 1,
-                                            "resourceSliceCount": 1}, "devices": []}
+    spec = {
+        "driver": TEST_DRIVER,
+        "pool": {"name": node or "cluster", "generation": 1, "resourceSliceCount": 1},
+        "devices": [],
+    }
     if all_nodes:
         spec["allNodes"] = True
     else:
         spec["nodeName"] = node
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-            "metadata": {"name": name}, "spec": spec}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def status_of(fn):
@@ -136,10 +151,21 @@ def plugin_identity(helm, dyn, core, namespace):
 
     tag = uuid.uuid4().hex[:6]
     release = "vap-" + tag
-    objs = render(helm, namespace, release, "controller.enabled=false",
-                  "deviceClasses.gpu.enabled=false", "deviceClasses.mig.enabled=false")
-    keep = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-            "ValidatingAdmissionPolicyBinding")
+    objs = render(
+        helm,
+        namespace,
+        release,
+        "controller.enabled=false",
+        "deviceClasses.gpu.enabled=false",
+        "deviceClasses.mig.enabled=false",
+    )
+    keep = (
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    )
     objs = [o for o in objs if o["kind"] in keep]
     assert sorted(o["kind"] for o in objs) == sorted(keep)
     nodes = [f"fake-node-a-{tag}", f"fake-node-b-{tag}"]
@@ -150,16 +176,30 @@ def plugin_identity(helm, dyn, core, namespace):
             if obj["kind"] != "ServiceAccount":
                 cluster_scoped.append(obj)
         for n in nodes:
-            core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
-                name=n, labels={"dra-gpu.io/e2e-fake": "true"})))
+            core.create_node(
+                client.V1Node(metadata=client.V1ObjectMeta(name=n, labels={"dra-gpu.io/e2e-fake": "true"}))
+            )
         sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
-        pod = core.create_namespaced_pod(namespace, client.V1Pod(
-            metadata=client.V1ObjectMeta(name="plugin-on-a"),
-            spec=client.V1PodSpec(
-                node_name=nodes[0], service_account_name=sa, restart_policy="Never",
-                tolerations=[client.V1Toleration(operator="Exists")],
-                containers=[client.V1Container(name="c", image="localhost/dra-gpu-e2e/busybox:1",
-                                               image_pull_policy="Never", command=["true"])])))
+        pod = core.create_namespaced_pod(
+            namespace,
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(name="plugin-on-a"),
+                spec=client.V1PodSpec(
+                    node_name=nodes[0],
+                    service_account_name=sa,
+                    restart_policy="Never",
+                    tolerations=[client.V1Toleration(operator="Exists")],
+                    containers=[
+                        client.V1Container(
+                            name="c",
+                            image="localhost/dra-gpu-e2e/busybox:1",
+                            image_pull_policy="Never",
+                            command=["true"],
+                        )
+                    ],
+                ),
+            ),
+        )
         yield {"sa": sa, "pod": pod, "nodes": nodes, "namespace": namespace}
     finally:
         resource = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
@@ -178,10 +218,15 @@ def test_plugin_writes_only_its_own_nodes_slices(api_client, core, dyn, plugin_i
     ident = plugin_identity
     node_a, node_b = ident["nodes"]
     pod = ident["pod"]
-    req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-        audiences=[], expiration_seconds=600,
-        bound_object_ref=client.V1BoundObjectReference(
-            api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid)))
+    req = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(
+            audiences=[],
+            expiration_seconds=600,
+            bound_object_ref=client.V1BoundObjectReference(
+                api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid
+            ),
+        )
+    )
     token = core.create_namespaced_service_account_token(ident["sa"], ident["namespace"], req).status.token
     plugin = client.ResourceV1Api(as_token(api_client, token))
     admin = client.ResourceV1Api(api_client)
@@ -205,31 +250,51 @@ def test_plugin_writes_only_its_own_nodes_slices(api_client, core, dyn, plugin_i
     assert status_of(lambda: plugin.create_resource_slice(slice_body(a_name, node_a))) == (200, "")
     body = slice_body(a_name, node_a)
     body["spec"]["pool"]["generation"] = 2
-    assert status_of(lambda: plugin.patch_resource_slice(
-        a_name, body, field_manager=TEST_DRIVER, force=True,
-        _content_type="application/apply-patch+yaml")) == (200, "")
+    assert status_of(
+        lambda: plugin.patch_resource_slice(
+            a_name, body, field_manager=TEST_DRIVER, force=True, _content_type="application/apply-patch+yaml"
+        )
+    ) == (200, "")
     assert status_of(lambda: plugin.delete_resource_slice(a_name)) == (200, "")
 
     # Node B's slice made by someone else: the plugin of node A can neither change nor delete it.
     admin.create_resource_slice(slice_body(b_name, node_b))
     body = slice_body(b_name, node_b)
     body["spec"]["pool"]["generation"] = 7
-    code, msg = status_of(lambda: plugin.patch_resource_slice(
-        b_name, body, field_manager=TEST_DRIVER, force=True, _content_type="application/apply-patch+yaml"))
+    code, msg = status_of(
+        lambda: plugin.patch_resource_slice(
+            b_name, body, field_manager=TEST_DRIVER, force=True, _content_type="application/apply-patch+yaml"
+        )
+    )
     assert code == 403 and f"of node '{node_b}'" in msg, (code, msg)
     code, msg = status_of(lambda: plugin.delete_resource_slice(b_name))
     assert code == 403 and f"of node '{node_b}'" in msg, (code, msg)
     # Nor publish slices for all nodes.
-    code, msg = status_of(lambda: plugin.create_resource_slice(
-        slice_body(f"{node_a}-everywhere", all_nodes=True)))
+    code, msg = status_of(
+        lambda: plugin.create_resource_slice(slice_body(f"{node_a}-everywhere", all_nodes=True))
+    )
     assert code == 403 and "without spec.nodeName" in msg, (code, msg)
 
     # Least privilege: RBAC keeps the account away from everything else.
-    assert status_of(lambda: client.CoreV1Api(as_token(api_client, token)).list_namespaced_secret(
-        ident["namespace"]))[0] == 403
-    assert status_of(lambda: plugin.create_device_class(
-        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-         "metadata": {"name": f"x.{node_a}"}, "spec": {}}))[0] == 403
+    assert (
+        status_of(
+            lambda: client.CoreV1Api(as_token(api_client, token)).list_namespaced_secret(ident["namespace"])
+        )[0]
+        == 403
+    )
+    assert (
+        status_of(
+            lambda: plugin.create_device_class(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "DeviceClass",
+                    "metadata": {"name": f"x.{node_a}"},
+                    "spec": {},
+                }
+            )
+        )[0]
+        == 403
+    )
     assert status_of(lambda: plugin.list_resource_claim_for_all_namespaces())[0] == 403
 
 
@@ -238,8 +303,9 @@ def test_token_without_node_is_denied(api_client, core, plugin_identity):
     from kubernetes import client
 
     ident = plugin_identity
-    req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-        audiences=[], expiration_seconds=600))
+    req = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600)
+    )
     token = core.create_namespaced_service_account_token(ident["sa"], ident["namespace"], req).status.token
     plugin = client.ResourceV1Api(as_token(api_client, token))
     node_a = ident["nodes"][0]
@@ -301,8 +367,11 @@ class SimulatedNode:
     def devices(self):
         api = self.dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
         items = api.get(field_selector="spec.driver=gpu.dra-gpu.io").to_dict()["items"]
-        return {d["name"]: {k: next(iter(v.values())) for k, v in d["attributes"].items()}
-                for s in items for d in s["spec"]["devices"]}
+        return {
+            d["name"]: {k: next(iter(v.values())) for k, v in d["attributes"].items()}
+            for s in items
+            for d in s["spec"]["devices"]
+        }
 
     def by_uuid(self):
         return {a["uuid"]: a for a in self.devices().values()}
@@ -312,8 +381,7 @@ class SimulatedNode:
 def simulated_node(target, helm, dyn, core, tmp_path_factory):
     if not target.local:
         pytest.skip("the plugin runs as a host process only on the local e2e cluster")
-    for obj in render(helm, "default", "examples", "controller.enabled=false",
-                      "kubeletPlugin.enabled=false"):
+    for obj in render(helm, "default", "examples", "controller.enabled=false", "kubeletPlugin.enabled=false"):
         assert obj["kind"] == "DeviceClass"
         apply(dyn, obj, dry_run=False)  # the chart's classes, extendedResourceName included
     node = SimulatedNode(target, dyn, core, tmp_path_factory.mktemp("examples"))
@@ -362,8 +430,9 @@ def test_example_runs(simulated_node, dyn, core, namespace, wait_pod, profile, e
             phase = wait_pod(core, namespace, pod, timeout=10)
             logs[pod] = core.read_namespaced_pod_log(pod, namespace)
             assert phase == "Succeeded", f"{pod}: {phase}\n{logs[pod]}"
-        extended = {p: core.read_namespaced_pod(p, namespace).status.extended_resource_claim_status
-                    for p in pods}
+        extended = {
+            p: core.read_namespaced_pod(p, namespace).status.extended_resource_claim_status for p in pods
+        }
     finally:
         for pod in pods:
             status_of(lambda pod=pod: core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0))

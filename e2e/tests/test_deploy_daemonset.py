@@ -40,15 +40,22 @@ def run_from_host(ds, apiserver_port):
     c["image"], c["imagePullPolicy"] = "localhost/dra-gpu-e2e/busybox:1", "Never"
     c["command"] = [sys.executable, "-m", "dra_gpu.cli"]
     c.setdefault("env", [])
-    c["env"] += [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-                 {"name": "KUBERNETES_SERVICE_PORT", "value": str(apiserver_port)},
-                 {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}]
+    c["env"] += [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": str(apiserver_port)},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+    ]
     spec["hostNetwork"] = True
     # The interpreter, its shared libraries (and the loader, whose links are absolute /lib paths).
     libs = os.path.realpath("/lib/x86_64-linux-gnu")
     mounts = {p: p for p in (sys.prefix, sys.base_prefix, str(ROOT))}
-    mounts.update({"/lib/x86_64-linux-gnu": libs, "/usr/lib/x86_64-linux-gnu": libs,
-                   "/lib64": os.path.realpath("/lib64")})
+    mounts.update(
+        {
+            "/lib/x86_64-linux-gnu": libs,
+            "/usr/lib/x86_64-linux-gnu": libs,
+            "/lib64": os.path.realpath("/lib64"),
+        }
+    )
     for i, (inside, host) in enumerate(sorted(mounts.items())):
         spec["volumes"].append({"name": f"host-{i}", "hostPath": {"path": host, "type": "Directory"}})
         c["volumeMounts"].append({"name": f"host-{i}", "mountPath": inside, "readOnly": True})
@@ -62,8 +69,12 @@ def apply_all(dyn, objs, namespace, applied):
     """Server-side apply each rendered object, recording it in `applied` for delete_all."""
     for o in objs:
         api = api_for(dyn, o)
-        api.server_side_apply(body=o, namespace=namespace if api.namespaced else None,
-                              field_manager="dra-gpu-e2e", force_conflicts=True)
+        api.server_side_apply(
+            body=o,
+            namespace=namespace if api.namespaced else None,
+            field_manager="dra-gpu-e2e",
+            force_conflicts=True,
+        )
         applied.append(o)
 
 
@@ -94,8 +105,10 @@ def wait_ready_pod(core, namespace, selector, timeout, what):
         except ApiException as exc:
             log = str(exc)
     events = core.list_namespaced_event(namespace).items
-    pytest.fail(f"{what} pod not Ready: {pod.status if pod else None}\nlog:\n{log}\nevents:\n"
-                + "\n".join(f"{e.reason}: {e.message}" for e in events))
+    pytest.fail(
+        f"{what} pod not Ready: {pod.status if pod else None}\nlog:\n{log}\nevents:\n"
+        + "\n".join(f"{e.reason}: {e.message}" for e in events)
+    )
 
 
 def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_pod):
@@ -107,9 +120,24 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
     port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
     release = "ds-" + uuid.uuid4().hex[:6]
     out = subprocess.run(
-        [helm_binary(), "template", release, str(CHART), "-n", namespace, "--kube-version", "1.37.2",
-         "--set", "simulatedProfile=hgx-2x4", "--set", "controller.enabled=false"],
-        capture_output=True, text=True, check=True).stdout
+        [
+            helm_binary(),
+            "template",
+            release,
+            str(CHART),
+            "-n",
+            namespace,
+            "--kube-version",
+            "1.37.2",
+            "--set",
+            "simulatedProfile=hgx-2x4",
+            "--set",
+            "controller.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     objs = [o for o in yaml.safe_load_all(out) if o]
     (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
     run_from_host(ds, port)
@@ -136,8 +164,9 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
         assert phase == "Succeeded", log
         assert "NVIDIA_VISIBLE_DEVICES=GPU-" in log and "nvidia" in log.split("\n", 1)[1], log
     finally:
-        core.delete_collection_namespaced_pod(namespace, label_selector="!nonexistent",
-                                              grace_period_seconds=0)
+        core.delete_collection_namespaced_pod(
+            namespace, label_selector="!nonexistent", grace_period_seconds=0
+        )
         delete_all(dyn, applied, namespace)
         deadline = time.time() + 60  # the plugin pod gone before anything else uses the socket dir
         while time.time() < deadline and core.list_namespaced_pod(namespace).items:
@@ -161,14 +190,29 @@ def test_controller_deployment_serves_admission_reviews(target, dyn, core, names
     import socket
     import ssl
 
-
     port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
     release = "ctl-" + uuid.uuid4().hex[:6]
     out = subprocess.run(
-        [helm_binary(), "template", release, str(CHART), "-n", namespace,
-         "--set", "kubeletPlugin.enabled=false", "--set", "controller.replicas=1",
-         "--set", "deviceClasses.gpu.enabled=false", "--set", "deviceClasses.mig.enabled=false"],
-        capture_output=True, text=True, check=True).stdout
+        [
+            helm_binary(),
+            "template",
+            release,
+            str(CHART),
+            "-n",
+            namespace,
+            "--set",
+            "kubeletPlugin.enabled=false",
+            "--set",
+            "controller.replicas=1",
+            "--set",
+            "deviceClasses.gpu.enabled=false",
+            "--set",
+            "deviceClasses.mig.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     objs = [o for o in yaml.safe_load_all(out) if o]
     (vwc,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
     objs = [o for o in objs if o is not vwc]
@@ -189,21 +233,49 @@ def test_controller_deployment_serves_admission_reviews(target, dyn, core, names
 
         ca = base64.b64decode(vwc["webhooks"][0]["clientConfig"]["caBundle"]).decode()
         svc = vwc["webhooks"][0]["clientConfig"]["service"]
-        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                 "metadata": {"name": "bad", "namespace": namespace},
-                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                     "deviceClassName": DRIVER,
-                     "selectors": [{"cel": {"expression": BROKEN_CEL}}]}}]}}}
-        review = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-            "uid": "u1", "operation": "CREATE", "namespace": namespace, "name": "bad",
-            "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
-            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
-            "object": claim}}).encode()
+        claim = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "bad", "namespace": namespace},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": DRIVER,
+                                "selectors": [{"cel": {"expression": BROKEN_CEL}}],
+                            },
+                        }
+                    ]
+                }
+            },
+        }
+        review = json.dumps(
+            {
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": {
+                    "uid": "u1",
+                    "operation": "CREATE",
+                    "namespace": namespace,
+                    "name": "bad",
+                    "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+                    "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
+                    "object": claim,
+                },
+            }
+        ).encode()
         ctx = ssl.create_default_context(cadata=ca)
-        with socket.create_connection((pod.status.pod_ip, 8443), timeout=10) as raw, \
-                ctx.wrap_socket(raw, server_hostname=f"{svc['name']}.{svc['namespace']}.svc") as s:
-            s.sendall(f"POST {svc['path']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(review)}\r\nConnection: close\r\n\r\n".encode() + review)
+        with (
+            socket.create_connection((pod.status.pod_ip, 8443), timeout=10) as raw,
+            ctx.wrap_socket(raw, server_hostname=f"{svc['name']}.{svc['namespace']}.svc") as s,
+        ):
+            s.sendall(
+                f"POST {svc['path']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(review)}\r\nConnection: close\r\n\r\n".encode()
+                + review
+            )
             data = b""
             while chunk := s.recv(65536):
                 data += chunk

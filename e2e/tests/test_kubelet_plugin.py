@@ -38,11 +38,33 @@ class Plugin:
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dra_gpu.cli", "kubelet-plugin", "--node-name", self.node,
-             "--profile", self.profile, "--kubeconfig", self.kubeconfig, "--plugin-dir", str(PLUGIN_DIR),
-             "--registry-dir", str(KUBELET_ROOT / "plugins_registry"), "--cdi-dir", str(CDI_DIR),
-             "--http-address", HTTP, "--sweep-interval", "2", "--sweep-grace", "3"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "dra_gpu.cli",
+                "kubelet-plugin",
+                "--node-name",
+                self.node,
+                "--profile",
+                self.profile,
+                "--kubeconfig",
+                self.kubeconfig,
+                "--plugin-dir",
+                str(PLUGIN_DIR),
+                "--registry-dir",
+                str(KUBELET_ROOT / "plugins_registry"),
+                "--cdi-dir",
+                str(CDI_DIR),
+                "--http-address",
+                HTTP,
+                "--sweep-interval",
+                "2",
+                "--sweep-grace",
+                "3",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         wait_for("the plugin's health endpoint", self.healthy, timeout=60)
 
@@ -77,15 +99,31 @@ class Plugin:
 @pytest.fixture(scope="module")
 def plugin(target, core, dyn, tmp_path_factory):
     if not target.local:
-        pytest.skip("the plugin runs as a host process only on the local e2e cluster; on kind "
-                    "install the chart (deploy/) first")
+        pytest.skip(
+            "the plugin runs as a host process only on the local e2e cluster; on kind "
+            "install the chart (deploy/) first"
+        )
     node = core.list_node().items[0].metadata.name
     p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
     classes = dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceClass")
     for name, kind in ((DRIVER, "gpu"), (MIG_CLASS, "mig")):
-        body = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
-                "spec": {"selectors": [{"cel": {"expression":
-                         f"device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].type == '{kind}'"}}]}}
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": name},
+            "spec": {
+                "selectors": [
+                    {
+                        "cel": {
+                            "expression": (
+                                f"device.driver == '{DRIVER}' && "
+                                f"device.attributes['{DRIVER}'].type == '{kind}'"
+                            )
+                        }
+                    }
+                ]
+            },
+        }
         try:
             classes.create(body=body)
         except Exception as e:
@@ -107,31 +145,62 @@ def our_slices(dyn):
 def claim_pod(core, namespace, name, claim_source, command, busybox_image):
     """A pod whose one container uses the claim `gpus` (`claim_source`: resource_claim_name or
     resource_claim_template_name)."""
-    (key, value), = claim_source.items()
-    source = {"resource_claim_name": "resourceClaimName",
-              "resource_claim_template_name": "resourceClaimTemplateName"}[key]
-    core.create_namespaced_pod(namespace, {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
-                 "resourceClaims": [{"name": "gpus", source: value}],
-                 "containers": [{"name": "main", "image": busybox_image,
-                                 "imagePullPolicy": "Never", "command": ["sh", "-c", command],
-                                 "resources": {"claims": [{"name": "gpus"}]}}]}})
+    ((key, value),) = claim_source.items()
+    source = {
+        "resource_claim_name": "resourceClaimName",
+        "resource_claim_template_name": "resourceClaimTemplateName",
+    }[key]
+    core.create_namespaced_pod(
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 0,
+                "resourceClaims": [{"name": "gpus", source: value}],
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": busybox_image,
+                        "imagePullPolicy": "Never",
+                        "command": ["sh", "-c", command],
+                        "resources": {"claims": [{"name": "gpus"}]},
+                    }
+                ],
+            },
+        },
+    )
 
 
-def template(dyn, namespace, name, count=1, nvlink=False, selectors=(), device_class=DRIVER,
-             config=None):
-    devices = {"requests": [{"name": "gpus", "exactly": {
-        "deviceClassName": device_class, "count": count,
-        "selectors": [{"cel": {"expression": e}} for e in selectors]}}]}
+def template(dyn, namespace, name, count=1, nvlink=False, selectors=(), device_class=DRIVER, config=None):
+    devices = {
+        "requests": [
+            {
+                "name": "gpus",
+                "exactly": {
+                    "deviceClassName": device_class,
+                    "count": count,
+                    "selectors": [{"cel": {"expression": e}} for e in selectors],
+                },
+            }
+        ]
+    }
     if nvlink:
         devices["constraints"] = [{"matchAttribute": f"{DRIVER}/nvlinkDomain"}]
     if config is not None:
         devices["config"] = [{"opaque": {"driver": DRIVER, "parameters": config}}]
     api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaimTemplate")
-    api.create(namespace=namespace, body={
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name}, "spec": {"spec": {"devices": devices}}})
+    api.create(
+        namespace=namespace,
+        body={
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name},
+            "spec": {"spec": {"devices": devices}},
+        },
+    )
 
 
 def nvlink_template(dyn, namespace, name="four-nvlink", count=4):
@@ -158,15 +227,17 @@ def visible_devices(dyn, log):
 
 def device_attrs(dyn):
     _, items = our_slices(dyn)
-    return {d["name"]: {k: next(iter(v.values())) for k, v in d["attributes"].items()}
-            for s in items for d in s["spec"]["devices"]}
+    return {
+        d["name"]: {k: next(iter(v.values())) for k, v in d["attributes"].items()}
+        for s in items
+        for d in s["spec"]["devices"]
+    }
 
 
 def link_cost(dyn, devices):
     attrs = device_attrs(dyn)
     doms = [attrs[d]["nvlinkDomain"] for d in devices]
-    return sum(1 if doms[i] == doms[j] else 4
-               for i in range(len(doms)) for j in range(i + 1, len(doms)))
+    return sum(1 if doms[i] == doms[j] else 4 for i in range(len(doms)) for j in range(i + 1, len(doms)))
 
 
 def test_registered_and_slices_published(plugin, dyn):
@@ -194,17 +265,26 @@ def test_deleted_and_edited_slices_are_restored_within_5s(plugin, dyn):
     current["spec"]["devices"] = current["spec"]["devices"][1:]
     api.replace(body=current)
     t0 = time.time()
-    wait_for("the edited slice to be restored",
-             lambda: len(our_slices(dyn)[1][0]["spec"]["devices"]) == 8, timeout=5)
-    print(f"\n[e2e] slice restored {restored_after:.2f}s after deletion, "
-          f"{time.time() - t0:.2f}s after an edit")
+    wait_for(
+        "the edited slice to be restored",
+        lambda: len(our_slices(dyn)[1][0]["spec"]["devices"]) == 8,
+        timeout=5,
+    )
+    print(
+        f"\n[e2e] slice restored {restored_after:.2f}s after deletion, {time.time() - t0:.2f}s after an edit"
+    )
 
 
-def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, namespace,
-                                                          busybox_image):
+def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, namespace, busybox_image):
     nvlink_template(dyn, namespace)
-    claim_pod(core, namespace, "nvlink4", {"resource_claim_template_name": "four-nvlink"},
-              "ls -l /dev/nvidia*; env | grep ^NVIDIA; sleep 3600", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "nvlink4",
+        {"resource_claim_template_name": "four-nvlink"},
+        "ls -l /dev/nvidia*; env | grep ^NVIDIA; sleep 3600",
+        busybox_image,
+    )
 
     def log_when_running():
         if core.read_namespaced_pod("nvlink4", namespace).status.phase != "Running":
@@ -214,7 +294,7 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
 
     log = wait_for("the pod to run and print its devices", log_when_running, timeout=120)
     nodes = [line for line in log.splitlines() if line.startswith("c")]
-    gpu_nodes = [line for line in nodes if line.split()[-1][len("/dev/nvidia"):].isdigit()]
+    gpu_nodes = [line for line in nodes if line.split()[-1][len("/dev/nvidia") :].isdigit()]
     assert len(gpu_nodes) == 4, log
     assert all(" 195, " in line for line in gpu_nodes), log  # real char devices, NVIDIA major
     assert any(line.endswith("/dev/nvidiactl") for line in nodes), log
@@ -232,31 +312,54 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
     assert checkpoint["data"]["claims"][uid]["state"] == "completed"
 
     core.delete_namespaced_pod("nvlink4", namespace, grace_period_seconds=0)
-    wait_for("the claim to be unprepared (CDI spec removed)", lambda: not spec_file.exists(),
-             timeout=90)
+    wait_for("the claim to be unprepared (CDI spec removed)", lambda: not spec_file.exists(), timeout=90)
     checkpoint = json.loads((PLUGIN_DIR / "checkpoint.json").read_text())
     assert uid not in checkpoint["data"]["claims"]
     # The GPUs go to the next claim.
-    claim_pod(core, namespace, "next", {"resource_claim_template_name": "four-nvlink"},
-              "env | grep ^NVIDIA_VISIBLE; sleep 3600", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "next",
+        {"resource_claim_template_name": "four-nvlink"},
+        "env | grep ^NVIDIA_VISIBLE; sleep 3600",
+        busybox_image,
+    )
     wait_for("the next pod to get GPUs", lambda: allocated(dyn, namespace, "next"), timeout=60)
     core.delete_namespaced_pod("next", namespace, grace_period_seconds=0)
 
 
 def test_shared_claim_and_plugin_restart(plugin, core, dyn, namespace, busybox_image, wait_pod):
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
-    claims.create(namespace=namespace, body={
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "shared"},
-        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}]}}})
-    claim_pod(core, namespace, "first", {"resource_claim_name": "shared"},
-              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    claims.create(
+        namespace=namespace,
+        body={
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "shared"},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}]}},
+        },
+    )
+    claim_pod(
+        core,
+        namespace,
+        "first",
+        {"resource_claim_name": "shared"},
+        "env | grep ^NVIDIA_VISIBLE",
+        busybox_image,
+    )
     assert wait_pod(core, namespace, "first", timeout=120) == "Succeeded"
     first = core.read_namespaced_pod_log("first", namespace).strip()
     # Restart the plugin while the claim is prepared: the checkpoint keeps it.
     plugin.stop()
     plugin.start()
-    claim_pod(core, namespace, "second", {"resource_claim_name": "shared"},
-              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "second",
+        {"resource_claim_name": "shared"},
+        "env | grep ^NVIDIA_VISIBLE",
+        busybox_image,
+    )
     assert wait_pod(core, namespace, "second", timeout=120) == "Succeeded"
     assert core.read_namespaced_pod_log("second", namespace).strip() == first
     uid = claims.get(namespace=namespace, name="shared").to_dict()["metadata"]["uid"]
@@ -266,33 +369,55 @@ def test_shared_claim_and_plugin_restart(plugin, core, dyn, namespace, busybox_i
     wait_for("the shared claim to be unprepared", lambda: not spec_file.exists(), timeout=90)
 
 
-def test_sweeper_unprepares_a_claim_deleted_behind_the_kubelets_back(plugin, core, dyn, namespace,
-                                                                    busybox_image, wait_pod):
+def test_sweeper_unprepares_a_claim_deleted_behind_the_kubelets_back(
+    plugin, core, dyn, namespace, busybox_image, wait_pod
+):
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
-    claims.create(namespace=namespace, body={
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "orphan"},
-        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}]}}})
-    claim_pod(core, namespace, "holder", {"resource_claim_name": "orphan"}, "sleep 3600",
-              busybox_image)
-    uid = wait_for("the claim to be allocated and prepared", lambda: next(
-        (c["metadata"]["uid"] for c in claims.get(namespace=namespace).to_dict()["items"]
-         if (CDI_DIR / f"k8s.{DRIVER}-claim_{c['metadata']['uid']}.json").exists()), None),
-        timeout=90)
+    claims.create(
+        namespace=namespace,
+        body={
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "orphan"},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}]}},
+        },
+    )
+    claim_pod(core, namespace, "holder", {"resource_claim_name": "orphan"}, "sleep 3600", busybox_image)
+    uid = wait_for(
+        "the claim to be allocated and prepared",
+        lambda: next(
+            (
+                c["metadata"]["uid"]
+                for c in claims.get(namespace=namespace).to_dict()["items"]
+                if (CDI_DIR / f"k8s.{DRIVER}-claim_{c['metadata']['uid']}.json").exists()
+            ),
+            None,
+        ),
+        timeout=90,
+    )
     spec_file = CDI_DIR / f"k8s.{DRIVER}-claim_{uid}.json"
     # Force the claim away (as a force-deleted namespace would) while the plugin has it prepared.
-    claims.patch(namespace=namespace, name="orphan", body={"metadata": {"finalizers": None}},
-                 content_type="application/merge-patch+json")
+    claims.patch(
+        namespace=namespace,
+        name="orphan",
+        body={"metadata": {"finalizers": None}},
+        content_type="application/merge-patch+json",
+    )
     claims.delete(namespace=namespace, name="orphan")
-    wait_for("the sweeper to unprepare the vanished claim", lambda: not spec_file.exists(),
-             timeout=30)
+    wait_for("the sweeper to unprepare the vanished claim", lambda: not spec_file.exists(), timeout=30)
     core.delete_namespaced_pod("holder", namespace, grace_period_seconds=0)
 
 
-def test_one_gpu_claim_sees_its_uuid_and_device_node(plugin, core, dyn, namespace, busybox_image,
-                                                      wait_pod):
+def test_one_gpu_claim_sees_its_uuid_and_device_node(plugin, core, dyn, namespace, busybox_image, wait_pod):
     template(dyn, namespace, "one")
-    claim_pod(core, namespace, "one", {"resource_claim_template_name": "one"},
-              "env | grep ^NVIDIA_VISIBLE; ls /dev/ | grep nvidia", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "one",
+        {"resource_claim_template_name": "one"},
+        "env | grep ^NVIDIA_VISIBLE; ls /dev/ | grep nvidia",
+        busybox_image,
+    )
     assert wait_pod(core, namespace, "one", timeout=120) == "Succeeded"
     log = core.read_namespaced_pod_log("one", namespace)
     (device,) = visible_devices(dyn, log)
@@ -301,57 +426,85 @@ def test_one_gpu_claim_sees_its_uuid_and_device_node(plugin, core, dyn, namespac
     assert f"nvidia{attrs['minor']}" in log.split(), log
 
 
-def test_nvlink_constraint_avoids_the_cross_domain_set(plugin, core, dyn, namespace, busybox_image,
-                                                       wait_pod):
-    template(dyn, namespace, "first-two", count=2,
-             selectors=[f"device.attributes['{DRIVER}'].index <= 1"])
-    claim_pod(core, namespace, "holder", {"resource_claim_template_name": "first-two"}, "sleep 3600",
-              busybox_image)
-    wait_for("the holder to run", lambda: core.read_namespaced_pod("holder", namespace).status.phase
-             == "Running", timeout=90)
+def test_nvlink_constraint_avoids_the_cross_domain_set(plugin, core, dyn, namespace, busybox_image, wait_pod):
+    template(dyn, namespace, "first-two", count=2, selectors=[f"device.attributes['{DRIVER}'].index <= 1"])
+    claim_pod(
+        core, namespace, "holder", {"resource_claim_template_name": "first-two"}, "sleep 3600", busybox_image
+    )
+    wait_for(
+        "the holder to run",
+        lambda: core.read_namespaced_pod("holder", namespace).status.phase == "Running",
+        timeout=90,
+    )
     attrs = device_attrs(dyn)
     held = allocated(dyn, namespace, "holder")
     assert sorted(attrs[d]["index"] for d in held) == [0, 1]
 
     nvlink_template(dyn, namespace)
-    claim_pod(core, namespace, "nvlink", {"resource_claim_template_name": "four-nvlink"},
-              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "nvlink",
+        {"resource_claim_template_name": "four-nvlink"},
+        "env | grep ^NVIDIA_VISIBLE",
+        busybox_image,
+    )
     assert wait_pod(core, namespace, "nvlink", timeout=120) == "Succeeded"
     with_constraint = visible_devices(dyn, core.read_namespaced_pod_log("nvlink", namespace))
     core.delete_namespaced_pod("nvlink", namespace, grace_period_seconds=0)
-    wait_for("the nvlink claim to be released", lambda: allocated(dyn, namespace, "nvlink") is None,
-             timeout=60)
+    wait_for(
+        "the nvlink claim to be released", lambda: allocated(dyn, namespace, "nvlink") is None, timeout=60
+    )
 
     template(dyn, namespace, "any-four", count=4)
-    claim_pod(core, namespace, "anyfour", {"resource_claim_template_name": "any-four"},
-              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "anyfour",
+        {"resource_claim_template_name": "any-four"},
+        "env | grep ^NVIDIA_VISIBLE",
+        busybox_image,
+    )
     assert wait_pod(core, namespace, "anyfour", timeout=120) == "Succeeded"
     without = visible_devices(dyn, core.read_namespaced_pod_log("anyfour", namespace))
     idx_with = sorted(attrs[d]["index"] for d in with_constraint)
     idx_without = sorted(attrs[d]["index"] for d in without)
     cost_with, cost_without = link_cost(dyn, with_constraint), link_cost(dyn, without)
-    print(f"\n[e2e] GPUs 0,1 held; 4 NVLink-connected -> GPUs {idx_with} link cost {cost_with}; "
-          f"without the constraint -> GPUs {idx_without} link cost {cost_without}")
+    print(
+        f"\n[e2e] GPUs 0,1 held; 4 NVLink-connected -> GPUs {idx_with} link cost {cost_with}; "
+        f"without the constraint -> GPUs {idx_without} link cost {cost_without}"
+    )
     assert idx_with == [4, 5, 6, 7] and cost_with == 6
     assert cost_without == 18 and not set(idx_without) & {0, 1}
     core.delete_namespaced_pod("holder", namespace, grace_period_seconds=0)
 
 
 def test_sigkill_restart_keeps_running_pods_and_never_gives_a_device_twice(
-        plugin, core, dyn, namespace, busybox_image, wait_pod):
+    plugin, core, dyn, namespace, busybox_image, wait_pod
+):
     template(dyn, namespace, "two", count=2)
-    claim_pod(core, namespace, "running", {"resource_claim_template_name": "two"}, "sleep 3600",
-              busybox_image)
-    wait_for("the pod to run", lambda: core.read_namespaced_pod("running", namespace).status.phase
-             == "Running", timeout=90)
+    claim_pod(
+        core, namespace, "running", {"resource_claim_template_name": "two"}, "sleep 3600", busybox_image
+    )
+    wait_for(
+        "the pod to run",
+        lambda: core.read_namespaced_pod("running", namespace).status.phase == "Running",
+        timeout=90,
+    )
     held = allocated(dyn, namespace, "running")
     plugin.kill()
     plugin.start()
     wait_for("slices back", lambda: our_slices(dyn)[1], timeout=10)
     assert core.read_namespaced_pod("running", namespace).status.phase == "Running"
     template(dyn, namespace, "six", count=6)
-    claim_pod(core, namespace, "after", {"resource_claim_template_name": "six"},
-              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "after",
+        {"resource_claim_template_name": "six"},
+        "env | grep ^NVIDIA_VISIBLE",
+        busybox_image,
+    )
     assert wait_pod(core, namespace, "after", timeout=120) == "Succeeded"
     got = visible_devices(dyn, core.read_namespaced_pod_log("after", namespace))
     assert not set(got) & set(held) and len(got) == 6
@@ -363,18 +516,24 @@ def test_sigkill_restart_keeps_running_pods_and_never_gives_a_device_twice(
 
 
 def test_bad_opaque_config_fails_prepare_with_the_field_and_writes_nothing(
-        plugin, core, dyn, namespace, busybox_image):
+    plugin, core, dyn, namespace, busybox_image
+):
     before = set(CDI_DIR.glob(f"k8s.{DRIVER}-claim_*"))
-    template(dyn, namespace, "bad", config={
-        "apiVersion": "gpu.dra-gpu.io/v1alpha1", "kind": "GpuConfig",
-        "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 150}}})
-    claim_pod(core, namespace, "bad", {"resource_claim_template_name": "bad"}, "true",
-              busybox_image)
+    template(
+        dyn,
+        namespace,
+        "bad",
+        config={
+            "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 150}},
+        },
+    )
+    claim_pod(core, namespace, "bad", {"resource_claim_template_name": "bad"}, "true", busybox_image)
 
     def failed_event():
         events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=bad")
-        return next((e.message for e in events.items
-                     if e.reason == "FailedPrepareDynamicResources"), None)
+        return next((e.message for e in events.items if e.reason == "FailedPrepareDynamicResources"), None)
 
     message = wait_for("FailedPrepareDynamicResources", failed_event, timeout=90)
     assert "sharing.mps.defaultActiveThreadPercentage" in message, message
@@ -383,21 +542,34 @@ def test_bad_opaque_config_fails_prepare_with_the_field_and_writes_nothing(
     core.delete_namespaced_pod("bad", namespace, grace_period_seconds=0)
 
 
-def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, busybox_image,
-                                               wait_pod):
+def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, busybox_image, wait_pod):
     before = our_slices(dyn)[1][0]["spec"]["pool"]["generation"]
     plugin.stop()
     plugin.profile = "dgx-a100-mig"
     try:
         plugin.start()
-        wait_for("MIG devices published", lambda: any(
-            a.get("type") == "mig" for a in device_attrs(dyn).values()), timeout=10)
+        wait_for(
+            "MIG devices published",
+            lambda: any(a.get("type") == "mig" for a in device_attrs(dyn).values()),
+            timeout=10,
+        )
         # Other devices than before: the pool's generation went up.
         assert our_slices(dyn)[1][0]["spec"]["pool"]["generation"] == before + 1
-        template(dyn, namespace, "mig", device_class=MIG_CLASS,
-                 selectors=[f"device.attributes['{DRIVER}'].profile == '3g.40gb'"])
-        claim_pod(core, namespace, "mig", {"resource_claim_template_name": "mig"},
-                  "env | grep ^NVIDIA_VISIBLE; ls -l /dev/nvidia-caps/", busybox_image)
+        template(
+            dyn,
+            namespace,
+            "mig",
+            device_class=MIG_CLASS,
+            selectors=[f"device.attributes['{DRIVER}'].profile == '3g.40gb'"],
+        )
+        claim_pod(
+            core,
+            namespace,
+            "mig",
+            {"resource_claim_template_name": "mig"},
+            "env | grep ^NVIDIA_VISIBLE; ls -l /dev/nvidia-caps/",
+            busybox_image,
+        )
         assert wait_pod(core, namespace, "mig", timeout=120) == "Succeeded"
         log = core.read_namespaced_pod_log("mig", namespace)
         (device,) = visible_devices(dyn, log)
@@ -413,26 +585,41 @@ def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, bus
         plugin.start()
 
 
-def test_kubelet_restart_reregisters_and_keeps_claims_prepared(plugin, target, core, dyn, namespace,
-                                                               busybox_image, wait_pod):
+def test_kubelet_restart_reregisters_and_keeps_claims_prepared(
+    plugin, target, core, dyn, namespace, busybox_image, wait_pod
+):
     template(dyn, namespace, "one-gpu")
-    claim_pod(core, namespace, "steady", {"resource_claim_template_name": "one-gpu"}, "sleep 3600",
-              busybox_image)
-    wait_for("the pod to run", lambda: core.read_namespaced_pod("steady", namespace).status.phase
-             == "Running", timeout=90)
+    claim_pod(
+        core, namespace, "steady", {"resource_claim_template_name": "one-gpu"}, "sleep 3600", busybox_image
+    )
+    wait_for(
+        "the pod to run",
+        lambda: core.read_namespaced_pod("steady", namespace).status.phase == "Running",
+        timeout=90,
+    )
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     (claim,) = claims.get(namespace=namespace).to_dict()["items"]
     spec_file = CDI_DIR / f"k8s.{DRIVER}-claim_{claim['metadata']['uid']}.json"
     assert spec_file.exists()
-    restarts = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "cluster"),
-                               "restart-kubelet"], capture_output=True, text=True, timeout=120)
+    restarts = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "cluster"), "restart-kubelet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert restarts.returncode == 0, restarts.stdout + restarts.stderr
     # The kubelet wiped the node's slices at start; the plugin put them back and re-registered.
     wait_for("slices back after the kubelet restart", lambda: our_slices(dyn)[1], timeout=10)
     assert spec_file.exists() and plugin.healthy()
     assert core.read_namespaced_pod("steady", namespace).status.phase == "Running"
-    claim_pod(core, namespace, "fresh", {"resource_claim_template_name": "one-gpu"},
-              "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    claim_pod(
+        core,
+        namespace,
+        "fresh",
+        {"resource_claim_template_name": "one-gpu"},
+        "env | grep ^NVIDIA_VISIBLE",
+        busybox_image,
+    )
     assert wait_pod(core, namespace, "fresh", timeout=120) == "Succeeded"
     fresh = visible_devices(dyn, core.read_namespaced_pod_log("fresh", namespace))
     assert not set(fresh) & set(allocated(dyn, namespace, "steady"))

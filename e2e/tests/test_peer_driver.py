@@ -1,6 +1,7 @@
 """The DRA path end to end with a peer driver (not ours): scheduler allocation -> kubelet ->
 kubelet plugin (upstream's DRA test driver, as gpu.example.com) -> CDI spec -> containerd ->
 the container's environment."""
+
 import time
 
 import pytest
@@ -10,25 +11,44 @@ pytestmark = pytest.mark.e2e
 
 def test_claim_pod_sees_injected_env(core, dyn, namespace, peer_driver, busybox_image):
     templates = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaimTemplate")
-    templates.create(namespace=namespace, body={
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "gpu"},
-        "spec": {"spec": {"devices": {
-            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}],
-            # The test driver turns opaque parameters into env vars: user_<key>=<value>.
-            "config": [{"opaque": {"driver": peer_driver,
-                                   "parameters": {"GPU_DEVICE_0": "peer-gpu-0"}}}],
-        }}},
-    })
+    templates.create(
+        namespace=namespace,
+        body={
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "gpu"},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}],
+                        # The test driver turns opaque parameters into env vars: user_<key>=<value>.
+                        "config": [
+                            {"opaque": {"driver": peer_driver, "parameters": {"GPU_DEVICE_0": "peer-gpu-0"}}}
+                        ],
+                    }
+                }
+            },
+        },
+    )
     pod = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "claim-pod"},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "claim-pod"},
         "spec": {
-            "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu"}],
-            "containers": [{
-                "name": "main", "image": busybox_image, "imagePullPolicy": "Never",
-                "command": ["sh", "-c", "env | sort; echo END-OF-ENV; exec sleep 3600"],
-                "resources": {"claims": [{"name": "gpu"}]}}]}}
+            "containers": [
+                {
+                    "name": "main",
+                    "image": busybox_image,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", "env | sort; echo END-OF-ENV; exec sleep 3600"],
+                    "resources": {"claims": [{"name": "gpu"}]},
+                }
+            ],
+        },
+    }
     core.create_namespaced_pod(namespace, pod)
     log = wait_log(core, namespace, "claim-pod", "END-OF-ENV", timeout=120)
     env = dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
@@ -65,5 +85,7 @@ def wait_log(core, ns, name, marker, timeout):
         time.sleep(0.5)
     events = core.list_namespaced_event(ns, field_selector="involvedObject.name=" + name)
     lines = "\n".join(f"{e.type} {e.reason}: {e.message}" for e in events.items)
-    raise AssertionError(f"pod {ns}/{name}: no {marker!r} in its log after {timeout} s; status "
-                         f"{pod.status.phase}\nlog:\n{log}\nevents:\n{lines}")
+    raise AssertionError(
+        f"pod {ns}/{name}: no {marker!r} in its log after {timeout} s; status "
+        f"{pod.status.phase}\nlog:\n{log}\nevents:\n{lines}"
+    )

@@ -86,8 +86,9 @@ def test_validate_stdin(cluster_file: str) -> None:
             "no DeviceClass, ResourceClaim or ResourceClaimTemplate in the input",
         ),
         (
-            yaml.safe_dump({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule",
-                            "metadata": {"name": "t"}}),
+            yaml.safe_dump(
+                {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "metadata": {"name": "t"}}
+            ),
             1,
             "DeviceTaintRule/t: kind: unsupported kind 'DeviceTaintRule'",
         ),
@@ -116,8 +117,16 @@ def test_validate_stdin(cluster_file: str) -> None:
             "ResourceClaim/s: spec: must be an object with 'devices'",
         ),
     ],
-    ids=["unclosed", "garbage", "scalar", "deeply-nested-yaml", "only-a-pod", "wrong-dra-kind", "old-api",
-         "bad-spec"],
+    ids=[
+        "unclosed",
+        "garbage",
+        "scalar",
+        "deeply-nested-yaml",
+        "only-a-pod",
+        "wrong-dra-kind",
+        "old-api",
+        "bad-spec",
+    ],
 )
 def test_bad_input(tmp_path: Path, content: str, code: int, message: str) -> None:
     p = tmp_path / "in.yaml"

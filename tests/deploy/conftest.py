@@ -42,10 +42,14 @@ def helm() -> str:
     return find_helm()
 
 
-def render_chart(helm: str, *sets: str, namespace: str = "dra-gpu", release: str = "dra-gpu",
-                 kube_version: str = KUBE_VERSION) -> list[dict[str, Any]]:
-    cmd = [helm, "template", release, str(CHART), "--namespace", namespace,
-           "--kube-version", kube_version]
+def render_chart(
+    helm: str,
+    *sets: str,
+    namespace: str = "dra-gpu",
+    release: str = "dra-gpu",
+    kube_version: str = KUBE_VERSION,
+) -> list[dict[str, Any]]:
+    cmd = [helm, "template", release, str(CHART), "--namespace", namespace, "--kube-version", kube_version]
     for s in sets:
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -57,6 +61,7 @@ def render_chart(helm: str, *sets: str, namespace: str = "dra-gpu", release: str
 def render(helm: str) -> Render:
     def _render(*sets: str, **kw: Any) -> list[dict[str, Any]]:
         return render_chart(helm, *sets, **kw)
+
     return _render
 
 

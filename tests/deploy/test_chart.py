@@ -15,8 +15,16 @@ import pytest
 from .conftest import CHART, ROOT, Render, by_kind, one
 
 DRIVER = "gpu.dra-gpu.io"
-NAMESPACED = {"ServiceAccount", "Secret", "Service", "DaemonSet", "Deployment",
-              "PodDisruptionBudget", "Certificate", "Issuer"}
+NAMESPACED = {
+    "ServiceAccount",
+    "Secret",
+    "Service",
+    "DaemonSet",
+    "Deployment",
+    "PodDisruptionBudget",
+    "Certificate",
+    "Issuer",
+}
 
 
 def container(obj: dict[str, Any]) -> dict[str, Any]:
@@ -30,8 +38,9 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_lint(helm: str) -> None:
-    r = subprocess.run([helm, "lint", str(CHART), "--kube-version", "1.37.2", "--strict"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [helm, "lint", str(CHART), "--kube-version", "1.37.2", "--strict"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -45,11 +54,26 @@ def test_helm_knows_its_kubernetes_version(helm: str) -> None:
 def test_default_render_kinds(render: Render) -> None:
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == sorted([
-        "ServiceAccount", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-        "ClusterRoleBinding", "DaemonSet", "Deployment", "Service", "PodDisruptionBudget", "Secret",
-        "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding", "DeviceClass", "DeviceClass"])
+    assert kinds == sorted(
+        [
+            "ServiceAccount",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ClusterRoleBinding",
+            "DaemonSet",
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "Secret",
+            "ValidatingWebhookConfiguration",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+            "DeviceClass",
+            "DeviceClass",
+        ]
+    )
     for o in objs:
         if o["kind"] in NAMESPACED:
             assert o["metadata"]["namespace"] == "dra-gpu", o["metadata"]["name"]
@@ -67,8 +91,9 @@ def test_release_name_and_namespace_flow_everywhere(render: Render) -> None:
     ds = one(objs, "DaemonSet")
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
     crb = one(objs, "ClusterRoleBinding", "kubelet-plugin")
-    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
-                                "namespace": "gpu-system"}]
+    assert crb["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "gpu-system"}
+    ]
 
 
 # ---------------------------------------------------------------- kubelet plugin DaemonSet
@@ -102,8 +127,9 @@ def test_daemonset_host_paths_env_and_probes(render: Render) -> None:
     for probe in ("livenessProbe", "startupProbe"):
         assert c[probe]["httpGet"]["path"] == "/healthz"
         assert port[c[probe]["httpGet"]["port"]] == 51516
-    assert {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present",
-            "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["priorityClassName"] == "system-node-critical"
     assert "hostNetwork" not in pod and "hostPID" not in pod
@@ -167,7 +193,11 @@ def test_controller_deployment_pdb_service_webhook(render: Render) -> None:
     assert hook["failurePolicy"] == "Ignore"
     assert hook["sideEffects"] == "None"
     assert hook["clientConfig"]["service"] == {
-        "name": svc["metadata"]["name"], "namespace": "dra-gpu", "path": "/validate", "port": 443}
+        "name": svc["metadata"]["name"],
+        "namespace": "dra-gpu",
+        "path": "/validate",
+        "port": 443,
+    }
     resources = sorted(r for rule in hook["rules"] for r in rule["resources"])
     assert resources == ["deviceclasses", "resourceclaims", "resourceclaimtemplates"]
     assert all(rule["operations"] == ["CREATE", "UPDATE"] for rule in hook["rules"])
@@ -199,8 +229,13 @@ def test_self_signed_tls_secret_matches_the_webhook(render: Render) -> None:
     assert vol["secret"]["secretName"] == secret["metadata"]["name"]
     if shutil.which("openssl"):
         svc = one(objs, "Service")["metadata"]["name"]
-        r = subprocess.run(["openssl", "x509", "-noout", "-text"], input=data["tls.crt"],
-                           capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            ["openssl", "x509", "-noout", "-text"],
+            input=data["tls.crt"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert f"DNS:{svc}.dra-gpu.svc" in r.stdout
 
 
@@ -213,15 +248,19 @@ def test_cert_manager_tls(render: Render) -> None:
     svc = one(objs, "Service")["metadata"]["name"]
     assert f"{svc}.dra-gpu.svc" in cert["spec"]["dnsNames"]
     vwc = one(objs, "ValidatingWebhookConfiguration")
-    assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
-        f"dra-gpu/{cert['metadata']['name']}"
+    assert (
+        vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+        == f"dra-gpu/{cert['metadata']['name']}"
+    )
     assert "caBundle" not in vwc["webhooks"][0]["clientConfig"]
     dep = one(objs, "Deployment")
     assert dep["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"] == cert["spec"]["secretName"]
     # With an existing issuer, no Issuer is made.
-    objs = render("controller.tls.certManager.enabled=true",
-                  "controller.tls.certManager.issuerRef.kind=ClusterIssuer",
-                  "controller.tls.certManager.issuerRef.name=my-ca")
+    objs = render(
+        "controller.tls.certManager.enabled=true",
+        "controller.tls.certManager.issuerRef.kind=ClusterIssuer",
+        "controller.tls.certManager.issuerRef.name=my-ca",
+    )
     assert not by_kind(objs, "Issuer")
     assert one(objs, "Certificate")["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "my-ca"}
 
@@ -341,11 +380,36 @@ def test_values_are_documented() -> None:
             k -= 1
         if not documented:
             undocumented.append(m.group(2))
-    allowed = {"kubeletPlugin", "controller", "image", "deviceClasses", "serviceAccount", "tls",
-               "enabled", "resources", "requests", "limits", "podAnnotations", "nodeSelector",
-               "tolerations", "affinity", "extraEnv", "priorityClassName", "pullPolicy", "replicas",
-               "port", "timeoutSeconds", "minAvailable", "rollingUpdate", "type", "maxUnavailable",
-               "fullnameOverride", "existingSecret", "gpu", "mig"}
+    allowed = {
+        "kubeletPlugin",
+        "controller",
+        "image",
+        "deviceClasses",
+        "serviceAccount",
+        "tls",
+        "enabled",
+        "resources",
+        "requests",
+        "limits",
+        "podAnnotations",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "extraEnv",
+        "priorityClassName",
+        "pullPolicy",
+        "replicas",
+        "port",
+        "timeoutSeconds",
+        "minAvailable",
+        "rollingUpdate",
+        "type",
+        "maxUnavailable",
+        "fullnameOverride",
+        "existingSecret",
+        "gpu",
+        "mig",
+    }
     assert set(undocumented) <= allowed, sorted(set(undocumented) - allowed)
 
 
@@ -356,5 +420,3 @@ def test_chart_files_name_no_local_paths() -> None:
         if p.is_file():
             text = p.read_text(errors="replace")
             assert not any(f"{d}/" in text for d in local), p
-
-

@@ -15,9 +15,15 @@ import yaml
 from .conftest import EXAMPLES, Render, by_kind
 
 EXPECTED = {
-    "one-gpu.yaml", "four-nvlink-gpus.yaml", "gpu-by-product-name.yaml", "gpu-memory-40gi.yaml",
-    "gpu-driver-550.yaml", "mig-3g40gb.yaml", "prioritized-h100-else-a100.yaml",
-    "shared-gpu-two-pods.yaml", "classic-nvidia-gpu.yaml",
+    "one-gpu.yaml",
+    "four-nvlink-gpus.yaml",
+    "gpu-by-product-name.yaml",
+    "gpu-memory-40gi.yaml",
+    "gpu-driver-550.yaml",
+    "mig-3g40gb.yaml",
+    "prioritized-h100-else-a100.yaml",
+    "shared-gpu-two-pods.yaml",
+    "classic-nvidia-gpu.yaml",
 }
 CLASSES = {"gpu.dra-gpu.io", "mig.dra-gpu.io"}
 
@@ -56,8 +62,11 @@ def test_example_pods_reference_their_claims(path: Path) -> None:
             else:
                 assert rc["resourceClaimName"] in claims
     for obj in by_kind(docs, "ResourceClaimTemplate") + by_kind(docs, "ResourceClaim"):
-        devices = obj["spec"]["spec"]["devices"] if obj["kind"] == "ResourceClaimTemplate" \
+        devices = (
+            obj["spec"]["spec"]["devices"]
+            if obj["kind"] == "ResourceClaimTemplate"
             else obj["spec"]["devices"]
+        )
         for req in devices["requests"]:
             subs = req.get("firstAvailable") or [req["exactly"]]
             assert all(s["deviceClassName"] in CLASSES for s in subs)
@@ -72,8 +81,9 @@ def test_classic_pod_uses_the_extended_resource(render: Render) -> None:
 
 
 def _has_validate() -> bool:
-    r = subprocess.run([sys.executable, "-m", "dra_gpu.cli", "validate", "--help"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "dra_gpu.cli", "validate", "--help"], capture_output=True, text=True
+    )
     return r.returncode == 0
 
 
@@ -85,8 +95,23 @@ def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
     files = ["-f", str(classes)]
     for profile, node in (("hgx-2x4", "node-a"), ("dgx-a100-mig", "node-b")):
         out = subprocess.run(
-            [sys.executable, "-m", "dra_gpu.cli", "inventory", "--profile", profile, "--node-name", node,
-             "--slices", "-o", "yaml"], capture_output=True, text=True, check=True).stdout
+            [
+                sys.executable,
+                "-m",
+                "dra_gpu.cli",
+                "inventory",
+                "--profile",
+                profile,
+                "--node-name",
+                node,
+                "--slices",
+                "-o",
+                "yaml",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         (tmp_path / f"{node}.yaml").write_text(out)
         files += ["-f", str(tmp_path / f"{node}.yaml")]
     for path in examples():
@@ -96,6 +121,9 @@ def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
             continue
         f = tmp_path / path.name
         f.write_text(yaml.safe_dump_all(claims))
-        r = subprocess.run([sys.executable, "-m", "dra_gpu.cli", "validate", *files, "-f", str(f)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "dra_gpu.cli", "validate", *files, "-f", str(f)],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, f"{path.name}:\n{r.stdout}{r.stderr}"

@@ -36,17 +36,30 @@ class ClaimStore(dict[tuple[str, str], dict[str, Any]]):
         return json.loads(json.dumps(claim)) if claim is not None else None
 
 
-def claim(uid: str, devices: list[str], name: str | None = None, namespace: str = "default",
-          requests: list[str] | None = None, config: list[dict[str, Any]] | None = None,
-          node: str = NODE, driver: str = DRIVER) -> dict[str, Any]:
+def claim(
+    uid: str,
+    devices: list[str],
+    name: str | None = None,
+    namespace: str = "default",
+    requests: list[str] | None = None,
+    config: list[dict[str, Any]] | None = None,
+    node: str = NODE,
+    driver: str = DRIVER,
+) -> dict[str, Any]:
     requests = requests or ["gpu"] * len(devices)
     return {
         "metadata": {"name": name or f"claim-{uid[:8]}", "namespace": namespace, "uid": uid},
-        "status": {"allocation": {"devices": {
-            "results": [{"request": r, "driver": driver, "pool": node, "device": d}
-                        for r, d in zip(requests, devices, strict=True)],
-            "config": config or [],
-        }}},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"request": r, "driver": driver, "pool": node, "device": d}
+                        for r, d in zip(requests, devices, strict=True)
+                    ],
+                    "config": config or [],
+                }
+            }
+        },
     }
 
 
@@ -67,12 +80,10 @@ class PluginCore:
         return make_core(self.root, self.inventory, self.claims, boot_id=self.checkpoint.boot_id)
 
 
-def make_core(root: Path, inventory: Inventory, claims: ClaimStore,
-              boot_id: str = "boot-1") -> PluginCore:
+def make_core(root: Path, inventory: Inventory, claims: ClaimStore, boot_id: str = "boot-1") -> PluginCore:
     checkpoint = Checkpoint(root / "plugin" / "checkpoint.json", boot_id=boot_id)
     cdi = CdiSpecs(root / "cdi", DRIVER)
-    preparer = Preparer(DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"),
-                        claims)
+    preparer = Preparer(DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"), claims)
     return PluginCore(root, inventory, claims, checkpoint, cdi, preparer)
 
 
@@ -96,5 +107,6 @@ def validate_cdi(spec: dict[str, Any]) -> None:
     defs = json.loads((SCHEMA_DIR / "defs.json").read_text())
     schema = json.loads((SCHEMA_DIR / "schema.json").read_text())
     registry = referencing.Registry().with_resource(
-        "defs.json", referencing.Resource.from_contents(defs, referencing.jsonschema.DRAFT7))
+        "defs.json", referencing.Resource.from_contents(defs, referencing.jsonschema.DRAFT7)
+    )
     jsonschema.Draft7Validator(schema, registry=registry).validate(spec)

@@ -32,10 +32,12 @@ def test_round_trip_and_unknown_fields_survive(tmp_path: Path) -> None:
     assert third.get("u1").raw["mpsDaemon"] == {"id": "x"}  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("content", [b"{not json", b'{"version": 1, "data": {"claims": {}}, '
-                                     b'"checksum": "bad"}', b"[]", b""])
-def test_corrupt_checkpoint_is_moved_aside(tmp_path: Path, content: bytes,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "content", [b"{not json", b'{"version": 1, "data": {"claims": {}}, "checksum": "bad"}', b"[]", b""]
+)
+def test_corrupt_checkpoint_is_moved_aside(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "checkpoint.json"
     path.write_bytes(content)
     with caplog.at_level(logging.ERROR):
@@ -52,14 +54,17 @@ def spec(name: str = "gpu-0", **edits: object) -> dict:
     return {"kind": "k8s.gpu.dra-gpu.io/claim", "devices": [{"name": name, "containerEdits": edits}]}
 
 
-@pytest.mark.parametrize(("s", "version"), [
-    (spec(), "0.3.0"),
-    (spec(mounts=[{"hostPath": "/a", "containerPath": "/b", "type": "bind"}]), "0.4.0"),
-    (spec("0a1b-gpu-0"), "0.5.0"),
-    (spec(deviceNodes=[{"path": "/dev/x", "hostPath": "/sim/dev/x"}]), "0.5.0"),
-    ({**spec(), "annotations": {"a": "b"}}, "0.6.0"),
-    (spec(additionalGids=[44]), "0.7.0"),
-    (spec(netDevices=[{"hostInterfaceName": "eth1", "name": "net1"}]), "1.1.0"),
-])
+@pytest.mark.parametrize(
+    ("s", "version"),
+    [
+        (spec(), "0.3.0"),
+        (spec(mounts=[{"hostPath": "/a", "containerPath": "/b", "type": "bind"}]), "0.4.0"),
+        (spec("0a1b-gpu-0"), "0.5.0"),
+        (spec(deviceNodes=[{"path": "/dev/x", "hostPath": "/sim/dev/x"}]), "0.5.0"),
+        ({**spec(), "annotations": {"a": "b"}}, "0.6.0"),
+        (spec(additionalGids=[44]), "0.7.0"),
+        (spec(netDevices=[{"hostInterfaceName": "eth1", "name": "net1"}]), "1.1.0"),
+    ],
+)
 def test_minimum_cdi_version(s: dict, version: str) -> None:
     assert minimum_version(s) == version

@@ -39,19 +39,25 @@ async def with_servers(core: PluginCore, body: Any) -> Any:
         node = NodeService(core.preparer, metrics)
         dra = sock_dir / "dra.sock"
         dra.write_text("stale socket from a previous run")
-        dra_server = await serve_unix(dra, [
-            (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
-            (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
-            (health_grpc.add_DRAResourceHealthServicer_to_server,
-             HealthService(NODE, lambda: gpu_names(core), resend_seconds=0.05)),
-        ])
+        dra_server = await serve_unix(
+            dra,
+            [
+                (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
+                (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
+                (
+                    health_grpc.add_DRAResourceHealthServicer_to_server,
+                    HealthService(NODE, lambda: gpu_names(core), resend_seconds=0.05),
+                ),
+            ],
+        )
         registration = RegistrationService(DRIVER, str(dra))
         reg = sock_dir / f"{DRIVER}-reg.sock"
-        reg_server = await serve_unix(reg, [(reg_grpc.add_RegistrationServicer_to_server,
-                                             registration)])
+        reg_server = await serve_unix(reg, [(reg_grpc.add_RegistrationServicer_to_server, registration)])
         try:
-            async with grpc.aio.insecure_channel(f"unix://{reg}") as rch, \
-                    grpc.aio.insecure_channel(f"unix://{dra}") as dch:
+            async with (
+                grpc.aio.insecure_channel(f"unix://{reg}") as rch,
+                grpc.aio.insecure_channel(f"unix://{dra}") as dch,
+            ):
                 return await body(rch, dch, registration, metrics, dra, reg)
         finally:
             await reg_server.stop(None)
@@ -61,15 +67,18 @@ async def with_servers(core: PluginCore, body: Any) -> Any:
 
 
 def test_registration_handshake(core: PluginCore) -> None:
-    async def body(rch: Any, dch: Any, registration: RegistrationService, metrics: Any,
-                   dra: Path, reg: Path) -> None:
+    async def body(
+        rch: Any, dch: Any, registration: RegistrationService, metrics: Any, dra: Path, reg: Path
+    ) -> None:
         stub = reg_grpc.RegistrationStub(rch)
         info = await stub.GetInfo(reg_pb.InfoRequest(), timeout=1)
         assert info.type == "DRAPlugin" and info.name == DRIVER and info.endpoint == str(dra)
-        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin",
-                                                 "v1alpha1.DRAResourceHealth"]
-        await stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True),
-                                            timeout=5)
+        assert list(info.supported_versions) == [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth",
+        ]
+        await stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
         assert registration.registered.is_set()
         for sock in (dra, reg):
             mode = sock.stat().st_mode
@@ -91,26 +100,32 @@ def test_prepare_and_unprepare_over_v1_and_v1beta1(core: PluginCore) -> None:
         m = c["metadata"]
         return pb.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])
 
-    async def body(rch: Any, dch: Any, registration: Any, metrics: Any, dra: Path,
-                   reg: Path) -> None:
+    async def body(rch: Any, dch: Any, registration: Any, metrics: Any, dra: Path, reg: Path) -> None:
         v1 = v1_grpc.DRAPluginStub(dch)
-        resp = await v1.NodePrepareResources(v1_pb.NodePrepareResourcesRequest(
-            claims=[pb_claim(v1_pb, good), pb_claim(v1_pb, bad)]), timeout=45)
+        resp = await v1.NodePrepareResources(
+            v1_pb.NodePrepareResourcesRequest(claims=[pb_claim(v1_pb, good), pb_claim(v1_pb, bad)]),
+            timeout=45,
+        )
         ok = resp.claims[good["metadata"]["uid"]]
         assert ok.error == ""
-        assert [(list(d.request_names), d.pool_name, d.device_name) for d in ok.devices] == \
-            [(["gpus"], NODE, g0), (["other"], NODE, g1)]
+        assert [(list(d.request_names), d.pool_name, d.device_name) for d in ok.devices] == [
+            (["gpus"], NODE, g0),
+            (["other"], NODE, g1),
+        ]
         assert ok.devices[0].cdi_device_ids == [f"k8s.{DRIVER}/claim={good['metadata']['uid']}-{g0}"]
         assert not ok.devices[0].HasField("share_id")
         assert "is not allocated" in resp.claims[bad["metadata"]["uid"]].error
         empty = await v1.NodePrepareResources(v1_pb.NodePrepareResourcesRequest(), timeout=5)
         assert len(empty.claims) == 0
         beta1 = v1beta1_grpc.DRAPluginStub(dch)
-        bresp = await beta1.NodePrepareResources(v1beta1_pb.NodePrepareResourcesRequest(
-            claims=[pb_claim(v1beta1_pb, beta)]), timeout=45)
+        bresp = await beta1.NodePrepareResources(
+            v1beta1_pb.NodePrepareResourcesRequest(claims=[pb_claim(v1beta1_pb, beta)]), timeout=45
+        )
         assert bresp.claims[beta["metadata"]["uid"]].devices[0].device_name == g2
-        un = await v1.NodeUnprepareResources(v1_pb.NodeUnprepareResourcesRequest(
-            claims=[pb_claim(v1_pb, good), pb_claim(v1_pb, bad)]), timeout=45)
+        un = await v1.NodeUnprepareResources(
+            v1_pb.NodeUnprepareResourcesRequest(claims=[pb_claim(v1_pb, good), pb_claim(v1_pb, bad)]),
+            timeout=45,
+        )
         assert set(un.claims) == {good["metadata"]["uid"], bad["metadata"]["uid"]}
         assert all(e.error == "" for e in un.claims.values())
         assert metrics.requests.labels("prepare", "success")._value.get() == 2
@@ -124,7 +139,8 @@ def test_prepare_and_unprepare_over_v1_and_v1beta1(core: PluginCore) -> None:
 def test_health_stream_reports_every_device_healthy(core: PluginCore) -> None:
     async def body(rch: Any, dch: Any, *_: Any) -> None:
         stream = health_grpc.DRAResourceHealthStub(dch).NodeWatchResources(
-            health_pb.NodeWatchResourcesRequest(), timeout=5)
+            health_pb.NodeWatchResourcesRequest(), timeout=5
+        )
         first = await stream.read()
         second = await stream.read()
         stream.cancel()
@@ -140,21 +156,22 @@ def test_health_stream_reports_every_device_healthy(core: PluginCore) -> None:
 def test_hostile_input_gets_errors_never_a_crash(core: PluginCore) -> None:
     import socket
 
-    async def body(rch: Any, dch: Any, registration: Any, metrics: Any, dra: Path,
-                   reg: Path) -> None:
+    async def body(rch: Any, dch: Any, registration: Any, metrics: Any, dra: Path, reg: Path) -> None:
         v1 = v1_grpc.DRAPluginStub(dch)
         # A huge batch of claims nobody has heard of: one error per claim, all answered.
         claims = [v1_pb.Claim(namespace="ns", uid=str(uuid.uuid4()), name=f"c{i}") for i in range(500)]
-        resp = await v1.NodePrepareResources(v1_pb.NodePrepareResourcesRequest(claims=claims),
-                                             timeout=45)
+        resp = await v1.NodePrepareResources(v1_pb.NodePrepareResourcesRequest(claims=claims), timeout=45)
         assert len(resp.claims) == 500
         assert all("not found" in e.error for e in resp.claims.values())
         # Garbage bytes straight onto the socket, then bytes that are no protobuf message.
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(dra))
             s.sendall(b"\x00\xffPRI * HTTP/9.9 garbage\r\n" * 50)
-        raw = dch.unary_unary("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
-                              request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        raw = dch.unary_unary(
+            "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
         try:
             await raw(b"\xff\xff\xff\xff\x0f not protobuf", timeout=5)
             raise AssertionError("garbage request was accepted")

@@ -97,16 +97,25 @@ def test_device_of_another_prepared_claim_is_refused(core: PluginCore) -> None:
     assert not core.cdi.path(b["metadata"]["uid"]).exists()
 
 
-@pytest.mark.parametrize(("mutate", "message"), [
-    (lambda c: c["status"].clear(), "is not allocated"),
-    (lambda c: c["metadata"].update(uid="00000000-0000-0000-0000-000000000000"), "got replaced"),
-    (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(pool="node-b"),
-     r"is not on this node \(node-a\)"),
-    (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(device="gpu-9999"),
-     "device gpu-9999 is not published by this node"),
-    (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(driver="other.io"),
-     "has no devices of driver gpu.dra-gpu.io"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda c: c["status"].clear(), "is not allocated"),
+        (lambda c: c["metadata"].update(uid="00000000-0000-0000-0000-000000000000"), "got replaced"),
+        (
+            lambda c: c["status"]["allocation"]["devices"]["results"][0].update(pool="node-b"),
+            r"is not on this node \(node-a\)",
+        ),
+        (
+            lambda c: c["status"]["allocation"]["devices"]["results"][0].update(device="gpu-9999"),
+            "device gpu-9999 is not published by this node",
+        ),
+        (
+            lambda c: c["status"]["allocation"]["devices"]["results"][0].update(driver="other.io"),
+            "has no devices of driver gpu.dra-gpu.io",
+        ),
+    ],
+)
 def test_bad_claims_are_refused_with_a_reason(core: PluginCore, mutate, message: str) -> None:
     c = claim(uid(), gpu_names(core)[:1])
     ref = ref_of(c)
@@ -123,8 +132,11 @@ def test_missing_claim_is_refused(core: PluginCore) -> None:
 
 
 def mps(pct: int) -> dict:
-    return {"apiVersion": API_VERSION, "kind": "GpuConfig",
-            "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": pct}}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": pct}},
+    }
 
 
 def test_config_precedence_class_then_claim_last_wins(core: PluginCore) -> None:
@@ -144,18 +156,21 @@ def test_config_precedence_class_then_claim_last_wins(core: PluginCore) -> None:
 
 
 def test_invalid_config_names_the_field_path(core: PluginCore) -> None:
-    config = [{"source": "FromClaim", "requests": [],
-               "opaque": {"driver": DRIVER, "parameters": mps(150)}}]
+    config = [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": mps(150)}}]
     c = claim(uid(), gpu_names(core)[:1], config=config)
     core.add(c)
-    with pytest.raises(PrepareError, match=r"config\[0\].opaque.parameters.sharing.mps."
-                                           r"defaultActiveThreadPercentage: must be between 1 and 100"):
+    with pytest.raises(
+        PrepareError,
+        match=r"config\[0\].opaque.parameters.sharing.mps."
+        r"defaultActiveThreadPercentage: must be between 1 and 100",
+    ):
         prepare(core, c)
 
 
 def test_gpu_config_for_a_mig_device_is_refused(core: PluginCore) -> None:
-    config = [{"source": "FromClaim", "requests": ["mig"],
-               "opaque": {"driver": DRIVER, "parameters": mps(50)}}]
+    config = [
+        {"source": "FromClaim", "requests": ["mig"], "opaque": {"driver": DRIVER, "parameters": mps(50)}}
+    ]
     c = claim(uid(), mig_names(core)[:1], requests=["mig"], config=config)
     core.add(c)
     with pytest.raises(PrepareError, match="GpuConfig cannot configure a MIG device"):
@@ -185,8 +200,8 @@ def test_concurrent_claims_and_repeated_calls(core: PluginCore) -> None:
         return await asyncio.gather(*calls)
 
     results = asyncio.run(run())
-    assert [r[0].device_name for r in results[:len(names)]] == names
-    assert all(r == results[0] for r in results[len(names):])
+    assert [r[0].device_name for r in results[: len(names)]] == names
+    assert all(r == results[0] for r in results[len(names) :])
     assert len(core.cdi.owned()) == len(names)
     assert core.preparer.prepared_device_count() == len(names)
 
@@ -198,8 +213,9 @@ def test_racing_claims_for_one_device_prepare_exactly_one(core: PluginCore) -> N
         core.add(c)
 
     async def run() -> list:
-        return await asyncio.gather(*(core.preparer.prepare(ref_of(c)) for c in claims),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(core.preparer.prepare(ref_of(c)) for c in claims), return_exceptions=True
+        )
 
     results = asyncio.run(run())
     assert sum(not isinstance(r, Exception) for r in results) == 1
