@@ -3,7 +3,15 @@
 One spec file per claim (`k8s.<driver>-claim_<claimUID>.json`), kind `k8s.<driver>/claim`, devices
 named `<claimUID>-<device>` so no two files ever define the same device (the CDI cache deletes
 devices defined twice at equal priority). Edits every device of the claim needs (control nodes,
-`NVIDIA_VISIBLE_DEVICES`) are spec-level `containerEdits`.
+`NVIDIA_VISIBLE_DEVICES`, the driver's libraries, binaries, firmware and sockets) are spec-level
+`containerEdits`.
+
+Each spec is self-contained: there is no node-wide base spec that claims reference. A base spec is
+rewritten on a driver upgrade or a plugin restart while claims prepared before still name it, so a
+claim's next container could start with other driver files than it was prepared with, or name a
+device the base spec no longer has. A claim's own spec is written once, atomically, and removed
+with the claim; the shared part is computed once per node and reused (driver_files), and measured
+prepare latency is the same (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -89,7 +97,10 @@ class CdiSpecs:
         devices: list[CdiDevice],
         control_nodes: list[DeviceNode],
         common_env: dict[str, str],
+        driver_edits: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """The claim's self-contained spec; `driver_edits` (the driver's user space: mounts and
+        hooks, the same for every claim, see driver_files) are shared, never copied or changed."""
         spec_devices = []
         for dev in devices:
             name = f"{claim_uid}-{dev.name}"
@@ -108,6 +119,8 @@ class CdiSpecs:
                 "deviceNodes": [n.to_cdi() for n in control_nodes],
             },
         }
+        if driver_edits:
+            spec["containerEdits"].update(driver_edits)
         spec["cdiVersion"] = minimum_version(spec)
         return spec
 

@@ -21,6 +21,7 @@ from dra_gpu.model import Gpu, Inventory, MigDevice
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
+from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Preparer:
         cdi: CdiSpecs,
         nodes: DeviceNodes,
         claims: ClaimSource,
+        driver_files: DriverFiles,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
@@ -98,6 +100,7 @@ class Preparer:
         self.cdi = cdi
         self.nodes = nodes
         self.claims = claims
+        self.driver_files = driver_files
         self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
         for gpu in inventory.gpus:
             if not gpu.mig_enabled:
@@ -265,8 +268,16 @@ class Preparer:
             self.nodes.verify(control)
         except DeviceNodeError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from exc
+        try:
+            driver_edits = self.driver_files.edits()
+        except DriverInstallationError as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from exc
         spec = self.cdi.build(
-            ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
+            ref.uid,
+            list(cdi_devices.values()),
+            control,
+            {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)},
+            driver_edits,
         )
         return prepared, spec
 
