@@ -311,12 +311,29 @@ def _read(path):
         return f.read()
 
 
+def import_missing(outdir, containerd_address, archives):
+    """Import the archives whose image containerd (k8s.io namespace) lacks; `ctr` from PATH."""
+    ctr = ["ctr", "--address", containerd_address, "-n", "k8s.io", "images"]
+    have = subprocess.run([*ctr, "ls", "-q"], check=True, capture_output=True, text=True).stdout.split()
+    for tar, name in archives:
+        if name not in have:
+            subprocess.run([*ctr, "import", os.path.join(outdir, tar)], check=True, capture_output=True)
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    debian = "--debian" in args
-    args = [a for a in args if a != "--debian"]
-    if len(args) != 1:
-        sys.exit("usage: images.py OUTDIR [--debian]")
-    main(args[0])
-    if debian:
-        debian_images(args[0])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="build OCI image archives without a registry")
+    ap.add_argument("outdir")
+    ap.add_argument("--debian", action="store_true", help="also the Debian (glibc) and CUDA-style images")
+    ap.add_argument("--import-to", metavar="CONTAINERD_ADDRESS", help="import the --debian images there")
+    args = ap.parse_args()
+    main(args.outdir)
+    if args.debian:
+        debian_images(args.outdir)
+        if args.import_to:
+            import_missing(
+                args.outdir,
+                args.import_to,
+                (("debian.tar", DEBIAN_IMAGE), ("cuda-style.tar", CUDA_STYLE_IMAGE)),
+            )

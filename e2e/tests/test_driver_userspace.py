@@ -46,15 +46,10 @@ def glibc_images(target):
         return  # on another cluster the images are loaded by whoever runs it (kind load)
     from conftest import _cluster_env
 
-    outdir = CACHE / "images"
-    subprocess.run([sys.executable, str(ROOT / "e2e" / "images.py"), str(outdir), "--debian"], check=True)
     env = _cluster_env()
-    ctr = ["ctr", "--address", env["CONTAINERD_ADDRESS"], "-n", "k8s.io", "images"]
     path = {**os.environ, "PATH": env["PATH"].replace("$PATH", os.environ["PATH"])}
-    have = subprocess.run([*ctr, "ls", "-q"], env=path, check=True, capture_output=True, text=True).stdout
-    for tar, name in (("debian.tar", DEBIAN_IMAGE), ("cuda-style.tar", CUDA_STYLE_IMAGE)):
-        if name not in have.split():
-            subprocess.run([*ctr, "import", str(outdir / tar)], env=path, check=True, capture_output=True)
+    images = [sys.executable, str(ROOT / "e2e" / "images.py"), str(CACHE / "images"), "--debian"]
+    subprocess.run([*images, "--import-to", env["CONTAINERD_ADDRESS"]], env=path, check=True)
 
 
 @pytest.fixture(scope="module")
