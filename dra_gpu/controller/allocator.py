@@ -484,15 +484,6 @@ class _Search:
         return cost == 0  # nothing beats 0
 
 
-@dataclass
-class Explanation:
-    allocatable: bool
-    placement: Placement | None = None
-    best: Placement | None = None
-    reason: str = ""
-    simulated: bool = True  # False: a selector could not be evaluated here (UnmodelledError)
-
-
 def place(
     cluster: Cluster, spec: Mapping[str, Any], node: str, ignore_in_use: bool = False, best: bool = False
 ) -> Placement | None:
@@ -501,23 +492,3 @@ def place(
     if found is None:
         return None
     return Placement(node, [(s.name, d) for s, d in found], link_cost([d for _, d in found]))
-
-
-def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> Explanation:
-    """First-fit placement on the first node (by name) where the claim fits, and the cheapest there."""
-    try:
-        for node in cluster.nodes:
-            p = place(cluster, spec, node, ignore_in_use)
-            if p is not None:
-                b = p
-                if len(p.results) > 1:
-                    try:
-                        b = place(cluster, spec, node, ignore_in_use, best=True) or p
-                    except SearchLimitError:
-                        b = p
-                return Explanation(True, p, b if b.link_cost < p.link_cost else p)
-    except AllocationError as exc:
-        return Explanation(False, reason=str(exc), simulated=not isinstance(exc, UnmodelledError))
-    from dra_gpu.controller.diagnosis import why_not  # late: diagnosis builds on this module
-
-    return Explanation(False, reason=why_not(cluster, spec, ignore_in_use))

@@ -161,7 +161,8 @@ def _allocated(claim: dict[str, Any]) -> bool:
 
 
 def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[str, Any]:
-    from dra_gpu.controller.allocator import Cluster, allocated_devices, explain
+    from dra_gpu.controller.allocator import Cluster, allocated_devices
+    from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import Validator
 
     validator = Validator(driver, inputs.slices, inputs.classes)

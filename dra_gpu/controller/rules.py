@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dra_gpu.api import ConfigError, decode
-from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices, explain
+from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices
 from dra_gpu.controller.cel_env import CelEnvironment, Schema
+from dra_gpu.controller.explain import explain
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 API_VERSION = "resource.k8s.io/v1"
