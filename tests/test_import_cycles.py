@@ -101,6 +101,4 @@ def test_cycle_finder_finds_a_cycle() -> None:
 def test_no_import_cycles() -> None:
     graph = import_graph()
     cycles = _cycles(graph)
-    assert not cycles, "import cycles among dra_gpu's modules: " + "; ".join(
-        " <-> ".join(c) for c in cycles
-    )
+    assert not cycles, "import cycles among dra_gpu's modules: " + "; ".join(" <-> ".join(c) for c in cycles)

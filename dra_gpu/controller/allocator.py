@@ -31,6 +31,14 @@ class AllocationError(RuntimeError):
     """The allocation cannot even be attempted (unknown class, a selector failing at runtime, ...)."""
 
 
+class UnknownClassError(AllocationError):
+    """A request names a DeviceClass that does not exist (it may be created later)."""
+
+    def __init__(self, device_class: str) -> None:
+        super().__init__(f"device class {device_class!r} does not exist")
+        self.device_class = device_class
+
+
 class UnmodelledError(AllocationError):
     """A selector uses Kubernetes CEL functions this simulation does not model (valid, not simulated)."""
 
@@ -317,7 +325,7 @@ class Cluster:
     def selectable(self, sub: SubRequest, device: Device) -> bool:
         cls = self.classes.get(sub.device_class)
         if cls is None:
-            raise AllocationError(f"device class {sub.device_class!r} does not exist")
+            raise UnknownClassError(sub.device_class)
         for s in (cls.get("spec") or {}).get("selectors") or []:
             if not self.matches(str((s.get("cel") or {}).get("expression", "")), device):
                 return False

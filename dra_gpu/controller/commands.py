@@ -83,7 +83,7 @@ def _allocated(claim: dict[str, Any]) -> bool:
 def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[str, Any]:
     from dra_gpu.controller.allocator import Cluster, allocated_devices
     from dra_gpu.controller.explain import explain
-    from dra_gpu.controller.rules import Validator
+    from dra_gpu.controller.rules import ProblemKind, Validator
 
     validator = Validator(driver, inputs.slices, inputs.classes)
     classes = {str((c.get("metadata") or {}).get("name")): c for c in inputs.classes}
@@ -108,7 +108,7 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
             "simulated": True,  # False: a selector uses Kubernetes CEL functions dra-gpu does not model
         }
         verdict = validator.validate({**claim, "status": {}})
-        if verdict.errors and not any("can never be satisfied" in p.message for p in verdict.errors):
+        if verdict.errors and not any(p.kind is ProblemKind.UNSATISFIABLE for p in verdict.errors):
             entry["reason"] = "; ".join(f"{p.path}: {p.message}" for p in verdict.errors)
             out.append(entry)
             continue

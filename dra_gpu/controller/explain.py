@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from dra_gpu.controller.allocator import (
@@ -15,10 +16,20 @@ from dra_gpu.controller.allocator import (
     Cluster,
     Placement,
     SearchLimitError,
+    UnknownClassError,
     UnmodelledError,
     place,
 )
 from dra_gpu.controller.diagnosis import why_not
+
+
+class Failure(Enum):
+    """Why a claim is not allocatable, for callers that act on it; the words are in `reason`."""
+
+    NO_PLACEMENT = "no-placement"  # the search ran and no combination of devices fits
+    UNKNOWN_CLASS = "unknown-class"  # a request names a DeviceClass that does not exist (yet)
+    NOT_SIMULATED = "not-simulated"  # a selector uses Kubernetes CEL functions dra-gpu does not model
+    NOT_ATTEMPTED = "not-attempted"  # a selector failed at runtime, or the search ran out of steps
 
 
 @dataclass
@@ -27,7 +38,20 @@ class Explanation:
     placement: Placement | None = None
     best: Placement | None = None
     reason: str = ""
-    simulated: bool = True  # False: a selector could not be evaluated here (UnmodelledError)
+    failure: Failure | None = None  # None when allocatable
+
+    @property
+    def simulated(self) -> bool:
+        """False: a selector could not be evaluated here, so the allocation was not simulated."""
+        return self.failure is not Failure.NOT_SIMULATED
+
+
+def _failure(exc: AllocationError) -> Failure:
+    if isinstance(exc, UnknownClassError):
+        return Failure.UNKNOWN_CLASS
+    if isinstance(exc, UnmodelledError):
+        return Failure.NOT_SIMULATED
+    return Failure.NOT_ATTEMPTED
 
 
 def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> Explanation:
@@ -44,5 +68,11 @@ def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = Fal
                         b = p
                 return Explanation(True, p, b if b.link_cost < p.link_cost else p)
     except AllocationError as exc:
-        return Explanation(False, reason=str(exc), simulated=not isinstance(exc, UnmodelledError))
-    return Explanation(False, reason=why_not(cluster, spec, ignore_in_use))
+        return Explanation(False, reason=str(exc), failure=_failure(exc))
+    try:
+        reason = why_not(cluster, spec, ignore_in_use)
+    except UnknownClassError as exc:
+        return Explanation(False, reason=str(exc), failure=Failure.UNKNOWN_CLASS)
+    except AllocationError as exc:  # the search did run: its words are the diagnosis's error
+        return Explanation(False, reason=str(exc), failure=Failure.NO_PLACEMENT)
+    return Explanation(False, reason=reason, failure=Failure.NO_PLACEMENT)

@@ -12,12 +12,13 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from dra_gpu.api import ConfigError, decode
 from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices
 from dra_gpu.controller.cel_env import CelEnvironment, Schema
-from dra_gpu.controller.explain import explain
+from dra_gpu.controller.explain import Failure, explain
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 API_VERSION = "resource.k8s.io/v1"
@@ -32,10 +33,21 @@ _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUALIFIED_NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 
 
+class ProblemKind(Enum):
+    """What kind of problem, for callers that act on it; the words for people are in `message`."""
+
+    INVALID = "invalid"  # wrong as written: structure, limits, CEL, names, opaque config
+    UNSATISFIABLE = "unsatisfiable"  # valid, but the published devices can never satisfy it
+    UNKNOWN_CLASS = "unknown-class"  # names a DeviceClass that does not exist (it may be created later)
+    IN_USE = "in-use"  # satisfiable, but not now: the devices it needs are allocated
+    NOT_CHECKED = "not-checked"  # a check was skipped (no published slices, CEL functions not modelled)
+
+
 @dataclass(frozen=True)
 class Problem:
     path: str
     message: str
+    kind: ProblemKind = ProblemKind.INVALID
 
 
 @dataclass
@@ -181,6 +193,7 @@ class Validator:
                         p,
                         f"uses {', '.join(unmodelled)} of the Kubernetes CEL libraries, which dra-gpu does "
                         "not model: not type-checked, and feasibility is not checked",
+                        ProblemKind.NOT_CHECKED,
                     )
                 )
 
@@ -366,26 +379,42 @@ class Validator:
     def _feasibility(self, spec: Mapping[str, Any], path: str, v: Verdict) -> None:
         if not self.has_driver_slices:
             v.warnings.append(
-                Problem(path, f"no ResourceSlices of {self.driver} are published; feasibility not checked")
+                Problem(
+                    path,
+                    f"no ResourceSlices of {self.driver} are published; feasibility not checked",
+                    ProblemKind.NOT_CHECKED,
+                )
             )
             return
         try:
             ever = explain(self.cluster, spec, ignore_in_use=True)
         except AllocationError as exc:  # pragma: no cover - explain reports these in .reason
-            v.warnings.append(Problem(path, str(exc)))
+            v.warnings.append(Problem(path, str(exc), ProblemKind.NOT_CHECKED))
             return
         if not ever.allocatable:
             if not ever.simulated:  # a selector (the claim's or its class's) is valid but not modelled
-                v.warnings.append(Problem(path, f"feasibility not checked: {ever.reason}"))
-            elif "does not exist" in ever.reason:  # the class may be created later
-                v.warnings.append(Problem(path, ever.reason))
+                v.warnings.append(
+                    Problem(path, f"feasibility not checked: {ever.reason}", ProblemKind.NOT_CHECKED)
+                )
+            elif ever.failure is Failure.UNKNOWN_CLASS:  # the class may be created later
+                v.warnings.append(Problem(path, ever.reason, ProblemKind.UNKNOWN_CLASS))
             else:
                 v.errors.append(
-                    Problem(path, f"can never be satisfied by the published devices: {ever.reason}")
+                    Problem(
+                        path,
+                        f"can never be satisfied by the published devices: {ever.reason}",
+                        ProblemKind.UNSATISFIABLE,
+                    )
                 )
             return
         if not self.cluster.in_use:
             return
         now = explain(self.cluster, spec)
         if not now.allocatable:
-            v.warnings.append(Problem(path, f"cannot be allocated right now (devices in use): {now.reason}"))
+            v.warnings.append(
+                Problem(
+                    path,
+                    f"cannot be allocated right now (devices in use): {now.reason}",
+                    ProblemKind.IN_USE,
+                )
+            )
