@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from dra_gpu.kubernetes_values import format_quantity
 from dra_gpu.model import Inventory
-from dra_gpu.slices import quantity
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -20,7 +20,7 @@ def device_table(inv: Inventory) -> str:
                 "gpu (mig mode)" if gpu.mig_enabled else "gpu",
                 str(gpu.index),
                 gpu.product_name,
-                quantity(gpu.memory_bytes) if gpu.memory_bytes else "-",
+                format_quantity(gpu.memory_bytes) if gpu.memory_bytes else "-",
                 str(gpu.multiprocessors or "-"),
                 gpu.pci_bus_id,
                 "-" if gpu.numa_node is None else str(gpu.numa_node),
@@ -34,7 +34,7 @@ def device_table(inv: Inventory) -> str:
                     "mig",
                     f"{gpu.index}/{mig.gpu_instance_id}",
                     f"  {mig.profile}",
-                    quantity(mig.memory_bytes),
+                    format_quantity(mig.memory_bytes),
                     str(mig.multiprocessors),
                     gpu.pci_bus_id,
                     "-" if gpu.numa_node is None else str(gpu.numa_node),

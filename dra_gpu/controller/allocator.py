@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from dra_gpu.controller.cel_env import CelEnvironment, CelError, SelectorEvalError, parse_quantity_str
+from dra_gpu.controller.cel_env import CelEnvironment, CelError, SelectorEvalError
+from dra_gpu.kubernetes_values import parse_quantity
 
 SAME_DOMAIN_COST = 1
 CROSS_DOMAIN_COST = 4
@@ -80,7 +81,7 @@ class Device:
         value = caps.get(name) or caps.get(f"{self.driver}/{name}")
         if isinstance(value, dict) and "value" in value:
             try:
-                return parse_quantity_str(str(value["value"]))
+                return parse_quantity(str(value["value"]))
             except ValueError:
                 return None
         return None
@@ -253,9 +254,7 @@ class Cluster:
             for s in p.slices:
                 for cs in s["spec"].get("sharedCounters") or []:
                     for cname, c in (cs.get("counters") or {}).items():
-                        p.counters[(str(cs.get("name")), str(cname))] = parse_quantity_str(
-                            str(c.get("value"))
-                        )
+                        p.counters[(str(cs.get("name")), str(cname))] = parse_quantity(str(c.get("value")))
         return [pools[k] for k in sorted(pools)]
 
     def devices(self, node: str) -> list[Device]:
@@ -279,7 +278,7 @@ class Cluster:
                             (
                                 str(cc.get("counterSet")),
                                 {
-                                    str(k): parse_quantity_str(str(v.get("value")))
+                                    str(k): parse_quantity(str(v.get("value")))
                                     for k, v in (cc.get("counters") or {}).items()
                                 },
                             )

@@ -20,17 +20,17 @@ The Kubernetes quantity and semver libraries are not part of cel-cpp; they are i
 from __future__ import annotations
 
 import difflib
-import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from cel_expr_python import cel
 from cel_expr_python.ext import ext_bindings, ext_optional, ext_strings
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
-from kubernetes.utils.quantity import parse_quantity
+
+from dra_gpu.kubernetes_values import SemverValue, parse_quantity, parse_semver
 
 STANDARD_DOMAIN = "resource.kubernetes.io"
 MAX_EXPRESSION_LENGTH = 10 * 1024  # CELSelectorExpressionMaxLength
@@ -68,12 +68,6 @@ KNOWN_CAPACITIES = (
 )
 KNOWN_STANDARD_ATTRIBUTES = {"pciBusID": "string", "pcieRoot": "string"}
 
-_SEMVER = re.compile(
-    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
-    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
-)
-_LOOSE_SEMVER = re.compile(r"^v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:-([0-9A-Za-z.-]+))?(?:\+([0-9A-Za-z.-]+))?$")
 _DOMAIN_REF = re.compile(r"device\s*\.\s*(?:attributes|capacity)\s*\[\s*([\"'])([^\"']+)\1\s*\]")
 _ERROR_LINE = re.compile(r"ERROR: <input>:(\d+):(\d+): ([^\n]*)")
 
@@ -123,62 +117,6 @@ _LENIENT_TYPE_ERRORS = (
 _TWO_VAR_LOOP = re.compile(
     r"\.\s*(?:all|exists|existsOne|transformList|transformMap|transformMapEntry)\s*\(\s*(\w+)\s*,\s*(\w+)\s*,"
 )
-
-
-# ---------------------------------------------------------------- quantity and semver values
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_quantity_str(text: str) -> Decimal:
-    try:
-        value = parse_quantity(text)  # type: ignore[no-untyped-call]
-    except (ValueError, InvalidOperation) as exc:
-        raise ValueError(f"{text!r} is not a quantity") from exc
-    return Decimal(value)
-
-
-@dataclass(frozen=True, order=False)
-class SemverValue:
-    major: int
-    minor: int
-    patch: int
-    pre: tuple[str, ...] = ()
-
-    def key(self) -> tuple[Any, ...]:
-        # SemVer 2.0 precedence: a release sorts after its pre-releases; numeric ids before alphanumeric.
-        pre_key = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in self.pre)
-        return (self.major, self.minor, self.patch, 0 if self.pre else 1, pre_key)
-
-    def compare(self, other: SemverValue) -> int:
-        a, b = self.key(), other.key()
-        return (a > b) - (a < b)
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_semver(text: str, normalize: bool = False) -> SemverValue:
-    if normalize:
-        m = _LOOSE_SEMVER.match(text)
-        if not m:
-            raise ValueError(f"{text!r} is not a semantic version")
-        nums = [int(g) if g else 0 for g in m.group(1, 2, 3)]
-        pre = tuple(m.group(4).split(".")) if m.group(4) else ()
-        return SemverValue(nums[0], nums[1], nums[2], pre)
-    m = _SEMVER.match(text)
-    if not m:
-        raise ValueError(f"{text!r} is not a semantic version")
-    pre = tuple(m.group(4).split(".")) if m.group(4) else ()
-    return SemverValue(int(m.group(1)), int(m.group(2)), int(m.group(3)), pre)
-
-
-def format_quantity(value: Decimal) -> str:
-    """Bytes as a readable quantity: 85899345920 -> "80Gi", 85520809984 -> "81559Mi"."""
-    if value == value.to_integral_value():
-        n = int(value)
-        for suffix, factor in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-            if n >= factor and n % factor == 0:
-                return f"{n // factor}{suffix}"
-        return str(n)
-    return str(value.normalize())
 
 
 # ---------------------------------------------------------------- protobuf types
@@ -337,7 +275,7 @@ class CelEnvironment:
     # -- function implementations (one dispatcher per name: cel-cpp dispatches by kind only)
 
     def _q(self, v: Any) -> Decimal:
-        return parse_quantity_str(v.value)
+        return parse_quantity(v.value)
 
     def _s(self, v: Any) -> SemverValue:
         return parse_semver(v.value, True)
@@ -354,7 +292,7 @@ class CelEnvironment:
         raise TypeError(f"no such overload: compare {type(a).__name__} with {type(b).__name__}")
 
     def _quantity(self, text: str) -> Any:
-        parse_quantity_str(text)
+        parse_quantity(text)
         return self.Quantity(value=text)
 
     def _semver(self, text: str, normalize: bool = False) -> Any:
@@ -370,7 +308,7 @@ class CelEnvironment:
 
     def _is_quantity(self, text: str) -> bool:
         try:
-            parse_quantity_str(text)
+            parse_quantity(text)
         except ValueError:
             return False
         return True

@@ -20,7 +20,7 @@ from dra_gpu.controller.allocator import (
     UnknownClassError,
     parse_requests,
 )
-from dra_gpu.controller.cel_env import format_quantity
+from dra_gpu.kubernetes_values import format_quantity
 
 _CAP_COMPARE = re.compile(
     r"capacity\s*\[\s*[\"']([^\"']+)[\"']\s*\]\s*\.\s*(\w+)\s*\.\s*"
