@@ -13,10 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dra_gpu.controller.inputs import InputError, Inputs, load_cluster, load_files
+from dra_gpu.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from dra_gpu.model import DEFAULT_DRIVER_NAME
-
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
-
 
 # ---------------------------------------------------------------- validate
 

@@ -35,6 +35,7 @@ from prometheus_client import (
 from dra_gpu.controller.cel_env import CelEnvironment, Schema
 from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.rules import KINDS, Validator
+from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.kube import RESOURCE_V1, Kube
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
@@ -355,7 +356,7 @@ def run(config: WebhookConfig) -> int:
         asyncio.run(serve(config))
     except (OSError, ssl.SSLError, InputError) as exc:
         print(f"dra-gpu controller: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
-        return 0
-    return 0
+        return EXIT_OK
+    return EXIT_OK
