@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dra_gpu.attributes import cuda_major_minor
 from dra_gpu.kubernetes_values import format_quantity
 from dra_gpu.model import Inventory
 
@@ -89,8 +90,8 @@ def domain_list(inv: Inventory) -> str:
 def render(inv: Inventory) -> str:
     versions = f"driver {inv.driver_version or '?'}"
     if inv.cuda_driver_version:
-        cuda = inv.cuda_driver_version
-        versions += f", CUDA {cuda // 1000}.{(cuda % 1000) // 10}"
+        major, minor = cuda_major_minor(inv.cuda_driver_version)
+        versions += f", CUDA {major}.{minor}"
     parts = [f"Node {inv.node_name}: {len(inv.gpus)} GPUs ({versions})", "", device_table(inv)]
     if inv.gpus:
         parts += ["", "NVLink matrix (NV<n>: n links, or PCIe: PIX/PXB/PHB/NODE/SYS)", link_matrix(inv)]

@@ -7,15 +7,10 @@ from typing import Any
 import pytest
 from conftest import bus, discover_doc, gpu_uuid
 
+from dra_gpu.attributes import cuda_version, normalise_version
 from dra_gpu.discovery import discover_node
 from dra_gpu.kubernetes_values import format_quantity
-from dra_gpu.slices import (
-    SliceLimitError,
-    build_slices,
-    cuda_version,
-    normalise_version,
-    validate_device,
-)
+from dra_gpu.slices import SliceLimitError, build_slices, validate_device
 
 GPU_ATTRIBUTES = {
     "type",

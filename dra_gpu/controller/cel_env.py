@@ -30,43 +30,12 @@ from cel_expr_python import cel
 from cel_expr_python.ext import ext_bindings, ext_optional, ext_strings
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
 
+from dra_gpu.attributes import CAPACITIES, DRIVER_ATTRIBUTES, STANDARD_DOMAIN
 from dra_gpu.kubernetes_values import SemverValue, parse_quantity, parse_semver
 
-STANDARD_DOMAIN = "resource.kubernetes.io"
 MAX_EXPRESSION_LENGTH = 10 * 1024  # CELSelectorExpressionMaxLength
 MAX_ESTIMATED_COST = 1_000_000  # CELSelectorExpressionMaxCost
 MAX_MAP_SIZE = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice: the size cel-go assumes
-
-# Attributes the driver publishes (see DESIGN.md, "Contracts"); published slices may add more.
-KNOWN_ATTRIBUTES: dict[str, str] = {
-    "type": "string",
-    "uuid": "string",
-    "productName": "string",
-    "brand": "string",
-    "architecture": "string",
-    "index": "int",
-    "minor": "int",
-    "cudaComputeCapability": "version",
-    "driverVersion": "version",
-    "cudaDriverVersion": "version",
-    "numaNode": "int",
-    "nvlinkDomain": "string",
-    "nvlinkDomainSize": "int",
-    "profile": "string",
-    "parentUUID": "string",
-    "parentIndex": "int",
-    "parentMinor": "int",
-}
-KNOWN_CAPACITIES = (
-    "memory",
-    "multiprocessors",
-    "copyEngines",
-    "decoders",
-    "encoders",
-    "jpegEngines",
-    "ofaEngines",
-)
-KNOWN_STANDARD_ATTRIBUTES = {"pciBusID": "string", "pcieRoot": "string"}
 
 _DOMAIN_REF = re.compile(r"device\s*\.\s*(?:attributes|capacity)\s*\[\s*([\"'])([^\"']+)\1\s*\]")
 _ERROR_LINE = re.compile(r"ERROR: <input>:(\d+):(\d+): ([^\n]*)")
@@ -176,7 +145,8 @@ class Schema:
 
     @classmethod
     def default(cls, driver: str) -> Schema:
-        return cls(driver, dict(KNOWN_ATTRIBUTES), set(KNOWN_CAPACITIES))
+        """The attributes and capacities dra-gpu declares (dra_gpu.attributes)."""
+        return cls(driver, dict(DRIVER_ATTRIBUTES), set(CAPACITIES))
 
     def add_slices(self, slices: Iterable[Mapping[str, Any]]) -> None:
         """Learn the attributes the driver's published devices carry."""
