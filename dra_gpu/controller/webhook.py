@@ -73,8 +73,11 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5),
             registry=self.registry,
         )
-        self.devices = Gauge(
-            "dra_gpu_published_devices", "Devices in the watched ResourceSlices", registry=self.registry
+        # Not dra_gpu_published_devices: that is the kubelet plugin's (devices in its node's slices).
+        self.watched_devices = Gauge(
+            "dra_gpu_webhook_watched_devices",
+            "Devices in the watched ResourceSlices",
+            registry=self.registry,
         )
         self.cert_reloads = Counter(
             "dra_gpu_cert_reloads_total", "Certificate reloads", ["result"], registry=self.registry
@@ -192,7 +195,7 @@ class Webhook:
         return web.Response(text="ok\n")
 
     async def metrics_page(self, _: web.Request) -> web.Response:
-        self.metrics.devices.set(self.state.device_count())
+        self.metrics.watched_devices.set(self.state.device_count())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -196,7 +196,7 @@ def test_healthz_and_metrics(server: Server) -> None:
         in text
     )
     assert 'result="malformed"} 1.0' in text
-    assert "dra_gpu_published_devices 8.0" in text
+    assert "dra_gpu_webhook_watched_devices 8.0" in text
     assert server.request("/healthz") == (200, b"ok\n")
 
 
