@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from dra_gpu.controller.cel_env import CelEnvironment, CelError, SelectorEvalError
+from dra_gpu.controller.cel import CelEnvironment, CelError, SelectorEvalError
 from dra_gpu.kubernetes_values import parse_quantity
 
 SAME_DOMAIN_COST = 1

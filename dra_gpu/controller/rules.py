@@ -16,7 +16,7 @@ from typing import Any
 
 from dra_gpu.api import ConfigError, decode
 from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices
-from dra_gpu.controller.cel_env import CelEnvironment, Schema
+from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.explain import Failure, explain
 from dra_gpu.kubernetes_values import (
     DNS_LABEL,

@@ -32,7 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from dra_gpu.controller.cel_env import CelEnvironment, Schema
+from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.rules import KINDS, Validator
 from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
