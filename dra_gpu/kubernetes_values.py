@@ -14,6 +14,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 RESOURCE_API_VERSION = "resource.k8s.io/v1"
+MAX_ATTRIBUTES_AND_CAPACITIES = 32  # per device: ResourceSliceMaxAttributesAndCapacitiesPerDevice
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")

@@ -22,6 +22,7 @@ from dra_gpu.attributes import (
 from dra_gpu.kubernetes_values import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
+    MAX_ATTRIBUTES_AND_CAPACITIES,
     RESOURCE_API_VERSION,
     SEMVER,
     format_quantity,
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_ADVANCED = 64  # when any device has taints or consumes counters
-MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_STRING_VALUE = 64
 MAX_VERSION_VALUE = 64
 INT64 = (-(2**63), 2**63 - 1)

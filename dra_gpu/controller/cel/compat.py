@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 
+from dra_gpu.kubernetes_values import MAX_ATTRIBUTES_AND_CAPACITIES
+
 MAX_EXPRESSION_LENGTH = 10 * 1024  # CELSelectorExpressionMaxLength
 MAX_ESTIMATED_COST = 1_000_000  # CELSelectorExpressionMaxCost
-MAX_MAP_SIZE = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice: the size cel-go assumes
+MAX_MAP_SIZE = MAX_ATTRIBUTES_AND_CAPACITIES  # the size cel-go assumes for a device's maps
 
 _ERROR_LINE = re.compile(r"ERROR: <input>:(\d+):(\d+): ([^\n]*)")
 
