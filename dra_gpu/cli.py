@@ -18,11 +18,10 @@ from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
 from dra_gpu.discovery.driver_install import describe as describe_installation
 from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
+from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from dra_gpu.inventory_report import render
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 from dra_gpu.slices import SliceLimitError, build_slices
-
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -230,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return EXIT_OK
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
