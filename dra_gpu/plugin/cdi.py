@@ -97,10 +97,8 @@ class CdiSpecs:
         devices: list[CdiDevice],
         control_nodes: list[DeviceNode],
         common_env: dict[str, str],
-        driver_edits: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The claim's self-contained spec; `driver_edits` (the driver's user space: mounts and
-        hooks, the same for every claim, see driver_files) are shared, never copied or changed."""
+        """The claim's own part of its spec (devices, control nodes, env); see `compose`."""
         spec_devices = []
         for dev in devices:
             name = f"{claim_uid}-{dev.name}"
@@ -119,8 +117,20 @@ class CdiSpecs:
                 "deviceNodes": [n.to_cdi() for n in control_nodes],
             },
         }
-        if driver_edits:
-            spec["containerEdits"].update(driver_edits)
+        spec["cdiVersion"] = minimum_version(spec)
+        return spec
+
+    @staticmethod
+    def compose(claim_spec: dict[str, Any], driver_edits: dict[str, Any]) -> dict[str, Any]:
+        """The spec file's content: the claim's own part plus the node's driver user space (the
+        same for every claim, see driver_files; shared, never copied or changed). The checkpoint
+        records only the claim's part, so its size does not grow with the driver's files."""
+        if not driver_edits:
+            return claim_spec
+        edits = dict(claim_spec["containerEdits"])
+        for key, value in driver_edits.items():
+            edits[key] = [*edits.get(key, []), *value]
+        spec = {**claim_spec, "containerEdits": edits}
         spec["cdiVersion"] = minimum_version(spec)
         return spec
 

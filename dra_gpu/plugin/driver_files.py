@@ -15,6 +15,8 @@ container finds them:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -108,6 +110,7 @@ class DriverFiles:
         self._clock = clock
         self._checked_at = float("-inf")
         self._edits: dict[str, Any] | None = None
+        self.digest: str | None = None  # of the edits, recorded with each claim
         self.installation: DriverInstallation | None = None
         self.refresh()
 
@@ -124,6 +127,8 @@ class DriverFiles:
             log.error("driver installation unusable root=%s error=%s", found.root, found.error)
         else:
             self._edits = container_edits(found, self.hook_path)
+            canonical = json.dumps(self._edits, sort_keys=True, separators=(",", ":")).encode()
+            self.digest = hashlib.sha256(canonical).hexdigest()[:16]
             log.info(
                 "driver installation root=%s version=%s libraries=%d binaries=%d firmware=%d "
                 "ipc=%d missing_optional=%s",

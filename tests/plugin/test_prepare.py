@@ -60,7 +60,10 @@ def test_prepare_writes_a_valid_cdi_spec_and_a_completed_record(core: PluginCore
     assert mounts["/usr/local/nvidia/lib64/libnvidia-ml.so.1"].endswith(f"libnvidia-ml.so.{version}")
     assert mounts["/usr/bin/nvidia-smi"] == str(core.driver_root / "usr/bin/nvidia-smi")
     rec = core.checkpoint.get(u)
-    assert rec is not None and rec.state == COMPLETED and rec.cdi_spec == spec
+    assert rec is not None and rec.state == COMPLETED
+    # The record keeps the claim's own part; the driver's files are added to the file only.
+    assert rec.cdi_spec is not None and "mounts" not in rec.cdi_spec["containerEdits"]
+    assert core.cdi.compose(rec.cdi_spec, core.preparer.driver_files.edits()) == spec
     assert oct(core.cdi.path(u).stat().st_mode & 0o777) == "0o644"
     assert not list(core.cdi.dir.glob(".*.tmp"))
 
