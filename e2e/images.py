@@ -38,7 +38,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 BUSYBOX = os.environ.get("E2E_BUSYBOX_BIN", "/bin/busybox")
 BUSYBOX_IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
@@ -176,10 +176,14 @@ def _write_layout(
 # ---------------------------------------------------------------------------- Debian images
 
 
+class _Sink(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
 class _Hashing(io.RawIOBase):
     """A write-only stream that hashes and counts what passes through to `out`."""
 
-    def __init__(self, out: BinaryIO) -> None:
+    def __init__(self, out: _Sink) -> None:
         self.out, self.sha, self.size = out, hashlib.sha256(), 0
 
     def writable(self) -> bool:
@@ -221,7 +225,7 @@ def debian_layer(cache_dir: str) -> tuple[str, dict[str, Any]]:
     ):
         gz_hash = _Hashing(raw)
         with gzip.GzipFile(fileobj=gz_hash, mode="wb", compresslevel=6, mtime=0) as gz:
-            tar_hash = _Hashing(gz)  # type: ignore[arg-type]
+            tar_hash = _Hashing(gz)
             assert proc.stdout is not None
             with (
                 tarfile.open(fileobj=proc.stdout, mode="r|") as src,

@@ -62,12 +62,12 @@ def _gpus() -> list[Any]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("simdriver") / "root"
-    return sd.build_driver_root(dest, VERSION, _gpus(), cuda_version=12080)
+    return Path(sd.build_driver_root(dest, VERSION, _gpus(), cuda_version=12080))
 
 
 @pytest.fixture
 def libdir(root: Path) -> Path:
-    return sd.lib_dir(root)
+    return Path(sd.lib_dir(root))
 
 
 @pytest.fixture

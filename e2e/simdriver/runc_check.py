@@ -53,13 +53,15 @@ def _read_image(archive: Path) -> tuple[dict[str, Any], str]:
     """The image config and the layer blob's name inside the archive."""
     with tarfile.open(archive) as tf:
 
-        def blob(digest: str) -> dict[str, Any]:
-            f = tf.extractfile("blobs/sha256/" + digest.split(":", 1)[1])
-            assert f is not None
+        def member(name: str) -> dict[str, Any]:
+            f = tf.extractfile(name)
+            assert f is not None, f"{archive} has no {name}"
             return dict(json.load(f))
 
-        index = json.load(tf.extractfile("index.json"))  # type: ignore[arg-type]
-        manifest = blob(index["manifests"][0]["digest"])
+        def blob(digest: str) -> dict[str, Any]:
+            return member("blobs/sha256/" + digest.split(":", 1)[1])
+
+        manifest = blob(member("index.json")["manifests"][0]["digest"])
         config = blob(manifest["config"]["digest"])
         (layer,) = manifest["layers"]
         return config, "blobs/sha256/" + layer["digest"].split(":", 1)[1]
