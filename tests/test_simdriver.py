@@ -178,7 +178,7 @@ def test_nvidia_smi_query_gpu_csv(root: Path, libdir: Path, devdir: Path) -> Non
         root, "--query-gpu=index,memory.total", "--format=csv,nounits", dev=devdir, libs=libdir
     )
     assert with_header.stdout.splitlines() == ["index, memory.total [MiB]", "0, 81559", "1, 81559"]
-    bad = _smi(root, "--query-gpu=uuid,bogus", "--format=csv", dev=devdir, libs=libdir)
+    bad = _smi(root, "--query-gpu=uuid,bogus", "--format=csv", dev=devdir / "none", libs=libdir)
     assert bad.returncode == 2 and 'Field "bogus" is not a valid field to query.' in bad.stdout
 
 
