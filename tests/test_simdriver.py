@@ -273,3 +273,13 @@ def test_cli_builds_a_profile(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "r")
     assert (sd.lib_dir(tmp_path / "r") / "libnvidia-ml.so.570.133.20").is_file()
+
+
+def test_a_cached_root_that_appears_meanwhile_is_kept(tmp_path: Path) -> None:
+    # As when another process renames the same root into place while this one compiles.
+    dest = tmp_path / "key"
+    dest.mkdir()
+    (dest / "theirs").write_text("")
+    sd._build(dest, VERSION, _gpus(), None, 12080, replace=False)
+    assert [p.name for p in dest.iterdir()] == ["theirs"]
+    assert [p.name for p in tmp_path.iterdir()] == ["key"]
