@@ -26,6 +26,7 @@ turn a profile into GPUs. Every root is built in a temporary directory and renam
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import re
@@ -87,6 +88,7 @@ class SimDriverError(RuntimeError):
     """The driver root could not be built; the message says which input or command failed."""
 
 
+@functools.cache
 def multiarch() -> str:
     """The machine's Debian multiarch triplet (library directory name), e.g. x86_64-linux-gnu."""
     out = subprocess.run([CC, "-print-multiarch"], check=True, capture_output=True, text=True)
