@@ -213,7 +213,8 @@ def check_device_nodes(facts: NodeFacts) -> Iterable[Result]:
             else "run `nvidia-modprobe -u -c=<minor>` (or `nvidia-smi` once) as root on the node; "
             "`dmesg | grep -i nvrm` if it fails"
         )
-        yield fail(name, f"under {root}: " + ", ".join(problems), fix)
+        listed = ", ".join(problems[:6]) + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
+        yield fail(name, f"under {root}: {listed}", fix)
         return
     yield ok(name, f"{len(wanted)} device nodes under {root} (GPUs, control nodes, MIG capabilities)")
 
