@@ -523,7 +523,13 @@ def check_webhook(view: ClusterView, settings: ClusterSettings) -> Iterable[Resu
             "<release> deploy/helm/dra-gpu",
         )
         return
-    config, hook = hooks[0] if hooks else ("", {})
+    if settings.webhook_url and len(hooks) > 1:
+        hooks = hooks[:1]  # one address given: the first configuration's caBundle goes with it
+    for i, (config, hook) in enumerate(hooks or [("", {})]):
+        yield _one_webhook(name if i == 0 else f"{name}/{config}", config, hook, settings)
+
+
+def _one_webhook(name: str, config: str, hook: Mapping[str, Any], settings: ClusterSettings) -> Result:
     client = hook.get("clientConfig") or {}
     svc = client.get("service") or {}
     url = settings.webhook_url or client.get("url")
@@ -542,22 +548,20 @@ def check_webhook(view: ClusterView, settings: ClusterSettings) -> Iterable[Resu
         served = fetch(url, client.get("caBundle"), settings.timeout)
     except socket.gaierror as exc:
         if via_service:
-            yield warn(
+            return warn(
                 name,
                 f"cannot resolve {url} from here ({exc.strerror}): outside the cluster?",
-                "kubectl -n NAMESPACE port-forward svc/NAME 8443:443, then --webhook-url https://127.0.0.1:8443/validate",
+                "kubectl -n NAMESPACE port-forward svc/NAME 8443:443, "
+                "then --webhook-url https://127.0.0.1:8443/validate",
             )
-        else:
-            yield fail(name, f"cannot resolve {url}: {exc.strerror}", "fix the webhook's clientConfig")
-        return
+        return fail(name, f"cannot resolve {url}: {exc.strerror}", "fix the webhook's clientConfig")
     except (OSError, CertificateError) as exc:
-        yield fail(
+        return fail(
             name,
             f"webhook{where} at {url} unreachable ({getattr(exc, 'strerror', None) or exc}): {impact}",
             "check the controller pod (`kubectl -n NAMESPACE get pods "
             "-l app.kubernetes.io/component=controller`) and its Service",
         )
-        return
     now = datetime.datetime.now(datetime.UTC)
     days = (served.not_after - now).total_seconds() / 86400
     until = served.not_after.strftime("%Y-%m-%d %H:%M UTC")
@@ -566,19 +570,18 @@ def check_webhook(view: ClusterView, settings: ClusterSettings) -> Iterable[Resu
         "`helm upgrade` (a new CA and certificate are made together)"
     )
     if days <= 0:
-        yield fail(name, f"the certificate served at {url} expired {until}: {impact}", renew)
-    elif served.trusted is False:
-        yield fail(
+        return fail(name, f"the certificate served at {url} expired {until}: {impact}", renew)
+    if served.trusted is False:
+        return fail(
             name,
             f"the certificate served at {url} is not trusted by the caBundle{where} "
             f"({served.trust_error}): {impact}",
             "make caBundle and the serving certificate from the same CA (`helm upgrade` does both)",
         )
-    elif days < settings.cert_warn_days:
-        yield warn(name, f"the certificate served at {url} expires in {days:.0f} days ({until})", renew)
-    else:
-        trust = ", trusted by the caBundle" if served.trusted else ""
-        yield ok(name, f"{url} reachable; certificate valid until {until} ({days:.0f} days){trust}")
+    if days < settings.cert_warn_days:
+        return warn(name, f"the certificate served at {url} expires in {days:.0f} days ({until})", renew)
+    trust = ", trusted by the caBundle" if served.trusted else ""
+    return ok(name, f"{url} reachable; certificate valid until {until} ({days:.0f} days){trust}")
 
 
 # ---------------------------------------------------------------- running them
