@@ -372,7 +372,9 @@ class PendingPods:
                 for d in _spec(s).get("devices") or []:
                     d.pop("taints", None)
         in_use = [c for c in self.view.claims if _allocated(c)]
-        inputs = Inputs(slices=slices, classes=list(self.view.classes), claims=in_use + claims)
+        # Items of a list call carry no kind, and the validator dispatches on it.
+        todo = [{"kind": "ResourceClaim", "apiVersion": "resource.k8s.io/v1", **c} for c in claims]
+        inputs = Inputs(slices=slices, classes=list(self.view.classes), claims=in_use + todo)
         result = explain_inputs(inputs, self.settings.driver)
         return {(c["namespace"], c["name"]): c for c in result["claims"]}
 

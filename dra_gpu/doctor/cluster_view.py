@@ -12,6 +12,7 @@ from typing import Any
 from dra_gpu.kube import RESOURCE_V1, Kube
 
 FAILED_PREPARE = "FailedPrepareDynamicResources"  # the kubelet's event reason
+LIST_KINDS = {"slices": "ResourceSlice", "classes": "DeviceClass", "claims": "ResourceClaim"}
 WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
 
 
@@ -66,6 +67,10 @@ async def load_view(kube: Kube, namespace: str | None, timeout: float) -> Cluste
     async def one(attr: str, path: str, selector: str | None) -> None:
         try:
             items, _ = await asyncio.wait_for(kube.list_objects(path, selector), timeout)
+            kind = LIST_KINDS.get(attr)
+            for item in items if kind else ():  # a list's items carry no kind; the validator needs it
+                item.setdefault("apiVersion", "resource.k8s.io/v1")
+                item.setdefault("kind", kind)
             setattr(view, attr, items)
         except Exception as exc:  # RBAC, timeouts: that list is missing, the rest still runs
             view.errors[attr] = f"list {path}: {_first_line(exc)}"

@@ -348,7 +348,9 @@ def test_claim_nobody_can_satisfy(env, core, dyn, namespace, busybox_image):
     results, table = env["doctor"].wait_for("doctor to see the Pending pod", check, "FAIL")
     _report("a claim nobody can satisfy", table)
     r = results[check]
-    assert "not allocatable" in r["detail"] and "dra-gpu explain" in r["fix"]
+    assert (
+        "not allocatable" in r["detail"] and "needs 16 GPUs" in r["detail"] and "dra-gpu explain" in r["fix"]
+    )
 
 
 def test_tainted_device(env, core, dyn, namespace, busybox_image):

@@ -132,10 +132,13 @@ def _pod(name: str, claim_name: str, node: str = "", **status: Any) -> dict[str,
 
 
 def test_pending_pod_with_a_claim_nobody_can_satisfy() -> None:
-    v = view(claims=[claim("huge", count=16)], pending_pods=[_pod("p", "huge")])
+    huge = claim("huge", count=16)
+    del huge["kind"], huge["apiVersion"]  # as the items of a list call come
+    v = view(claims=[huge], pending_pods=[_pod("p", "huge")])
     r = only(check_pending_pods(v, SETTINGS))
     assert r.check == "cluster/pending/default/p" and r.status is Status.FAIL
-    assert "claim huge not allocatable" in r.detail and "dra-gpu explain" in r.fix
+    assert "claim huge not allocatable" in r.detail and "16" in r.detail and "kind" not in r.detail
+    assert "dra-gpu explain" in r.fix
 
 
 def test_pending_pod_whose_class_was_deleted() -> None:
