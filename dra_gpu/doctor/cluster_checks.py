@@ -425,7 +425,8 @@ class PendingPods:
                 if untainted.get(key, {}).get("allocatable"):
                     return fail(
                         name,
-                        f"claim {key[1]}: only tainted devices could satisfy it ({verdict.get('reason')})",
+                        f"claim {key[1]}: only tainted devices could satisfy it (it fits when the taints "
+                        "are ignored)",
                         "repair the tainted devices (see cluster/device-taints) "
                         "or add a toleration to the claim",
                     )

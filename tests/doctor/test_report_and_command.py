@@ -83,3 +83,10 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["doctor", "--only", "everything"])
     assert exc.value.code == 2
     assert main(["doctor", "--timeout", "0"]) == 2
+
+
+def test_the_plugin_and_the_controller_never_import_doctor() -> None:
+    root = Path(__file__).resolve().parents[2] / "dra_gpu"
+    for package in ("plugin", "controller"):
+        for path in (root / package).rglob("*.py"):
+            assert "dra_gpu.doctor" not in path.read_text(encoding="utf-8"), path
