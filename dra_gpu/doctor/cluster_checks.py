@@ -10,12 +10,11 @@ import copy
 import datetime
 import json
 import socket
-import ssl
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dra_gpu.doctor.cluster_view import FAILED_PREPARE, ClusterView, load_view
-from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
+from dra_gpu.doctor.report import Result, fail, first_line, guarded, ok, skip, warn
 from dra_gpu.doctor.settings import ClusterSettings
 from dra_gpu.doctor.webhook_tls import CertificateError, fetch
 from dra_gpu.kube import RESOURCE_V1, Kube, KubeError
@@ -602,19 +601,19 @@ SYNC_CHECKS: tuple[tuple[str, Callable[[ClusterView, ClusterSettings], Iterable[
 
 async def _run(settings: ClusterSettings) -> list[Result]:
     try:
-        kube = await Kube.connect(settings.kubeconfig)
+        kube = await asyncio.wait_for(Kube.connect(settings.kubeconfig), settings.timeout)
     except Exception as exc:
         return [
             skip(
                 "cluster/api-server",
-                f"no usable kubeconfig: {str(exc).splitlines()[0] if str(exc) else exc!r}",
+                f"no usable kubeconfig: {first_line(exc)}",
             )
         ]
     try:
         try:
             view = await load_view(kube, settings.namespace, settings.timeout)
-        except (OSError, TimeoutError, KubeError, ssl.SSLError) as exc:
-            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except Exception as exc:  # refused, TLS, credentials, timeouts, HTTP errors: one verdict
+            why = first_line(exc)
             return [
                 fail(
                     "cluster/api-server",

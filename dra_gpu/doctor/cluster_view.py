@@ -9,6 +9,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from dra_gpu.doctor.report import first_line
 from dra_gpu.kube import RESOURCE_V1, Kube
 
 FAILED_PREPARE = "FailedPrepareDynamicResources"  # the kubelet's event reason
@@ -30,11 +31,6 @@ class ClusterView:
     taint_rules: list[dict[str, Any]] = field(default_factory=list)
     webhook_configs: list[dict[str, Any]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # what could not be listed -> why
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 async def load_view(kube: Kube, namespace: str | None, timeout: float) -> ClusterView:
@@ -73,7 +69,7 @@ async def load_view(kube: Kube, namespace: str | None, timeout: float) -> Cluste
                 item.setdefault("kind", kind)
             setattr(view, attr, items)
         except Exception as exc:  # RBAC, timeouts: that list is missing, the rest still runs
-            view.errors[attr] = f"list {path}: {_first_line(exc)}"
+            view.errors[attr] = f"list {path}: {first_line(exc)}"
 
     await asyncio.gather(*(one(a, p, s) for a, (p, s) in lists.items()))
     return view
