@@ -62,12 +62,12 @@ def _gpus() -> list[Any]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("simdriver") / "root"
-    return sd.build_driver_root(dest, VERSION, _gpus(), cuda_version=12080)
+    return Path(sd.build_driver_root(dest, VERSION, _gpus(), cuda_version=12080))
 
 
 @pytest.fixture
 def libdir(root: Path) -> Path:
-    return sd.lib_dir(root)
+    return Path(sd.lib_dir(root))
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_nvidia_smi_query_gpu_csv(root: Path, libdir: Path, devdir: Path) -> Non
         root, "--query-gpu=index,memory.total", "--format=csv,nounits", dev=devdir, libs=libdir
     )
     assert with_header.stdout.splitlines() == ["index, memory.total [MiB]", "0, 81559", "1, 81559"]
-    bad = _smi(root, "--query-gpu=uuid,bogus", "--format=csv", dev=devdir, libs=libdir)
+    bad = _smi(root, "--query-gpu=uuid,bogus", "--format=csv", dev=devdir / "none", libs=libdir)
     assert bad.returncode == 2 and 'Field "bogus" is not a valid field to query.' in bad.stdout
 
 
@@ -273,3 +273,13 @@ def test_cli_builds_a_profile(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp_path / "r")
     assert (sd.lib_dir(tmp_path / "r") / "libnvidia-ml.so.570.133.20").is_file()
+
+
+def test_a_cached_root_that_appears_meanwhile_is_kept(tmp_path: Path) -> None:
+    # As when another process renames the same root into place while this one compiles.
+    dest = tmp_path / "key"
+    dest.mkdir()
+    (dest / "theirs").write_text("")
+    sd._build(dest, VERSION, _gpus(), None, 12080, replace=False)
+    assert [p.name for p in dest.iterdir()] == ["theirs"]
+    assert [p.name for p in tmp_path.iterdir()] == ["key"]

@@ -26,6 +26,7 @@ turn a profile into GPUs. Every root is built in a temporary directory and renam
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import re
@@ -87,6 +88,7 @@ class SimDriverError(RuntimeError):
     """The driver root could not be built; the message says which input or command failed."""
 
 
+@functools.cache
 def multiarch() -> str:
     """The machine's Debian multiarch triplet (library directory name), e.g. x86_64-linux-gnu."""
     out = subprocess.run([CC, "-print-multiarch"], check=True, capture_output=True, text=True)
@@ -220,29 +222,39 @@ def build_driver_root(
     cuda_version: int = DEFAULT_CUDA_VERSION,
 ) -> Path:
     """Build the driver root at `dest` (replacing one that is there) and return `dest`."""
+    _build(Path(dest), version, gpus, stale_version, cuda_version, replace=True)
+    return Path(dest)
+
+
+def _build(
+    dest: Path, version: str, gpus: list[SimGpu], stale: str | None, cuda_version: int, *, replace: bool
+) -> None:
     _check_version(version, "version")
-    if stale_version is not None:
-        _check_version(stale_version, "stale_version")
-        if stale_version == version:
-            raise SimDriverError(f"stale_version {stale_version} must differ from version {version}")
+    if stale is not None:
+        _check_version(stale, "stale_version")
+        if stale == version:
+            raise SimDriverError(f"stale_version {stale} must differ from version {version}")
     if shutil.which(CC) is None:
         raise SimDriverError(f"no C compiler {CC!r}: install Debian's gcc and libc6-dev")
-    dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
-        _populate(tmp, version, cuda_version, gpus, stale_version)
+        _populate(tmp, version, cuda_version, gpus, stale)
         tmp.chmod(0o755)
         old = None
-        if dest.exists():  # a directory cannot be renamed over a non-empty one: move it aside first
+        if replace and dest.exists():  # a directory cannot be renamed over a non-empty one
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
             dest.rename(old / "root")
-        tmp.rename(dest)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            # Only a cached root may lose the race: another process renamed the same one in first.
+            if replace or not dest.is_dir():
+                raise
         if old is not None:
             shutil.rmtree(old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 def gpus_from_profile(profile: str | Path) -> tuple[list[SimGpu], str, int]:
@@ -280,13 +292,8 @@ def ensure_driver_root(
     gpus, profile_version, cuda_version = gpus_from_profile(profile)
     version = version or profile_version
     dest = Path(cache_dir) / "simdriver" / cache_key(version, cuda_version, gpus, stale_version)
-    if dest.is_dir():
-        return dest
-    try:
-        build_driver_root(dest, version, gpus, stale_version=stale_version, cuda_version=cuda_version)
-    except OSError:
-        if not dest.is_dir():  # another process may have renamed the same root into place first
-            raise
+    if not dest.is_dir():  # never replaced: someone may be using it
+        _build(dest, version, gpus, stale_version, cuda_version, replace=False)
     return dest
 
 

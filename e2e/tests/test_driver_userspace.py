@@ -93,6 +93,8 @@ def test_plain_glibc_image_loads_the_driver_and_lists_exactly_its_gpus(
 ):
     template(dyn, namespace, "gpus", count=2)
     gpu_pod(core, namespace, "glibc", DEBIAN_IMAGE, PROBE)
+    # Read while the pod lives: its template claim is deallocated once it is done.
+    devices = wait_for("the claim's allocation", lambda: allocated(dyn, namespace, "glibc"), timeout=60)
     phase, log = finished_log(core, namespace, "glibc", wait_pod)
     print(f"\n[e2e] plain glibc image:\n{log}")
     assert phase == "Succeeded", log
@@ -100,7 +102,7 @@ def test_plain_glibc_image_loads_the_driver_and_lists_exactly_its_gpus(
     assert "libcuda.so.1 resolved to /usr/lib/x86_64-linux-gnu/libcuda.so.1" in log, log
     assert "nvidia-smi is /usr/bin/nvidia-smi" in log, log
     attrs = device_attrs(dyn)
-    want = sorted(attrs[d]["uuid"] for d in allocated(dyn, namespace, "glibc"))
+    want = sorted(attrs[d]["uuid"] for d in devices)
     assert sorted(listed_uuids(log)) == want, log
 
 

@@ -81,24 +81,31 @@ static void print_value(enum kind k, const struct gpu *g, int units) {
     }
 }
 
-static int query(const char *fields, const char *format, unsigned count) {
+static int qidx[64], qn; /* the parsed --query-gpu fields */
+
+/* Checked before talking to the driver, as the real program rejects a bad field first. */
+static int parse_fields(const char *fields) {
     char list[1024], *save, *f;
-    int idx[64], nf = 0, header = !strstr(format, "noheader"), units = !strstr(format, "nounits");
     snprintf(list, sizeof list, "%s", fields);
-    for (f = strtok_r(list, ", ", &save); f && nf < 64; f = strtok_r(NULL, ", ", &save)) {
-        if ((idx[nf++] = find_field(f)) < 0) {
+    for (f = strtok_r(list, ", ", &save); f && qn < 64; f = strtok_r(NULL, ", ", &save)) {
+        if ((qidx[qn++] = find_field(f)) < 0) {
             printf("Field \"%s\" is not a valid field to query.\n\n", f);
             return EXIT_BAD_ARGS;
         }
     }
-    for (int i = 0; header && i < nf; i++) printf("%s%s", i ? ", " : "", FIELDS[idx[i]].header);
+    return 0;
+}
+
+static int query(const char *format, unsigned count) {
+    int header = !strstr(format, "noheader"), units = !strstr(format, "nounits");
+    for (int i = 0; header && i < qn; i++) printf("%s%s", i ? ", " : "", FIELDS[qidx[i]].header);
     if (header) printf("\n");
     for (unsigned d = 0; d < count; d++) {
         struct gpu g;
         read_gpu(d, &g);
-        for (int i = 0; i < nf; i++) {
+        for (int i = 0; i < qn; i++) {
             if (i) printf(", ");
-            print_value(FIELDS[idx[i]].kind, &g, units);
+            print_value(FIELDS[qidx[i]].kind, &g, units);
         }
         printf("\n");
     }
@@ -146,6 +153,7 @@ int main(int argc, char **argv) {
         printf("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n\n");
         return EXIT_BAD_ARGS;
     }
+    if (fields && parse_fields(fields)) return EXIT_BAD_ARGS;
     int rc = nvmlInit_v2();
     if (rc != 0) {
         printf("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
@@ -166,7 +174,7 @@ int main(int argc, char **argv) {
             printf("GPU %u: %s (UUID: %s)\n", i, g.name, g.uuid);
         }
         rc = 0;
-    } else if (fields) rc = query(fields, format, count);
+    } else if (fields) rc = query(format, count);
     else rc = table(count);
     nvmlShutdown();
     return rc;
