@@ -81,6 +81,22 @@ def test_kernel_module_and_libraries_of_different_versions(tmp_path: Path) -> No
     assert r.status is Status.FAIL and "565.57.01" in r.detail and "570.133.20" in r.detail
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.133.20  Fri Feb 28 2025",
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  (dvs-builder)",
+    ],
+)
+def test_kernel_module_of_the_same_version(tmp_path: Path, line: str) -> None:
+    s = settings(tmp_path)
+    version_file = s.dev_root / "proc/driver/nvidia/version"
+    version_file.parent.mkdir(parents=True)
+    version_file.write_text(line + "\nGCC version:  gcc version 12.2.0\n")
+    (r,) = check_driver(NodeFacts(s))
+    assert r.status is Status.OK and "570.133.20" in r.detail
+
+
 def test_no_nvml_skips_every_node_check(tmp_path: Path) -> None:
     results = run_node_checks(settings(tmp_path, profile=None, dev_root=tmp_path / "empty"))
     assert results and all(r.status is Status.SKIP for r in results)
