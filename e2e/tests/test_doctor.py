@@ -341,11 +341,26 @@ def _pod(core, namespace: str, name: str, template_name: str, busybox_image: str
     )
 
 
+def _delete_pod_and_claims(core, dyn, namespace: str, pod: str) -> None:
+    """The pod and its claim gone, so the next cases (and files) find every GPU free."""
+    core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
+    claims = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
+    wait_for(
+        f"the claims of {namespace}/{pod} to be deleted",
+        lambda: not claims.get(namespace=namespace).to_dict()["items"],
+        timeout=60,
+        interval=0.5,
+    )
+
+
 def test_claim_nobody_can_satisfy(env, core, dyn, namespace, busybox_image):
     template(dyn, namespace, "sixteen", count=16)
     _pod(core, namespace, "greedy", "sixteen", busybox_image)
     check = f"cluster/pending/{namespace}/greedy"
-    results, table = env["doctor"].wait_for("doctor to see the Pending pod", check, "FAIL")
+    try:
+        results, table = env["doctor"].wait_for("doctor to see the Pending pod", check, "FAIL")
+    finally:
+        _delete_pod_and_claims(core, dyn, namespace, "greedy")
     _report("a claim nobody can satisfy", table)
     r = results[check]
     assert (
@@ -389,6 +404,7 @@ def test_tainted_device(env, core, dyn, namespace, busybox_image):
         assert "only tainted devices" in results[check]["detail"] and "toleration" in results[check]["fix"]
     finally:
         rules.delete(name=name)
+        _delete_pod_and_claims(core, dyn, namespace, "all8")
 
 
 def test_missing_device_node(env):
