@@ -10,11 +10,11 @@ import copy
 import datetime
 import json
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from dra_gpu.doctor.cluster_view import FAILED_PREPARE, ClusterView, load_view
-from dra_gpu.doctor.report import Result, fail, first_line, guarded, ok, skip, warn
+from dra_gpu.doctor.report import Result, crashed, fail, first_line, guarded, ok, skip, warn
 from dra_gpu.doctor.settings import ClusterSettings
 from dra_gpu.doctor.webhook_tls import CertificateError, fetch
 from dra_gpu.kube import RESOURCE_V1, Kube, KubeError
@@ -644,18 +644,11 @@ def _bind(
     return lambda: fn(view, settings)
 
 
-async def _guarded_async(check: str, run: Callable[[], Any]) -> list[Result]:
+async def _guarded_async(check: str, run: Callable[[], Awaitable[Iterable[Result]]]) -> list[Result]:
     try:
         return list(await run())
     except Exception as exc:
-        return guarded(check, _raiser(exc))
-
-
-def _raiser(exc: Exception) -> Callable[[], Iterable[Result]]:
-    def run() -> Iterable[Result]:
-        raise exc
-
-    return run
+        return [crashed(check, exc)]
 
 
 def run_cluster_checks(settings: ClusterSettings) -> list[Result]:

@@ -52,19 +52,22 @@ def skip(check: str, why: str) -> Result:
     return Result(check, Status.SKIP, why)
 
 
+def crashed(check: str, exc: BaseException) -> Result:
+    """The FAIL that stands for a check that raised."""
+    log.debug("check %s crashed", check, exc_info=exc)
+    return fail(
+        check,
+        f"the check itself failed: {type(exc).__name__}: {first_line(exc)}",
+        "run `dra-gpu -v doctor` for details and report it",
+    )
+
+
 def guarded(check: str, run: Callable[[], Iterable[Result]]) -> list[Result]:
     """The results of `run`, or one FAIL naming the exception: a broken check must not hide the rest."""
     try:
         return list(run())
     except Exception as exc:
-        log.debug("check %s crashed", check, exc_info=True)
-        return [
-            fail(
-                check,
-                f"the check itself failed: {type(exc).__name__}: {first_line(exc)}",
-                "run with -v for details and report it",
-            )
-        ]
+        return [crashed(check, exc)]
 
 
 def first_line(exc: BaseException) -> str:
