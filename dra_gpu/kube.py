@@ -151,6 +151,19 @@ class Kube:
         finally:
             resp.release()
 
+    async def get_json(self, path: str) -> dict[str, Any] | None:
+        """Any GET (an object, an API group's discovery document); None when it does not exist."""
+        resp = await self._request("GET", path)
+        if resp.status == 404:
+            resp.release()
+            return None
+        return await _json(resp, f"get {path}")
+
+    async def create(self, path: str, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """POST an object to a collection; with `dry_run` the apiserver validates it and stores nothing."""
+        resp = await self._request("POST", path, {"dryRun": "All"} if dry_run else None, body)
+        return await _json(resp, f"create in {path}")
+
     async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
         return await self.list_objects(f"{RESOURCE_V1}/resourceslices", field_selector)
 
