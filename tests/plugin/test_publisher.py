@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dra_gpu.discovery import discover_node
-from dra_gpu.plugin.publisher import missing_fields
+from dra_gpu.kubeletplugin.publisher import missing_fields
 from dra_gpu.slices import build_slices
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from dra_gpu.kube import Kube, KubeError
-from dra_gpu.plugin.metrics import PluginMetrics
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
 log = logging.getLogger(__name__)
 
