@@ -34,7 +34,7 @@ from prometheus_client import (
 
 from dra_gpu.controller.cel_env import CelEnvironment, Schema
 from dra_gpu.controller.rules import KINDS, Validator
-from dra_gpu.kube import RESOURCE_V1, Kube
+from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 log = logging.getLogger(__name__)
@@ -264,42 +264,50 @@ def _unchanged_spec(req: Mapping[str, Any]) -> bool:
 # ---------------------------------------------------------------- watching the cluster
 
 
-async def watch_resource(state: ClusterState, store: str, kube: Kube, path: str, metrics: Metrics) -> None:
-    """List, then watch from the list's resourceVersion; relist on 410 Gone or any error (with backoff)."""
-    backoff = 1.0
-    while True:
-        try:
-            items, rv = await kube.list_objects(path)
-            state.replace(store, items)
-            log.info(
-                "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), rv
-            )
-            async for kind, obj in kube.watch_objects(path, rv, timeout_seconds=300):
-                backoff = 1.0
-                metrics.watch_events.labels(store).inc()
-                if kind == "ERROR":
-                    break  # e.g. 410 Gone: list again
-                if kind != "BOOKMARK":
-                    state.apply(store, kind, obj)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning(
-                "event=watch_error resource=%s error=%r retry_in=%.0fs", store, str(exc)[:200], backoff
-            )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
+WATCHED = (("slices", "resourceslices"), ("classes", "deviceclasses"), ("claims", "resourceclaims"))
+WATCH_BACKOFF = Backoff(initial=1.0, maximum=30.0)
+
+
+async def watch_resource(
+    state: ClusterState,
+    store: str,
+    kube: Kube,
+    path: str,
+    metrics: Metrics,
+    backoff: Backoff = WATCH_BACKOFF,
+) -> None:
+    """Keep one store of the cluster view current (see dra_gpu.kube.list_watch)."""
+
+    async def replace(items: list[dict[str, Any]], version: str) -> None:
+        state.replace(store, items)
+        log.info(
+            "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), version
+        )
+
+    async def apply(kind: str, obj: dict[str, Any]) -> bool:
+        metrics.watch_events.labels(store).inc()
+        state.apply(store, kind, obj)
+        return True
+
+    await list_watch(kube, path, replace, apply, watch_seconds=300, backoff=backoff)
 
 
 async def start_watches(
     state: ClusterState, kubeconfig: str | None, metrics: Metrics
 ) -> list[asyncio.Task[None]]:
+    """One task watching the three stores; /readyz waits until each was listed once."""
     kube = await Kube.connect(kubeconfig)
-    stores = (("slices", "resourceslices"), ("classes", "deviceclasses"), ("claims", "resourceclaims"))
-    return [
-        asyncio.create_task(watch_resource(state, store, kube, f"{RESOURCE_V1}/{plural}", metrics))
-        for store, plural in stores
-    ]
+    state.synced.difference_update(store for store, _ in WATCHED)  # files loaded with -f do not count
+
+    async def watch_all() -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for store, plural in WATCHED:
+                    group.create_task(watch_resource(state, store, kube, f"{RESOURCE_V1}/{plural}", metrics))
+        finally:
+            await kube.close()
+
+    return [asyncio.create_task(watch_all(), name="watches")]
 
 
 async def serve(
