@@ -23,7 +23,7 @@ from typing import Any
 
 from kubernetes.aio import client as kclient
 from kubernetes.aio import config as kconfig
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
 
 log = logging.getLogger(__name__)
@@ -172,13 +172,14 @@ class Kube:
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential backoff with jitter (so a fleet of nodes does not retry in step), capped."""
+    """Exponential backoff from `initial` up to `maximum`, plus up to `initial` of random jitter so
+    that a fleet of nodes does not retry in step."""
 
     initial: float = 1.0
     maximum: float = 30.0
 
     def wait(self) -> wait_base:
-        return wait_exponential_jitter(initial=self.initial, max=self.maximum, jitter=self.initial)
+        return wait_exponential(multiplier=self.initial, max=self.maximum) + wait_random(0, self.initial)
 
 
 ListHandler = Callable[[list[dict[str, Any]], str], Awaitable[None]]
@@ -249,6 +250,6 @@ def _log_retry(path: str) -> Callable[[RetryCallState], None]:
     def log_it(state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome else None
         delay = state.next_action.sleep if state.next_action else 0.0
-        log.warning("list+watch failed, retrying in %.1fs path=%s error=%r", delay, path, str(error)[:200])
+        log.warning("list+watch failed, retrying in %.2fs path=%s error=%r", delay, path, str(error)[:200])
 
     return log_it
