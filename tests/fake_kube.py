@@ -12,6 +12,7 @@ import asyncio
 import copy
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,8 @@ class FakeApiServer:
     def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create or replace an object (as another client would); returns what is stored."""
         obj = copy.deepcopy(obj)
+        if self.on_write is not None:
+            self.on_write(obj)
         key = _key(obj)
         store = self.objects.setdefault(plural, {})
         old = store.get(key)
@@ -93,8 +96,6 @@ class FakeApiServer:
         meta = obj.setdefault("metadata", {})
         meta["resourceVersion"] = str(self.version)
         meta["uid"] = (old or {}).get("metadata", {}).get("uid") or f"uid-{self.version}"
-        if self.on_write is not None:
-            self.on_write(obj)
         store[key] = obj
         self._emit(plural, "ADDED" if old is None else "MODIFIED", obj)
         return obj
@@ -310,3 +311,11 @@ def _json(status: int, obj: Any) -> FakeResponse:
 def _status(code: int, message: str) -> FakeResponse:
     body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
     return _json(code, body)
+
+
+async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until `check()` holds, as the loop runs the code under test; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from fake_kube import FakeApiServer
+from fake_kube import FakeApiServer, until
 
 from dra_gpu import kube as kube_module
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, KubeError, list_watch
@@ -88,13 +88,6 @@ class Recorder:
         self.events.append((kind, obj["metadata"]["name"]))
         self.changed.set()
         return self.keep_watching(kind, obj)
-
-
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 async def running(
