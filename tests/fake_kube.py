@@ -75,6 +75,7 @@ class FakeApiServer:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)  # plural -> list/watch wait for it
     on_write: Callable[[dict[str, Any]], None] | None = None  # e.g. drop a field, as a gate that is off
     version: int = 0
+    streams: list[WatchStream] = field(default_factory=list)
     _changed: asyncio.Event | None = None
 
     def kube(self) -> Kube:
@@ -108,6 +109,13 @@ class FakeApiServer:
         obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.version)}}
         self._emit(plural, "DELETED", obj)
         return True
+
+    def end_watches(self) -> None:
+        """End every open watch, as an apiserver restart does."""
+        for stream in self.streams:
+            stream.closed = True
+        self.changed().set()
+        self._changed = None
 
     def items(self, plural: str) -> list[dict[str, Any]]:
         return list(self.objects.get(plural, {}).values())
@@ -169,9 +177,10 @@ class FakeApiServer:
             return WatchStream(self, plural, ns, None, 0, 0.0, [{"type": "ERROR", "object": gone}])
         seconds = float("inf") if self.stall_watches else float(query.get("timeoutSeconds", "300"))
         deadline = asyncio.get_running_loop().time() + seconds
-        return WatchStream(
-            self, plural, ns, query.get("fieldSelector"), int(query["resourceVersion"]), deadline
-        )
+        after = int(query["resourceVersion"])
+        stream = WatchStream(self, plural, ns, query.get("fieldSelector"), after, deadline)
+        self.streams.append(stream)
+        return stream
 
     def changed(self) -> asyncio.Event:
         if self._changed is None:

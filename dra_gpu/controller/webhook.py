@@ -5,7 +5,9 @@ stack) and keeps the cluster view current with list+watch loops of `kubernetes.a
 DeviceClasses and ResourceClaims. The certificate and key are re-read when their files change: the
 new chain is loaded into the live SSLContext, so new connections get it without a restart.
 
-Endpoints: POST /validate (also /), GET /healthz, GET /metrics (Prometheus text).
+Endpoints: POST /validate (also /), GET /healthz (liveness), GET /readyz (200 once the watch caches
+have their first list), GET /metrics (Prometheus text). On SIGTERM it stops accepting connections,
+lets the reviews in flight finish (at most SHUTDOWN_TIMEOUT seconds) and exits 0.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import ssl
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -40,6 +43,7 @@ from dra_gpu.model import DEFAULT_DRIVER_NAME
 log = logging.getLogger(__name__)
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
 ADMISSION_API = "admission.k8s.io/v1"
+SHUTDOWN_TIMEOUT = 10.0  # well inside the pod's 30 s grace period
 
 
 class Metrics:
@@ -160,19 +164,54 @@ def _bad_request(message: str) -> web.Response:
 
 
 class Webhook:
-    def __init__(self, state: ClusterState, metrics: Metrics) -> None:
+    def __init__(self, state: ClusterState, metrics: Metrics, watched: Collection[str] = ()) -> None:
         self.state = state
         self.metrics = metrics
+        self.watched = watched  # the stores /readyz waits for (their first list)
+        self.in_flight = 0
+        self._idle = asyncio.Event()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REVIEW_BYTES)
+        app = web.Application(client_max_size=MAX_REVIEW_BYTES, middlewares=[self._count_in_flight])
         app.router.add_post("/validate", self.review)
         app.router.add_post("/", self.review)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_page)
         return app
 
+    @web.middleware
+    async def _count_in_flight(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> int:
+        """Wait until no request is in flight, at most `timeout` seconds; returns how many still are.
+
+        aiohttp's own shutdown stops reading from open connections, which would drop a review whose
+        body is still arriving; so the listener is closed first and the open connections drained here.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self.in_flight:
+                    self._idle.clear()
+                    await self._idle.wait()
+        return self.in_flight
+
     async def healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(self, _: web.Request) -> web.Response:
+        waiting = sorted(set(self.watched) - self.state.synced)
+        if waiting:
+            return web.Response(status=503, text=f"not ready: waiting for the first list of {waiting}\n")
         return web.Response(text="ok\n")
 
     async def metrics_page(self, _: web.Request) -> web.Response:
@@ -311,8 +350,12 @@ async def start_watches(
 
 
 async def serve(
-    args: argparse.Namespace, ready: asyncio.Event | None = None, reload_interval: float = 2.0
+    args: argparse.Namespace,
+    ready: asyncio.Event | None = None,
+    reload_interval: float = 2.0,
+    stop: asyncio.Event | None = None,
 ) -> None:
+    """Serve until `stop` is set (or the task is cancelled), then shut down gracefully."""
     from dra_gpu.controller.commands import Inputs, load_files
 
     metrics = Metrics()
@@ -323,33 +366,48 @@ async def serve(
         state.replace("classes", inputs.classes)
         state.replace("claims", inputs.claims)
     certs = CertReloader(args.cert, args.key, metrics)
-    runner = web.AppRunner(Webhook(state, metrics).app(), access_log=None)
+    watching = not getattr(args, "no_watch", False)
+    webhook = Webhook(state, metrics, watched=[store for store, _ in WATCHED] if watching else ())
+    runner = web.AppRunner(webhook.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, args.address, args.port, ssl_context=certs.context)
     await site.start()
     log.info("event=serving address=%s port=%d driver=%s", args.address, args.port, state.driver)
     tasks = [asyncio.create_task(certs.run(reload_interval))]
-    if not getattr(args, "no_watch", False):
+    if watching:
         tasks += await start_watches(state, getattr(args, "kubeconfig", None), metrics)
     if ready is not None:
         ready.set()
     try:
-        await asyncio.Event().wait()
+        await (stop or asyncio.Event()).wait()
+        log.info("event=stopping in_flight=%d timeout=%.0fs", webhook.in_flight, SHUTDOWN_TIMEOUT)
+        await site.stop()  # new connections are refused; the open ones are still served
+        left = await webhook.drain(SHUTDOWN_TIMEOUT)
+        if left:
+            log.warning("event=stop_timeout in_flight=%d", left)
     finally:
+        await runner.cleanup()
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        await runner.cleanup()
 
 
 def run(args: argparse.Namespace) -> int:
     from dra_gpu.controller.commands import InputError
 
     logging.getLogger().setLevel(logging.INFO)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args, stop=stop)
+
     try:
-        asyncio.run(serve(args))
+        asyncio.run(main())
     except (OSError, ssl.SSLError, InputError) as exc:
         print(f"dra-gpu controller: {exc}", file=sys.stderr)
         return 2
