@@ -187,7 +187,7 @@ def test_sigterm_finishes_the_review_in_flight_and_exits_0(tmp_path: Path) -> No
                 f"Content-Length: {len(review)}\r\n\r\n"
             ).encode()
             s.sendall(head + review[:100])  # the review is in flight: its body half sent
-            time.sleep(0.5)
+            time.sleep(1.5)  # the server has read the head and started the handler
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
             while True:  # new connections are refused at once...
@@ -200,9 +200,9 @@ def test_sigterm_finishes_the_review_in_flight_and_exits_0(tmp_path: Path) -> No
             s.sendall(review[100:])  # ...while the one in flight is answered
             try:
                 response = read_http_response(s)
-            except AssertionError:
+            except AssertionError as exc:
                 proc.wait(20)
-                raise AssertionError(proc.communicate()) from None
+                raise AssertionError(f"{exc}; controller's stderr: {proc.communicate()[1]}") from None
         assert response.startswith(b"HTTP/1.1 200"), response[:200]
         answer: dict[str, Any] = json.loads(response.split(b"\r\n\r\n", 1)[1])
         assert answer["response"] == {"uid": "in-flight", "allowed": True}
