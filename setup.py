@@ -10,7 +10,8 @@ from pathlib import Path
 from setuptools import setup
 
 here = Path(__file__).parent
-spec = importlib.util.spec_from_file_location("gen_protos", here / "dra_gpu/kubeletplugin/gen_protos.py")
+gen_protos_py = here / "dra_gpu/kubeletplugin/gen_protos.py"
+spec = importlib.util.spec_from_file_location("gen_protos", gen_protos_py)
 assert spec and spec.loader
 gen_protos = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gen_protos)

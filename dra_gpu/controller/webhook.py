@@ -1,9 +1,9 @@
 """`dra-gpu controller`: the validating admission webhook (AdmissionReview v1 over HTTPS).
 
 One asyncio loop serves HTTPS (aiohttp, already a dependency of `kubernetes.aio`, so no second HTTP
-stack) and keeps the cluster view current with list+watch loops of `kubernetes.aio` on ResourceSlices,
-DeviceClasses and ResourceClaims. The certificate and key are re-read when their files change: the
-new chain is loaded into the live SSLContext, so new connections get it without a restart.
+stack) and keeps the cluster view current with list+watch loops (`dra_gpu.kube.list_watch`) on
+ResourceSlices, DeviceClasses and ResourceClaims. The certificate and key are re-read when their files
+change: the new chain is loaded into the live SSLContext, so new connections get it without a restart.
 
 Endpoints: POST /validate (also /), GET /healthz (liveness), GET /readyz (200 once the watch caches
 have their first list), GET /metrics (Prometheus text). On SIGTERM it stops accepting connections,
