@@ -153,7 +153,8 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
 
 
 def bench_explain(nodes: int) -> None:
-    from dra_gpu.controller.commands import Inputs, explain_inputs
+    from dra_gpu.controller.commands import explain_inputs
+    from dra_gpu.controller.inputs import Inputs
 
     docs = cluster(nodes, nodes // 2)
     claims = []

@@ -182,6 +182,12 @@ def main() -> None:
     profile = tmp / "bench-node.yaml"
     bench_profile(profile)
     plugin_dir = KUBELET_ROOT / "plugins" / OURS
+    # The node's (simulated) driver installation: every claim's spec carries its user space.
+    cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
+    simdriver = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", str(profile)]
+    driver_root = subprocess.run(
+        [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
+    ).stdout.split()[-1]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [
@@ -193,6 +199,8 @@ def main() -> None:
             cluster.node,
             "--profile",
             str(profile),
+            "--driver-root",
+            driver_root,
             "--plugin-dir",
             str(plugin_dir),
             "--http-address",

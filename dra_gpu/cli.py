@@ -9,17 +9,19 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import yaml
 
 from dra_gpu.controller.commands import add_commands
 from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
+from dra_gpu.discovery.driver_install import describe as describe_installation
+from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
+from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from dra_gpu.inventory_report import render
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 from dra_gpu.slices import SliceLimitError, build_slices
-
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     inv.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
     inv.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    inv.add_argument(
+        "--driver-root",
+        default=os.environ.get("NVIDIA_DRIVER_ROOT", "/"),
+        help="where the NVIDIA driver's files are installed ($NVIDIA_DRIVER_ROOT; GPU operator: "
+        "/run/nvidia/driver); default: /",
+    )
     inv.add_argument(
         "--slices", action="store_true", help="print the ResourceSlice objects that would be published"
     )
@@ -82,6 +90,26 @@ def _parser() -> argparse.ArgumentParser:
         "<plugin-dir>/simulated-root, where the simulated nodes are made)",
     )
     plug.add_argument(
+        "--driver-root",
+        default=env("NVIDIA_DRIVER_ROOT", "/"),
+        help="where the NVIDIA driver's files are installed, as this process sees it "
+        "($NVIDIA_DRIVER_ROOT; GPU operator: /run/nvidia/driver); default: /",
+    )
+    plug.add_argument(
+        "--host-driver-root",
+        default=env("NVIDIA_HOST_DRIVER_ROOT"),
+        help="the same directory as the container runtime on the host sees it, when the plugin runs "
+        "in a pod with the host's driver root mounted elsewhere ($NVIDIA_HOST_DRIVER_ROOT); "
+        "default: --driver-root",
+    )
+    plug.add_argument(
+        "--cdi-hook-path",
+        default=env("NVIDIA_CDI_HOOK_PATH"),
+        help="host path of NVIDIA's nvidia-cdi-hook (or nvidia-ctk): adds an update-ldcache hook so "
+        "images whose loader does not search the driver's library directory find it "
+        "($NVIDIA_CDI_HOOK_PATH); default: none",
+    )
+    plug.add_argument(
         "--http-address",
         default=env("DRA_GPU_HTTP_ADDRESS", "127.0.0.1:51516"),
         help="host:port of /healthz and /metrics; empty disables",
@@ -103,8 +131,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dra_gpu.plugin.server import PluginConfig, run
 
     if not args.node_name:
@@ -122,6 +148,9 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         cdi_dir=Path(args.cdi_dir),
         dev_root=dev_root,
         http_address=args.http_address,
+        driver_root=Path(args.driver_root),
+        host_driver_root=args.host_driver_root,
+        cdi_hook_path=args.cdi_hook_path,
         sweep_interval=args.sweep_interval,
         sweep_grace=args.sweep_grace,
     )
@@ -162,12 +191,22 @@ def cmd_inventory(args: argparse.Namespace) -> int:
                 names = ", ".join(d["name"] for d in s["spec"]["devices"])
                 print(f"{s['metadata']['name']}: {len(s['spec']['devices'])} devices: {names}")
         return EXIT_OK
-    if args.output == "json":
-        print(json.dumps(inventory.to_dict(), indent=2))
-    elif args.output == "yaml":
-        print(yaml.safe_dump(inventory.to_dict(), sort_keys=False), end="")
+    installation = (
+        discover_installation(Path(args.driver_root), inventory.driver_version)
+        if inventory.driver_version
+        else None
+    )
+    if args.output in ("json", "yaml"):
+        doc = inventory.to_dict()
+        doc["driverInstallation"] = installation.summary() if installation else None
+        if args.output == "json":
+            print(json.dumps(doc, indent=2))
+        else:
+            print(yaml.safe_dump(doc, sort_keys=False), end="")
     else:
         print(render(inventory))
+        print()
+        print("\n".join(describe_installation(installation, args.driver_root)))
     return EXIT_OK
 
 
@@ -190,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return EXIT_OK
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

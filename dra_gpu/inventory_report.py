@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dra_gpu.attributes import cuda_major_minor
+from dra_gpu.kubernetes_values import format_quantity
 from dra_gpu.model import Inventory
-from dra_gpu.slices import quantity
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -20,7 +21,7 @@ def device_table(inv: Inventory) -> str:
                 "gpu (mig mode)" if gpu.mig_enabled else "gpu",
                 str(gpu.index),
                 gpu.product_name,
-                quantity(gpu.memory_bytes) if gpu.memory_bytes else "-",
+                format_quantity(gpu.memory_bytes) if gpu.memory_bytes else "-",
                 str(gpu.multiprocessors or "-"),
                 gpu.pci_bus_id,
                 "-" if gpu.numa_node is None else str(gpu.numa_node),
@@ -34,7 +35,7 @@ def device_table(inv: Inventory) -> str:
                     "mig",
                     f"{gpu.index}/{mig.gpu_instance_id}",
                     f"  {mig.profile}",
-                    quantity(mig.memory_bytes),
+                    format_quantity(mig.memory_bytes),
                     str(mig.multiprocessors),
                     gpu.pci_bus_id,
                     "-" if gpu.numa_node is None else str(gpu.numa_node),
@@ -89,8 +90,8 @@ def domain_list(inv: Inventory) -> str:
 def render(inv: Inventory) -> str:
     versions = f"driver {inv.driver_version or '?'}"
     if inv.cuda_driver_version:
-        cuda = inv.cuda_driver_version
-        versions += f", CUDA {cuda // 1000}.{(cuda % 1000) // 10}"
+        major, minor = cuda_major_minor(inv.cuda_driver_version)
+        versions += f", CUDA {major}.{minor}"
     parts = [f"Node {inv.node_name}: {len(inv.gpus)} GPUs ({versions})", "", device_table(inv)]
     if inv.gpus:
         parts += ["", "NVLink matrix (NV<n>: n links, or PCIe: PIX/PXB/PHB/NODE/SYS)", link_matrix(inv)]

@@ -9,76 +9,62 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from typing import Any
 
+from dra_gpu.attributes import (
+    CAPACITIES,
+    DRIVER_ATTRIBUTES,
+    STANDARD_ATTRIBUTES,
+    STANDARD_DOMAIN,
+    cuda_version,
+    normalise_version,
+)
+from dra_gpu.kubernetes_values import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    MAX_ATTRIBUTES_AND_CAPACITIES,
+    RESOURCE_API_VERSION,
+    SEMVER,
+    format_quantity,
+    qualified_name_problem,
+)
 from dra_gpu.model import DEFAULT_DRIVER_NAME, Gpu, Inventory, MigDevice
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "resource.k8s.io/v1"
-STANDARD_DOMAIN = "resource.kubernetes.io"
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_ADVANCED = 64  # when any device has taints or consumes counters
-MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_STRING_VALUE = 64
 MAX_VERSION_VALUE = 64
 INT64 = (-(2**63), 2**63 - 1)
-
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Semantic Versioning 2.0.0, as the apiserver checks it.
-_SEMVER = re.compile(
-    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
-    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
-)
 
 
 class SliceLimitError(ValueError):
     """A device or slice the apiserver would reject; the message names the device and field."""
 
 
-def normalise_version(raw: str) -> str:
-    """NVML's "535.161.08" -> SemVer "535.161.8"; "550.54" -> "550.54.0"."""
-    parts = raw.strip().split(".")
-    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"{raw!r} is not a numeric version")
-    nums = [str(int(p)) for p in parts] + ["0"] * (3 - len(parts))
-    return ".".join(nums)
+def _attribute(name: str, value: str | int) -> dict[str, Any]:
+    """The value object of one of the driver's declared attributes (KeyError: not declared)."""
+    return {DRIVER_ATTRIBUTES[name]: value}
 
 
-def cuda_version(encoded: int) -> str:
-    """NVML's CUDA driver version 12080 -> "12.8.0"."""
-    return f"{encoded // 1000}.{(encoded % 1000) // 10}.0"
+def _standard_attribute(name: str, value: str) -> dict[str, Any]:
+    """The value object of a declared attribute of the standard domain (KeyError: not declared)."""
+    return {STANDARD_ATTRIBUTES[name]: value}
 
 
-def quantity(value: int) -> str:
-    """Bytes (or a count) as a canonical Kubernetes quantity: 85899345920 -> "80Gi"."""
-    for suffix, factor in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if value >= factor and value % factor == 0:
-            return f"{value // factor}{suffix}"
-    return str(value)
-
-
-def _string(v: str) -> dict[str, Any]:
-    return {"string": v}
-
-
-def _int(v: int) -> dict[str, Any]:
-    return {"int": v}
-
-
-def _version(v: str) -> dict[str, Any]:
-    return {"version": v}
+def _capacity(name: str, value: str) -> dict[str, str]:
+    """The value object of one of the declared capacities (KeyError: not declared)."""
+    if name not in CAPACITIES:
+        raise KeyError(name)
+    return {"value": value}
 
 
 class SliceBuilder:
     """Builds the devices and slices of one node for one driver."""
 
     def __init__(self, inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME) -> None:
-        if not _DNS_SUBDOMAIN.match(driver) or len(driver) > 63:
+        if not DNS_SUBDOMAIN.match(driver) or len(driver) > 63:
             raise SliceLimitError(f"driver name {driver!r}: must be a DNS subdomain of <= 63 chars")
         self.inv = inventory
         self.driver = driver
@@ -88,63 +74,65 @@ class SliceBuilder:
         out: dict[str, dict[str, Any]] = {}
         if self.inv.driver_version:
             try:
-                out["driverVersion"] = _version(normalise_version(self.inv.driver_version))
+                out["driverVersion"] = _attribute("driverVersion", normalise_version(self.inv.driver_version))
             except ValueError as exc:
                 log.warning("driverVersion left out: %s", exc)
         if self.inv.cuda_driver_version:
-            out["cudaDriverVersion"] = _version(cuda_version(self.inv.cuda_driver_version))
+            out["cudaDriverVersion"] = _attribute(
+                "cudaDriverVersion", cuda_version(self.inv.cuda_driver_version)
+            )
         return out
 
     def _identity(self, gpu: Gpu) -> dict[str, dict[str, Any]]:
         """Attributes a MIG device shares with its parent GPU."""
-        attrs: dict[str, dict[str, Any]] = {"productName": _string(gpu.product_name)}
+        attrs: dict[str, dict[str, Any]] = {"productName": _attribute("productName", gpu.product_name)}
         if gpu.brand:
-            attrs["brand"] = _string(gpu.brand)
+            attrs["brand"] = _attribute("brand", gpu.brand)
         if gpu.architecture:
-            attrs["architecture"] = _string(gpu.architecture)
+            attrs["architecture"] = _attribute("architecture", gpu.architecture)
         if gpu.cuda_compute_capability:
             major, minor = gpu.cuda_compute_capability
-            attrs["cudaComputeCapability"] = _version(f"{major}.{minor}.0")
+            attrs["cudaComputeCapability"] = _attribute("cudaComputeCapability", f"{major}.{minor}.0")
         # Copies: shared dicts would show up as YAML anchors in the printed objects.
         attrs.update({k: dict(v) for k, v in self.node_versions.items()})
         if gpu.numa_node is not None:
-            attrs["numaNode"] = _int(gpu.numa_node)
-        attrs[f"{STANDARD_DOMAIN}/pciBusID"] = _string(gpu.pci_bus_id)
+            attrs["numaNode"] = _attribute("numaNode", gpu.numa_node)
+        attrs[f"{STANDARD_DOMAIN}/pciBusID"] = _standard_attribute("pciBusID", gpu.pci_bus_id)
         if gpu.pcie_root:
-            attrs[f"{STANDARD_DOMAIN}/pcieRoot"] = _string(gpu.pcie_root)
+            attrs[f"{STANDARD_DOMAIN}/pcieRoot"] = _standard_attribute("pcieRoot", gpu.pcie_root)
         return attrs
 
     def gpu_device(self, gpu: Gpu) -> dict[str, Any]:
         attrs: dict[str, dict[str, Any]] = {
-            "type": _string("gpu"),
-            "uuid": _string(gpu.uuid),
-            "index": _int(gpu.index),
-            "minor": _int(gpu.minor),
+            "type": _attribute("type", "gpu"),
+            "uuid": _attribute("uuid", gpu.uuid),
+            "index": _attribute("index", gpu.index),
+            "minor": _attribute("minor", gpu.minor),
             **self._identity(gpu),
         }
         if gpu.nvlink_domain is not None:
-            attrs["nvlinkDomain"] = _string(gpu.nvlink_domain)
-            attrs["nvlinkDomainSize"] = _int(gpu.nvlink_domain_size or 1)
+            attrs["nvlinkDomain"] = _attribute("nvlinkDomain", gpu.nvlink_domain)
+            attrs["nvlinkDomainSize"] = _attribute("nvlinkDomainSize", gpu.nvlink_domain_size or 1)
         capacity: dict[str, dict[str, str]] = {}
         if gpu.memory_bytes is not None:
-            capacity["memory"] = {"value": quantity(gpu.memory_bytes)}
+            capacity["memory"] = _capacity("memory", format_quantity(gpu.memory_bytes))
         if gpu.multiprocessors is not None:
-            capacity["multiprocessors"] = {"value": str(gpu.multiprocessors)}
+            capacity["multiprocessors"] = _capacity("multiprocessors", str(gpu.multiprocessors))
         return {"name": gpu.device_name, "attributes": attrs, "capacity": capacity}
 
     def mig_device(self, gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
         attrs: dict[str, dict[str, Any]] = {
-            "type": _string("mig"),
-            "uuid": _string(mig.uuid),
-            "profile": _string(mig.profile),
-            "parentUUID": _string(gpu.uuid),
-            "parentIndex": _int(gpu.index),
-            "parentMinor": _int(gpu.minor),
+            "type": _attribute("type", "mig"),
+            "uuid": _attribute("uuid", mig.uuid),
+            "profile": _attribute("profile", mig.profile),
+            "parentUUID": _attribute("parentUUID", gpu.uuid),
+            "parentIndex": _attribute("parentIndex", gpu.index),
+            "parentMinor": _attribute("parentMinor", gpu.minor),
             **self._identity(gpu),
         }
         capacity = {
-            "memory": {"value": quantity(mig.memory_bytes)},
-            "multiprocessors": {"value": str(mig.multiprocessors)},
+            "memory": _capacity("memory", format_quantity(mig.memory_bytes)),
+            "multiprocessors": _capacity("multiprocessors", str(mig.multiprocessors)),
         }
         for name, value in (
             ("copyEngines", mig.copy_engines),
@@ -154,7 +142,7 @@ class SliceBuilder:
             ("ofaEngines", mig.ofa_engines),
         ):
             if value is not None:
-                capacity[name] = {"value": str(value)}
+                capacity[name] = _capacity(name, str(value))
         return {"name": gpu.mig_device_name(mig), "attributes": attrs, "capacity": capacity}
 
     def devices(self) -> list[dict[str, Any]]:
@@ -178,7 +166,7 @@ class SliceBuilder:
         return f"{name[:230].rstrip('.-')}-{digest}-{i}"
 
     def slices(self, generation: int = 1) -> list[dict[str, Any]]:
-        if not _DNS_SUBDOMAIN.match(self.inv.node_name) or len(self.inv.node_name) > 253:
+        if not DNS_SUBDOMAIN.match(self.inv.node_name) or len(self.inv.node_name) > 253:
             raise SliceLimitError(
                 f"node name {self.inv.node_name!r}: must be a lowercase DNS subdomain (the pool name)"
             )
@@ -188,7 +176,7 @@ class SliceBuilder:
         chunks = [devices[i : i + per_slice] for i in range(0, len(devices), per_slice)] or [[]]
         return [
             {
-                "apiVersion": API_VERSION,
+                "apiVersion": RESOURCE_API_VERSION,
                 "kind": "ResourceSlice",
                 "metadata": {"name": self.slice_name(i)},
                 "spec": {
@@ -212,20 +200,10 @@ def build_slices(
     return SliceBuilder(inventory, driver).slices(generation)
 
 
-def validate_qualified_name(name: str) -> str | None:
-    """None when `name` is a valid attribute/capacity name, else why not."""
-    domain, sep, ident = name.rpartition("/")
-    if sep and (not domain or len(domain) > 63 or not _DNS_SUBDOMAIN.match(domain)):
-        return f"domain {domain!r} must be a DNS subdomain of <= 63 chars"
-    if len(ident) > 32 or not _C_IDENTIFIER.match(ident):
-        return f"{ident!r} must be a C identifier of <= 32 chars"
-    return None
-
-
 def validate_device(dev: dict[str, Any]) -> None:
     """Raise SliceLimitError when the apiserver would reject this device."""
     name = dev.get("name", "")
-    if len(name) > 63 or not _DNS_LABEL.match(name):
+    if len(name) > 63 or not DNS_LABEL.match(name):
         raise SliceLimitError(f"device {name!r}: name must be a DNS label (<= 63 chars, [a-z0-9-])")
     attrs: dict[str, dict[str, Any]] = dev.get("attributes", {})
     capacity: dict[str, Any] = dev.get("capacity", {})
@@ -235,7 +213,7 @@ def validate_device(dev: dict[str, Any]) -> None:
             f"device {name}: {total} attributes + capacities, the limit is {MAX_ATTRIBUTES_AND_CAPACITIES}"
         )
     for key in list(attrs) + list(capacity):
-        problem = validate_qualified_name(key)
+        problem = qualified_name_problem(key)
         if problem:
             raise SliceLimitError(f"device {name}: attribute {key!r}: {problem}")
     for key, value in attrs.items():
@@ -247,7 +225,7 @@ def validate_device(dev: dict[str, Any]) -> None:
             if not isinstance(v, str) or len(v.encode()) > MAX_STRING_VALUE:
                 raise SliceLimitError(f"{where}: string must be <= {MAX_STRING_VALUE} bytes: {v!r}")
         elif kind == "version":
-            if not isinstance(v, str) or len(v) > MAX_VERSION_VALUE or not _SEMVER.match(v):
+            if not isinstance(v, str) or len(v) > MAX_VERSION_VALUE or not SEMVER.match(v):
                 raise SliceLimitError(f"{where}: {v!r} is not a valid semantic version")
         elif kind == "int":
             if isinstance(v, bool) or not isinstance(v, int) or not INT64[0] <= v <= INT64[1]:

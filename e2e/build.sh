@@ -32,6 +32,11 @@ debs() {
   command -v mount >/dev/null || missing+=(mount)
   command -v conntrack >/dev/null || missing+=(conntrack)
   [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
+  # The simulated NVIDIA driver root (e2e/simdriver) is compiled C; the glibc test images
+  # (images.py --debian) are made by mmdebstrap from Debian's archive.
+  command -v gcc >/dev/null || missing+=(gcc)
+  dpkg-query -W -f='${Status}' libc6-dev 2>/dev/null | grep -q 'ok installed' || missing+=(libc6-dev)
+  command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
   if [ ${#missing[@]} -gt 0 ]; then
     log "apt-get install ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive

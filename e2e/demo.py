@@ -8,6 +8,7 @@ running or DRA_GPU_DEMO_KEEP=1.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +23,16 @@ HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "cluster"
 DRIVER = "gpu.dra-gpu.io"
 PROFILE = os.environ.get("PROFILE", "hgx-2x4")
-IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
+# A plain Debian image with no NVIDIA files: the driver's user space comes from the claim.
+IMAGE = os.environ.get("E2E_DEBIAN_IMAGE", "localhost/dra-gpu-e2e/debian:1")
+CACHE = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
+# What a CUDA program's loader does first: find libcuda.so.1 (the path it resolved is printed).
+PROBE = (
+    "echo devices:; ls -l /dev/nvidia*; echo; env | grep ^NVIDIA; echo; "
+    'python3 -c \'import ctypes; ctypes.CDLL("libcuda.so.1"); print("libcuda.so.1 resolved to", '
+    'next(l.split()[-1] for l in open("/proc/self/maps") if "libcuda" in l))\'; '
+    "echo; echo '$ nvidia-smi -L'; nvidia-smi -L"
+)
 
 MANIFESTS = f"""
 apiVersion: resource.k8s.io/v1
@@ -55,7 +65,7 @@ spec:
   - name: main
     image: {IMAGE}
     imagePullPolicy: Never
-    command: ["sh", "-c", "echo devices:; ls -l /dev/nvidia*; echo; env | grep ^NVIDIA"]
+    command: {json.dumps(["sh", "-c", PROBE])}
     resources: {{claims: [{{name: gpus}}]}}
 """
 
@@ -93,6 +103,17 @@ def main() -> int:
     api = client.ApiClient()
     core, dyn = client.CoreV1Api(api), dynamic.DynamicClient(api)
     node = core.list_node().items[0].metadata.name
+    say("simulated driver installation of the node and the Debian image (built once, cached)")
+    driver_root = subprocess.run(
+        [sys.executable, str(HERE / "simdriver" / "build.py"), "--profile", PROFILE, "--cache", str(CACHE)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()[-1]
+    path = env["PATH"].strip('"').replace("$PATH", os.environ["PATH"])
+    images = [sys.executable, str(HERE / "images.py"), str(CACHE / "images"), "--debian"]
+    address = env["CONTAINERD_ADDRESS"].strip('"')
+    subprocess.run([*images, "--import-to", address], check=True, env={**os.environ, "PATH": path})
     log = open(state / "logs" / "dra-gpu-plugin.log", "ab")  # noqa: SIM115 - the child writes it
     plugin = subprocess.Popen(
         [
@@ -104,6 +125,8 @@ def main() -> int:
             node,
             "--profile",
             PROFILE,
+            "--driver-root",
+            driver_root,
             "--kubeconfig",
             kubeconfig,
             "--http-address",

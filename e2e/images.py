@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build OCI image archives without a registry (Python stdlib only).
 
-    e2e/images.py OUTDIR
+    e2e/images.py OUTDIR [--debian]
 
 writes OUTDIR/busybox.tar and OUTDIR/pause.tar: OCI image layouts (oci-layout, index.json,
 blobs/sha256/...) that `ctr -n k8s.io images import` and `kind load image-archive` accept.
@@ -13,19 +13,64 @@ Both share one layer: Debian's static busybox at /bin/busybox plus a symlink per
 
 The archives are deterministic (mtime 0, sorted entries), so the same busybox gives the same
 digests; OUTDIR/.stamp records the busybox hash so callers can skip rebuilding.
+
+With --debian it also writes two glibc images for the CDI user-space tests, sharing one layer: a
+Debian bookworm minbase root with python3 built by `mmdebstrap` from Debian's archive (no NVIDIA
+file in it; apt lists and caches, docs, man pages and locales left out):
+
+- debian image: name from $E2E_DEBIAN_IMAGE (default localhost/dra-gpu-e2e/debian:1), cmd sh.
+- cuda-style image: name from $E2E_CUDA_STYLE_IMAGE (default localhost/dra-gpu-e2e/cuda-style:1),
+  with the PATH and LD_LIBRARY_PATH of NVIDIA's CUDA base images (/usr/local/nvidia/...).
+
+The layer (gzip) is cached as OUTDIR/debian-layer/<hash of the mmdebstrap inputs>.tar.gz and
+rebuilt only when those inputs change; $E2E_DEBIAN_MIRROR overrides the Debian mirror.
 """
 
+import gzip
 import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 BUSYBOX = os.environ.get("E2E_BUSYBOX_BIN", "/bin/busybox")
 BUSYBOX_IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
 PAUSE_IMAGE = os.environ.get("E2E_PAUSE_IMAGE", "registry.k8s.io/pause:3.10.1")
+DEBIAN_IMAGE = os.environ.get("E2E_DEBIAN_IMAGE", "localhost/dra-gpu-e2e/debian:1")
+CUDA_STYLE_IMAGE = os.environ.get("E2E_CUDA_STYLE_IMAGE", "localhost/dra-gpu-e2e/cuda-style:1")
+DEBIAN_MIRROR = os.environ.get("E2E_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+DEBIAN_SUITE = "bookworm"
+DEBIAN_LAYER_FORMAT = 1  # bump when the filtering of mmdebstrap's output changes: a new cache key
+# The merged-usr hook sets up /bin -> usr/bin without the usrmerge package (which pulls in perl).
+MMDEBSTRAP_ARGS = [
+    "--variant=minbase",
+    "--include=python3",
+    "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",
+    *(
+        f"--dpkgopt=path-{kind}=/usr/share/{path}"
+        for kind, path in (
+            ("exclude", "doc/*"),
+            ("include", "doc/*/copyright"),
+            ("exclude", "man/*"),
+            ("exclude", "info/*"),
+            ("exclude", "locale/*"),
+            ("include", "locale/locale.alias"),
+        )
+    ),
+]
+DEBIAN_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# NVIDIA's CUDA base images (nvidia/cuda .../base/Dockerfile): the GKE-style /usr/local/nvidia first.
+CUDA_STYLE_ENV = [
+    "PATH=/usr/local/nvidia/bin:/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64",
+]
 
 
 def _tarinfo(name, **kw):
@@ -77,7 +122,23 @@ def _dumps(obj):
 
 
 def write_image(path, name, layer, config_extra):
+    """An image of one uncompressed layer given as bytes."""
     diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
+
+    def add_layer(tf):
+        return _blob(tf, layer, "application/vnd.oci.image.layer.v1.tar")
+
+    _write_layout(path, name, add_layer, diff_id, config_extra)
+
+
+def _write_layout(
+    path: str,
+    name: str,
+    add_layer: Callable[[tarfile.TarFile], dict[str, Any]],
+    diff_id: str,
+    config_extra: dict[str, Any],
+) -> None:
+    """Write an OCI layout archive; `add_layer` stores the layer blob and returns its descriptor."""
     config = {
         "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
         "os": "linux",
@@ -89,7 +150,7 @@ def write_image(path, name, layer, config_extra):
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
         tf.addfile(_tarinfo("blobs/", type=tarfile.DIRTYPE, mode=0o755))
         tf.addfile(_tarinfo("blobs/sha256/", type=tarfile.DIRTYPE, mode=0o755))
-        layer_desc = _blob(tf, layer, "application/vnd.oci.image.layer.v1.tar")
+        layer_desc = add_layer(tf)
         config_desc = _blob(tf, _dumps(config), "application/vnd.oci.image.config.v1+json")
         manifest = {
             "schemaVersion": 2,
@@ -111,6 +172,122 @@ def write_image(path, name, layer, config_extra):
         ):
             tf.addfile(_tarinfo(fname, size=len(content), mode=0o644), io.BytesIO(content))
     os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- Debian images
+
+
+class _Sink(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
+class _Hashing(io.RawIOBase):
+    """A write-only stream that hashes and counts what passes through to `out`."""
+
+    def __init__(self, out: _Sink) -> None:
+        self.out, self.sha, self.size = out, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self.sha.update(data)
+        self.size += len(data)
+        self.out.write(data)
+        return len(data)
+
+
+def _keep(member: tarfile.TarInfo) -> bool:
+    """Leave out what a container gets from its runtime (/dev) and what apt left behind."""
+    if member.isdir():
+        return True
+    return not member.name.startswith(("dev/", "var/lib/apt/lists/", "var/cache/apt/"))
+
+
+def debian_layer(cache_dir: str) -> tuple[str, dict[str, Any]]:
+    """The gzip'ed rootfs layer and its metadata, built with mmdebstrap once per input hash."""
+    cmd = ["mmdebstrap", "--quiet", *MMDEBSTRAP_ARGS, DEBIAN_SUITE, "-", DEBIAN_MIRROR]
+    key = hashlib.sha256(_dumps([cmd, DEBIAN_LAYER_FORMAT])).hexdigest()[:16]
+    layer, meta_path = os.path.join(cache_dir, key + ".tar.gz"), os.path.join(cache_dir, key + ".json")
+    if os.path.exists(meta_path) and os.path.exists(layer):
+        with open(meta_path) as f:
+            return layer, json.load(f)
+    if shutil.which("mmdebstrap") is None:
+        sys.exit("images.py --debian needs mmdebstrap (e2e/build.sh debs installs it)")
+    os.makedirs(cache_dir, exist_ok=True)
+    t0 = time.monotonic()
+    env = dict(os.environ, SOURCE_DATE_EPOCH="0")  # mmdebstrap clamps mtimes: stable layers
+    with (
+        tempfile.TemporaryFile() as log,
+        open(layer + ".tmp", "wb") as raw,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env) as proc,
+    ):
+        gz_hash = _Hashing(raw)
+        with gzip.GzipFile(fileobj=gz_hash, mode="wb", compresslevel=6, mtime=0) as gz:
+            tar_hash = _Hashing(gz)
+            assert proc.stdout is not None
+            with (
+                tarfile.open(fileobj=proc.stdout, mode="r|") as src,
+                tarfile.open(fileobj=tar_hash, mode="w|", format=tarfile.PAX_FORMAT) as dst,
+            ):
+                for m in src:
+                    m.name = m.name.removeprefix("./") or "."
+                    if m.islnk():
+                        m.linkname = m.linkname.removeprefix("./")
+                    if m.name == "." or not _keep(m):
+                        continue
+                    dst.addfile(m, src.extractfile(m) if m.isreg() else None)
+        if proc.wait() != 0:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-3000:]
+            sys.exit(f"mmdebstrap failed ({proc.returncode}):\n{tail}")
+    meta = {
+        "digest": "sha256:" + gz_hash.sha.hexdigest(),
+        "size": gz_hash.size,
+        "diff_id": "sha256:" + tar_hash.sha.hexdigest(),
+        "uncompressed_size": tar_hash.size,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    os.replace(layer + ".tmp", layer)
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".tmp", meta_path)
+    for old in os.listdir(cache_dir):  # keep one layer: the inputs moved on
+        if not old.startswith(key):
+            os.remove(os.path.join(cache_dir, old))
+    return layer, meta
+
+
+def debian_images(outdir: str) -> None:
+    """OUTDIR/debian.tar and OUTDIR/cuda-style.tar, rewritten only when their inputs change."""
+    layer, meta = debian_layer(os.path.join(outdir, "debian-layer"))
+    targets = {
+        "debian.tar": (DEBIAN_IMAGE, {"Cmd": ["sh"], "Env": [DEBIAN_PATH]}),
+        "cuda-style.tar": (CUDA_STYLE_IMAGE, {"Cmd": ["sh"], "Env": CUDA_STYLE_ENV}),
+    }
+    stamp = _dumps([meta["digest"], targets]).decode()
+    stamp_path = os.path.join(outdir, ".debian-stamp")
+    if (
+        os.path.exists(stamp_path)
+        and _read(stamp_path) == stamp
+        and all(os.path.exists(os.path.join(outdir, n)) for n in targets)
+    ):
+        return
+
+    def add_layer(tf: tarfile.TarFile) -> dict[str, Any]:
+        ti = _tarinfo("blobs/sha256/" + meta["digest"][7:], size=meta["size"], mode=0o644)
+        with open(layer, "rb") as f:
+            tf.addfile(ti, f)
+        return {
+            "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+            **{k: meta[k] for k in ("digest", "size")},
+        }
+
+    for fname, (name, config) in targets.items():
+        _write_layout(os.path.join(outdir, fname), name, add_layer, meta["diff_id"], config)
+    with open(stamp_path, "w") as f:
+        f.write(stamp)
 
 
 def main(outdir):
@@ -138,7 +315,29 @@ def _read(path):
         return f.read()
 
 
+def import_missing(outdir, containerd_address, archives):
+    """Import the archives whose image containerd (k8s.io namespace) lacks; `ctr` from PATH."""
+    ctr = ["ctr", "--address", containerd_address, "-n", "k8s.io", "images"]
+    have = subprocess.run([*ctr, "ls", "-q"], check=True, capture_output=True, text=True).stdout.split()
+    for tar, name in archives:
+        if name not in have:
+            subprocess.run([*ctr, "import", os.path.join(outdir, tar)], check=True, capture_output=True)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: images.py OUTDIR")
-    main(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="build OCI image archives without a registry")
+    ap.add_argument("outdir")
+    ap.add_argument("--debian", action="store_true", help="also the Debian (glibc) and CUDA-style images")
+    ap.add_argument("--import-to", metavar="CONTAINERD_ADDRESS", help="import the --debian images there")
+    args = ap.parse_args()
+    main(args.outdir)
+    if args.debian:
+        debian_images(args.outdir)
+        if args.import_to:
+            import_missing(
+                args.outdir,
+                args.import_to,
+                (("debian.tar", DEBIAN_IMAGE), ("cuda-style.tar", CUDA_STYLE_IMAGE)),
+            )

@@ -7,15 +7,10 @@ from typing import Any
 import pytest
 from conftest import bus, discover_doc, gpu_uuid
 
+from dra_gpu.attributes import cuda_version, normalise_version
 from dra_gpu.discovery import discover_node
-from dra_gpu.slices import (
-    SliceLimitError,
-    build_slices,
-    cuda_version,
-    normalise_version,
-    quantity,
-    validate_device,
-)
+from dra_gpu.kubernetes_values import format_quantity
+from dra_gpu.slices import SliceLimitError, build_slices, validate_device
 
 GPU_ATTRIBUTES = {
     "type",
@@ -118,8 +113,8 @@ def test_normalise_version(raw: str, expected: str) -> None:
 
 def test_version_helpers() -> None:
     assert cuda_version(12080) == "12.8.0" and cuda_version(13000) == "13.0.0"
-    assert quantity(80 << 30) == "80Gi" and quantity(81559 << 20) == "81559Mi"
-    assert quantity(1000) == "1000"
+    assert format_quantity(80 << 30) == "80Gi" and format_quantity(81559 << 20) == "81559Mi"
+    assert format_quantity(1000) == "1000"
     with pytest.raises(ValueError, match="not a numeric version"):
         normalise_version("570.x")
 

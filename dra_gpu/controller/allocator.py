@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from dra_gpu.controller.cel_env import CelEnvironment, CelError, SelectorEvalError, parse_quantity_str
+from dra_gpu.controller.cel import CelEnvironment, CelError, SelectorEvalError
+from dra_gpu.kubernetes_values import parse_quantity
 
 SAME_DOMAIN_COST = 1
 CROSS_DOMAIN_COST = 4
@@ -29,6 +30,14 @@ DEFAULT_STEP_BUDGET = 500_000
 
 class AllocationError(RuntimeError):
     """The allocation cannot even be attempted (unknown class, a selector failing at runtime, ...)."""
+
+
+class UnknownClassError(AllocationError):
+    """A request names a DeviceClass that does not exist (it may be created later)."""
+
+    def __init__(self, device_class: str) -> None:
+        super().__init__(f"device class {device_class!r} does not exist")
+        self.device_class = device_class
 
 
 class UnmodelledError(AllocationError):
@@ -72,7 +81,7 @@ class Device:
         value = caps.get(name) or caps.get(f"{self.driver}/{name}")
         if isinstance(value, dict) and "value" in value:
             try:
-                return parse_quantity_str(str(value["value"]))
+                return parse_quantity(str(value["value"]))
             except ValueError:
                 return None
         return None
@@ -245,9 +254,7 @@ class Cluster:
             for s in p.slices:
                 for cs in s["spec"].get("sharedCounters") or []:
                     for cname, c in (cs.get("counters") or {}).items():
-                        p.counters[(str(cs.get("name")), str(cname))] = parse_quantity_str(
-                            str(c.get("value"))
-                        )
+                        p.counters[(str(cs.get("name")), str(cname))] = parse_quantity(str(c.get("value")))
         return [pools[k] for k in sorted(pools)]
 
     def devices(self, node: str) -> list[Device]:
@@ -271,7 +278,7 @@ class Cluster:
                             (
                                 str(cc.get("counterSet")),
                                 {
-                                    str(k): parse_quantity_str(str(v.get("value")))
+                                    str(k): parse_quantity(str(v.get("value")))
                                     for k, v in (cc.get("counters") or {}).items()
                                 },
                             )
@@ -317,7 +324,7 @@ class Cluster:
     def selectable(self, sub: SubRequest, device: Device) -> bool:
         cls = self.classes.get(sub.device_class)
         if cls is None:
-            raise AllocationError(f"device class {sub.device_class!r} does not exist")
+            raise UnknownClassError(sub.device_class)
         for s in (cls.get("spec") or {}).get("selectors") or []:
             if not self.matches(str((s.get("cel") or {}).get("expression", "")), device):
                 return False
@@ -484,15 +491,6 @@ class _Search:
         return cost == 0  # nothing beats 0
 
 
-@dataclass
-class Explanation:
-    allocatable: bool
-    placement: Placement | None = None
-    best: Placement | None = None
-    reason: str = ""
-    simulated: bool = True  # False: a selector could not be evaluated here (UnmodelledError)
-
-
 def place(
     cluster: Cluster, spec: Mapping[str, Any], node: str, ignore_in_use: bool = False, best: bool = False
 ) -> Placement | None:
@@ -501,23 +499,3 @@ def place(
     if found is None:
         return None
     return Placement(node, [(s.name, d) for s, d in found], link_cost([d for _, d in found]))
-
-
-def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> Explanation:
-    """First-fit placement on the first node (by name) where the claim fits, and the cheapest there."""
-    try:
-        for node in cluster.nodes:
-            p = place(cluster, spec, node, ignore_in_use)
-            if p is not None:
-                b = p
-                if len(p.results) > 1:
-                    try:
-                        b = place(cluster, spec, node, ignore_in_use, best=True) or p
-                    except SearchLimitError:
-                        b = p
-                return Explanation(True, p, b if b.link_cost < p.link_cost else p)
-    except AllocationError as exc:
-        return Explanation(False, reason=str(exc), simulated=not isinstance(exc, UnmodelledError))
-    from dra_gpu.controller.diagnosis import why_not  # late: diagnosis builds on this module
-
-    return Explanation(False, reason=why_not(cluster, spec, ignore_in_use))

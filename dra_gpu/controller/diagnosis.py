@@ -12,15 +12,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from dra_gpu.controller.allocator import (
-    AllocationError,
     Cluster,
     Constraint,
     Device,
     Request,
     SubRequest,
+    UnknownClassError,
     parse_requests,
 )
-from dra_gpu.controller.cel_env import format_quantity
+from dra_gpu.kubernetes_values import format_quantity
 
 _CAP_COMPARE = re.compile(
     r"capacity\s*\[\s*[\"']([^\"']+)[\"']\s*\]\s*\.\s*(\w+)\s*\.\s*"
@@ -65,7 +65,7 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
     per_class: list[Device] = []
     cls = cluster.classes.get(sub.device_class)
     if cls is None:
-        raise AllocationError(f"device class {sub.device_class!r} does not exist")
+        raise UnknownClassError(sub.device_class)
     class_sel = [
         str((s.get("cel") or {}).get("expression", ""))
         for s in (cls.get("spec") or {}).get("selectors") or []
@@ -95,13 +95,8 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
 
 
 def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> str:
-    try:
-        return _why_not(cluster, spec, ignore_in_use)
-    except AllocationError as exc:
-        return str(exc)
-
-
-def _why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> str:
+    """Why the search found no placement. Raises AllocationError when the diagnosis meets what the
+    search stopped before (a later request's class that does not exist, a selector failing there)."""
     requests, constraints = parse_requests(spec)
     if not cluster.pools:
         return "no ResourceSlices are published"

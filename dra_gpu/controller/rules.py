@@ -9,32 +9,46 @@ untouched. Every problem names its field path and says what would be valid.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from dra_gpu.api import ConfigError, decode
-from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices, explain
-from dra_gpu.controller.cel_env import CelEnvironment, Schema
+from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices
+from dra_gpu.controller.cel import CelEnvironment, Schema
+from dra_gpu.controller.explain import Failure, explain
+from dra_gpu.kubernetes_values import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    QUALIFIED_NAME_PART,
+    RESOURCE_API_VERSION,
+    qualified_name_problem,
+)
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
-API_VERSION = "resource.k8s.io/v1"
 KINDS = ("DeviceClass", "ResourceClaim", "ResourceClaimTemplate")
 MAX_OBJECT_BYTES = 3 * 1024 * 1024  # the apiserver's request size limit
 MAX_REQUESTS = MAX_SELECTORS = MAX_CONSTRAINTS = MAX_CONFIGS = 32
 MAX_SUBREQUESTS = 8
 MAX_PARAMETERS_BYTES = 10 * 1024
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_QUALIFIED_NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+class ProblemKind(Enum):
+    """What kind of problem, for callers that act on it; the words for people are in `message`."""
+
+    INVALID = "invalid"  # wrong as written: structure, limits, CEL, names, opaque config
+    UNSATISFIABLE = "unsatisfiable"  # valid, but the published devices can never satisfy it
+    UNKNOWN_CLASS = "unknown-class"  # names a DeviceClass that does not exist (it may be created later)
+    IN_USE = "in-use"  # satisfiable, but not now: the devices it needs are allocated
+    NOT_CHECKED = "not-checked"  # a check was skipped (no published slices, CEL functions not modelled)
 
 
 @dataclass(frozen=True)
 class Problem:
     path: str
     message: str
+    kind: ProblemKind = ProblemKind.INVALID
 
 
 @dataclass
@@ -66,9 +80,9 @@ def is_extended_resource_name(name: str) -> str | None:
     if name.startswith("requests."):
         return "must not start with 'requests.'"
     prefix, _, ident = ("requests." + name).partition("/")
-    if len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
+    if len(prefix) > 253 or not DNS_SUBDOMAIN.match(prefix):
         return f"domain {name.partition('/')[0]!r} must be a lowercase DNS subdomain"
-    if len(ident) > 63 or not _QUALIFIED_NAME_PART.match(ident):
+    if len(ident) > 63 or not QUALIFIED_NAME_PART.match(ident):
         return (
             f"name {ident!r} must be <= 63 characters of [A-Za-z0-9-_.], "
             "starting and ending with an alphanumeric character"
@@ -113,8 +127,10 @@ class Validator:
         if kind not in KINDS:
             v.errors.append(Problem("kind", f"unsupported kind {kind!r} (validated: {', '.join(KINDS)})"))
             return v
-        if obj.get("apiVersion") != API_VERSION:
-            v.errors.append(Problem("apiVersion", f"must be {API_VERSION!r}, got {obj.get('apiVersion')!r}"))
+        if obj.get("apiVersion") != RESOURCE_API_VERSION:
+            v.errors.append(
+                Problem("apiVersion", f"must be {RESOURCE_API_VERSION!r}, got {obj.get('apiVersion')!r}")
+            )
             return v
         size = len(json.dumps(obj, default=str))
         if size > MAX_OBJECT_BYTES:
@@ -180,6 +196,7 @@ class Validator:
                         p,
                         f"uses {', '.join(unmodelled)} of the Kubernetes CEL libraries, which dra-gpu does "
                         "not model: not type-checked, and feasibility is not checked",
+                        ProblemKind.NOT_CHECKED,
                     )
                 )
 
@@ -265,7 +282,7 @@ class Validator:
             v.errors.append(Problem(p, "must be an object"))
             return
         name = r.get("name")
-        if not isinstance(name, str) or not _DNS_LABEL.match(name) or len(name) > 63:
+        if not isinstance(name, str) or not DNS_LABEL.match(name) or len(name) > 63:
             v.errors.append(Problem(f"{p}.name", f"{name!r}: must be a DNS label"))
         elif name in names:
             v.errors.append(Problem(f"{p}.name", f"duplicate request name {name!r}"))
@@ -288,7 +305,7 @@ class Validator:
                 v.errors.append(Problem(sp, "must be an object"))
                 continue
             sname = s.get("name")
-            if not isinstance(sname, str) or not _DNS_LABEL.match(sname):
+            if not isinstance(sname, str) or not DNS_LABEL.match(sname):
                 v.errors.append(Problem(f"{sp}.name", f"{sname!r}: must be a DNS label"))
             elif sname in seen:
                 v.errors.append(Problem(f"{sp}.name", f"duplicate subrequest name {sname!r}"))
@@ -349,12 +366,7 @@ class Validator:
             hint = f"{self.driver}/{attr}" if attr in self.env.schema.attributes else f"<domain>/{attr}"
             v.errors.append(Problem(ap, f"{attr!r} must be fully qualified, e.g. {hint!r}"))
             return
-        if (
-            not _DNS_SUBDOMAIN.match(domain)
-            or len(domain) > 63
-            or not _C_IDENTIFIER.match(ident)
-            or len(ident) > 32
-        ):
+        if qualified_name_problem(attr) is not None:
             v.errors.append(Problem(ap, f"{attr!r} is not a valid qualified attribute name"))
             return
         if domain == self.driver:
@@ -365,26 +377,42 @@ class Validator:
     def _feasibility(self, spec: Mapping[str, Any], path: str, v: Verdict) -> None:
         if not self.has_driver_slices:
             v.warnings.append(
-                Problem(path, f"no ResourceSlices of {self.driver} are published; feasibility not checked")
+                Problem(
+                    path,
+                    f"no ResourceSlices of {self.driver} are published; feasibility not checked",
+                    ProblemKind.NOT_CHECKED,
+                )
             )
             return
         try:
             ever = explain(self.cluster, spec, ignore_in_use=True)
         except AllocationError as exc:  # pragma: no cover - explain reports these in .reason
-            v.warnings.append(Problem(path, str(exc)))
+            v.warnings.append(Problem(path, str(exc), ProblemKind.NOT_CHECKED))
             return
         if not ever.allocatable:
             if not ever.simulated:  # a selector (the claim's or its class's) is valid but not modelled
-                v.warnings.append(Problem(path, f"feasibility not checked: {ever.reason}"))
-            elif "does not exist" in ever.reason:  # the class may be created later
-                v.warnings.append(Problem(path, ever.reason))
+                v.warnings.append(
+                    Problem(path, f"feasibility not checked: {ever.reason}", ProblemKind.NOT_CHECKED)
+                )
+            elif ever.failure is Failure.UNKNOWN_CLASS:  # the class may be created later
+                v.warnings.append(Problem(path, ever.reason, ProblemKind.UNKNOWN_CLASS))
             else:
                 v.errors.append(
-                    Problem(path, f"can never be satisfied by the published devices: {ever.reason}")
+                    Problem(
+                        path,
+                        f"can never be satisfied by the published devices: {ever.reason}",
+                        ProblemKind.UNSATISFIABLE,
+                    )
                 )
             return
         if not self.cluster.in_use:
             return
         now = explain(self.cluster, spec)
         if not now.allocatable:
-            v.warnings.append(Problem(path, f"cannot be allocated right now (devices in use): {now.reason}"))
+            v.warnings.append(
+                Problem(
+                    path,
+                    f"cannot be allocated right now (devices in use): {now.reason}",
+                    ProblemKind.IN_USE,
+                )
+            )

@@ -12,7 +12,6 @@ lets the reviews in flight finish (at most SHUTDOWN_TIMEOUT seconds) and exits 0
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -23,6 +22,7 @@ import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -35,8 +35,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from dra_gpu.controller.cel_env import CelEnvironment, Schema
+from dra_gpu.controller.cel import CelEnvironment, Schema
+from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.rules import KINDS, Validator
+from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
@@ -44,6 +46,20 @@ log = logging.getLogger(__name__)
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
 ADMISSION_API = "admission.k8s.io/v1"
 SHUTDOWN_TIMEOUT = 10.0  # well inside the pod's 30 s grace period
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """What `dra-gpu controller` was asked to serve; typed, so the webhook does not depend on argparse."""
+
+    cert: str  # TLS certificate file (PEM), reloaded when it changes
+    key: str  # TLS private key file (PEM), reloaded when it changes
+    address: str = "0.0.0.0"
+    port: int = 8443
+    driver: str = DEFAULT_DRIVER_NAME
+    kubeconfig: str | None = None  # None: in-cluster config
+    watch: bool = True  # False: no list+watch of the cluster (tests and local runs)
+    files: tuple[str, ...] = ()  # static slices/classes/claims for the cluster view
 
 
 class Metrics:
@@ -61,8 +77,11 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5),
             registry=self.registry,
         )
-        self.devices = Gauge(
-            "dra_gpu_published_devices", "Devices in the watched ResourceSlices", registry=self.registry
+        # Not dra_gpu_published_devices: that is the kubelet plugin's (devices in its node's slices).
+        self.watched_devices = Gauge(
+            "dra_gpu_webhook_watched_devices",
+            "Devices in the watched ResourceSlices",
+            registry=self.registry,
         )
         self.cert_reloads = Counter(
             "dra_gpu_cert_reloads_total", "Certificate reloads", ["result"], registry=self.registry
@@ -215,7 +234,7 @@ class Webhook:
         return web.Response(text="ok\n")
 
     async def metrics_page(self, _: web.Request) -> web.Response:
-        self.metrics.devices.set(self.state.device_count())
+        self.metrics.watched_devices.set(self.state.device_count())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -350,32 +369,29 @@ async def start_watches(
 
 
 async def serve(
-    args: argparse.Namespace,
+    config: WebhookConfig,
     ready: asyncio.Event | None = None,
     reload_interval: float = 2.0,
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until `stop` is set (or the task is cancelled), then shut down gracefully."""
-    from dra_gpu.controller.commands import Inputs, load_files
-
     metrics = Metrics()
-    state = ClusterState(getattr(args, "driver_name", DEFAULT_DRIVER_NAME))
-    if getattr(args, "filename", None):
-        inputs: Inputs = load_files(args.filename)
+    state = ClusterState(config.driver)
+    if config.files:
+        inputs = load_files(config.files)
         state.replace("slices", inputs.slices)
         state.replace("classes", inputs.classes)
         state.replace("claims", inputs.claims)
-    certs = CertReloader(args.cert, args.key, metrics)
-    watching = not getattr(args, "no_watch", False)
-    webhook = Webhook(state, metrics, watched=[store for store, _ in WATCHED] if watching else ())
+    certs = CertReloader(config.cert, config.key, metrics)
+    webhook = Webhook(state, metrics, watched=[store for store, _ in WATCHED] if config.watch else ())
     runner = web.AppRunner(webhook.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, args.address, args.port, ssl_context=certs.context)
+    site = web.TCPSite(runner, config.address, config.port, ssl_context=certs.context)
     await site.start()
-    log.info("event=serving address=%s port=%d driver=%s", args.address, args.port, state.driver)
+    log.info("event=serving address=%s port=%d driver=%s", config.address, config.port, state.driver)
     tasks = [asyncio.create_task(certs.run(reload_interval))]
-    if watching:
-        tasks += await start_watches(state, getattr(args, "kubeconfig", None), metrics)
+    if config.watch:
+        tasks += await start_watches(state, config.kubeconfig, metrics)
     if ready is not None:
         ready.set()
     try:
@@ -394,9 +410,7 @@ async def serve(
                 await t
 
 
-def run(args: argparse.Namespace) -> int:
-    from dra_gpu.controller.commands import InputError
-
+def run(config: WebhookConfig) -> int:
     logging.getLogger().setLevel(logging.INFO)
 
     async def main() -> None:
@@ -404,13 +418,13 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(args, stop=stop)
+        await serve(config, stop=stop)
 
     try:
         asyncio.run(main())
     except (OSError, ssl.SSLError, InputError) as exc:
         print(f"dra-gpu controller: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
-        return 0
-    return 0
+        return EXIT_OK
+    return EXIT_OK

@@ -3,7 +3,15 @@
 One spec file per claim (`k8s.<driver>-claim_<claimUID>.json`), kind `k8s.<driver>/claim`, devices
 named `<claimUID>-<device>` so no two files ever define the same device (the CDI cache deletes
 devices defined twice at equal priority). Edits every device of the claim needs (control nodes,
-`NVIDIA_VISIBLE_DEVICES`) are spec-level `containerEdits`.
+`NVIDIA_VISIBLE_DEVICES`, the driver's libraries, binaries, firmware and sockets) are spec-level
+`containerEdits`.
+
+Each spec is self-contained: there is no node-wide base spec that claims reference. A base spec is
+rewritten on a driver upgrade or a plugin restart while claims prepared before still name it, so a
+claim's next container could start with other driver files than it was prepared with, or name a
+device the base spec no longer has. A claim's own spec is written once, atomically, and removed
+with the claim; the shared part is computed once per node and reused (driver_files), and measured
+prepare latency is the same (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ class CdiSpecs:
         control_nodes: list[DeviceNode],
         common_env: dict[str, str],
     ) -> dict[str, Any]:
+        """The claim's own part of its spec (devices, control nodes, env); see `compose`."""
         spec_devices = []
         for dev in devices:
             name = f"{claim_uid}-{dev.name}"
@@ -111,8 +120,23 @@ class CdiSpecs:
         spec["cdiVersion"] = minimum_version(spec)
         return spec
 
+    @staticmethod
+    def compose(claim_spec: dict[str, Any], driver_edits: dict[str, Any]) -> dict[str, Any]:
+        """The spec file's content: the claim's own part plus the node's driver user space (the
+        same for every claim, see driver_files; shared, never copied or changed). The checkpoint
+        records only the claim's part, so its size does not grow with the driver's files."""
+        if not driver_edits:
+            return claim_spec
+        edits = dict(claim_spec["containerEdits"])
+        for key, value in driver_edits.items():
+            edits[key] = [*edits.get(key, []), *value]
+        spec = {**claim_spec, "containerEdits": edits}
+        spec["cdiVersion"] = minimum_version(spec)
+        return spec
+
     def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
-        data = json.dumps(spec, indent=2, sort_keys=False).encode() + b"\n"
+        # Compact: the C encoder (indent= falls back to the pure-Python one, ~4x slower).
+        data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
         atomic_write(self.path(claim_uid), data, mode=0o644)
 
     def read(self, claim_uid: str) -> dict[str, Any] | None:

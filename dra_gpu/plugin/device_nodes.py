@@ -3,6 +3,11 @@
 On a real node `dev_root` is "/" and the NVIDIA driver made the nodes. On a simulated node the
 plugin makes real character devices with mknod under `<dev_root>/dev` (and the MIG capability
 files the driver would expose under `<dev_root>/proc`), so the runtime injects something real.
+
+A spec never lacks a node its device needs: every prepare checks the host nodes. A node missing
+on a real node (e.g. `/dev/nvidia-uvm` before the first CUDA program loaded the uvm module) is
+created the way the driver's own tools do, with `nvidia-modprobe` where it is installed; if it is
+still missing, prepare fails with an error naming the node, and the kubelet retries.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 from dra_gpu.model import Gpu, Inventory, MigDevice
@@ -23,7 +30,10 @@ NVIDIACTL_MINOR = 255
 # The uvm and caps majors are assigned dynamically by the kernel; these are for simulation only.
 SIM_UVM_MAJOR = 509
 SIM_CAPS_MAJOR = 508
+NVIDIA_MODESET_MINOR = 254
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+OPTIONAL_CONTROL_NODES = ("/dev/nvidia-modeset",)  # only with the nvidia-modeset module loaded
+MODPROBE_TIMEOUT = 10.0
 
 _MINOR_LINE = re.compile(r"DeviceFileMinor:\s*(\d+)")
 
@@ -35,8 +45,10 @@ class DeviceNodeError(RuntimeError):
 class DeviceNodes:
     """Maps devices to their nodes under a dev root and checks that the host nodes exist."""
 
-    def __init__(self, dev_root: Path) -> None:
+    def __init__(self, dev_root: Path, modprobe: str | None = None) -> None:
         self.root = dev_root
+        # nvidia-modprobe makes nodes in the real /dev only, so only a plugin that sees it uses it.
+        self.modprobe = modprobe if str(dev_root) == "/" else None
 
     def host(self, container_path: str) -> str:
         return str(self.root / container_path.lstrip("/"))
@@ -45,7 +57,8 @@ class DeviceNodes:
         return DeviceNode(path=container_path, host_path=self.host(container_path))
 
     def control(self) -> list[DeviceNode]:
-        return [self.node(p) for p in CONTROL_NODES]
+        nodes = [self.node(p) for p in CONTROL_NODES]
+        return nodes + [n for p in OPTIONAL_CONTROL_NODES if _is_char(Path((n := self.node(p)).host_path))]
 
     def gpu(self, gpu: Gpu) -> list[DeviceNode]:
         return [self.node(f"/dev/nvidia{gpu.minor}")]
@@ -69,13 +82,64 @@ class DeviceNodes:
 
     def verify(self, nodes: list[DeviceNode]) -> None:
         """Fail unless every host node is a character device (never hand out an empty spec)."""
-        for n in nodes:
+        missing = [n for n in nodes if not _is_char(Path(n.host_path))]
+        if missing and self.modprobe is not None:
+            for n in missing:
+                self._create(n.path)
+            missing = [n for n in missing if not _is_char(Path(n.host_path))]
+        for n in missing:
             try:
-                mode = os.stat(n.host_path).st_mode
+                os.stat(n.host_path)
             except OSError as exc:
-                raise DeviceNodeError(f"device node {n.host_path} is missing: {exc.strerror}") from exc
-            if not stat.S_ISCHR(mode):
-                raise DeviceNodeError(f"device node {n.host_path} is not a character device")
+                raise DeviceNodeError(
+                    f"device node {n.host_path} is missing ({exc.strerror}); the NVIDIA driver has not "
+                    f"created it{_how(n.path)}; prepare will be retried"
+                ) from exc
+            raise DeviceNodeError(f"device node {n.host_path} is not a character device")
+
+    def _create(self, path: str) -> None:
+        """Ask nvidia-modprobe for the node at `path` (bounded; failures are left to verify)."""
+        args = _modprobe_args(path)
+        if args is None or self.modprobe is None:
+            return
+        try:
+            subprocess.run([self.modprobe, *args], capture_output=True, timeout=MODPROBE_TIMEOUT, check=False)
+            log.info("nvidia-modprobe ran node=%s args=%s", path, " ".join(args))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("nvidia-modprobe failed node=%s error=%s", path, exc)
+
+
+def find_modprobe(driver_root: Path) -> str | None:
+    """nvidia-modprobe of the driver installation, else on PATH."""
+    for rel in ("usr/bin", "usr/sbin", "bin", "sbin"):
+        candidate = driver_root / rel / "nvidia-modprobe"
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("nvidia-modprobe")
+
+
+def _is_char(path: Path) -> bool:
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _modprobe_args(path: str) -> list[str] | None:
+    """nvidia-modprobe's options that create the node at `path` (see its man page)."""
+    name = path.rsplit("/", 1)[-1]
+    if name in ("nvidia-uvm", "nvidia-uvm-tools"):
+        return ["-u", "-c", "0"]
+    if name == "nvidia-modeset":
+        return ["-m"]
+    if name.startswith("nvidia") and name[len("nvidia") :].isdigit():
+        return ["-c", name[len("nvidia") :]]
+    return None
+
+
+def _how(path: str) -> str:
+    args = _modprobe_args(path)
+    return f" (nvidia-modprobe {' '.join(args)} would)" if args else ""
 
 
 def _mknod(path: Path, major: int, minor: int) -> None:
@@ -98,7 +162,8 @@ def create_simulated(inventory: Inventory, dev_root: Path) -> int:
     _mknod(dev / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
     _mknod(dev / "nvidia-uvm", SIM_UVM_MAJOR, 0)
     _mknod(dev / "nvidia-uvm-tools", SIM_UVM_MAJOR, 1)
-    count += 3
+    _mknod(dev / "nvidia-modeset", NVIDIA_MAJOR, NVIDIA_MODESET_MINOR)
+    count += 4
     cap_minor = 1
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         _mknod(dev / f"nvidia{gpu.minor}", NVIDIA_MAJOR, gpu.minor)

@@ -20,8 +20,9 @@ from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
-from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
+from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
+from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Preparer:
         cdi: CdiSpecs,
         nodes: DeviceNodes,
         claims: ClaimSource,
+        driver_files: DriverFiles,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
@@ -89,6 +91,7 @@ class Preparer:
         self.cdi = cdi
         self.nodes = nodes
         self.claims = claims
+        self.driver_files = driver_files
         self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
         for gpu in inventory.gpus:
             if not gpu.mig_enabled:
@@ -152,13 +155,14 @@ class Preparer:
                     f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
                     f"uid is {uid}, the kubelet asked for {ref.uid}"
                 )
-            devices, spec = self._plan(ref, claim)
+            devices, spec, driver_edits = self._plan(ref, claim)
             entry = {
                 "state": STARTED,
                 "namespace": ref.namespace,
                 "name": ref.name,
                 "devices": [d.to_dict() for d in devices],
-                "cdiSpec": spec,
+                "cdiSpec": spec,  # the claim's own part; the file adds the driver's user space
+                "driverFiles": self.driver_files.digest,
             }
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
@@ -168,7 +172,10 @@ class Preparer:
             try:
                 # "started" and the spec may land in either order: a spec without a completed
                 # record is removed by the start-up reconciliation.
-                await asyncio.gather(self._commit(), asyncio.to_thread(self.cdi.write, ref.uid, spec))
+                await asyncio.gather(
+                    self._commit(),
+                    asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits)),
+                )
                 async with self._state_lock:
                     self._stage(ref.uid, {**entry, "state": COMPLETED})
                 await self._commit()
@@ -204,7 +211,9 @@ class Preparer:
                     f"{other.ref()}; refusing to hand it to two claims"
                 )
 
-    def _plan(self, ref: ClaimRef, claim: dict[str, Any]) -> tuple[list[PreparedDevice], dict[str, Any]]:
+    def _plan(
+        self, ref: ClaimRef, claim: dict[str, Any]
+    ) -> tuple[list[PreparedDevice], dict[str, Any], dict[str, Any]]:
         """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
@@ -256,10 +265,14 @@ class Preparer:
             self.nodes.verify(control)
         except DeviceNodeError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from exc
+        try:
+            driver_edits = self.driver_files.edits()
+        except DriverInstallationError as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from exc
         spec = self.cdi.build(
             ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
         )
-        return prepared, spec
+        return prepared, spec, driver_edits
 
     def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
         """This driver's configs, class configs before claim configs: (requests, config, where)."""
@@ -324,16 +337,37 @@ class Preparer:
                 self.checkpoint.remove(rec.uid)
                 counts["rolledBack"] += 1
                 log.warning("claim left half-prepared, rolled back claim=%s", rec.ref())
-            elif rec.cdi_spec is not None and self.cdi.read(rec.uid) != rec.cdi_spec:
-                self.cdi.write(rec.uid, rec.cdi_spec)
-                counts["rebuilt"] += 1
-                log.warning("CDI spec of a prepared claim rebuilt claim=%s", rec.ref())
+            elif rec.cdi_spec is not None:
+                self._restore_spec(rec, counts)
         for uid in self.cdi.owned():
             owner = records.get(uid)
             if (owner is None or owner.state != COMPLETED) and self.cdi.remove(uid):
                 counts["removed"] += 1
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
         return counts
+
+    def _restore_spec(self, rec: ClaimRecord, counts: dict[str, int]) -> None:
+        """Rewrite a completed claim's spec file unless it is what prepare wrote."""
+        assert rec.cdi_spec is not None
+        try:
+            driver_edits = self.driver_files.edits()
+        except DriverInstallationError as exc:
+            # Without the driver's files no spec can be made; an existing one is left as it is.
+            if self.cdi.read(rec.uid) is None:
+                log.error(
+                    "CDI spec of a prepared claim is missing and cannot be rebuilt claim=%s error=%s",
+                    rec.ref(),
+                    exc,
+                )
+            return
+        want = self.cdi.compose(rec.cdi_spec, driver_edits)
+        if self.cdi.read(rec.uid) == want:
+            return
+        if rec.raw.get("driverFiles") != self.driver_files.digest:
+            log.warning("the driver installation changed since the claim was prepared claim=%s", rec.ref())
+        self.cdi.write(rec.uid, want)
+        counts["rebuilt"] += 1
+        log.warning("CDI spec of a prepared claim rebuilt claim=%s", rec.ref())
 
     async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:
         """Unprepare claims whose ResourceClaim has been gone (or replaced) for `grace_seconds`."""

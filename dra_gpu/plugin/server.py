@@ -20,7 +20,8 @@ from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
-from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
+from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modprobe
+from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from dra_gpu.plugin.prepare import Preparer
 
@@ -38,6 +39,9 @@ class PluginConfig:
     cdi_dir: Path
     dev_root: Path
     http_address: str  # host:port; "" disables the HTTP endpoint
+    driver_root: Path = Path("/")  # the NVIDIA driver's files, as this process sees them
+    host_driver_root: str | None = None  # the same root as the container runtime sees it
+    cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
 
@@ -62,6 +66,9 @@ class KubeletPlugin:
         inventory = await asyncio.to_thread(discover_node, cfg.node_name, cfg.profile)
         if cfg.profile is not None:
             await asyncio.to_thread(create_simulated, inventory, cfg.dev_root)
+        driver_files = await asyncio.to_thread(
+            DriverFiles, cfg.driver_root, inventory.driver_version, cfg.host_driver_root, cfg.cdi_hook_path
+        )
         kube = await Kube.connect(cfg.kubeconfig)
         cfg.plugin_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = await asyncio.to_thread(Checkpoint, cfg.plugin_dir / "checkpoint.json")
@@ -71,8 +78,9 @@ class KubeletPlugin:
             inventory,
             checkpoint,
             CdiSpecs(cfg.cdi_dir, cfg.driver),
-            DeviceNodes(cfg.dev_root),
+            DeviceNodes(cfg.dev_root, modprobe=find_modprobe(cfg.driver_root)),
             kube,
+            driver_files,
         )
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))

@@ -7,6 +7,7 @@ Target cluster:
   else brought up once for the session (root needed) and brought down at its end.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,21 @@ import time
 import uuid
 
 import pytest
+from controller_support import (
+    A100_CLASS,
+    ANY_CLASS,
+    GPU_CLASS,
+    HGX,
+    MIG,
+    MIG_CLASS,
+    PROFILES,
+    RESOURCE,
+    TAINT,
+    TAINT_CLASS,
+    TAINTS,
+    device_class,
+    ignore_404,
+)
 
 E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(E2E_DIR, "cluster")
@@ -166,3 +182,60 @@ def peer_driver(target, dyn):
     yield PEER_DRIVER
     if started:
         _cluster("peer-driver", "stop", check=False)
+
+
+@pytest.fixture(scope="module")
+def published(target, core, dyn):
+    """Simulated slices of both profiles on the real node, and the classes for them (for the
+    test_controller_*.py files; each publishes them for itself and removes them at its end)."""
+    from dra_gpu.discovery import discover_node
+    from dra_gpu.slices import build_slices
+
+    node = core.list_node().items[0].metadata.name
+    slices_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceSlice")
+    classes_api = dyn.resources.get(api_version=RESOURCE, kind="DeviceClass")
+
+    def drop_slices():
+        for driver in PROFILES:
+            for s in slices_api.get(field_selector=f"spec.driver={driver}").to_dict()["items"]:
+                ignore_404(slices_api.delete, name=s["metadata"]["name"])
+
+    drop_slices()  # a crashed earlier run of this file
+    any_gpu = device_class(ANY_CLASS, HGX, "gpu")
+    any_gpu["spec"]["selectors"] = [
+        {
+            "cel": {
+                "expression": f"device.driver in {json.dumps(list(PROFILES))} "
+                '&& device.attributes[device.driver].type == "gpu"'
+            }
+        }
+    ]
+    classes = [
+        device_class(GPU_CLASS, HGX, "gpu"),
+        device_class(A100_CLASS, MIG, "gpu"),
+        device_class(MIG_CLASS, MIG, "mig"),
+        device_class(TAINT_CLASS, TAINT, "gpu"),
+        any_gpu,
+    ]
+    try:
+        for driver, profile in PROFILES.items():
+            for s in build_slices(discover_node(node, profile), driver):
+                if driver == TAINT:
+                    for d in s["spec"]["devices"]:
+                        taint = TAINTS.get(d["attributes"]["index"]["int"])
+                        if taint:
+                            d["taints"] = [taint]
+                slices_api.create(body=s)
+        for c in classes:
+            classes_api.create(body=c)
+        got = {d: slices_api.get(field_selector=f"spec.driver={d}").to_dict()["items"] for d in PROFILES}
+        got["*"] = [x for d in PROFILES for x in got[d]]
+        yield {
+            "node": node,
+            "slices": got,
+            "classes": [classes_api.get(name=c["metadata"]["name"]).to_dict() for c in classes],
+        }
+    finally:
+        for c in classes:
+            ignore_404(classes_api.delete, name=c["metadata"]["name"])
+        drop_slices()

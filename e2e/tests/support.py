@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,4 +34,19 @@ def helm_binary() -> str:
     r = subprocess.run(["bash", str(ROOT / "deploy" / "build-helm.sh")], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.fail("deploy/build-helm.sh failed:\n" + r.stderr[-3000:])
+    return r.stdout.strip().splitlines()[-1]
+
+
+CACHE = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
+
+
+@functools.cache
+def sim_driver_root(profile: str, version: str | None = None) -> str:
+    """The simulated NVIDIA driver installation of a profile's node (e2e/simdriver, cached):
+    real ELF libraries, nvidia-smi and firmware of the profile's driver version (or `version`)."""
+    cmd = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", profile]
+    cmd += ["--cache", str(CACHE)] + (["--version", version] if version else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        pytest.fail(f"e2e/simdriver/build.py failed:\n{r.stderr[-3000:]}")
     return r.stdout.strip().splitlines()[-1]

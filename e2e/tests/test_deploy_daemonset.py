@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import helm_binary
+from support import helm_binary, sim_driver_root
 
 pytestmark = pytest.mark.e2e
 
@@ -131,6 +131,8 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
             "1.37.2",
             "--set",
             "simulatedProfile=hgx-2x4",
+            "--set",
+            f"kubeletPlugin.nvidiaDriverRoot={sim_driver_root('hgx-2x4')}",
             "--set",
             "controller.enabled=false",
         ],

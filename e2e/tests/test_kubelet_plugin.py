@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import wait_for
+from support import sim_driver_root, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -34,6 +34,7 @@ class Plugin:
         self.kubeconfig, self.node, self.log_path = kubeconfig, node, log_path
         self.proc: subprocess.Popen | None = None
         self.profile = PROFILE
+        self.driver_version: str | None = None  # None: the profile's own (no mismatch)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
@@ -47,6 +48,8 @@ class Plugin:
                 self.node,
                 "--profile",
                 self.profile,
+                "--driver-root",
+                sim_driver_root(self.profile, self.driver_version),
                 "--kubeconfig",
                 self.kubeconfig,
                 "--plugin-dir",
@@ -96,15 +99,8 @@ class Plugin:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-@pytest.fixture(scope="module")
-def plugin(target, core, dyn, tmp_path_factory):
-    if not target.local:
-        pytest.skip(
-            "the plugin runs as a host process only on the local e2e cluster; on kind "
-            "install the chart (deploy/) first"
-        )
-    node = core.list_node().items[0].metadata.name
-    p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
+def ensure_device_classes(dyn):
+    """The driver's two DeviceClasses (whole GPUs, MIG devices), as the chart installs them."""
     classes = dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceClass")
     for name, kind in ((DRIVER, "gpu"), (MIG_CLASS, "mig")):
         body = {
@@ -129,6 +125,18 @@ def plugin(target, core, dyn, tmp_path_factory):
         except Exception as e:
             if getattr(e, "status", None) != 409:
                 raise
+
+
+@pytest.fixture(scope="module")
+def plugin(target, core, dyn, tmp_path_factory):
+    if not target.local:
+        pytest.skip(
+            "the plugin runs as a host process only on the local e2e cluster; on kind "
+            "install the chart (deploy/) first"
+        )
+    node = core.list_node().items[0].metadata.name
+    p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
+    ensure_device_classes(dyn)
     p.start()
     yield p
     p.stop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dra_gpu.controller.commands import Inputs, explain_inputs
+from dra_gpu.controller.commands import explain_inputs
+from dra_gpu.controller.inputs import Inputs
 
 from .objects import DRIVER, GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 

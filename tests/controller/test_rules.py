@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.controller.rules import Validator
+from dra_gpu.controller.rules import ProblemKind, Validator
 
 from .objects import DRIVER, GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
@@ -270,6 +270,33 @@ def test_temporarily_unsatisfiable_is_a_warning() -> None:
         "cannot be allocated right now (devices in use): largest free NVLink domain: 3 GPUs (node-a); "
         "the claim needs 4 NVLink-connected GPUs"
     ]
+
+
+def test_problems_carry_their_kind() -> None:
+    """Callers act on the kind, never on the words: an unknown class warns, an impossible claim denies."""
+    slices = node_slices()
+    names = device_names(slices)
+    busy = allocated("busy", "node-a", [names[0], names[4]])
+    v = Validator(DRIVER, slices, [GPU_CLASS], [busy])
+    impossible = v.validate(claim("c", 16, constraints=NVLINK))
+    assert [p.kind for p in impossible.errors] == [ProblemKind.UNSATISFIABLE]
+    assert [p.kind for p in v.validate(claim("c", 4, constraints=NVLINK)).warnings] == [ProblemKind.IN_USE]
+    missing = claim("c")
+    missing["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "later.gpu.dra-gpu.io"
+    verdict = v.validate(missing)
+    assert verdict.allowed
+    assert [(p.kind, p.message) for p in verdict.warnings] == [
+        (ProblemKind.UNKNOWN_CLASS, "device class 'later.gpu.dra-gpu.io' does not exist")
+    ]
+    # The search stops at the first request; the diagnosis meets the second one's missing class.
+    two = claim("c", 16, constraints=NVLINK)
+    second = {"name": "more", "exactly": {"deviceClassName": "later.gpu.dra-gpu.io"}}
+    two["spec"]["devices"]["requests"].append(second)
+    two["spec"]["devices"]["constraints"][0]["requests"] = ["gpus"]
+    verdict = v.validate(two)
+    assert verdict.allowed and [p.kind for p in verdict.warnings] == [ProblemKind.UNKNOWN_CLASS]
+    bad = v.validate(claim("c", selectors=["1 +"]))
+    assert [p.kind for p in bad.errors] == [ProblemKind.INVALID]
 
 
 def test_template_paths() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime
@@ -24,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from dra_gpu.controller.webhook import serve
+from dra_gpu.controller.webhook import WebhookConfig, serve
 
 from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
 
@@ -70,19 +69,18 @@ class Server:
         busy = allocated("busy", "node-a", [device_names(slices)[0], device_names(slices)[4]])
         cluster = tmp / "cluster.yaml"
         cluster.write_text(yaml.safe_dump_all([*slices, GPU_CLASS, busy]))
-        self.args = argparse.Namespace(
+        self.config = WebhookConfig(
             cert=str(self.cert),
             key=str(self.key),
             address="127.0.0.1",
             port=self.port,
-            driver_name="gpu.dra-gpu.io",
-            kubeconfig=None,
-            no_watch=True,
-            filename=[str(cluster)],
+            driver="gpu.dra-gpu.io",
+            watch=False,
+            files=(str(cluster),),
         )
         self.loop = asyncio.new_event_loop()
         self.ready = asyncio.Event()
-        self.task = self.loop.create_task(serve(self.args, self.ready, reload_interval=0.1))
+        self.task = self.loop.create_task(serve(self.config, self.ready, reload_interval=0.1))
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -198,7 +196,7 @@ def test_healthz_and_metrics(server: Server) -> None:
         in text
     )
     assert 'result="malformed"} 1.0' in text
-    assert "dra_gpu_published_devices 8.0" in text
+    assert "dra_gpu_webhook_watched_devices 8.0" in text
     assert server.request("/healthz") == (200, b"ok\n")
 
 

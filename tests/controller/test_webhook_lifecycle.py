@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
@@ -20,7 +19,7 @@ import yaml
 from fake_kube import FakeApiServer, until
 
 from dra_gpu.controller import webhook
-from dra_gpu.controller.webhook import ClusterState, Metrics, serve, watch_resource
+from dra_gpu.controller.webhook import ClusterState, Metrics, WebhookConfig, serve, watch_resource
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube
 
 from .objects import GPU_CLASS, claim, node_slices
@@ -66,33 +65,24 @@ def test_watch_keeps_a_store_current_and_lists_again_when_expired() -> None:
     asyncio.run(body())
 
 
-def serve_args(
-    tmp_path: Path, port: int, no_watch: bool, files: list[str] | None = None
-) -> argparse.Namespace:
+def webhook_config(tmp_path: Path, watch: bool, files: tuple[str, ...] = ()) -> WebhookConfig:
     cert, key = make_cert(tmp_path, "webhook")
-    return argparse.Namespace(
-        cert=str(cert),
-        key=str(key),
-        address="127.0.0.1",
-        port=port,
-        driver_name="gpu.dra-gpu.io",
-        kubeconfig=None,
-        no_watch=no_watch,
-        filename=files,
+    return WebhookConfig(
+        cert=str(cert), key=str(key), address="127.0.0.1", port=free_port(), watch=watch, files=files
     )
 
 
 async def serving(
-    args: argparse.Namespace, test: Callable[[Callable[[str], Awaitable[tuple[int, str]]]], Awaitable[None]]
+    config: WebhookConfig, test: Callable[[Callable[[str], Awaitable[tuple[int, str]]]], Awaitable[None]]
 ) -> None:
     ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(args, ready, reload_interval=60, stop=stop))
+    task = asyncio.create_task(serve(config, ready, reload_interval=60, stop=stop))
     await asyncio.wait_for(ready.wait(), 20)
-    context = ssl.create_default_context(cafile=args.cert)
+    context = ssl.create_default_context(cafile=config.cert)
     async with aiohttp.ClientSession() as session:
 
         async def get(path: str) -> tuple[int, str]:
-            url = f"https://127.0.0.1:{args.port}{path}"
+            url = f"https://127.0.0.1:{config.port}{path}"
             async with session.get(url, ssl=context, timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 return resp.status, await resp.text()
 
@@ -120,7 +110,7 @@ def test_readyz_waits_for_the_first_list_of_every_watched_resource(
         # Files loaded beside the watches do not make it ready: only the watches' lists do.
         cluster = tmp_path / "cluster.yaml"
         cluster.write_text(yaml.safe_dump_all([GPU_CLASS, claim("x")]))
-        args = serve_args(tmp_path, free_port(), no_watch=False, files=[str(cluster)])
+        config = webhook_config(tmp_path, watch=True, files=(str(cluster),))
 
         async def test(get: Callable[[str], Awaitable[tuple[int, str]]]) -> None:
             await until(lambda: api.count("GET", "deviceclasses") == 1)
@@ -130,9 +120,9 @@ def test_readyz_waits_for_the_first_list_of_every_watched_resource(
             await until(lambda: api.count("GET", "resourceclaims", watch=True) == 1)
             assert await get("/readyz") == (200, "ok\n")
             status, metrics = await get("/metrics")
-            assert status == 200 and "dra_gpu_published_devices 8.0" in metrics
+            assert status == 200 and "dra_gpu_webhook_watched_devices 8.0" in metrics
 
-        await serving(args, test)
+        await serving(config, test)
         assert kube.api_client.closed  # the watches' connection is closed on the way out
 
     asyncio.run(body())
@@ -142,7 +132,7 @@ def test_readyz_without_watches_is_ready_at_once(tmp_path: Path) -> None:
     async def test(get: Callable[[str], Awaitable[tuple[int, str]]]) -> None:
         assert await get("/readyz") == (200, "ok\n")
 
-    asyncio.run(serving(serve_args(tmp_path, free_port(), no_watch=True), test))
+    asyncio.run(serving(webhook_config(tmp_path, watch=False), test))
 
 
 def test_sigterm_finishes_the_review_in_flight_and_exits_0(tmp_path: Path) -> None:

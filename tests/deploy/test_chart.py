@@ -144,8 +144,25 @@ def test_daemonset_privileged_only_for_real_gpus(render: Render) -> None:
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["MKNOD"]}
     assert env_of(sim)["DRA_GPU_PROFILE"] == "dgx-a100-mig"
-    mounts = {m["mountPath"] for m in sim["volumeMounts"]}
-    assert "/dev" not in mounts and "/driver-root" not in mounts
+    mounts = {m["mountPath"]: m for m in sim["volumeMounts"]}
+    assert "/dev" not in mounts
+    # The (simulated) driver installation is read-only to the plugin.
+    assert mounts["/driver-root"]["readOnly"] is True
+
+
+def test_daemonset_driver_root_and_cdi_hook(render: Render) -> None:
+    ds = one(render("kubeletPlugin.nvidiaDriverRoot=/run/nvidia/driver"), "DaemonSet")
+    env = env_of(container(ds))
+    host = {
+        v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v
+    }
+    assert host["driver-root"] == "/run/nvidia/driver"
+    # Found at /driver-root in the pod, named by its host path in the specs the runtime reads.
+    assert env["NVIDIA_DRIVER_ROOT"] == "/driver-root"
+    assert env["NVIDIA_HOST_DRIVER_ROOT"] == "/run/nvidia/driver"
+    assert "NVIDIA_CDI_HOOK_PATH" not in env
+    hooked = env_of(container(one(render("kubeletPlugin.cdiHookPath=/usr/bin/nvidia-cdi-hook"), "DaemonSet")))
+    assert hooked["NVIDIA_CDI_HOOK_PATH"] == "/usr/bin/nvidia-cdi-hook"
     text = (CHART / "templates" / "kubeletplugin-daemonset.yaml").read_text()
     assert re.search(r"# Privileged: .*\n", text), "privileged mode must say why in a comment"
 
@@ -163,7 +180,10 @@ def test_chart_env_names_are_read_by_the_cli(render: Render) -> None:
     cli = (ROOT / "dra_gpu" / "cli.py").read_text()
     env = env_of(container(one(render("simulatedProfile=hgx-2x4"), "DaemonSet")))
     for name in env:
-        if name.startswith("DRA_GPU_") or name in ("NODE_NAME", "DRIVER_NAME"):
+        if name.startswith(("DRA_GPU_", "NVIDIA_DRIVER", "NVIDIA_HOST", "NVIDIA_CDI")) or name in (
+            "NODE_NAME",
+            "DRIVER_NAME",
+        ):
             assert f'"{name}"' in cli, f"{name} is set by the chart but not read by dra_gpu/cli.py"
 
 

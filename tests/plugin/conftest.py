@@ -17,7 +17,9 @@ from dra_gpu.model import Inventory
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
+from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
+from tests.driver_root import make_root
 
 DRIVER = "gpu.dra-gpu.io"
 NODE = "node-a"
@@ -71,27 +73,43 @@ class PluginCore:
     checkpoint: Checkpoint
     cdi: CdiSpecs
     preparer: Preparer
+    driver_root: Path
 
     def add(self, c: dict[str, Any]) -> None:
         self.claims[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
 
     def restart(self) -> PluginCore:
         """A new plugin process over the same directories (same boot)."""
-        return make_core(self.root, self.inventory, self.claims, boot_id=self.checkpoint.boot_id)
+        return make_core(
+            self.root, self.inventory, self.claims, self.driver_root, boot_id=self.checkpoint.boot_id
+        )
 
 
-def make_core(root: Path, inventory: Inventory, claims: ClaimStore, boot_id: str = "boot-1") -> PluginCore:
+def make_core(
+    root: Path, inventory: Inventory, claims: ClaimStore, driver_root: Path, boot_id: str = "boot-1"
+) -> PluginCore:
     checkpoint = Checkpoint(root / "plugin" / "checkpoint.json", boot_id=boot_id)
     cdi = CdiSpecs(root / "cdi", DRIVER)
-    preparer = Preparer(DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"), claims)
-    return PluginCore(root, inventory, claims, checkpoint, cdi, preparer)
+    driver_files = DriverFiles(driver_root, inventory.driver_version)
+    preparer = Preparer(
+        DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"), claims, driver_files
+    )
+    return PluginCore(root, inventory, claims, checkpoint, cdi, preparer, driver_root)
+
+
+@pytest.fixture(scope="session")
+def driver_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The driver installation of the simulated node's driver version (built once)."""
+    inventory = discover_node(NODE, "dgx-a100-mig")
+    assert inventory.driver_version
+    return make_root(tmp_path_factory.mktemp("driver") / "root", inventory.driver_version)
 
 
 @pytest.fixture
-def core(tmp_path: Path) -> Iterator[PluginCore]:
+def core(tmp_path: Path, driver_root: Path) -> Iterator[PluginCore]:
     inventory = discover_node(NODE, "dgx-a100-mig")
     create_simulated(inventory, tmp_path / "devroot")
-    yield make_core(tmp_path, inventory, ClaimStore())
+    yield make_core(tmp_path, inventory, ClaimStore(), driver_root)
 
 
 def gpu_names(core: PluginCore) -> list[str]:

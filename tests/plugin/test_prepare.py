@@ -52,9 +52,19 @@ def test_prepare_writes_a_valid_cdi_spec_and_a_completed_record(core: PluginCore
     env = spec["containerEdits"]["env"]
     assert f"NVIDIA_VISIBLE_DEVICES={gpus[g0].uuid},{gpus[g1].uuid}" in env
     control = [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
-    assert control == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    assert control == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
+    # The driver's user space: the running version's libraries at their path and SONAME.
+    version = core.inventory.driver_version
+    mounts = {m["containerPath"]: m["hostPath"] for m in spec["containerEdits"]["mounts"]}
+    libcuda = str(core.driver_root / f"usr/lib/x86_64-linux-gnu/libcuda.so.{version}")
+    assert mounts["/usr/lib/x86_64-linux-gnu/libcuda.so.1"] == libcuda
+    assert mounts["/usr/local/nvidia/lib64/libnvidia-ml.so.1"].endswith(f"libnvidia-ml.so.{version}")
+    assert mounts["/usr/bin/nvidia-smi"] == str(core.driver_root / "usr/bin/nvidia-smi")
     rec = core.checkpoint.get(u)
-    assert rec is not None and rec.state == COMPLETED and rec.cdi_spec == spec
+    assert rec is not None and rec.state == COMPLETED
+    # The record keeps the claim's own part; the driver's files are added to the file only.
+    assert rec.cdi_spec is not None and "mounts" not in rec.cdi_spec["containerEdits"]
+    assert core.cdi.compose(rec.cdi_spec, core.preparer.driver_files.edits()) == spec
     assert oct(core.cdi.path(u).stat().st_mode & 0o777) == "0o644"
     assert not list(core.cdi.dir.glob(".*.tmp"))
 
@@ -289,3 +299,46 @@ def test_node_name_is_the_pool(core: PluginCore) -> None:
     c = claim(uid(), gpu_names(core)[:1])
     core.add(c)
     assert prepare(core, c)[0].pool_name == NODE
+
+
+def _nothing_written(core: PluginCore, u: str) -> None:
+    assert core.checkpoint.get(u) is None
+    assert not core.cdi.path(u).exists()
+    assert not list(core.cdi.dir.glob(".*.tmp")) if core.cdi.dir.exists() else True
+
+
+def test_a_driver_version_mismatch_fails_prepare_naming_both_versions(
+    core: PluginCore, tmp_path: Path
+) -> None:
+    from dra_gpu.plugin.driver_files import DriverFiles
+    from tests.driver_root import make_root
+
+    old = make_root(tmp_path / "old-driver", "550.54.15")
+    core.preparer.driver_files = DriverFiles(old, core.inventory.driver_version)
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    with pytest.raises(PrepareError, match=r"version mismatch.*kernel module is 570\.124\.06.*550\.54\.15"):
+        prepare(core, c)
+    _nothing_written(core, c["metadata"]["uid"])
+
+
+@pytest.mark.parametrize("node", ["nvidia-uvm", "nvidia-uvm-tools", "nvidiactl"])
+def test_a_missing_control_node_fails_prepare_naming_it(core: PluginCore, node: str) -> None:
+    path = core.root / "devroot" / "dev" / node
+    path.unlink()
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    with pytest.raises(PrepareError, match=f"device node {path} is missing.*retried"):
+        prepare(core, c)
+    _nothing_written(core, c["metadata"]["uid"])
+
+
+def test_a_missing_gpu_node_fails_prepare_naming_it(core: PluginCore) -> None:
+    g = gpu_names(core)[0]
+    minor = next(x.minor for x in core.inventory.gpus if x.device_name == g)
+    (core.root / "devroot" / "dev" / f"nvidia{minor}").unlink()
+    c = claim(uid(), [g])
+    core.add(c)
+    with pytest.raises(PrepareError, match=f"nvidia{minor} is missing.*nvidia-modprobe -c {minor}"):
+        prepare(core, c)
+    _nothing_written(core, c["metadata"]["uid"])

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 def test_plugin_serves_a_simulated_node_and_stops_cleanly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api = FakeApiServer()
     kube = api.kube()
@@ -39,13 +39,14 @@ def test_plugin_serves_a_simulated_node_and_stops_cleanly(
     cfg = PluginConfig(
         node_name=NODE,
         driver=DRIVER,
-        profile="hgx-2x4",
+        profile="dgx-a100-mig",
         kubeconfig=None,
         plugin_dir=tmp_path / "p",
         registry_dir=tmp_path / "r",
         cdi_dir=tmp_path / "cdi",
         dev_root=tmp_path / "dev",
         http_address=f"127.0.0.1:{port}",
+        driver_root=driver_root,
         sweep_interval=0.05,
     )
 
@@ -55,12 +56,13 @@ def test_plugin_serves_a_simulated_node_and_stops_cleanly(
         await asyncio.wait_for(plugin.ready.wait(), 30)
         try:
             (published,) = api.items("resourceslices")
-            assert published["spec"]["nodeName"] == NODE and len(published["spec"]["devices"]) == 8
+            devices = len(published["spec"]["devices"])
+            assert published["spec"]["nodeName"] == NODE and devices > 8  # GPUs and MIG devices
             async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
                 async with http.get("/healthz") as resp:
                     assert (resp.status, await resp.text()) == (200, "ok\n")
                 async with http.get("/metrics") as resp:
-                    assert "dra_gpu_published_devices 8.0" in await resp.text()
+                    assert f"dra_gpu_published_devices {devices}.0" in await resp.text()
                 await asyncio.sleep(0.2)  # a few stale-claim sweeps (nothing to sweep)
                 cfg.sockets.dra.unlink()  # the kubelet could not reach the plugin any more
                 async with http.get("/healthz") as resp:

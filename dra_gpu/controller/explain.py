@@ -1,0 +1,78 @@
+"""Whether a claim can be allocated, where, and if not why: the allocator's search plus the diagnosis.
+
+Its own module so that the allocator (the search) and the diagnosis (the words for a failed search,
+built on the allocator) depend on each other in one direction only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from dra_gpu.controller.allocator import (
+    AllocationError,
+    Cluster,
+    Placement,
+    SearchLimitError,
+    UnknownClassError,
+    UnmodelledError,
+    place,
+)
+from dra_gpu.controller.diagnosis import why_not
+
+
+class Failure(Enum):
+    """Why a claim is not allocatable, for callers that act on it; the words are in `reason`."""
+
+    NO_PLACEMENT = "no-placement"  # the search ran and no combination of devices fits
+    UNKNOWN_CLASS = "unknown-class"  # a request names a DeviceClass that does not exist (yet)
+    NOT_SIMULATED = "not-simulated"  # a selector uses Kubernetes CEL functions dra-gpu does not model
+    NOT_ATTEMPTED = "not-attempted"  # a selector failed at runtime, or the search ran out of steps
+
+
+@dataclass
+class Explanation:
+    allocatable: bool
+    placement: Placement | None = None
+    best: Placement | None = None
+    reason: str = ""
+    failure: Failure | None = None  # None when allocatable
+
+    @property
+    def simulated(self) -> bool:
+        """False: a selector could not be evaluated here, so the allocation was not simulated."""
+        return self.failure is not Failure.NOT_SIMULATED
+
+
+def _failure(exc: AllocationError) -> Failure:
+    if isinstance(exc, UnknownClassError):
+        return Failure.UNKNOWN_CLASS
+    if isinstance(exc, UnmodelledError):
+        return Failure.NOT_SIMULATED
+    return Failure.NOT_ATTEMPTED
+
+
+def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> Explanation:
+    """First-fit placement on the first node (by name) where the claim fits, and the cheapest there."""
+    try:
+        for node in cluster.nodes:
+            p = place(cluster, spec, node, ignore_in_use)
+            if p is not None:
+                b = p
+                if len(p.results) > 1:
+                    try:
+                        b = place(cluster, spec, node, ignore_in_use, best=True) or p
+                    except SearchLimitError:
+                        b = p
+                return Explanation(True, p, b if b.link_cost < p.link_cost else p)
+    except AllocationError as exc:
+        return Explanation(False, reason=str(exc), failure=_failure(exc))
+    try:
+        reason = why_not(cluster, spec, ignore_in_use)
+    except UnknownClassError as exc:
+        return Explanation(False, reason=str(exc), failure=Failure.UNKNOWN_CLASS)
+    except AllocationError as exc:  # the search did run: its words are the diagnosis's error
+        return Explanation(False, reason=str(exc), failure=Failure.NO_PLACEMENT)
+    return Explanation(False, reason=reason, failure=Failure.NO_PLACEMENT)

@@ -1,0 +1,6 @@
+"""The `dra-gpu` command's exit statuses, one list for every subcommand (scripts and tests read them)."""
+
+EXIT_OK = 0
+EXIT_INVALID = 1  # the input was read and is invalid (validate), or a result cannot be built
+EXIT_USAGE = 2  # bad arguments, unreadable files or cluster, nothing to do
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it

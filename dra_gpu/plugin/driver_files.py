@@ -1,0 +1,153 @@
+"""CDI container edits that give a container the node's NVIDIA driver user space.
+
+The files (`dra_gpu.discovery.driver_install`) are the same for every claim on a node, so they are
+found once, turned into edits once, and the same edits go into every claim's own spec. Where the
+container finds them:
+- every versioned library is bind-mounted at its own path (host path minus the driver root), and
+  again at its SONAME (`libcuda.so.1`) in the same directory, so the loader's default search path
+  finds it without an ld cache update in any image whose default path includes that directory
+  (Debian/Ubuntu images on a Debian/Ubuntu-layout driver root);
+- the SONAMEs are also mounted under `/usr/local/nvidia/lib64` and the binaries under
+  `/usr/local/nvidia/bin`, the layout CUDA-style images put on `LD_LIBRARY_PATH` and `PATH`;
+- with a CDI hook program (`--cdi-hook-path`, NVIDIA's `nvidia-cdi-hook`) an `update-ldcache`
+  hook adds the library directories to the container's ld cache, for every other image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dra_gpu.discovery.driver_install import DriverInstallation, discover_installation
+
+log = logging.getLogger(__name__)
+
+CUDA_STYLE_LIB_DIR = "/usr/local/nvidia/lib64"
+CUDA_STYLE_BIN_DIR = "/usr/local/nvidia/bin"
+FILE_OPTIONS = ["ro", "nosuid", "nodev", "rbind", "rprivate"]
+SOCKET_OPTIONS = ["nosuid", "nodev", "rbind", "rprivate", "noexec"]
+# A broken installation is looked at again at most this often (a driver container may still be
+# installing it when the plugin starts), so a claim's retry can succeed without a restart.
+REDISCOVER_SECONDS = 10.0
+
+
+class DriverInstallationError(RuntimeError):
+    """The driver's user space cannot be given to a container (missing files, wrong version)."""
+
+
+def _host(root: str, rel: str) -> str:
+    return os.path.join(root, rel) if root != "/" else "/" + rel
+
+
+def container_edits(found: DriverInstallation, hook_path: str | None = None) -> dict[str, Any]:
+    """The CDI `containerEdits` (mounts, and hooks when a hook program is given) for `found`."""
+    mounts: list[dict[str, Any]] = []
+    targets: set[str] = set()
+
+    def mount(rel: str, container_path: str, options: list[str]) -> None:
+        if container_path in targets:
+            return
+        targets.add(container_path)
+        mounts.append(
+            {"hostPath": _host(found.root, rel), "containerPath": container_path, "options": options}
+        )
+
+    for lib in found.libraries:
+        directory = "/" + os.path.dirname(lib.path)
+        mount(lib.path, "/" + lib.path, FILE_OPTIONS)
+        if lib.soname:
+            mount(lib.path, f"{directory}/{lib.soname}", FILE_OPTIONS)
+            mount(lib.path, f"{CUDA_STYLE_LIB_DIR}/{lib.soname}", FILE_OPTIONS)
+        if lib.name == "libcuda.so":  # what CUDA build systems link against
+            mount(lib.path, f"{directory}/libcuda.so", FILE_OPTIONS)
+    for rel in found.binaries:
+        mount(rel, "/" + rel, FILE_OPTIONS)
+        mount(rel, f"{CUDA_STYLE_BIN_DIR}/{os.path.basename(rel)}", FILE_OPTIONS)
+    for rel in found.firmware:
+        mount(rel, "/" + rel, FILE_OPTIONS)
+    for rel in found.ipc_sockets:
+        mount(rel, "/" + rel, SOCKET_OPTIONS)
+    edits: dict[str, Any] = {"mounts": mounts}
+    if hook_path:
+        folders = ["/" + d for d in found.library_dirs()] + [CUDA_STYLE_LIB_DIR]
+        base = os.path.basename(hook_path)
+        args = [base, "hook"] if base == "nvidia-ctk" else [base]
+        args.append("update-ldcache")
+        for folder in folders:
+            args += ["--folder", folder]
+        edits["hooks"] = [
+            {
+                "hookName": "createContainer",
+                "path": hook_path,
+                "args": args,
+                "env": ["NVIDIA_CTK_DEBUG=false"],
+            }
+        ]
+    return edits
+
+
+class DriverFiles:
+    """The node's driver installation, found once and looked at again only while it is broken."""
+
+    def __init__(
+        self,
+        root: Path,
+        version: str | None,
+        host_root: str | None = None,
+        hook_path: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = root
+        self.host_root = host_root or str(root)
+        self.version = version
+        self.hook_path = hook_path
+        self._clock = clock
+        self._checked_at = float("-inf")
+        self._edits: dict[str, Any] | None = None
+        self.digest: str | None = None  # of the edits, recorded with each claim
+        self.installation: DriverInstallation | None = None
+        self.refresh()
+
+    def refresh(self) -> DriverInstallation | None:
+        self._checked_at = self._clock()
+        if self.version is None:
+            self.installation = None
+            log.error("driver installation: NVML reported no driver version root=%s", self.root)
+            return None
+        found = discover_installation(self.root, self.version, self.host_root)
+        self.installation = found
+        if found.error:
+            self._edits = None
+            log.error("driver installation unusable root=%s error=%s", found.root, found.error)
+        else:
+            self._edits = container_edits(found, self.hook_path)
+            canonical = json.dumps(self._edits, sort_keys=True, separators=(",", ":")).encode()
+            self.digest = hashlib.sha256(canonical).hexdigest()[:16]
+            log.info(
+                "driver installation root=%s version=%s libraries=%d binaries=%d firmware=%d "
+                "ipc=%d missing_optional=%s",
+                found.root,
+                found.version,
+                len(found.libraries),
+                len(found.binaries),
+                len(found.firmware),
+                len(found.ipc_sockets),
+                ",".join(found.missing_optional) or "-",
+            )
+        return found
+
+    def edits(self) -> dict[str, Any]:
+        """The shared container edits; raises DriverInstallationError while they can't be made."""
+        if self._edits is None and self._clock() - self._checked_at >= REDISCOVER_SECONDS:
+            self.refresh()
+        if self._edits is not None:
+            return self._edits
+        if self.installation is None:
+            raise DriverInstallationError(f"driver installation under {self.host_root}: no driver version")
+        raise DriverInstallationError(str(self.installation.error))

@@ -1,0 +1,139 @@
+"""Stopping what `up` started and wiping what an earlier cluster left.
+
+`down` stops by pid (the peer driver and the kubelet, the containers through containerd, the
+control plane and containerd, the shims of our containerd socket), then unmounts everything under
+the kubelet root dir and the state dir, deletes the bridge and removes the empty kubepods cgroups.
+"""
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+
+from .config import BRIDGE, CTRD_SOCK, KUBELET_ROOT, LOGS, PEER_CDI_DIR, PLUGIN_NAME, STATE
+from .processes import Fail, ctr, pidfile, running, say, stop_pid
+
+
+def shims() -> list[int]:
+    """containerd shims serving our containerd (their argv names our socket)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and CTRD_SOCK.encode() in argv:
+            out.append(int(d))
+    return out
+
+
+def unmount_under(*roots: str) -> list[str]:
+    """Unmount everything at or below roots, deepest first; returns what is still mounted."""
+    prefixes = [r.rstrip("/") + "/" for r in roots]
+    for attempt in range(5):
+        with open("/proc/self/mountinfo") as f:
+            mps = [line.split()[4].replace("\\040", " ") for line in f]
+        targets = sorted(
+            {m for m in mps if any(m.startswith(r) or m + "/" == r for r in prefixes)}, key=len, reverse=True
+        )
+        if not targets or attempt == 4:
+            return targets
+        for m in targets:
+            if subprocess.run(["umount", m], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", m], capture_output=True)
+    return []
+
+
+def remove_empty_cgroups() -> None:
+    """The kubelet's kubepods cgroups (cgroupfs driver), once no process is left in them."""
+    base = "/sys/fs/cgroup"
+    try:
+        hierarchies = [os.path.join(base, h) for h in os.listdir(base)]
+    except OSError:
+        return
+    for h in [*hierarchies, base]:
+        top = os.path.join(h, "kubepods")
+        if not os.path.isdir(top):
+            continue
+        for root, dirs, _ in os.walk(top, topdown=False):
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(root, d))
+        with contextlib.suppress(OSError):
+            os.rmdir(top)
+
+
+def clean_peer_cdi() -> None:
+    """CDI specs the peer driver leaves when it is stopped before its claims are unprepared."""
+    with contextlib.suppress(OSError):
+        for f in os.listdir(PEER_CDI_DIR):
+            if f.startswith(PLUGIN_NAME + "-") and f.endswith(".json"):
+                os.unlink(os.path.join(PEER_CDI_DIR, f))
+
+
+def wipe_old_cluster() -> None:
+    """Each `up` starts a fresh cluster: no objects, containers or pod dirs of an earlier one."""
+    left = unmount_under(KUBELET_ROOT, STATE)
+    if left:
+        raise Fail(f"cannot unmount {', '.join(left[:5])}; not wiping the old state")
+    for d in (
+        os.path.join(STATE, "etcd"),
+        os.path.join(STATE, "containerd", "root"),
+        os.path.join(STATE, "containerd", "state"),
+        os.path.join(STATE, "cni", "ipam"),
+    ):
+        shutil.rmtree(d, ignore_errors=True)
+    # The kubelet's checkpoints (DRA manager state included) and pod dirs belong to the old
+    # cluster; the plugin dirs are left for DRA plugins that may already be running.
+    if os.path.isdir(KUBELET_ROOT):
+        for entry in os.listdir(KUBELET_ROOT):
+            if entry not in ("plugins", "plugins_registry"):
+                path = os.path.join(KUBELET_ROOT, entry)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+
+
+def down(quiet: bool = False) -> None:
+    """Stop everything `up` (and `peer-driver start`) started, and clean up after it."""
+    pids = running()
+    if not quiet:
+        say(f"stopping: {', '.join(n for n, p in pids.items() if p) or 'nothing running'}")
+    # The peer driver and the kubelet first, then the containers (via containerd), then the rest.
+    for name in ("peer-driver", "kubelet"):
+        pid = pids.get(name)
+        if pid:
+            stop_pid(name, pid)
+    if pids.get("peer-driver"):
+        clean_peer_cdi()
+    if pids.get("containerd"):
+        r = ctr("-n", "k8s.io", "tasks", "ls", "-q", check=False)
+        for task in r.stdout.split():
+            ctr("-n", "k8s.io", "tasks", "kill", "-a", "-s", "SIGKILL", task, check=False)
+        deadline = time.time() + 10
+        for task in r.stdout.split():
+            while time.time() < deadline:
+                if ctr("-n", "k8s.io", "tasks", "delete", task, check=False).returncode == 0:
+                    break
+                time.sleep(0.2)
+    for name in ("kube-scheduler", "kube-controller-manager", "containerd", "kube-apiserver", "etcd"):
+        pid = pids.get(name)
+        if pid:
+            stop_pid(name, pid)
+    for pid in shims():
+        stop_pid("containerd-shim", pid, timeout=5)
+    for n in list(pids):
+        with contextlib.suppress(OSError):
+            os.unlink(pidfile(n))
+    unmount_under(KUBELET_ROOT, STATE)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    remove_empty_cgroups()
+    if not quiet:
+        left = [n for n, p in running().items() if p] + [f"shim {p}" for p in shims()]
+        say(f"left running: {', '.join(left) or 'nothing'}")
+        say(f"logs kept in {LOGS} (remove the state dir to start afresh)")

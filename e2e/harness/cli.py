@@ -1,0 +1,212 @@
+"""A single-node Kubernetes cluster from upstream programs, for dra-gpu's e2e tests.
+
+    e2e/cluster build | up | down | status | env | images | peer-driver start|stop | restart-kubelet
+
+Everything (certs, kubeconfigs, configs, data, logs, pids) lives under the state dir
+$DRA_GPU_E2E_STATE (default /var/lib/dra-gpu-e2e). Binaries come from e2e/build.sh's cache
+(${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin). Must run as root. See e2e/README.md.
+"""
+
+import fcntl
+import functools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import IO
+
+from . import cleanup, components
+from .certs import kubeconfig, make_pki
+from .config import (
+    ADMIN_KUBECONFIG,
+    BIN_CTRD,
+    BIN_K8S,
+    CACHE,
+    CDI_DIRS,
+    CTRD_SOCK,
+    E2E_DIR,
+    KUBELET_ROOT,
+    LOGS,
+    NODE_NAME,
+    ORDER,
+    STATE,
+)
+from .processes import Fail, kubectl, log_tail, logfile, read_pid, run, running, say, stop_pid, write
+
+
+def cmd_build() -> None:
+    run(["bash", os.path.join(E2E_DIR, "build.sh"), "all"])
+
+
+def cmd_images() -> None:
+    run([sys.executable, os.path.join(E2E_DIR, "images.py"), os.path.join(CACHE, "images")])
+
+
+def cmd_up() -> None:
+    if os.geteuid() != 0:
+        raise Fail("must run as root")
+    pids = running()
+    alive = [n for n in ORDER if pids[n]]
+    if len(alive) == len(ORDER):
+        say(f"already running (state {STATE}); nothing to do")
+        return
+    if alive:
+        raise Fail(f"partly running ({', '.join(alive)}); run `e2e/cluster down` first")
+    if not components.binaries_present():
+        say(f"binaries missing under {CACHE}: building (e2e/build.sh)")
+        cmd_build()
+    else:
+        run(["bash", os.path.join(E2E_DIR, "build.sh"), "debs"])
+    t0 = time.time()
+    os.makedirs(STATE, exist_ok=True)
+    ip = components.node_ip()
+    make_pki(ip)
+    for user, f in (
+        ("admin", "admin"),
+        ("controller-manager", "controller-manager"),
+        ("scheduler", "scheduler"),
+        ("kubelet-client", "kubelet"),
+    ):
+        kubeconfig(os.path.join(STATE, f + ".kubeconfig"), user)
+    components.write_cni()
+    write(os.path.join(STATE, "node"), f"{NODE_NAME}\n{KUBELET_ROOT}\n{ip}\n")
+    cleanup.wipe_old_cluster()
+    # (component whose log tells what went wrong, what its step says when done, the step)
+    steps: list[tuple[str, str, Callable[[], None]]] = [
+        ("etcd", "etcd", components.start_etcd),
+        ("kube-apiserver", "kube-apiserver", lambda: components.start_apiserver(ip)),
+        ("containerd", "containerd", components.start_containerd),
+        ("containerd", "images", components.import_images),
+        ("kube-controller-manager", "kube-controller-manager", components.start_controller_manager),
+        ("kube-scheduler", "kube-scheduler", components.start_scheduler),
+        ("kubelet", "kubelet", lambda: components.start_kubelet(ip)),
+    ]
+    current = ""
+    try:
+        for component, done, step in steps:
+            current = component
+            s0 = time.time()
+            step()
+            say(f"{done:<24} ok ({time.time() - s0:.1f} s)")
+    except (Fail, subprocess.CalledProcessError, OSError) as e:
+        say(f"FAILED starting {current}: {e}")
+        say(f"---- last lines of {logfile(current)} ----\n{log_tail(current)}")
+        if os.environ.get("DRA_GPU_E2E_KEEP_ON_FAILURE") != "1":
+            say("stopping what was started (set DRA_GPU_E2E_KEEP_ON_FAILURE=1 to keep it)")
+            cleanup.down(quiet=True)
+        raise Fail(f"cluster up failed at {current}") from e
+    say(f"node {NODE_NAME} Ready in {time.time() - t0:.1f} s; logs in {LOGS}")
+    say(f'use: eval "$({os.path.join(E2E_DIR, "cluster")} env)"')
+
+
+def cmd_down() -> None:
+    cleanup.down()
+
+
+def cmd_status() -> int:
+    pids = running()
+    print(f"state dir: {STATE}")
+    print(f"node:      {NODE_NAME} (kubelet root {KUBELET_ROOT})")
+    for n, p in pids.items():
+        if n == "peer-driver" and not p:
+            continue
+        print(f"{n:<24} {f'running, pid {p}' if p else 'not running':<22} log {logfile(n)}")
+    if pids.get("kube-apiserver"):
+        r = kubectl("get", "nodes", "-o", "wide", check=False)
+        print(r.stdout.rstrip() or r.stderr.rstrip())
+    return 0 if all(pids[n] for n in ORDER) else 3
+
+
+def cmd_env() -> None:
+    lines = {
+        "KUBECONFIG": ADMIN_KUBECONFIG,
+        "DRA_GPU_E2E_STATE": STATE,
+        "DRA_GPU_E2E_NODE_NAME": NODE_NAME,
+        "DRA_GPU_E2E_KUBELET_ROOT": KUBELET_ROOT,
+        "DRA_GPU_E2E_CDI_DIRS": ":".join(CDI_DIRS),
+        "CONTAINERD_ADDRESS": CTRD_SOCK,
+        "CONTAINER_RUNTIME_ENDPOINT": "unix://" + CTRD_SOCK,
+        "PATH": f"{BIN_K8S}:{BIN_CTRD}:$PATH",
+    }
+    for k, v in lines.items():
+        print(f'export {k}="{v}"')
+
+
+def cmd_peer_driver(action: str) -> None:
+    """Upstream's DRA test driver (test/e2e/dra/test-driver) as a host-process kubelet plugin."""
+    if action == "stop":
+        pid = read_pid("peer-driver")
+        if pid:
+            stop_pid("peer-driver", pid)
+        cleanup.clean_peer_cdi()
+        return
+    if read_pid("peer-driver"):
+        say("peer driver already running")
+        return
+    components.start_peer_driver()
+
+
+def cmd_restart_kubelet() -> None:
+    """Stop the kubelet and start it again with the same configuration (as a node reboot of
+    the kubelet alone would): it wipes the node's ResourceSlices and reloads its claims."""
+    pid = read_pid("kubelet")
+    if not pid:
+        raise Fail("the kubelet is not running")
+    stop_pid("kubelet", pid)
+    components.start_kubelet(components.node_ip())
+    say("kubelet restarted")
+
+
+_LOCK: IO[str] | None = None
+
+
+def state_lock(timeout: float = 600) -> None:
+    """Serialise up/down/peer-driver of one state dir between processes (held until exit)."""
+    global _LOCK
+    os.makedirs(STATE, exist_ok=True)
+    _LOCK = open(os.path.join(STATE, ".lock"), "w")  # noqa: SIM115 - held until the process exits
+    t0 = time.time()
+    while True:
+        try:
+            fcntl.flock(_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.time() - t0 > timeout:
+                raise Fail(f"another e2e/cluster command holds {STATE}/.lock") from None
+            time.sleep(0.5)
+
+
+COMMANDS: dict[str, Callable[[], int | None]] = {
+    "build": cmd_build,
+    "up": cmd_up,
+    "down": cmd_down,
+    "status": cmd_status,
+    "restart-kubelet": cmd_restart_kubelet,
+    "env": cmd_env,
+    "images": cmd_images,
+}
+LOCKED = ("up", "down", "peer-driver", "restart-kubelet")  # commands that hold the state lock
+
+
+def main(argv: list[str]) -> int:
+    """`e2e/cluster COMMAND [ACTION]` (argv[0] is the program); returns the exit status."""
+    fn: Callable[[], int | None]
+    if len(argv) == 3 and argv[1] == "peer-driver" and argv[2] in ("start", "stop"):
+        fn = functools.partial(cmd_peer_driver, argv[2])
+    elif len(argv) == 2 and argv[1] in COMMANDS:
+        fn = COMMANDS[argv[1]]
+    else:
+        print((__doc__ or "").strip(), file=sys.stderr)
+        return 2
+    try:
+        if argv[1] in LOCKED:
+            state_lock()
+        rc = fn()
+    except Fail as e:
+        say(str(e))
+        return 1
+    except subprocess.CalledProcessError as e:
+        say(f"command failed: {' '.join(map(str, e.cmd))}")
+        return 1
+    return rc or 0

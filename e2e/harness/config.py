@@ -1,0 +1,84 @@
+"""Settings of the e2e cluster: pinned versions, binaries, the state dir, ports and feature gates.
+
+Everything comes from the environment once, at import (see the table in e2e/README.md).
+"""
+
+import os
+import socket
+
+E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _versions() -> dict[str, str]:
+    """The simple `NAME=value` pins of e2e/versions.sh."""
+    out = {}
+    with open(os.path.join(E2E_DIR, "versions.sh")) as f:
+        for line in f:
+            line = line.strip()
+            if "=" in line and not line.startswith(("#", "K8S_PKGS")) and "(" not in line:
+                k, v = line.split("=", 1)
+                out[k] = v
+    return out
+
+
+V = _versions()
+CACHE = os.environ.get("DRA_GPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dra-gpu")
+BIN_K8S = os.path.join(CACHE, "bin", "kubernetes-" + V["K8S_VERSION"])
+BIN_ETCD = os.path.join(CACHE, "bin", "etcd-" + V["ETCD_VERSION"])
+BIN_CTRD = os.path.join(CACHE, "bin", "containerd-" + V["CONTAINERD_VERSION"])
+
+STATE = os.path.abspath(os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e"))
+KUBELET_ROOT = os.path.abspath(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet"))
+CDI_DIRS = [d for d in os.environ.get("DRA_GPU_E2E_CDI_DIRS", "/etc/cdi:/var/run/cdi").split(":") if d]
+NODE_NAME = os.environ.get("DRA_GPU_E2E_NODE_NAME") or socket.gethostname().split(".")[0].lower()
+APISERVER_PORT = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
+ETCD_PORT = int(os.environ.get("DRA_GPU_E2E_ETCD_PORT", "23790"))
+POD_CIDR = os.environ.get("DRA_GPU_E2E_POD_CIDR", "10.88.0.0/16")
+SERVICE_CIDR = os.environ.get("DRA_GPU_E2E_SERVICE_CIDR", "10.96.0.0/16")
+BRIDGE = os.environ.get("DRA_GPU_E2E_BRIDGE", "dragpu0")
+CNI_BIN = os.environ.get("DRA_GPU_E2E_CNI_BIN", "/usr/lib/cni")
+TIMEOUT = float(os.environ.get("DRA_GPU_E2E_TIMEOUT", "120"))
+PAUSE_IMAGE = os.environ.get("E2E_PAUSE_IMAGE", "registry.k8s.io/pause:3.10.1")
+BUSYBOX_IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
+
+# DRA gates of 1.37 that are beta (or GA but still settable); all default on in 1.37 except
+# DRADeviceTaintRules' API. Listing them keeps the cluster honest if defaults move.
+DEFAULT_GATES = ",".join(
+    g + "=true"
+    for g in (
+        "DRAPartitionableDevices",
+        "DRADeviceTaints",
+        "DRADeviceTaintRules",
+        "DRAConsumableCapacity",
+        "DRAExtendedResource",
+        "DRADeviceBindingConditions",
+        "DRAResourceClaimDeviceStatus",
+        "DRAAdminAccess",
+        "DRAPrioritizedList",
+        "DRASchedulerFilterTimeout",
+        "ResourceHealthStatus",
+        "DRAFractionalCapacityRange",
+    )
+)
+FEATURE_GATES = os.environ.get("DRA_GPU_E2E_FEATURE_GATES", DEFAULT_GATES)
+RUNTIME_CONFIG = os.environ.get("DRA_GPU_E2E_RUNTIME_CONFIG", "")
+
+PKI = os.path.join(STATE, "pki")
+LOGS = os.path.join(STATE, "logs")
+PIDS = os.path.join(STATE, "pids")
+ADMIN_KUBECONFIG = os.path.join(STATE, "admin.kubeconfig")
+CTRD_SOCK = os.path.join(STATE, "containerd", "containerd.sock")
+
+# The peer driver: upstream's DRA test driver as a host-process kubelet plugin.
+PLUGIN_NAME = os.environ.get("DRA_GPU_E2E_PEER_DRIVER_NAME", "gpu.example.com")
+PEER_CDI_DIR = os.environ.get("DRA_GPU_E2E_PEER_CDI_DIR", "/var/run/cdi")
+
+# The cluster's programs (as `status` lists them); `up` starts them all, `down` stops them.
+ORDER = [
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "containerd",
+    "kubelet",
+]

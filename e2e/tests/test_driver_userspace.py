@@ -1,0 +1,190 @@
+"""The driver's user space in the container: a pod with a GPU claim gets the node's NVIDIA
+libraries, binaries and firmware through its CDI spec, and its own loader resolves them.
+
+The node's driver installation is simulated (e2e/simdriver: real ELF libraries with the real
+SONAMEs, an `nvidia-smi` linked against libnvidia-ml.so.1 that lists the GPUs whose device nodes
+the container has); the images have no NVIDIA files at all (e2e/images.py --debian)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import CACHE, ROOT, wait_for
+from test_kubelet_plugin import (
+    CDI_DIR,
+    DRIVER,
+    PLUGIN_DIR,
+    Plugin,
+    allocated,
+    device_attrs,
+    ensure_device_classes,
+    our_slices,
+    template,
+)
+
+pytestmark = pytest.mark.e2e
+
+DEBIAN_IMAGE = os.environ.get("E2E_DEBIAN_IMAGE", "localhost/dra-gpu-e2e/debian:1")
+CUDA_STYLE_IMAGE = os.environ.get("E2E_CUDA_STYLE_IMAGE", "localhost/dra-gpu-e2e/cuda-style:1")
+# What a user would run: load both libraries by SONAME, say where the loader found libcuda.so.1,
+# then list the GPUs with nvidia-smi from PATH.
+PROBE = (
+    'python3 -c \'import ctypes; ctypes.CDLL("libcuda.so.1"); ctypes.CDLL("libnvidia-ml.so.1"); '
+    'print("libcuda.so.1 resolved to", next(l.split()[-1] for l in open("/proc/self/maps") '
+    'if "libcuda" in l))\' && echo "nvidia-smi is $(command -v nvidia-smi)" && nvidia-smi -L'
+)
+
+
+@pytest.fixture(scope="module")
+def glibc_images(target):
+    """The Debian images (plain glibc, and CUDA-style), built from Debian packages and imported."""
+    if not target.local:
+        return  # on another cluster the images are loaded by whoever runs it (kind load)
+    from conftest import _cluster_env
+
+    env = _cluster_env()
+    path = {**os.environ, "PATH": env["PATH"].replace("$PATH", os.environ["PATH"])}
+    images = [sys.executable, str(ROOT / "e2e" / "images.py"), str(CACHE / "images"), "--debian"]
+    subprocess.run([*images, "--import-to", env["CONTAINERD_ADDRESS"]], env=path, check=True)
+
+
+@pytest.fixture(scope="module")
+def hgx(target, core, dyn, tmp_path_factory):
+    if not target.local:
+        pytest.skip("the plugin runs as a host process only on the local e2e cluster")
+    node = core.list_node().items[0].metadata.name
+    p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
+    ensure_device_classes(dyn)
+    p.start()
+    wait_for("the node's 8 GPUs", lambda: len(device_attrs(dyn)) == 8, timeout=30)
+    yield p
+    p.stop()
+    api, items = our_slices(dyn)
+    for s in items:
+        api.delete(name=s["metadata"]["name"])
+
+
+def gpu_pod(core, namespace, name, image, command, claim=True):
+    container = {"name": "main", "image": image, "imagePullPolicy": "Never", "command": ["sh", "-c", command]}
+    spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0, "containers": [container]}
+    if claim:
+        spec["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "gpus"}]
+        container["resources"] = {"claims": [{"name": "gpus"}]}
+    core.create_namespaced_pod(
+        namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+    )
+
+
+def finished_log(core, namespace, name, wait_pod):
+    phase = wait_pod(core, namespace, name, timeout=120)
+    return phase, core.read_namespaced_pod_log(name, namespace)
+
+
+def listed_uuids(log: str) -> list[str]:
+    return [line.split("(UUID: ")[1].rstrip(")") for line in log.splitlines() if line.startswith("GPU ")]
+
+
+def test_plain_glibc_image_loads_the_driver_and_lists_exactly_its_gpus(
+    hgx, glibc_images, core, dyn, namespace, wait_pod
+):
+    template(dyn, namespace, "gpus", count=2)
+    gpu_pod(core, namespace, "glibc", DEBIAN_IMAGE, PROBE)
+    # Read while the pod lives: its template claim is deallocated once it is done.
+    devices = wait_for("the claim's allocation", lambda: allocated(dyn, namespace, "glibc"), timeout=60)
+    phase, log = finished_log(core, namespace, "glibc", wait_pod)
+    print(f"\n[e2e] plain glibc image:\n{log}")
+    assert phase == "Succeeded", log
+    # No LD_LIBRARY_PATH, no ld cache update: the SONAME mounted in the default search path.
+    assert "libcuda.so.1 resolved to /usr/lib/x86_64-linux-gnu/libcuda.so.1" in log, log
+    assert "nvidia-smi is /usr/bin/nvidia-smi" in log, log
+    attrs = device_attrs(dyn)
+    want = sorted(attrs[d]["uuid"] for d in devices)
+    assert sorted(listed_uuids(log)) == want, log
+
+
+def test_cuda_style_image_finds_them_under_usr_local_nvidia(
+    hgx, glibc_images, core, dyn, namespace, wait_pod
+):
+    template(dyn, namespace, "gpus", count=1)
+    gpu_pod(core, namespace, "cuda", CUDA_STYLE_IMAGE, PROBE)
+    phase, log = finished_log(core, namespace, "cuda", wait_pod)
+    print(f"\n[e2e] CUDA-style image:\n{log}")
+    assert phase == "Succeeded", log
+    assert "libcuda.so.1 resolved to /usr/local/nvidia/lib64/libcuda.so.1" in log, log
+    assert "nvidia-smi is /usr/local/nvidia/bin/nvidia-smi" in log, log
+    assert len(listed_uuids(log)) == 1, log
+
+
+def test_the_same_image_without_a_claim_has_no_driver(hgx, glibc_images, core, namespace, wait_pod):
+    gpu_pod(
+        core,
+        namespace,
+        "noclaim",
+        DEBIAN_IMAGE,
+        "python3 -c 'import ctypes; ctypes.CDLL(\"libcuda.so.1\")' || echo NO-LIBCUDA; "
+        "command -v nvidia-smi || echo NO-NVIDIA-SMI",
+        claim=False,
+    )
+    phase, log = finished_log(core, namespace, "noclaim", wait_pod)
+    assert phase == "Succeeded", log
+    assert "NO-LIBCUDA" in log and "NO-NVIDIA-SMI" in log, log
+
+
+def failed_prepare(core, namespace, pod):
+    def event():
+        events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={pod}")
+        return next((e.message for e in events.items if e.reason == "FailedPrepareDynamicResources"), None)
+
+    return wait_for("FailedPrepareDynamicResources", event, timeout=90)
+
+
+def our_specs() -> set[Path]:
+    return set(CDI_DIR.glob(f"k8s.{DRIVER}-claim_*"))
+
+
+def test_a_missing_device_node_fails_prepare_naming_it_until_it_appears(
+    hgx, glibc_images, core, dyn, namespace, wait_pod
+):
+    uvm = PLUGIN_DIR / "simulated-root" / "dev" / "nvidia-uvm"
+    st = uvm.stat()
+    before = our_specs()
+    uvm.unlink()
+    try:
+        template(dyn, namespace, "gpus", count=1)
+        gpu_pod(core, namespace, "nouvm", DEBIAN_IMAGE, "nvidia-smi -L")
+        message = failed_prepare(core, namespace, "nouvm")
+        print(f"\n[e2e] event: {message}")
+        assert f"device node {uvm} is missing" in message, message
+        assert our_specs() == before  # nothing written
+        assert core.read_namespaced_pod("nouvm", namespace).status.phase == "Pending"
+    finally:
+        os.mknod(uvm, st.st_mode, st.st_rdev)
+    # The kubelet retries; with the node back the same pod starts.
+    phase, log = finished_log(core, namespace, "nouvm", wait_pod)
+    assert phase == "Succeeded" and len(listed_uuids(log)) == 1, log
+
+
+def test_a_driver_version_mismatch_fails_prepare_naming_both_versions(
+    hgx, glibc_images, core, dyn, namespace, wait_pod
+):
+    hgx.stop()
+    hgx.driver_version = "550.54.15"  # the libraries of another driver than the kernel module's
+    try:
+        hgx.start()
+        before = our_specs()
+        template(dyn, namespace, "gpus", count=1)
+        gpu_pod(core, namespace, "mismatch", DEBIAN_IMAGE, "nvidia-smi -L")
+        message = failed_prepare(core, namespace, "mismatch")
+        print(f"\n[e2e] event: {message}")
+        assert "driver version mismatch" in message and "570.133.20" in message and "550.54.15" in message
+        assert our_specs() == before
+        assert "driver installation unusable" in hgx.log_tail(200)  # said at start, too
+    finally:
+        core.delete_namespaced_pod("mismatch", namespace, grace_period_seconds=0)
+        hgx.stop()
+        hgx.driver_version = None
+        hgx.start()

@@ -1,0 +1,41 @@
+"""Small NVIDIA driver roots for unit tests: real ELF libraries (compiled here) under the real
+file names, SONAMEs and links, plus binaries and firmware, in a Debian or RHEL layout."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+DEB = "usr/lib/x86_64-linux-gnu"
+VERSION = "570.133.20"
+
+
+def _so(path: Path, soname: str | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    src = path.parent / ".empty.c"
+    src.write_text("int dra_gpu_test_symbol(void) { return 1; }\n")
+    args = ["cc", "-shared", "-fPIC", "-o", str(path), str(src)]
+    if soname:
+        args.insert(1, f"-Wl,-soname,{soname}")
+    subprocess.run(args, check=True)
+    src.unlink()
+
+
+def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: bool = True) -> Path:
+    sonames = {"libcuda.so": "libcuda.so.1", "libnvidia-ml.so": "libnvidia-ml.so.1"}
+    sonames["libnvidia-ptxjitcompiler.so"] = "libnvidia-ptxjitcompiler.so.1"
+    for name, so in sonames.items():
+        _so(root / libdir / f"{name}.{version}", so if soname else None)
+        (root / libdir / so).unlink(missing_ok=True)
+        (root / libdir / so).symlink_to(f"{name}.{version}")
+    (root / libdir / "libcuda.so").unlink(missing_ok=True)
+    (root / libdir / "libcuda.so").symlink_to("libcuda.so.1")
+    bindir = root / "usr/bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    for b in ("nvidia-smi", "nvidia-cuda-mps-control"):
+        (bindir / b).write_text("#!/bin/sh\n")
+        (bindir / b).chmod(0o755)
+    fw = root / "lib/firmware/nvidia" / version
+    fw.mkdir(parents=True, exist_ok=True)
+    (fw / "gsp_ga10x.bin").write_bytes(b"\0" * 16)
+    return root
