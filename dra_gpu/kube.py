@@ -196,7 +196,7 @@ async def list_watch(
     watch_seconds: int = 300,
     backoff: Backoff = Backoff(),
 ) -> None:
-    """List a collection, then watch it from the list's resourceVersion, for ever (cancel to stop).
+    """List a collection, then watch it from the list's resourceVersion, forever (cancel to stop).
 
     `on_list(items, resourceVersion)` gets every full list; `on_event(type, object)` every ADDED,
     MODIFIED or DELETED event and returns False to have the collection listed again at once. A new
