@@ -96,3 +96,11 @@ def test_user_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
         assert "Traceback" not in out.stderr
     out = run("inventory", "--profile", str(bad))
     assert f"{bad}: GPU 0: field 'uuid' is required" in out.stderr
+
+
+def test_version_names_the_installed_package() -> None:
+    from importlib.metadata import version
+
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"dra-gpu {version('dra-gpu')}"
