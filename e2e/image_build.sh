@@ -60,6 +60,8 @@ MMDEBSTRAP_ARGS=(
   --dpkgopt='path-exclude=/usr/share/info/*'
   --dpkgopt='path-exclude=/usr/share/locale/*'
   --dpkgopt='path-include=/usr/share/locale/locale.alias'
+  # glibc's iconv modules (8 MB): Python's codecs do not use them.
+  --dpkgopt='path-exclude=/usr/lib/*/gconv/*'
   # The runtime provides /dev; apt's lists and caches are removed by mmdebstrap's cleanup.
   --skip=output/dev
 )
@@ -86,6 +88,10 @@ base_image() { # prints the base image's name, building or importing it when mis
     --label org.opencontainers.image.description="Debian $SUITE essential, python3 (mmdebstrap)" "$c"
   bah commit --quiet --rm "$c" "$name" >/dev/null
   log "base image $name committed"
+  local old  # earlier bases (other inputs) go
+  for old in $(bah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/dra-gpu-base:' || true); do
+    [ "$old" = "$name" ] || bah rmi "$old" >/dev/null 2>&1 || true
+  done
   echo "$name"
 }
 
@@ -110,6 +116,8 @@ trap cleanup EXIT
 main() {
   need
   mkdir -p "$IMAGES" "$STORE"
+  exec 9>"$STORE/.lock"  # one build at a time per cache
+  flock 9
   local t0=$SECONDS base key version name
   base="$(base_image)"
   key="$(inputs_hash "$base")"
