@@ -3,15 +3,17 @@
 #
 #   e2e/image_build.sh            (also: e2e/build.sh image)
 #
-# 1. The base: Debian $SUITE (Essential packages only: no apt) with python3 and python3-venv, made by mmdebstrap from
-#    Debian's archive (docs, man pages, locales, apt lists and caches left out) and committed into
-#    a private buildah store as localhost/dra-gpu-base:<suite>-<hash of the mmdebstrap inputs>.
-#    The rootfs tarball is kept in the cache, so a wiped store re-imports it without mmdebstrap.
+# 1. The bases: Debian $SUITE, Essential packages only (no apt), made by mmdebstrap from Debian's
+#    archive (docs, man pages, locales, glibc's iconv modules, apt lists and caches left out), each
+#    committed into a private buildah store as localhost/dra-gpu-base:<suite>-<kind>-<hash of its
+#    mmdebstrap inputs>: `run` (python3, libstdc++6) is the image's base, `build` (also
+#    python3-venv and binutils) the build stage's. The rootfs tarballs are kept in the cache, so a
+#    wiped store re-imports them without mmdebstrap.
 # 2. The image: `buildah bud --isolation chroot` of deploy/Dockerfile with
-#    PYTHON_IMAGE=<that base>, from a context holding exactly the files git sees (tracked or
+#    PYTHON_IMAGE=<run base> and BUILD_IMAGE=<build base>, from a context holding exactly the files git sees (tracked or
 #    untracked, not ignored) that the Dockerfile copies, pushed as an OCI archive to
 #    $CACHE/images/dra-gpu.tar (name localhost/dra-gpu:<version>, the chart's default image).
-#    It is rebuilt only when the hash of those files, the Dockerfile and the base changes
+#    It is rebuilt only when the hash of those files, the Dockerfile and the bases changes
 #    ($CACHE/images/dra-gpu.json records the hash, the size, the packages and the build time).
 #
 # The buildah store (root, runroot) lives under $CACHE/buildah: no system configuration is
@@ -46,12 +48,10 @@ need() {
   fi
 }
 
-# ---------------------------------------------------------------------------- the base
-# What goes into the base; its hash names the base image (change anything here: a new base).
+# ---------------------------------------------------------------------------- the bases
+# What goes into the bases; a hash of it names each (change anything here: new bases).
 MMDEBSTRAP_ARGS=(
   --variant=essential
-  # libstdc++6: grpcio(-tools) and cel-expr-python are C++ extensions.
-  --include=python3,python3-venv,libstdc++6
   # /bin -> usr/bin without the usrmerge package (which pulls in perl).
   --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
   --dpkgopt='path-exclude=/usr/share/doc/*'
@@ -65,33 +65,35 @@ MMDEBSTRAP_ARGS=(
   # The runtime provides /dev; apt's lists and caches are removed by mmdebstrap's cleanup.
   --skip=output/dev
 )
+# The image's base (PYTHON_IMAGE): Python, and libstdc++ for the C++ extensions (grpcio,
+# cel-expr-python). The build stage's (BUILD_IMAGE): also venv/ensurepip and strip (binutils).
+RUN_PACKAGES=python3,libstdc++6
+BUILD_PACKAGES=python3,libstdc++6,python3-venv,binutils
 
-base_image() { # prints the base image's name, building or importing it when missing
-  local key name tarball
-  key="$(printf '%s\n' "$SUITE" "$MIRROR" "${MMDEBSTRAP_ARGS[@]}" | sha256sum | cut -c1-16)"
-  name="localhost/dra-gpu-base:$SUITE-$key"
-  tarball="$IMAGES/dra-gpu-base/$key.tar"
+base_image() { # KIND PACKAGES: prints the base's name, building or importing it when missing
+  local kind="$1" packages="$2" key name tarball
+  trap cleanup EXIT # runs in a subshell $(...): its own trap for its temporary container
+  key="$(printf '%s\n' "$SUITE" "$MIRROR" "$packages" "${MMDEBSTRAP_ARGS[@]}" | sha256sum | cut -c1-16)"
+  name="localhost/dra-gpu-base:$SUITE-$kind-$key"
+  tarball="$IMAGES/dra-gpu-base/$kind-$key.tar"
   if bah inspect --type image "$name" >/dev/null 2>&1; then echo "$name"; return; fi
   if [ ! -f "$tarball" ]; then
-    log "mmdebstrap $SUITE (${MMDEBSTRAP_ARGS[*]:0:2})"
+    log "mmdebstrap $SUITE --variant=essential --include=$packages"
     local t0=$SECONDS
-    rm -rf "$IMAGES/dra-gpu-base" && mkdir -p "$IMAGES/dra-gpu-base"
-    SOURCE_DATE_EPOCH=0 mmdebstrap --quiet --format=tar "${MMDEBSTRAP_ARGS[@]}" "$SUITE" "$tarball.tmp" "$MIRROR" >&2
+    mkdir -p "$IMAGES/dra-gpu-base" && rm -f "$IMAGES/dra-gpu-base/$kind-"*
+    SOURCE_DATE_EPOCH=0 mmdebstrap --quiet --format=tar --include="$packages" "${MMDEBSTRAP_ARGS[@]}" \
+      "$SUITE" "$tarball.tmp" "$MIRROR" >&2
     mv "$tarball.tmp" "$tarball"
-    log "base rootfs made in $((SECONDS - t0)) s ($(du -m "$tarball" | cut -f1) MB)"
+    log "$kind base rootfs made in $((SECONDS - t0)) s ($(du -m "$tarball" | cut -f1) MB)"
   fi
-  local c
-  c="$(bah from --quiet scratch)"
-  bah add --quiet "$c" "$tarball" / >/dev/null
+  CONTAINER="$(bah from --quiet scratch)"
+  bah add --quiet "$CONTAINER" "$tarball" / >/dev/null
   bah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --env LANG=C.UTF-8 --cmd /bin/sh \
-    --label org.opencontainers.image.description="Debian $SUITE essential, python3 (mmdebstrap)" "$c"
-  bah commit --quiet --rm "$c" "$name" >/dev/null
+    --label org.opencontainers.image.description="Debian $SUITE essential + $packages (mmdebstrap)" \
+    "$CONTAINER"
+  bah commit --quiet --rm "$CONTAINER" "$name" >/dev/null && CONTAINER=
   log "base image $name committed"
-  local old  # earlier bases (other inputs) go
-  for old in $(bah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/dra-gpu-base:' || true); do
-    [ "$old" = "$name" ] || bah rmi "$old" >/dev/null 2>&1 || true
-  done
   echo "$name"
 }
 
@@ -118,9 +120,14 @@ main() {
   mkdir -p "$IMAGES" "$STORE"
   exec 9>"$STORE/.lock"  # one build at a time per cache
   flock 9
-  local t0=$SECONDS base key version name
-  base="$(base_image)"
-  key="$(inputs_hash "$base")"
+  local t0=$SECONDS base build_base key version name
+  base="$(base_image run "$RUN_PACKAGES")"
+  build_base="$(base_image build "$BUILD_PACKAGES")"
+  key="$(inputs_hash "$base $build_base")"
+  local old # earlier bases (other inputs) go
+  for old in $(bah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/dra-gpu-base:' || true); do
+    [ "$old" = "$base" ] || [ "$old" = "$build_base" ] || bah rmi "$old" >/dev/null 2>&1 || true
+  done
   version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -1)"
   name="localhost/dra-gpu:$version"
   if [ -f "$ARCHIVE" ] && [ -f "$META" ] && grep -q "\"key\": \"$key\"" "$META"; then
@@ -137,7 +144,7 @@ main() {
   [ -n "$ca" ] && [ -f "$ca" ] && pip_args=(--volume "$ca:/run/build-ca.pem:ro" --build-arg PIP_CERT=/run/build-ca.pem)
   [ -n "${PIP_INDEX_URL:-}" ] && pip_args+=(--build-arg PIP_INDEX_URL="$PIP_INDEX_URL")
   bah bud --isolation chroot --pull-never --layers=false --network host "${pip_args[@]}" \
-    --build-arg PYTHON_IMAGE="$base" -f "$ctx/deploy/Dockerfile" -t "$name" "$ctx" >&2
+    --build-arg PYTHON_IMAGE="$base" --build-arg BUILD_IMAGE="$build_base" -f "$ctx/deploy/Dockerfile" -t "$name" "$ctx" >&2
   local build_s=$((SECONDS - t1))
 
   # What is in it: the rootfs size, the Python packages, `dra-gpu --version` (as the image's user).
@@ -159,7 +166,8 @@ print(json.dumps(sorted(f"{d.name}=={d.version}" for d in m.distributions())))')
   bah rmi --prune >/dev/null 2>&1 || true
   rm -rf "$ctx"
   cat >"$META" <<EOF
-{"key": "$key", "name": "$name", "base": "$base", "rootfs_bytes": $size,
+{"key": "$key", "name": "$name", "base": "$base", "build_base": "$build_base",
+ "rootfs_bytes": $size,
  "archive_bytes": $(stat -c %s "$ARCHIVE"), "build_seconds": $build_s,
  "version": "$version_out", "packages": $packages}
 EOF
