@@ -13,7 +13,8 @@
 #    PYTHON_IMAGE=<run base> and BUILD_IMAGE=<build base>, from a context holding exactly the files git sees (tracked or
 #    untracked, not ignored) that the Dockerfile copies, pushed as an OCI archive to
 #    $CACHE/images/dra-gpu.tar (name localhost/dra-gpu:<version>, the chart's default image).
-#    It is rebuilt only when the hash of those files, the Dockerfile and the bases changes
+#    It is rebuilt only when the hash of those files, the Dockerfile, the bases and this script
+#    changes
 #    ($CACHE/images/dra-gpu.json records the hash, the size, the packages and the build time).
 #
 # The buildah store (root, runroot) lives under $CACHE/buildah: no system configuration is
@@ -32,8 +33,8 @@ META="$IMAGES/dra-gpu.json"
 
 log() { printf '[image %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-bah() {
-  buildah --root "$STORE/root" --runroot "$STORE/run" --storage-driver "${E2E_BUILDAH_DRIVER:-overlay}" "$@"
+bah() { # buildah on the private store; its temporary files there too
+  TMPDIR="$STORE/tmp" buildah --root "$STORE/root" --runroot "$STORE/run" --storage-driver "${E2E_BUILDAH_DRIVER:-overlay}" "$@"
 }
 
 need() {
@@ -104,9 +105,10 @@ context_files() { # NUL-separated, sorted: what git sees of what the Dockerfile 
     | sort -zu | while IFS= read -r -d '' f; do [ -f "$ROOT/$f" ] && printf '%s\0' "$f"; done
 }
 
-inputs_hash() { # base name + each file's path and content
+inputs_hash() { # the bases' names, this script, each context file's path and content
   {
     echo "$1"
+    sha256sum <"$HERE/image_build.sh"
     (cd "$ROOT" && context_files | xargs -0 sha256sum)
   } | sha256sum | cut -c1-16
 }
@@ -117,7 +119,7 @@ trap cleanup EXIT
 
 main() {
   need
-  mkdir -p "$IMAGES" "$STORE"
+  mkdir -p "$IMAGES" "$STORE/tmp"
   exec 9>"$STORE/.lock"  # one build at a time per cache
   flock 9
   local t0=$SECONDS base build_base key version name
