@@ -9,12 +9,11 @@
 #    mmdebstrap inputs>: `run` (python3, libstdc++6) is the image's base, `build` (also
 #    python3-venv and binutils) the build stage's. The rootfs tarballs are kept in the cache, so a
 #    wiped store re-imports them without mmdebstrap.
-# 2. The image: `buildah bud --isolation chroot` of deploy/Dockerfile with
-#    PYTHON_IMAGE=<run base> and BUILD_IMAGE=<build base>, from a context holding exactly the files git sees (tracked or
-#    untracked, not ignored) that the Dockerfile copies, pushed as an OCI archive to
+# 2. The image: `buildah bud --isolation chroot` of deploy/Dockerfile with PYTHON_IMAGE=<run
+#    base> and BUILD_IMAGE=<build base>, from a context of exactly the files git sees (tracked
+#    or untracked, not ignored) that the Dockerfile copies, pushed as an OCI archive to
 #    $CACHE/images/dra-gpu.tar (name localhost/dra-gpu:<version>, the chart's default image).
-#    It is rebuilt only when the hash of those files, the Dockerfile, the bases and this script
-#    changes
+#    It is rebuilt only when a hash of those files, the bases' names and this script changes
 #    ($CACHE/images/dra-gpu.json records the hash, the size, the packages and the build time).
 #
 # The buildah store (root, runroot) lives under $CACHE/buildah: no system configuration is
