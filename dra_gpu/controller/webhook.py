@@ -35,6 +35,8 @@ from prometheus_client import (
 from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.rules import KINDS, Validator
+from dra_gpu.controller.schemas import ADMISSION_REVIEW
+from dra_gpu.decoding import decode
 from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.kube import RESOURCE_V1, Kube
 from dra_gpu.model import DEFAULT_DRIVER_NAME
@@ -260,6 +262,10 @@ class Webhook:
 def _review_problem(review: Any) -> str | None:
     if not isinstance(review, dict):
         return "body must be an AdmissionReview object"
+    problems = decode(review, ADMISSION_REVIEW)
+    if problems:
+        path, message = problems[0]
+        return f"{path}: {message}"
     if review.get("apiVersion") != ADMISSION_API or review.get("kind") != "AdmissionReview":
         return f"apiVersion/kind must be {ADMISSION_API}/AdmissionReview"
     req = review.get("request")
