@@ -23,6 +23,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from dra_gpu.controller.bounded import OverBudget
+
+__all__ = ["OverBudget", "ReviewPool", "ReviewResult"]
+
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKERS = 3  # one busy with a hostile review, one being replaced, one answering
@@ -42,10 +46,6 @@ class ReviewResult:
     namespace: str
     errors: list[tuple[str, str]]
     warnings: list[tuple[str, str]]
-
-
-class OverBudget(Exception):
-    """The review ran past its deadline or its memory cap; the message says which, for the deny."""
 
 
 def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) -> None:

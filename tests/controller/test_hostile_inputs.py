@@ -162,3 +162,18 @@ def test_exponential_clique_graph_is_bounded(tmp_path: Path) -> None:
     p = tmp_path / "profile.yaml"
     p.write_text(profile(gpus, nvswitches=switches))
     run("inventory", "--profile", str(p), timeout=60)
+
+
+def test_costly_selector_is_bounded(tmp_path: Path) -> None:
+    """A selector that doubles a string 26 times (a gigabyte per device) is stopped by the memory
+    cap or the deadline, with a message; the command does not take minutes or the machine's memory."""
+    from bench.webhook_hostile_bench import doubling_selector
+
+    p = tmp_path / "in.yaml"
+    p.write_text(
+        yaml.safe_dump_all([*node_slices(), GPU_CLASS, claim("hostile", selectors=[doubling_selector(26)])])
+    )
+    out = run("validate", "-f", str(p), timeout=30)
+    assert out.returncode == 1 and ("memory budget" in out.stdout or "took longer" in out.stdout), out.stdout
+    out = run("explain", "-f", str(p), timeout=30)
+    assert "memory budget" in out.stdout or "took longer" in out.stdout, out.stdout
