@@ -81,13 +81,53 @@ class NoAliasSafeLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()  # type: ignore[no-untyped-call]
             raise yaml.composer.ComposerError(
-                None, None, "YAML aliases (*name) are not accepted", event.start_mark
+                None,
+                None,
+                "YAML aliases (*name) are not accepted",
+                event.start_mark,
             )
         return super().compose_node(parent, index)
 
 
+_OPEN = (yaml.SequenceStartEvent, yaml.MappingStartEvent)
+_CLOSE = (yaml.SequenceEndEvent, yaml.MappingEndEvent)
+_FAST = getattr(yaml, "__with_libyaml__", False)
+
+
+def _scan(text: str) -> None:
+    """One pass over libyaml's events: aliases and nesting are refused before anything is built
+    (libyaml's composer would expand the aliases, and recurse in C on the nesting)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "YAML aliases (*name) are not accepted",
+                event.start_mark,  # type: ignore[arg-type]
+            )
+        if isinstance(event, _OPEN):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"nested more than {MAX_DEPTH} levels deep",
+                    event.start_mark,  # type: ignore[arg-type]
+                )
+        elif isinstance(event, _CLOSE):
+            depth -= 1
+
+
 def load_yaml_all(text: str) -> Iterator[Any]:
-    """The documents of a YAML (or JSON) stream, without aliases; yaml.YAMLError when it is not YAML."""
+    """The documents of a YAML (or JSON) stream, without aliases; yaml.YAMLError when it is not YAML.
+
+    With libyaml (the usual case) a scan of its events first, then its loader: ~5x faster than
+    PyYAML's own parser, which matters for a file of megabytes."""
+    if _FAST:
+        _scan(text)
+        yield from yaml.load_all(text, Loader=yaml.CSafeLoader)
+        return
     loader = NoAliasSafeLoader(text)
     try:
         while loader.check_data():  # type: ignore[no-untyped-call]
@@ -98,6 +138,9 @@ def load_yaml_all(text: str) -> Iterator[Any]:
 
 def load_yaml(text: str) -> Any:
     """One YAML document, without aliases."""
+    if _FAST:
+        _scan(text)
+        return yaml.load(text, Loader=yaml.CSafeLoader)
     loader = NoAliasSafeLoader(text)
     try:
         return loader.get_single_data()

@@ -75,7 +75,7 @@ _MIG_NAME_RE = re.compile(r"^\d+g\.\d+gb$")
 
 # Bounds on what a profile may describe: well above any real node (an NVL72 rack is 72 GPUs, 18
 # NVLinks each), low enough that deriving NVLink domains stays fast.
-MAX_PROFILE_BYTES = 4 * 1024 * 1024
+MAX_PROFILE_BYTES = 512 * 1024  # a 256-GPU profile is ~100 KiB
 MAX_GPUS = 256
 MAX_NVSWITCHES = 64
 MAX_NVLINKS = 18  # per GPU: NVLink 4 (Hopper) has 18, Blackwell 18
@@ -180,6 +180,8 @@ def load_profile(name_or_path: str) -> NodeProfile:
 
 def parse_profile(text: str, source: str) -> NodeProfile:
     """Decode a profile: YAML without aliases, bounded in size and nesting, then checked field by field."""
+    if len(text) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{source}: larger than {MAX_PROFILE_BYTES} bytes")
     try:
         doc = load_yaml(text)
     except yaml.YAMLError as exc:

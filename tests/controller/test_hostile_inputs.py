@@ -63,7 +63,7 @@ HOSTILE: dict[str, tuple[str, str]] = {
         yaml.safe_dump(wrong(["spec", "devices", "requests", 0, "exactly", "selectors"], [{"cel": [1]}])),
         "cel: must be an object",
     ),
-    "deep": ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested"),
+    "deep": ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nest"),
     "slice-wrong-types": (
         yaml.safe_dump_all([{**node_slices()[0], "spec": {"driver": 1, "devices": "x"}}, claim("c")]),
         "spec.driver: must be a string",
@@ -133,8 +133,9 @@ BAD_PROFILES = {
         "itself",
     ),
     "mig-on-volta": (profile([gpu(0, architecture="volta", mig={"enabled": True})]), "no MIG"),
-    "too-many-gpus": (profile([gpu(i) for i in range(10_000)]), "at most 256"),
-    "deep": ("name: " + "[" * 3000 + "]" * 3000, "nested"),
+    "too-many-gpus": (profile([gpu(i) for i in range(10_000)]), "larger than"),
+    "257-gpus": (profile([gpu(i) for i in range(257)]), "at most 256"),
+    "deep": ("name: " + "[" * 3000 + "]" * 3000, "nest"),
     "aliases": ("a: &a [1,2]\nb: [*a, *a]\n", "aliases"),
 }
 
