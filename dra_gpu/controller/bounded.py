@@ -30,13 +30,22 @@ class OverBudget(Exception):
     """The step ran past its deadline or its memory cap; the message says which."""
 
 
-def _address_space() -> int:
-    """This process's virtual size in bytes (the child's RLIMIT_AS is this plus the budget)."""
+def _statm(field: int) -> int:
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            return int(f.read().split()[field]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def address_space() -> int:
+    """This process's virtual size in bytes (a child's RLIMIT_AS is this plus the budget)."""
+    return _statm(0)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory in bytes."""
+    return _statm(1)
 
 
 def run_bounded(
@@ -45,7 +54,7 @@ def run_bounded(
     """fn() in a forked child; its result (picklable), or OverBudget. Exceptions of fn come back
     as OverBudget naming them, so nothing escapes as a traceback."""
     read_fd, write_fd = os.pipe()
-    limit = _address_space() + memory_bytes
+    limit = address_space() + memory_bytes
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 0

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from dra_gpu.controller.bounded import OverBudget
+from dra_gpu.controller.bounded import OverBudget, address_space, resident_bytes
 
 __all__ = ["OverBudget", "ReviewPool", "ReviewResult"]
 
@@ -36,6 +36,8 @@ STORES = ("slices", "classes", "claims")
 WORKER_NICE = 5  # workers yield to the event loop
 SLOW_NICE = 19  # a worker whose review runs past SLOW_AFTER_S, and a replacement while it imports
 SLOW_AFTER_S = 0.025
+RECYCLE_BYTES = 768 << 20  # a worker left this large by a review is replaced: its memory released
+PRELOAD = ["dra_gpu.controller.cluster_state"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,14 @@ def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) ->
     """A worker: apply cluster events, answer reviews, until the pipe closes."""
     with contextlib.suppress(OSError):
         os.nice(nice)  # below the event loop: /healthz and the loop's own work come first
+    # Imported by the fork server already (PRELOAD): a new worker is ready in milliseconds, so
+    # replacing one does not take a core away from the others for a second.
+    from dra_gpu.controller.cluster_state import ClusterState
+
     if memory_bytes > 0:
+        limit = address_space() + memory_bytes
         with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    from dra_gpu.controller.cluster_state import ClusterState  # after the limit: imports count too
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     state = ClusterState(driver)
     while True:
@@ -73,17 +79,13 @@ def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) ->
         elif op == "validate":
             try:
                 v = state.validator().validate(message[1])
-                conn.send(
-                    (
-                        "verdict",
-                        ReviewResult(
-                            v.name,
-                            v.namespace,
-                            [(p.path, p.message) for p in v.errors],
-                            [(p.path, p.message) for p in v.warnings],
-                        ),
-                    )
+                result = ReviewResult(
+                    v.name,
+                    v.namespace,
+                    [(p.path, p.message) for p in v.errors],
+                    [(p.path, p.message) for p in v.warnings],
                 )
+                conn.send(("verdict", result, resident_bytes()))
             except MemoryError:
                 conn.send(("error", "ran out of its memory budget"))
             except Exception as exc:  # a bug in a rule: deny with its name, keep serving
@@ -117,7 +119,10 @@ class ReviewPool:
         }  # events since the last replace
         self._workers: list[_Worker] = []
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
-        self._ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads and a loop
+        # Not fork (this process has threads and a loop): a fork server, started clean, that has
+        # imported the rules and the CEL engine once.
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)
         self._respawns: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -184,7 +189,10 @@ class ReviewPool:
                 f"validation took longer than {self.deadline_s:g}s (a CEL selector too costly to "
                 "evaluate?); simplify the selectors"
             ) from exc
-        self._idle.put_nowait(worker)
+        if reply[0] == "verdict" and reply[2] > RECYCLE_BYTES:
+            self._replace_worker(worker)  # per-review state released with the process
+        else:
+            self._idle.put_nowait(worker)
         if reply[0] == "error":
             raise OverBudget(f"validation failed: {reply[1]}")
         result: ReviewResult = reply[1]
