@@ -17,6 +17,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import resource
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -30,14 +31,15 @@ __all__ = ["OverBudget", "ReviewPool", "ReviewResult"]
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKERS = 3  # one busy with a hostile review, one being replaced, one answering
-DEFAULT_DEADLINE_S = 2.0
-DEFAULT_MEMORY_BYTES = 2 << 30
+DEFAULT_DEADLINE_S = 1.0  # the scheduler stops a selector at ~0.1 s (runtime cost 1,000,000)
+DEFAULT_MEMORY_BYTES = 1 << 30  # beyond the worker's own ~150 MiB
 STORES = ("slices", "classes", "claims")
-WORKER_NICE = 5  # workers yield to the event loop
-SLOW_NICE = 19  # a worker whose review runs past SLOW_AFTER_S, and a replacement while it imports
+WORKER_NICE = 0
+SLOW_NICE = 19  # a worker whose review runs past SLOW_AFTER_S: it gets only spare CPU
 SLOW_AFTER_S = 0.025
 RECYCLE_BYTES = 768 << 20  # a worker left this large by a review is replaced: its memory released
 PRELOAD = ["dra_gpu.controller.cluster_state"]
+DIRECT_SEND_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,10 @@ def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) ->
                 )
                 conn.send(("verdict", result, resident_bytes()))
             except MemoryError:
-                conn.send(("error", "ran out of its memory budget"))
+                conn.send(("error", "ran out of its memory budget", 0))
             except Exception as exc:  # a bug in a rule: deny with its name, keep serving
                 log.exception("event=review_failed")
-                conn.send(("error", f"internal error: {type(exc).__name__}"))
+                conn.send(("error", f"internal error: {type(exc).__name__}", 0))
 
 
 @dataclass
@@ -123,7 +125,7 @@ class ReviewPool:
         # imported the rules and the CEL engine once.
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
-        self._respawns: set[asyncio.Task[None]] = set()
+        self._respawns: set[asyncio.Task[None]] = set()  # replacements being started, kills being reaped
 
     async def start(self) -> None:
         for _ in range(self.size):
@@ -170,7 +172,12 @@ class ReviewPool:
         loop = asyncio.get_running_loop()
         try:
             pending, worker.pending = worker.pending, []
-            await asyncio.to_thread(self._send_all, worker, [*pending, ("validate", obj)])
+            request = pickle.dumps(("validate", obj))
+            if not pending and len(request) < DIRECT_SEND_BYTES:
+                worker.conn.send_bytes(request)  # fits the pipe's buffer of an idle worker: no wait
+            else:
+                await asyncio.to_thread(self._send_all, worker, pending)
+                await asyncio.to_thread(worker.conn.send_bytes, request)
             # A review still running after a few ms is likely costly: let it have only spare CPU,
             # so that the workers answering normal reviews keep theirs.
             slow = loop.call_later(SLOW_AFTER_S, self._renice, worker)
@@ -189,7 +196,7 @@ class ReviewPool:
                 f"validation took longer than {self.deadline_s:g}s (a CEL selector too costly to "
                 "evaluate?); simplify the selectors"
             ) from exc
-        if reply[0] == "verdict" and reply[2] > RECYCLE_BYTES:
+        if reply[0] == "error" or reply[2] > RECYCLE_BYTES:
             self._replace_worker(worker)  # per-review state released with the process
         else:
             self._idle.put_nowait(worker)
@@ -241,18 +248,22 @@ class ReviewPool:
         self._idle.put_nowait(worker)
 
     def _replace_worker(self, worker: _Worker) -> None:
-        self._kill(worker)
+        self._kill(worker, wait=False)  # a process of gigabytes takes a while to go: not on the loop
         with contextlib.suppress(ValueError):
             self._workers.remove(worker)
         log.warning("event=review_worker_replaced pid=%s", worker.process.pid)
-        task = asyncio.get_running_loop().create_task(self._add_worker(SLOW_NICE))
+        task = asyncio.get_running_loop().create_task(self._add_worker())
         self._respawns.add(task)
         task.add_done_callback(self._respawns.discard)
 
-    @staticmethod
-    def _kill(worker: _Worker) -> None:
+    def _kill(self, worker: _Worker, wait: bool = True) -> None:
         with contextlib.suppress(Exception):
             worker.process.kill()
-            worker.process.join(1)
+            if wait:
+                worker.process.join(1)
+            else:
+                reap = asyncio.get_running_loop().create_task(asyncio.to_thread(worker.process.join, 10))
+                self._respawns.add(reap)
+                reap.add_done_callback(self._respawns.discard)
         with contextlib.suppress(Exception):
             worker.conn.close()

@@ -60,7 +60,7 @@ class WebhookConfig:
     watch: bool = True  # False: no list+watch of the cluster (tests and local runs)
     files: tuple[str, ...] = ()  # static slices/classes/claims for the cluster view
     workers: int = 3  # processes that run the rules (CEL), so one costly review never blocks the loop
-    review_deadline_s: float = 2.0  # a review still running then is denied and its worker replaced
+    review_deadline_s: float = 1.0  # a review still running then is denied and its worker replaced
 
 
 class Metrics:
