@@ -36,7 +36,7 @@ DEFAULT_MEMORY_BYTES = 1 << 30  # beyond the worker's own ~150 MiB
 STORES = ("slices", "classes", "claims")
 WORKER_NICE = 0
 SLOW_NICE = 19  # a worker whose review runs past SLOW_AFTER_S: it gets only spare CPU
-SLOW_AFTER_S = 0.025
+SLOW_AFTER_S = 0.05
 RECYCLE_BYTES = 768 << 20  # a worker left this large by a review is replaced: its memory released
 PRELOAD = ["dra_gpu.controller.cluster_state"]
 DIRECT_SEND_BYTES = 16 * 1024
@@ -77,6 +77,7 @@ def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) ->
         elif op == "apply":
             state.apply(message[1], message[2], message[3])
         elif op == "ping":
+            state.validator()  # warm: the CEL environments are built before the first review
             conn.send(("pong",))
         elif op == "validate":
             try:
@@ -100,6 +101,7 @@ class _Worker:
     process: BaseProcess
     conn: Connection
     pending: list[tuple[Any, ...]] = field(default_factory=list)  # events to send before the next review
+    reniced: bool = False  # its review was slow; it is replaced rather than kept at low priority
 
 
 class ReviewPool:
@@ -185,6 +187,9 @@ class ReviewPool:
                 reply = await asyncio.wait_for(self._receive(loop, worker), self.deadline_s)
             finally:
                 slow.cancel()
+        except asyncio.CancelledError:  # the client went away: the worker may still be busy
+            self._replace_worker(worker)
+            raise
         except (TimeoutError, EOFError, OSError, BrokenPipeError) as exc:
             dead = worker.process.exitcode is not None or isinstance(exc, EOFError | OSError)
             self._replace_worker(worker)
@@ -196,7 +201,7 @@ class ReviewPool:
                 f"validation took longer than {self.deadline_s:g}s (a CEL selector too costly to "
                 "evaluate?); simplify the selectors"
             ) from exc
-        if reply[0] == "error" or reply[2] > RECYCLE_BYTES:
+        if reply[0] == "error" or reply[2] > RECYCLE_BYTES or worker.reniced:
             self._replace_worker(worker)  # per-review state released with the process
         else:
             self._idle.put_nowait(worker)
@@ -230,6 +235,7 @@ class ReviewPool:
 
     @staticmethod
     def _renice(worker: _Worker) -> None:
+        worker.reniced = True
         with contextlib.suppress(OSError, TypeError):
             os.setpriority(os.PRIO_PROCESS, worker.process.pid or 0, SLOW_NICE)
 
