@@ -5,6 +5,12 @@ stack) and keeps the cluster view current with list+watch loops of `kubernetes.a
 DeviceClasses and ResourceClaims. The certificate and key are re-read when their files change: the
 new chain is loaded into the live SSLContext, so new connections get it without a restart.
 
+The rules themselves (CEL evaluation, quantity arithmetic) run in worker processes with a deadline
+and a memory cap (review_pool.py), so one costly review never blocks the loop: /healthz and other
+reviews keep answering, and the costly one is denied. Every review is decoded first (the
+AdmissionReview's shape here, the object's in the rules), so a wrong type is a 400 or a deny,
+never a 500.
+
 Endpoints: POST /validate (also /), GET /healthz, GET /metrics (Prometheus text).
 """
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -180,3 +183,41 @@ def test_profiles_never_raise(data: st.DataObject) -> None:
         target[where[-1]] = value
     with contextlib.suppress(ProfileError):
         timed(parse_profile, yaml.safe_dump(doc), "fuzz.yaml")
+
+
+@settings(FUZZ, max_examples=max(10, EXAMPLES // 3))
+@given(st.lists(mutated_objects(), min_size=1, max_size=1), json_values)
+def test_webhook_over_https_never_500(tmp_path_factory: Any, objs: list[Any], request: Any) -> None:
+    """Mutated objects inside AdmissionReviews, and mutated requests, to the real webhook: 200 or
+    400, never a 500. One server for all examples (starting one is the slow part)."""
+    server = _webhook_server(tmp_path_factory)
+    for req in (
+        {"uid": "u", "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+         "operation": "CREATE", "object": objs[0]},
+        request,
+    ):  # fmt: skip
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": req}
+        try:
+            body = json.dumps(review, allow_nan=True).encode()
+        except (TypeError, ValueError):
+            continue
+        status, _ = server.request("/validate", body)
+        assert status in (200, 400), (status, review)
+
+
+_SERVERS: list[Any] = []
+
+
+def _webhook_server(tmp_path_factory: Any) -> Any:
+    from .test_webhook import Server
+
+    if not _SERVERS:
+        _SERVERS.append(Server(tmp_path_factory.mktemp("webhook")))
+    return _SERVERS[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_servers() -> Iterator[None]:
+    yield
+    while _SERVERS:
+        _SERVERS.pop().stop()
