@@ -1,4 +1,8 @@
-"""The device-health stream (dra-health v1alpha1) the kubelet reads on the DRA socket."""
+"""The device-health stream (dra-health v1alpha1) the kubelet reads on the DRA socket.
+
+The full list is re-sent well within the kubelet's timeout, and at once after notify() (a device's
+health changed), so a pod learns of a broken GPU in well under a second.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dra_gpu.kubeletplugin.driver import DeviceHealth, Health
 
 HEALTH_RESEND_SECONDS = 10
 HEALTH_TIMEOUT_SECONDS = 30
+MAX_MESSAGE = 1024
 
 _WIRE_HEALTH = {
     Health.UNKNOWN: health_pb.UNKNOWN,
@@ -31,6 +36,15 @@ class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc
     ) -> None:
         self.device_health = device_health
         self.resend_seconds = resend_seconds
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Wake every open stream: the driver's device health changed."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def notify_async(self) -> None:
+        self.notify()
 
     def snapshot(self) -> Any:
         now = int(time.time())
@@ -41,6 +55,7 @@ class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc
                     health=_WIRE_HEALTH[d.health],
                     last_updated_time=now,
                     health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
+                    message=d.message[:MAX_MESSAGE],
                 )
                 for d in self.device_health()
             ]
@@ -48,5 +63,10 @@ class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc
 
     async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
         while True:
+            changed = self._changed
             yield self.snapshot()
-            await asyncio.sleep(self.resend_seconds)
+            try:
+                async with asyncio.timeout(self.resend_seconds):
+                    await changed.wait()
+            except TimeoutError:
+                pass

@@ -100,13 +100,11 @@ class KubeletPluginHelper:
         self.sockets = sockets
         self.publisher = SlicePublisher(kube, driver_name, node_name, driver.resource_slices, metrics)
         node = NodeService(driver, metrics)
+        self.health = HealthService(driver.device_health, health_resend_seconds)
         self._dra_servicers: list[tuple[Callable[[Any, Any], None], Any]] = [
             (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
             (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
-            (
-                health_grpc.add_DRAResourceHealthServicer_to_server,
-                HealthService(driver.device_health, health_resend_seconds),
-            ),
+            (health_grpc.add_DRAResourceHealthServicer_to_server, self.health),
         ]
         self.registration = RegistrationService(driver_name, str(sockets.dra))
         self._dra_server: Any = None

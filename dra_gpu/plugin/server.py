@@ -8,13 +8,14 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dra_gpu.discovery import discover_node
+from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
@@ -44,6 +45,7 @@ class PluginConfig:
     cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def sockets(self) -> Sockets:
@@ -85,9 +87,15 @@ class KubeletPlugin:
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
         self.metrics.prepared_devices.set(preparer.prepared_device_count())
-        driver = GpuDriver(cfg.driver, cfg.node_name, inventory, preparer)
+        health = HealthNode(
+            cfg.health, cfg.driver, inventory, cfg.plugin_dir, self.metrics.registry, cfg.profile
+        )
+        driver = GpuDriver(cfg.driver, cfg.node_name, inventory, preparer, health.manager)
         helper = KubeletPluginHelper(cfg.driver, cfg.node_name, driver, kube, cfg.sockets, self.metrics)
         await helper.start()
+        health.subscribe(helper.publisher.refresh)
+        health.subscribe(helper.health.notify_async)
+        await health.start()
         http = await self._start_http(helper)
         sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
         log.info(
@@ -102,6 +110,7 @@ class KubeletPlugin:
             await self.stopping.wait()
         finally:
             log.info("kubelet plugin stopping")
+            await health.stop()
             await helper.stop()
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
