@@ -42,12 +42,19 @@ def add_health_flags(plug: argparse.ArgumentParser) -> None:
     plug.add_argument(
         "--health-max-hold-down", type=float, default=float(env("DRA_GPU_HEALTH_MAX_HOLD_DOWN", "3600"))
     )
-    for name, what in (
-        ("ignore", "application XIDs: counted, never tainted (added to 13,31,43,45,68,109)"),
-        ("no-schedule", "XIDs that taint NoSchedule (default: every XID not otherwise classed)"),
-        ("no-execute", "XIDs that taint NoExecute (added to 79,95,140)"),
+    for name, var, what in (
+        (
+            "ignore",
+            "DRA_GPU_HEALTH_IGNORE_XIDS",
+            "application XIDs: counted, never tainted (added to 13,31,43,45,68,109)",
+        ),
+        (
+            "no-schedule",
+            "DRA_GPU_HEALTH_NO_SCHEDULE_XIDS",
+            "XIDs that taint NoSchedule (default: every XID not otherwise classed)",
+        ),
+        ("no-execute", "DRA_GPU_HEALTH_NO_EXECUTE_XIDS", "XIDs that taint NoExecute (added to 79,95,140)"),
     ):
-        var = f"DRA_GPU_HEALTH_{name.upper().replace('-', '_')}_XIDS"
         plug.add_argument(
             f"--health-{name}-xids", default=env(var, ""), metavar="N,N", help=f"{what} (${var})"
         )
