@@ -191,3 +191,86 @@ def test_application_xid_13_is_counted_not_tainted(hplugin, dyn):
     wait_for("the XID 13 count", lambda: 'dra_gpu_xid_events_total{xid="13"} 1.0' in metrics(), timeout=5)
     time.sleep(1)
     assert taints(dyn) == before
+
+
+def test_a_claim_that_tolerates_the_taint_gets_the_device_with_admin_access(
+    hplugin, core, dyn, namespace, busybox_image
+):
+    idx = index_of(dyn)
+    target = next(n for n, i in idx.items() if i == 5)
+    health("taint", target, "--effect", "NoExecute", "--cause", "diagnosis")
+    wait_for("the forced taint", lambda: taints(dyn).get(target), timeout=5)
+    try:
+        core.patch_namespace(
+            namespace, {"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}}
+        )
+        selector = f"device.attributes['{DRIVER}'].index == 5"
+        template(dyn, namespace, "plain", selectors=[selector])
+        api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaimTemplate")
+        api.create(
+            namespace=namespace,
+            body={
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "diag"},
+                "spec": {
+                    "spec": {
+                        "devices": {
+                            "requests": [
+                                {
+                                    "name": "gpus",
+                                    "exactly": {
+                                        "deviceClassName": DRIVER,
+                                        "adminAccess": True,
+                                        "selectors": [{"cel": {"expression": selector}}],
+                                        "tolerations": [{"key": KEY, "operator": "Exists"}],
+                                    },
+                                }
+                            ]
+                        }
+                    }
+                },
+            },
+        )
+        gpu_pod(core, namespace, "plain", "plain", busybox_image, grace=0)
+        gpu_pod(core, namespace, "diag", "diag", busybox_image, grace=0)
+        assert wait_for("the diagnostic claim", lambda: allocated(dyn, namespace, "diag"), timeout=60) == [
+            target
+        ]
+        time.sleep(2)
+        assert allocated(dyn, namespace, "plain") is None  # the untolerated claim is not allocated
+        assert core.read_namespaced_pod("plain", namespace).status.phase == "Pending"
+    finally:
+        health("clear", target)
+    wait_for("the taint to be cleared", lambda: target not in taints(dyn), timeout=5)
+    assert wait_for(
+        "the plain claim after the clear", lambda: allocated(dyn, namespace, "plain"), timeout=60
+    ) == [target]
+    for pod in ("plain", "diag"):
+        core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
+
+
+def test_mig_device_and_parent_events(hplugin, dyn):
+    """Last in the module: restarts the plugin on the dgx-a100-mig node."""
+    hplugin.stop()
+    hplugin.profile = "dgx-a100-mig"
+    try:
+        hplugin.start()
+        wait_for("the MIG node's slices", lambda: "gpu-0000-0f-00-0-mig-1g10gb-4" in devices(dyn), timeout=30)
+        mig = "gpu-0000-0f-00-0-mig-1g10gb-4"
+        health("simulate", "xid", "--xid", "74", "--gpu", mig)
+        got = wait_for("the MIG device's taint", lambda: taints(dyn).get(mig), timeout=2, interval=0.02)
+        assert got[0]["value"] == "xid-74" and got[0]["effect"] == "NoSchedule"
+        assert list(taints(dyn)) == [mig]  # not its parent's other MIG devices
+        health("simulate", "xid", "--xid", "79", "--gpu", "0")  # a parent-level event
+        parent0 = {"gpu-0000-07-00-0-mig-3g40gb-0", "gpu-0000-07-00-0-mig-3g40gb-4"}
+        wait_for("the parent's MIG devices", lambda: parent0 <= set(taints(dyn)), timeout=2, interval=0.02)
+        assert set(taints(dyn)) == parent0 | {mig}
+        assert all(taints(dyn)[d][0]["effect"] == "NoExecute" for d in parent0)
+        for d in (*parent0, mig):
+            health("clear", d)
+        health("simulate", "recover", "--gpu", "0")
+        wait_for("the taints to be cleared", lambda: not taints(dyn), timeout=5)
+    finally:
+        hplugin.stop()
+        hplugin.profile = "hgx-2x4"
