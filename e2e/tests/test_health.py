@@ -267,9 +267,10 @@ def test_mig_device_and_parent_events(hplugin, dyn):
         wait_for("the parent's MIG devices", lambda: parent0 <= set(taints(dyn)), timeout=2, interval=0.02)
         assert set(taints(dyn)) == parent0 | {mig}
         assert all(taints(dyn)[d][0]["effect"] == "NoExecute" for d in parent0)
+        health("simulate", "recover", "--gpu", "0")  # first: a lost GPU would be tainted again
+        health("simulate", "recover", "--gpu", "1")
         for d in (*parent0, mig):
             health("clear", d)
-        health("simulate", "recover", "--gpu", "0")
         wait_for("the taints to be cleared", lambda: not taints(dyn), timeout=5)
     finally:
         hplugin.stop()
