@@ -94,7 +94,7 @@ class KubeletPlugin:
         helper = KubeletPluginHelper(cfg.driver, cfg.node_name, driver, kube, cfg.sockets, self.metrics)
         await helper.start()
         health.subscribe(helper.publisher.refresh)
-        health.subscribe(helper.health.notify_async)
+        health.subscribe(helper.health_changed)
         await health.start()
         http = await self._start_http(helper)
         sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
