@@ -27,6 +27,13 @@ def add_health_flags(plug: argparse.ArgumentParser) -> None:
         help="watch NVML for XIDs, ECC errors and lost GPUs and taint devices ($DRA_GPU_HEALTH_MONITOR)",
     )
     plug.add_argument(
+        "--claim-status",
+        choices=("on", "off"),
+        default=env("DRA_GPU_CLAIM_STATUS", "on"),
+        help="write status.devices of prepared claims: device data, Ready and Healthy conditions "
+        "($DRA_GPU_CLAIM_STATUS; needs patch on resourceclaims/status)",
+    )
+    plug.add_argument(
         "--health-check-interval",
         type=float,
         default=float(env("DRA_GPU_HEALTH_CHECK_INTERVAL", "5")),
@@ -80,6 +87,7 @@ def health_config(args: argparse.Namespace) -> HealthConfig:
             flap_window=max(6 * args.health_hold_down, 1.0),
         ),
         classifier=classifier,
+        claim_status=args.claim_status == "on",
     )
 
 

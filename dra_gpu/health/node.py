@@ -33,6 +33,7 @@ class HealthConfig:
     check_interval: float = 5.0  # seconds between liveness / recovery-action checks
     hold_down: HoldDown = field(default_factory=HoldDown)
     classifier: Classifier = field(default_factory=Classifier)
+    claim_status: bool = True  # write status.devices of prepared claims (data, Ready, Healthy)
 
 
 def taint_key(driver_name: str) -> str:

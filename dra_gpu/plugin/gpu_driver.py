@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.kubeletplugin.driver import ClaimRef, DeviceHealth, Health
 from dra_gpu.model import Inventory
@@ -21,8 +22,10 @@ class GpuDriver:
         inventory: Inventory,
         preparer: Preparer,
         health: HealthManager | None = None,
+        claim_status: ClaimStatusWriter | None = None,
     ) -> None:
         self.health = health
+        self.claim_status = claim_status
         self.driver_name = driver_name
         self.pool_name = node_name  # one pool per node, named after it
         self.inventory = inventory
@@ -32,10 +35,15 @@ class GpuDriver:
         ]
 
     async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
-        return await self.preparer.prepare(claim)
+        devices = await self.preparer.prepare(claim)
+        if self.claim_status is not None:
+            self.claim_status.prepared(claim.namespace, claim.name, claim.uid, [d.to_dict() for d in devices])
+        return devices
 
     async def unprepare(self, claim: ClaimRef) -> None:
         await self.preparer.unprepare(claim)
+        if self.claim_status is not None:
+            self.claim_status.unprepared(claim.uid)
 
     def prepared_device_count(self) -> int:
         return self.preparer.prepared_device_count()

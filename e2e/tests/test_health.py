@@ -145,6 +145,27 @@ def test_xid_79_taints_evicts_avoids_and_recovers(hplugin, core, dyn, namespace,
     assert list(taints(dyn)) == [target]
     print(f"\n[e2e] XID 79 -> taint in the apiserver: {latency * 1000:.0f} ms")
 
+    # The claim's status.devices: the plugin's data and a Healthy condition that follows the monitor.
+    def claim_status():
+        claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+        for c in claims.get(namespace=namespace).to_dict()["items"]:
+            if "victim" in [o.get("name") for o in c["metadata"].get("ownerReferences") or []]:
+                return {d["device"]: d for d in (c.get("status") or {}).get("devices") or []}
+        return {}
+
+    entry = wait_for(
+        "the claim's status to show the device unhealthy",
+        lambda: (
+            (e := claim_status().get(target))
+            and {c["type"]: c["status"] for c in e.get("conditions") or []}.get("Healthy") == "False"
+            and e
+        ),
+        timeout=10,
+    )
+    assert entry["data"]["index"] == idx[target] and entry["data"]["uuid"].startswith("GPU-")
+    assert {c["type"]: c["status"] for c in entry["conditions"]}["Ready"] == "True"
+    assert sorted(claim_status()) == sorted(mine)
+
     # The kubelet's health stream: the pod's status names the device unhealthy.
     wait_for(
         "allocatedResourcesStatus to show the device unhealthy",
