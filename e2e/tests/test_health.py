@@ -115,6 +115,16 @@ def unhealthy_resources(pod) -> list[dict]:
     return out
 
 
+def why(core, dyn, namespace, pod) -> str:
+    """The pod's events and its claims, for a failure message."""
+    events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={pod}").items
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    out = [f"event {e.reason}: {e.message}" for e in events]
+    for c in claims.get(namespace=namespace).to_dict()["items"]:
+        out.append(f"claim {c['metadata']['name']}: spec={c['spec']} status={c.get('status')}")
+    return "\n".join(out)
+
+
 def metrics() -> str:
     with urllib.request.urlopen(f"http://{HTTP}/metrics", timeout=2) as r:
         return r.read().decode()
