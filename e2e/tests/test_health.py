@@ -265,9 +265,11 @@ def test_a_claim_that_tolerates_the_taint_gets_the_device_with_admin_access(
         )
         gpu_pod(core, namespace, "plain", "plain", busybox_image, grace=0)
         gpu_pod(core, namespace, "diag", "diag", busybox_image, grace=0)
-        assert wait_for("the diagnostic claim", lambda: allocated(dyn, namespace, "diag"), timeout=60) == [
-            target
-        ]
+        try:
+            got = wait_for("the diagnostic claim", lambda: allocated(dyn, namespace, "diag"), timeout=60)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{why(core, dyn, namespace, 'diag')}") from None
+        assert got == [target]
         time.sleep(2)
         assert allocated(dyn, namespace, "plain") is None  # the untolerated claim is not allocated
         assert core.read_namespaced_pod("plain", namespace).status.phase == "Pending"
