@@ -254,7 +254,12 @@ def test_a_claim_that_tolerates_the_taint_gets_the_device_with_admin_access(
                                         "deviceClassName": DRIVER,
                                         "adminAccess": True,
                                         "selectors": [{"cel": {"expression": selector}}],
-                                        "tolerations": [{"key": KEY, "operator": "Exists"}],
+                                        # The eviction controller honours only tolerations that name
+                                        # NoExecute; an effect-less one would be evicted.
+                                        "tolerations": [
+                                            {"key": KEY, "operator": "Exists", "effect": "NoExecute"},
+                                            {"key": KEY, "operator": "Exists", "effect": "NoSchedule"},
+                                        ],
                                     },
                                 }
                             ]
@@ -271,6 +276,7 @@ def test_a_claim_that_tolerates_the_taint_gets_the_device_with_admin_access(
             raise AssertionError(f"{exc}\n{why(core, dyn, namespace, 'diag')}") from None
         assert got == [target]
         time.sleep(2)
+        assert core.read_namespaced_pod("diag", namespace).metadata.deletion_timestamp is None  # not evicted
         assert allocated(dyn, namespace, "plain") is None  # the untolerated claim is not allocated
         assert core.read_namespaced_pod("plain", namespace).status.phase == "Pending"
     finally:
