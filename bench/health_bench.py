@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import statistics
 import tempfile
@@ -93,6 +94,7 @@ def pct(values: list[float], p: float) -> float:
 
 
 async def main() -> None:
+    logging.getLogger("dra_gpu").setLevel(logging.ERROR)  # one warning line per event otherwise
     ap = argparse.ArgumentParser()
     ap.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
     ap.add_argument("--events", type=int, default=100)
