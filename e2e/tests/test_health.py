@@ -289,6 +289,43 @@ def test_a_claim_that_tolerates_the_taint_gets_the_device_with_admin_access(
         core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
 
 
+def test_explain_and_validate_name_the_taint_of_the_live_slices(hplugin, dyn, tmp_path):
+    """`dra-gpu explain` / `validate` on the slices the plugin published while a GPU is tainted."""
+    import yaml
+
+    idx = index_of(dyn)
+    target = next(n for n, i in idx.items() if i == 6)
+    health("taint", target, "--effect", "NoSchedule", "--cause", "xid-74")
+    try:
+        wait_for("the taint", lambda: taints(dyn).get(target), timeout=5)
+        cls = (
+            dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceClass").get(name=DRIVER).to_dict()
+        )
+        claim = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "all-eight", "namespace": "default"},
+            "spec": {
+                "devices": {
+                    "requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": 8}}]
+                }
+            },
+        }
+        files = tmp_path / "in.yaml"
+        files.write_text(yaml.safe_dump_all([*our_slices(dyn)[1], cls, claim]))
+        cli = [sys.executable, "-m", "dra_gpu.cli"]
+        r = subprocess.run([*cli, "explain", "-f", str(files)], capture_output=True, text=True, timeout=60)
+        print(f"\n[e2e] {r.stdout.strip()}")
+        assert r.returncode == 0, r.stderr
+        assert "not allocatable" in r.stdout and f"{target} {KEY}=xid-74:NoSchedule" in r.stdout
+        v = subprocess.run([*cli, "validate", "-f", str(files)], capture_output=True, text=True, timeout=60)
+        out = v.stdout + v.stderr
+        print(f"[e2e] validate (exit {v.returncode}): {out.strip()}")
+        assert v.returncode == 0 and "right now (devices tainted)" in out and KEY in out
+    finally:
+        health("clear", target)
+
+
 def test_mig_device_and_parent_events(hplugin, dyn):
     """Last in the module: restarts the plugin on the dgx-a100-mig node."""
     hplugin.stop()
