@@ -83,6 +83,9 @@ class ControlServer:
                 reply: dict[str, Any] = {"ok": True, **await self.dispatch(request)}
             except (ControlError, KeyError, ValueError) as exc:
                 reply = {"ok": False, "error": str(exc).strip('"')}
+            except Exception as exc:  # a bug or a failed write: say so, keep serving
+                log.exception("health control request failed request=%r", line[:200])
+                reply = {"ok": False, "error": f"internal error: {exc!r}"}
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
         except (TimeoutError, ConnectionError) as exc:
