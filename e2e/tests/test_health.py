@@ -177,11 +177,12 @@ def test_xid_79_taints_evicts_avoids_and_recovers(hplugin, core, dyn, namespace,
     assert sorted(claim_status()) == sorted(mine)
 
     # The kubelet's health stream: the pod's status names the device unhealthy.
-    wait_for(
+    bad = wait_for(
         "allocatedResourcesStatus to show the device unhealthy",
         lambda: unhealthy_resources(pod_json(dyn, namespace, "victim")),
         timeout=30,
     )
+    print(f"[e2e] pod status after {time.monotonic() - t0:.1f} s: allocatedResourcesStatus {bad}")
     # NoExecute: the controller-manager evicts the pod.
     wait_for(
         "the victim to be evicted",
@@ -190,6 +191,7 @@ def test_xid_79_taints_evicts_avoids_and_recovers(hplugin, core, dyn, namespace,
         ].get("deletionTimestamp"),
         timeout=30,
     )
+    print(f"[e2e] victim evicted {time.monotonic() - t0:.1f} s after the XID")
     core.delete_namespaced_pod("victim", namespace, grace_period_seconds=0)
     wait_for(
         "the victim's claim to be released", lambda: allocated(dyn, namespace, "victim") is None, timeout=60
