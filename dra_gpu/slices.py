@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from dra_gpu.attributes import (
@@ -165,12 +166,18 @@ class SliceBuilder:
         digest = hashlib.sha256(name.encode()).hexdigest()[:10]
         return f"{name[:230].rstrip('.-')}-{digest}-{i}"
 
-    def slices(self, generation: int = 1) -> list[dict[str, Any]]:
+    def slices(
+        self, generation: int = 1, taints: Mapping[str, list[dict[str, Any]]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The node's slices; `taints`: device name -> its taints (health), if any."""
         if not DNS_SUBDOMAIN.match(self.inv.node_name) or len(self.inv.node_name) > 253:
             raise SliceLimitError(
                 f"node name {self.inv.node_name!r}: must be a lowercase DNS subdomain (the pool name)"
             )
         devices = self.devices()
+        for dev in devices:
+            if taints and taints.get(dev["name"]):
+                dev["taints"] = [dict(t) for t in taints[dev["name"]]]
         advanced = any(d.get("taints") or d.get("consumesCounters") for d in devices)
         per_slice = MAX_DEVICES_PER_SLICE_ADVANCED if advanced else MAX_DEVICES_PER_SLICE
         chunks = [devices[i : i + per_slice] for i in range(0, len(devices), per_slice)] or [[]]
@@ -195,9 +202,12 @@ class SliceBuilder:
 
 
 def build_slices(
-    inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME, generation: int = 1
+    inventory: Inventory,
+    driver: str = DEFAULT_DRIVER_NAME,
+    generation: int = 1,
+    taints: Mapping[str, list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
-    return SliceBuilder(inventory, driver).slices(generation)
+    return SliceBuilder(inventory, driver).slices(generation, taints)
 
 
 def validate_device(dev: dict[str, Any]) -> None:

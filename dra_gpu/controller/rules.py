@@ -412,14 +412,18 @@ class Validator:
                     )
                 )
             return
-        if not self.cluster.in_use:
+        tainted = any(d.taints() for node in self.cluster.nodes for d in self.cluster.devices(node))
+        if not self.cluster.in_use and not tainted:
             return
         now = explain(self.cluster, spec)
         if not now.allocatable:
+            why = {(True, False): "in use", (False, True): "tainted"}.get(
+                (bool(self.cluster.in_use), tainted), "in use or tainted"
+            )
             v.warnings.append(
                 Problem(
                     path,
-                    f"cannot be allocated right now (devices in use): {now.reason}",
+                    f"cannot be allocated right now (devices {why}): {now.reason}",
                     ProblemKind.IN_USE,
                 )
             )

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
+from dra_gpu.discovery.fake_nvml_events import FakeNvmlEvents
 from dra_gpu.discovery.profiles import GpuSpec, MigInstanceSpec, NodeProfile
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -70,6 +71,7 @@ def _nvml_call(fn: F) -> F:
             code = spec.nvml_errors.get(fn.__name__, spec.nvml_errors.get("*"))
             if code is not None:
                 _raise(code)
+        self._check_lost(handle)  # a simulated lost GPU (health events)
         code = self.profile.nvml_errors.get(fn.__name__)
         if code is not None:
             _raise(code)
@@ -78,7 +80,7 @@ def _nvml_call(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class FakeNvml:
+class FakeNvml(FakeNvmlEvents):
     """Drop-in for the `pynvml` module, backed by a NodeProfile."""
 
     def __init__(self, profile: NodeProfile) -> None:
@@ -86,6 +88,7 @@ class FakeNvml:
         self._init_count = 0
         self._handles = [_GpuHandle(g) for g in profile.gpus]
         self._by_bus = {h.spec.pci_bus_id.lower(): h for h in self._handles}
+        self._init_events()
 
     @property
     def _initialised(self) -> bool:
