@@ -204,6 +204,10 @@ def test_controller_deployment_pdb_service_webhook(render: Render) -> None:
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # Read-only root, but the review workers' fork server needs a writable /tmp.
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    tmp = next(v for v in pod["volumes"] if v["name"] == "tmp")
+    assert "emptyDir" in tmp and {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     pdb = one(objs, "PodDisruptionBudget")
     assert pdb["spec"]["minAvailable"] == 1
