@@ -37,6 +37,7 @@ from dra_gpu.plugin.grpc_services import (
 from dra_gpu.plugin.metrics import PluginMetrics
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.publisher import SlicePublisher
+from dra_gpu.plugin.sharing import node_sharing
 from dra_gpu.slices import build_slices
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class KubeletPlugin:
             DeviceNodes(cfg.dev_root, modprobe=find_modprobe(cfg.driver_root)),
             kube,
             driver_files,
+            node_sharing(cfg.plugin_dir / "mps", driver_files, cfg.profile, cfg.dev_root),
         )
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
