@@ -1,0 +1,203 @@
+"""Sharing applied on the GPU: an MPS claim gets its own control daemon (the simulated driver's
+real program, asked through its pipe), its GPUs in exclusive-process mode; restarts re-adopt the
+daemon, nothing is orphaned, and unprepare restores the GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dra_gpu.api import API_VERSION, decode
+from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
+from dra_gpu.plugin.prepare import ClaimRef, PrepareError
+from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
+from plugin.conftest import DRIVER, PluginCore, claim, gpu_names, mig_names
+
+pytestmark = pytest.mark.skipif(
+    subprocess.run(["which", "cc"], capture_output=True).returncode != 0, reason="needs cc"
+)
+
+
+def uid() -> str:
+    return str(uuid.uuid4())
+
+
+def ref_of(c: dict) -> ClaimRef:
+    m = c["metadata"]
+    return ClaimRef(m["namespace"], m["uid"], m["name"])
+
+
+def mps_config(pct: int | None = 50, limit: str | None = "10Gi", kind: str = "GpuConfig") -> list[dict]:
+    mps: dict = {}
+    if pct is not None:
+        mps["defaultActiveThreadPercentage"] = pct
+    if limit is not None:
+        mps["defaultPinnedDeviceMemoryLimit"] = limit
+    params = {"apiVersion": API_VERSION, "kind": kind, "sharing": {"strategy": "MPS", "mps": mps}}
+    return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": params}}]
+
+
+def ask(core: PluginCore, pipe_dir: str, *commands: str) -> list[str]:
+    """What a client in the container would be told through the claim's pipe dir."""
+    binary = core.driver_root / "usr/bin/nvidia-cuda-mps-control"
+    out = subprocess.run(
+        [str(binary)],
+        input="".join(f"{c}\n" for c in commands),
+        env={"CUDA_MPS_PIPE_DIRECTORY": pipe_dir},
+        capture_output=True,
+        text=True,
+        timeout=5,
+        check=False,
+    )
+    return out.stdout.splitlines()
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def compute_mode(core: PluginCore, uuid_: str) -> int:
+    state = core.root / "devroot" / "nvidia-state.json"
+    if not state.exists():
+        return DEFAULT
+    return int(json.loads(state.read_text())["computeModes"].get(uuid_, DEFAULT))
+
+
+def daemon_of(core: PluginCore, c: dict) -> tuple[str, int]:
+    """The claim's pipe dir (from its CDI spec, as the container gets it) and daemon pid."""
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    (mount,) = [
+        m
+        for d in spec["devices"]
+        for m in d["containerEdits"].get("mounts", [])
+        if m["containerPath"] == "/tmp/nvidia-mps"
+    ]
+    pipe = mount["hostPath"]
+    return pipe, int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
+
+
+def test_mps_claim_runs_its_daemon_with_the_limits_and_unprepare_stops_it(core: PluginCore) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    c = claim(uid(), [g0], config=mps_config(50, "10Gi"))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    assert alive(pid)
+    assert ask(
+        core, pipe, "get_default_active_thread_percentage", f"get_default_device_pinned_mem_limit {gpu.uuid}"
+    ) == ["50.0", "10240M"]
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["devices"][0]["containerEdits"]["env"]
+    assert compute_mode(core, gpu.uuid) == EXCLUSIVE_PROCESS
+    assert pipe.startswith(str(core.mps_root))
+
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+    assert not alive(pid)
+    assert not Path(pipe).exists()
+    assert compute_mode(core, gpu.uuid) == DEFAULT
+
+
+def test_mps_on_a_mig_device_sets_the_mig_devices_compute_mode(core: PluginCore) -> None:
+    m0 = mig_names(core)[0]
+    _, mig = core.preparer.devices[m0]
+    assert mig is not None
+    c = claim(uid(), [m0], config=mps_config(25, None, kind="MigDeviceConfig"))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, _ = daemon_of(core, c)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["25.0"]
+    assert compute_mode(core, mig.uuid) == EXCLUSIVE_PROCESS
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+    assert compute_mode(core, mig.uuid) == DEFAULT
+
+
+def test_a_dead_daemon_is_restarted_before_a_repeated_prepare_returns(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(30, None))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    os.kill(pid, signal.SIGKILL)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    _, new_pid = daemon_of(core, c)
+    assert new_pid != pid and alive(new_pid)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["30.0"]
+
+
+def test_restart_readopts_running_daemons_restarts_dead_ones_and_stops_orphans(core: PluginCore) -> None:
+    g0, g1, g2 = gpu_names(core)[:3]
+    running, dead, half = (claim(uid(), [g], config=mps_config(40, None)) for g in (g0, g1, g2))
+    for c in (running, dead, half):
+        core.add(c)
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    _, running_pid = daemon_of(core, running)
+    dead_pipe, dead_pid = daemon_of(core, dead)
+    half_pipe, half_pid = daemon_of(core, half)
+    os.kill(dead_pid, signal.SIGKILL)
+    core.checkpoint.remove(half["metadata"]["uid"])  # a crash before its record was written
+    restarted = core.restart()
+    counts = restarted.preparer.reconcile()
+    assert counts["daemonsRestarted"] == 1 and counts["daemonsStopped"] == 1
+    assert alive(running_pid)  # re-adopted, not restarted
+    assert ask(restarted, dead_pipe, "get_default_active_thread_percentage") == ["40.0"]
+    assert not alive(half_pid) and not Path(half_pipe).exists()
+
+
+def test_the_sweeper_stops_the_daemon_of_a_claim_gone_behind_the_kubelets_back(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(60, None))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    _, pid = daemon_of(core, c)
+    del core.claims[("default", c["metadata"]["name"])]
+    clock = [0.0]
+    asyncio.run(core.preparer.sweep(1, now=lambda: clock[0]))
+    clock[0] += 2
+    asyncio.run(core.preparer.sweep(1, now=lambda: clock[0]))
+    assert not alive(pid)
+    assert core.preparer.sharing is not None and core.preparer.sharing.mps.owned() == []
+
+
+def test_a_daemon_that_cannot_start_fails_prepare_and_leaves_nothing(core: PluginCore) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    assert core.preparer.sharing is not None
+    core.preparer.sharing.mps.locate = lambda: (None, [])
+    c = claim(uid(), [g0], config=mps_config())
+    core.add(c)
+    with pytest.raises(PrepareError, match="nvidia-cuda-mps-control not found"):
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    assert core.checkpoint.records() == []
+    assert not core.cdi.path(c["metadata"]["uid"]).exists()
+    assert compute_mode(core, gpu.uuid) == DEFAULT
+
+
+def test_mps_limits_are_refused_below_compute_capability_7() -> None:
+    config = decode(
+        {
+            "apiVersion": API_VERSION,
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 50}},
+        }
+    )
+    dev = SharedDevice("gpu-0", "GPU-1", config, "claim x: results[0]", compute_capability=(6, 1))
+    sharing = Sharing(mps=None, modes=None)  # type: ignore[arg-type]
+    with pytest.raises(SharingError, match=r"results\[0\]: sharing.mps.defaultActiveThreadPercentage: .*6.1"):
+        sharing.plan("uid", [dev])
+
+
+def test_a_gpu_set_differently_for_another_claim_is_a_conflict() -> None:
+    mine = {"computeModes": {"GPU-1": {"mode": EXCLUSIVE_PROCESS}}}
+    theirs = {"computeModes": {"GPU-1": {"mode": DEFAULT, "previous": DEFAULT}}}
+    problem = Sharing.conflict(mine, [("ns/other", theirs)])
+    assert problem is not None and "ns/other" in problem and "Default" in problem
