@@ -33,7 +33,10 @@ def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: boo
     (root / libdir / "libcuda.so").symlink_to("libcuda.so.1")
     bindir = root / "usr/bin"
     bindir.mkdir(parents=True, exist_ok=True)
-    (bindir / "nvidia-smi").write_text("#!/bin/sh\n")
+    # nvidia-smi notes its arguments where the simulated one keeps its state (next to the nodes).
+    (bindir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "$*" >> "${DRA_GPU_SIM_DEV_DIR:-/tmp}/nvidia-smi.calls"\n'
+    )
     (bindir / "nvidia-smi").chmod(0o755)
     # The simulated MPS control daemon (e2e/simdriver): the plugin starts and asks it for real.
     subprocess.run(

@@ -248,11 +248,14 @@ class Preparer:
         return [o.raw["sharing"] for o in self.checkpoint.views() if o.uid != uid and o.raw.get("sharing")]
 
     def _plan_sharing(self, ref: ClaimRef, shared: list[SharedDevice]) -> SharingPlan:
-        needs = [d for d in shared if d.config.sharing.strategy == "MPS"]
+        needs = [d for d in shared if d.config.sharing.strategy in ("MPS", "TimeSlicing")]
         if not needs:
             return SharingPlan()
         if self.sharing is None:
-            raise PrepareError(f"{needs[0].where}: sharing.strategy: MPS is not supported by this plugin")
+            strategy = needs[0].config.sharing.strategy
+            raise PrepareError(
+                f"{needs[0].where}: sharing.strategy: {strategy} is not supported by this plugin"
+            )
         try:
             return self.sharing.plan(ref.uid, shared)
         except SharingError as exc:

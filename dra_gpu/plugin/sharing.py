@@ -3,6 +3,8 @@ for is planned with the claim, applied before its CDI spec is written, and undon
 
 - MPS: one control daemon per claim (per distinct MPS config of the claim) with the configured
   limits, its GPUs in EXCLUSIVE_PROCESS while it runs; containers get its pipe dir through CDI.
+- TimeSlicing: the GPU's compute mode DEFAULT and its time slice at the requested level; both
+  restored when the last claim that set them is gone.
 - Exclusive: nothing to apply.
 
 What was applied is recorded in the claim's checkpoint entry (`sharing`), so a restarted plugin
@@ -20,9 +22,10 @@ from typing import Any
 from dra_gpu.api import GpuConfig
 from dra_gpu.discovery.fake_nvml import FakeNvml
 from dra_gpu.discovery.profiles import load_profile
-from dra_gpu.plugin.compute_mode import EXCLUSIVE_PROCESS, ComputeModeError, ComputeModes, mode_name
+from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, ComputeModes, mode_name
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
+from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSlices
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +63,39 @@ def _modes(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return dict(record.get("computeModes") or {})
 
 
+def _slices(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(record.get("timeSlices") or {})
+
+
+_ERRORS = (ComputeModeError, MpsError, TimeSliceError)
+
+
 class Sharing:
     """Plans, applies, checks and undoes the sharing of prepared claims on this node."""
 
-    def __init__(self, mps: MpsDaemons, modes: ComputeModes) -> None:
+    def __init__(self, mps: MpsDaemons, modes: ComputeModes, timeslices: TimeSlices | None = None) -> None:
         self.mps = mps
         self.modes = modes
+        self.timeslices = timeslices
 
     # -- planning (no side effects) -------------------------------------------------------------
 
     def plan(self, claim_uid: str, devices: list[SharedDevice]) -> SharingPlan:
         plan = SharingPlan()
         groups: dict[GpuConfig, list[SharedDevice]] = {}
+        modes: dict[str, dict[str, Any]] = {}
+        slices: dict[str, dict[str, Any]] = {}
         for dev in devices:
             if dev.config.sharing.strategy == "MPS":
                 self._check_mps(dev)
                 groups.setdefault(dev.config, []).append(dev)
+            elif dev.config.sharing.strategy == "TimeSlicing":
+                interval = (
+                    dev.config.sharing.time_slicing.interval if dev.config.sharing.time_slicing else "Default"
+                )
+                slices[dev.uuid] = {"interval": interval, "level": LEVELS[interval]}
+                modes[dev.uuid] = {"mode": DEFAULT}
         daemons = []
-        modes: dict[str, dict[str, Any]] = {}
         for n, (config, members) in enumerate(groups.items()):
             mps = config.sharing.mps
             limit = mps.default_pinned_device_memory_limit if mps else None
@@ -95,6 +113,8 @@ class Sharing:
             plan.record["mps"] = [d.to_dict() for d in daemons]
         if modes:
             plan.record["computeModes"] = modes
+        if slices:
+            plan.record["timeSlices"] = slices
         return plan
 
     @staticmethod
@@ -128,6 +148,13 @@ class Sharing:
             clash = my_mps & {u for d in _daemons(other) for u in d.uuids}
             if clash:
                 return f"device {sorted(clash)[0]} already has an MPS daemon for claim {ref}"
+            for uuid, theirs in _slices(other).items():
+                mine_ts = _slices(record).get(uuid)
+                if mine_ts is not None and mine_ts["level"] != theirs["level"]:
+                    return (
+                        f"device {uuid} has time slice {theirs['interval']} for claim {ref}; "
+                        f"this claim asks for sharing.timeSlicing.interval {mine_ts['interval']}"
+                    )
         return None
 
     # -- applying and undoing (blocking: run in a thread) ---------------------------------------
@@ -143,9 +170,12 @@ class Sharing:
                 if previous != setting["mode"]:
                     self.modes.set(uuid, setting["mode"])
                 done["computeModes"][uuid] = {**setting, "previous": previous}
+            for uuid, ts in _slices(record).items():
+                if not any(uuid in _slices(o) for o in others):
+                    self._timeslices().set(uuid, ts["level"])
             for daemon in _daemons(record):
                 self.mps.start(daemon)
-        except (ComputeModeError, MpsError) as exc:
+        except _ERRORS as exc:
             self._undo(done, others)
             raise SharingError(str(exc)) from exc
         if not done["computeModes"]:
@@ -160,6 +190,13 @@ class Sharing:
 
     def _undo(self, record: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
         errors = []
+        for uuid in _slices(record):
+            if any(uuid in _slices(o) for o in others):
+                continue
+            try:
+                self._timeslices().set(uuid, LEVELS["Default"])
+            except TimeSliceError as exc:
+                errors.append(str(exc))
         for daemon in _daemons(record):
             try:
                 self.mps.stop(daemon.id)
@@ -187,10 +224,15 @@ class Sharing:
                     if self.modes.get(uuid) != EXCLUSIVE_PROCESS:
                         self.modes.set(uuid, EXCLUSIVE_PROCESS)
                 self.mps.start(daemon)
-            except (ComputeModeError, MpsError) as exc:
+            except _ERRORS as exc:
                 raise SharingError(str(exc)) from exc
             restarted += 1
         return restarted
+
+    def _timeslices(self) -> TimeSlices:
+        if self.timeslices is None:
+            raise TimeSliceError("time slicing is not available on this node")
+        return self.timeslices
 
     def daemon_ids(self, record: dict[str, Any]) -> set[str]:
         return {d.id for d in _daemons(record)}
@@ -206,15 +248,15 @@ class Sharing:
         return stopped
 
 
-def driver_locator(driver_files: DriverFiles) -> Callable[[], tuple[Path | None, list[Path]]]:
-    """The driver installation's MPS control binary and library dirs, as this process sees them
-    (looked up per use: the installation may be found or fixed after start-up)."""
+def driver_locator(driver_files: DriverFiles, program: str) -> Callable[[], tuple[Path | None, list[Path]]]:
+    """A driver program (nvidia-smi, the MPS control) and the library dirs, as this process sees
+    them (looked up per use: the installation may be found or fixed after start-up)."""
 
     def locate() -> tuple[Path | None, list[Path]]:
         found = driver_files.installation
         if found is None:
             return None, []
-        binary = next((b for b in found.binaries if b.rsplit("/", 1)[-1] == CONTROL_BINARY), None)
+        binary = next((b for b in found.binaries if b.rsplit("/", 1)[-1] == program), None)
         dirs = [driver_files.root / d for d in found.library_dirs()]
         return (driver_files.root / binary if binary else None), dirs
 
@@ -224,12 +266,19 @@ def driver_locator(driver_files: DriverFiles) -> Callable[[], tuple[Path | None,
 def node_sharing(mps_root: Path, driver_files: DriverFiles, profile: str | None, dev_root: Path) -> Sharing:
     """The node's sharing: daemons under `mps_root`, compute modes through NVML (on a simulated
     node its fake, which keeps them in `<dev root>/nvidia-state.json` as a driver keeps them
-    across processes)."""
+    across processes), time slices through the driver's nvidia-smi (on a simulated node told
+    where the node's device nodes are, as the simulated driver's programs are)."""
     nvml: Any
+    tool_env = {}
     if profile is not None:
         nvml = FakeNvml(load_profile(profile), state_file=dev_root / "nvidia-state.json")
+        tool_env["DRA_GPU_SIM_DEV_DIR"] = str(dev_root / "dev")
     else:
         import pynvml
 
         nvml = pynvml
-    return Sharing(MpsDaemons(mps_root, driver_locator(driver_files)), ComputeModes(nvml))
+    return Sharing(
+        MpsDaemons(mps_root, driver_locator(driver_files, CONTROL_BINARY)),
+        ComputeModes(nvml),
+        TimeSlices(driver_locator(driver_files, NVIDIA_SMI), tool_env),
+    )

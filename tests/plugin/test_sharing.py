@@ -201,3 +201,40 @@ def test_a_gpu_set_differently_for_another_claim_is_a_conflict() -> None:
     theirs = {"computeModes": {"GPU-1": {"mode": DEFAULT, "previous": DEFAULT}}}
     problem = Sharing.conflict(mine, [("ns/other", theirs)])
     assert problem is not None and "ns/other" in problem and "Default" in problem
+
+
+def timeslicing(interval: str) -> list[dict]:
+    params = {
+        "apiVersion": API_VERSION,
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}},
+    }
+    return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": params}}]
+
+
+def smi_calls(core: PluginCore) -> list[str]:
+    calls = core.root / "devroot" / "dev" / "nvidia-smi.calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_time_slicing_sets_mode_and_slice_and_unprepare_restores_both(core: PluginCore) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    state = core.root / "devroot" / "nvidia-state.json"
+    state.write_text(json.dumps({"computeModes": {gpu.uuid: EXCLUSIVE_PROCESS}}))  # set by someone
+    c = claim(uid(), [g0], config=timeslicing("Long"))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    assert compute_mode(core, gpu.uuid) == DEFAULT
+    assert smi_calls(core) == [f"compute-policy -i {gpu.uuid} --set-timeslice 3"]
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+    assert compute_mode(core, gpu.uuid) == EXCLUSIVE_PROCESS  # what it was before
+    assert smi_calls(core)[-1] == f"compute-policy -i {gpu.uuid} --set-timeslice 0"
+
+
+def test_a_gpu_with_another_time_slice_for_another_claim_is_a_conflict() -> None:
+    mine = {"timeSlices": {"GPU-1": {"interval": "Long", "level": 3}}}
+    theirs = {"timeSlices": {"GPU-1": {"interval": "Short", "level": 1}}}
+    problem = Sharing.conflict(mine, [("ns/other", theirs)])
+    assert problem is not None and "ns/other" in problem and "interval Long" in problem
+    assert Sharing.conflict(mine, [("ns/other", mine)]) is None  # the same setting can be shared

@@ -1,0 +1,118 @@
+"""Sharing that really shares, in the real cluster: an MPS claim gets a control daemon on the host
+(the simulated driver's `nvidia-cuda-mps-control`, a real process speaking the real command
+interface on its pipe), up before the container starts, answering the claim's limits inside the
+container through the pipe dir the CDI spec mounts; it survives a SIGKILLed plugin and is gone
+after the pod."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from support import sim_driver_root, wait_for
+from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
+from test_kubelet_plugin import PLUGIN_DIR, PROFILE, allocated, device_attrs, template
+
+pytestmark = pytest.mark.e2e
+
+MPS_ROOT = PLUGIN_DIR / "mps"
+COMPUTE_MODES = PLUGIN_DIR / "simulated-root" / "nvidia-state.json"
+EXCLUSIVE_PROCESS, DEFAULT = 3, 0
+
+
+def mps_config(pct: int) -> dict:
+    return {
+        "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": pct}},
+    }
+
+
+def ask(pipe_dir: Path, *commands: str) -> list[str]:
+    """Ask a daemon through its pipe, as a client on the host would."""
+    binary = Path(sim_driver_root(PROFILE)) / "usr" / "bin" / "nvidia-cuda-mps-control"
+    out = subprocess.run(
+        [str(binary)],
+        input="".join(f"{c}\n" for c in commands),
+        env={"CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)},
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    return out.stdout.splitlines()
+
+
+def daemons() -> dict[Path, int]:
+    """Pipe dir -> pid of every daemon the plugin has on the host."""
+    return {
+        p.parent: int(p.read_text())
+        for p in MPS_ROOT.glob("*/pipe/nvidia-cuda-mps-control.pid")
+        if p.read_text().strip()
+    }
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def compute_mode(uuid: str) -> int:
+    if not COMPUTE_MODES.exists():
+        return DEFAULT
+    return int(json.loads(COMPUTE_MODES.read_text())["computeModes"].get(uuid, DEFAULT))
+
+
+def pod_log(core, namespace, name) -> str:
+    try:
+        return core.read_namespaced_pod_log(name, namespace)
+    except Exception:
+        return ""
+
+
+def test_mps_daemon_answers_the_claims_limits_survives_a_sigkilled_plugin_and_is_stopped(
+    hgx,  # noqa: F811 - the fixture imported above
+    glibc_images,  # noqa: F811
+    core,
+    dyn,
+    namespace,
+):
+    before = set(daemons())
+    template(dyn, namespace, "gpus", count=1, config=mps_config(50))
+    # The container asks the daemon first thing: it answers only if it was up before the start.
+    gpu_pod(
+        core,
+        namespace,
+        "mps",
+        DEBIAN_IMAGE,
+        'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY"; echo get_default_active_thread_percentage | '
+        "nvidia-cuda-mps-control; echo asked; sleep 3600",
+    )
+    log = wait_for(
+        "the container's answer",
+        lambda: "asked" in pod_log(core, namespace, "mps") and pod_log(core, namespace, "mps"),
+        timeout=120,
+    )
+    print(f"\n[e2e] MPS container:\n{log}")
+    assert "pipe=/tmp/nvidia-mps" in log and "50.0" in log, log
+    (device,) = allocated(dyn, namespace, "mps")
+    uuid = device_attrs(dyn)[device]["uuid"]
+    (pipe, pid), *_ = [(p, pid) for p, pid in daemons().items() if p not in before]
+    assert alive(pid) and ask(pipe, "get_default_active_thread_percentage") == ["50.0"]
+    assert compute_mode(uuid) == EXCLUSIVE_PROCESS
+
+    hgx.kill()  # SIGKILL: the daemon is detached from the plugin and keeps serving
+    assert alive(pid) and ask(pipe, "get_default_active_thread_percentage") == ["50.0"]
+    hgx.start()
+    assert "re-adopted" in hgx.log_tail(200)
+    assert daemons().get(pipe) == pid and alive(pid)  # the same daemon, not a new one
+
+    core.delete_namespaced_pod("mps", namespace, grace_period_seconds=0)
+    wait_for("the daemon to stop", lambda: not alive(pid) and pipe not in daemons(), timeout=90)
+    print(f"[e2e] MPS daemon {pid} on {device} stopped after the pod; compute mode {compute_mode(uuid)}")
+    assert compute_mode(uuid) == DEFAULT
+    assert set(daemons()) <= before  # nothing orphaned
