@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from support import sim_driver_root, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
-from test_kubelet_plugin import PLUGIN_DIR, PROFILE, allocated, device_attrs, template
+from test_kubelet_plugin import DRIVER, PLUGIN_DIR, PROFILE, allocated, claim_pod, device_attrs, template
 
 pytestmark = pytest.mark.e2e
 
 MPS_ROOT = PLUGIN_DIR / "mps"
 COMPUTE_MODES = PLUGIN_DIR / "simulated-root" / "nvidia-state.json"
+SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"
 EXCLUSIVE_PROCESS, DEFAULT = 3, 0
 
 
@@ -116,3 +117,65 @@ def test_mps_daemon_answers_the_claims_limits_survives_a_sigkilled_plugin_and_is
     print(f"[e2e] MPS daemon {pid} on {device} stopped after the pod; compute mode {compute_mode(uuid)}")
     assert compute_mode(uuid) == DEFAULT
     assert set(daemons()) <= before  # nothing orphaned
+
+
+def time_slice(uuid: str) -> str:
+    """What the simulated driver's nvidia-smi says about a GPU's time slice on the host."""
+    root = Path(sim_driver_root(PROFILE))
+    libdir = next(p.parent for p in root.glob("usr/lib/*/libnvidia-ml.so.1"))
+    out = subprocess.run(
+        [str(root / "usr/bin/nvidia-smi"), "compute-policy", "-l", "-i", uuid],
+        env={"DRA_GPU_SIM_DEV_DIR": str(SIM_DEV), "LD_LIBRARY_PATH": str(libdir)},
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and_restored(
+    hgx,  # noqa: F811 - the fixture imported above
+    core,
+    dyn,
+    namespace,
+    busybox_image,
+):
+    params = {
+        "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+    }
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    claims.create(
+        namespace=namespace,
+        body={
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "sliced"},
+            "spec": {
+                "devices": {
+                    "requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}],
+                    "config": [{"opaque": {"driver": DRIVER, "parameters": params}}],
+                }
+            },
+        },
+    )
+    for pod in ("one", "two"):
+        claim_pod(core, namespace, pod, {"resource_claim_name": "sliced"}, "sleep 3600", busybox_image)
+    for pod in ("one", "two"):
+        wait_for(
+            f"pod {pod} to run",
+            lambda pod=pod: core.read_namespaced_pod(pod, namespace).status.phase == "Running",
+            timeout=120,
+        )
+    claim = claims.get(namespace=namespace, name="sliced").to_dict()
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    uuid = device_attrs(dyn)[result["device"]]["uuid"]
+    running = time_slice(uuid)
+    print(f"\n[e2e] while both pods run: {running}; compute mode {compute_mode(uuid)}")
+    assert "Timeslice 3 (LONG)" in running and compute_mode(uuid) == DEFAULT
+    for pod in ("one", "two"):
+        core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
+    wait_for("the time slice to be restored", lambda: "Timeslice 0 (DEFAULT)" in time_slice(uuid), timeout=90)
+    print(f"[e2e] after the pods: {time_slice(uuid)}")
