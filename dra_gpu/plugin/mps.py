@@ -45,9 +45,12 @@ class MpsDaemon:
     uuids: list[str]
     active_thread_percentage: int | None = None
     pinned_memory_limits: dict[str, str] = field(default_factory=dict)  # uuid -> "<MiB>M"
+    share_id: str | None = None  # a memory share's daemon: one of several on its GPU
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "uuids": list(self.uuids)}
+        if self.share_id is not None:
+            d["shareId"] = self.share_id
         if self.active_thread_percentage is not None:
             d["activeThreadPercentage"] = self.active_thread_percentage
         if self.pinned_memory_limits:
@@ -62,6 +65,7 @@ class MpsDaemon:
             uuids=[str(u) for u in d.get("uuids", [])],
             active_thread_percentage=int(pct) if pct is not None else None,
             pinned_memory_limits={str(k): str(v) for k, v in (d.get("pinnedMemoryLimits") or {}).items()},
+            share_id=str(d["shareId"]) if d.get("shareId") else None,
         )
 
     def commands(self) -> list[str]:

@@ -248,14 +248,14 @@ class Preparer:
         return [o.raw["sharing"] for o in self.checkpoint.views() if o.uid != uid and o.raw.get("sharing")]
 
     def _plan_sharing(self, ref: ClaimRef, shared: list[SharedDevice]) -> SharingPlan:
-        needs = [d for d in shared if d.config.sharing.strategy in ("MPS", "TimeSlicing")]
+        needs = [d for d in shared if d.needs_sharing]
         if not needs:
             return SharingPlan()
         if self.sharing is None:
-            strategy = needs[0].config.sharing.strategy
-            raise PrepareError(
-                f"{needs[0].where}: sharing.strategy: {strategy} is not supported by this plugin"
-            )
+            what = f"sharing.strategy: {needs[0].config.sharing.strategy}"
+            if needs[0].share_id is not None:
+                what = f"share {needs[0].share_id}"
+            raise PrepareError(f"{needs[0].where}: {what} is not supported by this plugin")
         try:
             return self.sharing.plan(ref.uid, shared)
         except SharingError as exc:
@@ -316,26 +316,34 @@ class Preparer:
                 raise PrepareError(f"{where}: device {device} is not published by this node")
             gpu, mig = self.devices[device]
             config = self._config_for(where, request, mig, configs)
-            if device not in cdi_devices:
+            share_id = str(result["shareID"]) if result.get("shareID") else None
+            # A share of a GPU allocated to several claims is a CDI device of its own.
+            cdi_name = f"{device}-{share_id}" if share_id else device
+            if cdi_name not in cdi_devices:
                 try:
                     nodes = self.nodes.mig(gpu, mig) if mig is not None else self.nodes.gpu(gpu)
                     self.nodes.verify(nodes)
                 except DeviceNodeError as exc:
                     raise PrepareError(f"{where}: {exc}") from exc
                 uuid = mig.uuid if mig is not None else gpu.uuid
-                uuids.append(uuid)
-                cdi_devices[device] = CdiDevice(
-                    name=device, device_nodes=nodes, env=config.container_env([uuid])
+                if uuid not in uuids:
+                    uuids.append(uuid)
+                cdi_devices[cdi_name] = CdiDevice(
+                    name=cdi_name, device_nodes=nodes, env=config.container_env([uuid])
                 )
-                shared.append(SharedDevice(device, uuid, config, where, gpu.cuda_compute_capability))
-            share_id = result.get("shareID")
+                consumed = {str(k): str(v) for k, v in (result.get("consumedCapacity") or {}).items()}
+                shared.append(
+                    SharedDevice(
+                        cdi_name, uuid, config, where, gpu.cuda_compute_capability, share_id, consumed
+                    )
+                )
             prepared.append(
                 PreparedDevice(
                     request_names=[request.split("/", 1)[0]],
                     pool_name=self.node_name,
                     device_name=device,
-                    cdi_device_ids=[self.cdi.device_id(ref.uid, device)],
-                    share_id=str(share_id) if share_id else None,
+                    cdi_device_ids=[self.cdi.device_id(ref.uid, cdi_name)],
+                    share_id=share_id,
                     admin_access=bool(result.get("adminAccess", False)),
                 )
             )

@@ -61,6 +61,7 @@ class PluginConfig:
     cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
+    memory_shares: bool = False  # whole GPUs shareable by memory (consumable capacity)
 
     @property
     def dra_socket(self) -> Path:
@@ -129,7 +130,7 @@ class KubeletPlugin:
             kube,
             cfg.driver,
             cfg.node_name,
-            lambda gen: build_slices(inventory, cfg.driver, gen),
+            lambda gen: build_slices(inventory, cfg.driver, gen, cfg.memory_shares),
             self.metrics,
         )
         await publisher.start()

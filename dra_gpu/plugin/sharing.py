@@ -3,6 +3,10 @@ for is planned with the claim, applied before its CDI spec is written, and undon
 
 - MPS: one control daemon per claim (per distinct MPS config of the claim) with the configured
   limits, its GPUs in EXCLUSIVE_PROCESS while it runs; containers get its pipe dir through CDI.
+- Memory shares (a result with a shareID on a GPU published with allowMultipleAllocations): one
+  daemon per share, its pinned-memory limit the consumed `memory`, its active thread percentage
+  the consumed `computeShare` (none when 0); the GPU stays in DEFAULT compute mode so the shares'
+  MPS servers run side by side.
 - TimeSlicing: the GPU's compute mode DEFAULT and its time slice at the requested level; both
   restored when the last claim that set them is gone.
 - Exclusive: nothing to apply.
@@ -16,8 +20,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from decimal import InvalidOperation
 from pathlib import Path
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from dra_gpu.api import GpuConfig
 from dra_gpu.discovery.fake_nvml import FakeNvml
@@ -45,6 +52,12 @@ class SharedDevice:
     config: GpuConfig
     where: str  # "claim ...: status.allocation.devices.results[i]", for errors
     compute_capability: tuple[int, int] | None = None
+    share_id: str | None = None  # a share of a GPU allocated to several claims
+    consumed: dict[str, str] = field(default_factory=dict)  # the share's consumedCapacity
+
+    @property
+    def needs_sharing(self) -> bool:
+        return self.share_id is not None or self.config.sharing.strategy in ("MPS", "TimeSlicing")
 
 
 @dataclass
@@ -61,6 +74,14 @@ def _daemons(record: dict[str, Any]) -> list[MpsDaemon]:
 
 def _modes(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return dict(record.get("computeModes") or {})
+
+
+def _quantity(value: str, where: str) -> int:
+    try:
+        q = parse_quantity(value)  # type: ignore[no-untyped-call]
+    except (ValueError, InvalidOperation) as exc:
+        raise SharingError(f"{where}: {value!r} is not a quantity") from exc
+    return int(q)
 
 
 def _slices(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -85,8 +106,14 @@ class Sharing:
         groups: dict[GpuConfig, list[SharedDevice]] = {}
         modes: dict[str, dict[str, Any]] = {}
         slices: dict[str, dict[str, Any]] = {}
+        daemons: list[MpsDaemon] = []
         for dev in devices:
-            if dev.config.sharing.strategy == "MPS":
+            if dev.share_id is not None:
+                daemon = self._share_daemon(claim_uid, len(groups) + len(daemons), dev)
+                daemons.append(daemon)
+                modes[dev.uuid] = {"mode": DEFAULT}
+                plan.device_edits[dev.name] = self.mps.cdi_edits(daemon)
+            elif dev.config.sharing.strategy == "MPS":
                 self._check_mps(dev)
                 groups.setdefault(dev.config, []).append(dev)
             elif dev.config.sharing.strategy == "TimeSlicing":
@@ -95,8 +122,7 @@ class Sharing:
                 )
                 slices[dev.uuid] = {"interval": interval, "level": LEVELS[interval]}
                 modes[dev.uuid] = {"mode": DEFAULT}
-        daemons = []
-        for n, (config, members) in enumerate(groups.items()):
+        for n, (config, members) in enumerate(groups.items(), start=len(daemons)):
             mps = config.sharing.mps
             limit = mps.default_pinned_device_memory_limit if mps else None
             daemon = MpsDaemon(
@@ -118,6 +144,42 @@ class Sharing:
         return plan
 
     @staticmethod
+    def _share_daemon(claim_uid: str, n: int, dev: SharedDevice) -> MpsDaemon:
+        """The daemon that enforces one memory share: the consumed memory and compute share."""
+        if dev.config.sharing.strategy == "TimeSlicing":
+            raise SharingError(
+                f"{dev.where}: sharing.strategy: TimeSlicing cannot enforce a memory share "
+                f"(share {dev.share_id}); use MPS or Exclusive"
+            )
+        mps = dev.config.sharing.mps
+        limits = {}
+        memory = dev.consumed.get("memory")
+        if memory is not None:
+            limits[dev.uuid] = pinned_limit(_quantity(memory, f"{dev.where}: consumedCapacity.memory"))
+        elif mps and mps.default_pinned_device_memory_limit:
+            limits[dev.uuid] = pinned_limit(mps.default_pinned_device_memory_limit)
+        share = _quantity(
+            dev.consumed.get("computeShare", "0"), f"{dev.where}: consumedCapacity.computeShare"
+        )
+        pct = min(100, share) if share > 0 else (mps.default_active_thread_percentage if mps else None)
+        if (
+            (limits or pct)
+            and dev.compute_capability is not None
+            and dev.compute_capability < MPS_LIMITS_MIN_CC
+        ):
+            cc = ".".join(map(str, dev.compute_capability))
+            raise SharingError(
+                f"{dev.where}: a memory share needs MPS limits; device {dev.name} has compute capability {cc}"
+            )
+        return MpsDaemon(
+            id=f"{claim_uid}-{n}",
+            uuids=[dev.uuid],
+            active_thread_percentage=pct,
+            pinned_memory_limits=limits,
+            share_id=dev.share_id,
+        )
+
+    @staticmethod
     def _check_mps(dev: SharedDevice) -> None:
         mps = dev.config.sharing.mps
         if mps is None or dev.compute_capability is None or dev.compute_capability >= MPS_LIMITS_MIN_CC:
@@ -137,7 +199,7 @@ class Sharing:
     def conflict(record: dict[str, Any], others: Iterable[tuple[str, dict[str, Any]]]) -> str | None:
         """What stops `record` from being applied next to the other claims' (ref, record)."""
         mine = _modes(record)
-        my_mps = {u for d in _daemons(record) for u in d.uuids}
+        my_mps = {u for d in _daemons(record) if d.share_id is None for u in d.uuids}
         for ref, other in others:
             for uuid, theirs in _modes(other).items():
                 if uuid in mine and mine[uuid]["mode"] != theirs["mode"]:
@@ -145,7 +207,7 @@ class Sharing:
                         f"device {uuid} is in compute mode {mode_name(theirs['mode'])} for claim {ref}; "
                         f"this claim's sharing needs {mode_name(mine[uuid]['mode'])}"
                     )
-            clash = my_mps & {u for d in _daemons(other) for u in d.uuids}
+            clash = my_mps & {u for d in _daemons(other) for u in d.uuids}  # shares or not
             if clash:
                 return f"device {sorted(clash)[0]} already has an MPS daemon for claim {ref}"
             for uuid, theirs in _slices(other).items():
@@ -221,8 +283,9 @@ class Sharing:
             log.warning("MPS daemon of a prepared claim is not answering, restarting id=%s", daemon.id)
             try:
                 for uuid in daemon.uuids:
-                    if self.modes.get(uuid) != EXCLUSIVE_PROCESS:
-                        self.modes.set(uuid, EXCLUSIVE_PROCESS)
+                    want = _modes(record).get(uuid, {}).get("mode", EXCLUSIVE_PROCESS)
+                    if self.modes.get(uuid) != want:
+                        self.modes.set(uuid, want)
                 self.mps.start(daemon)
             except _ERRORS as exc:
                 raise SharingError(str(exc)) from exc

@@ -238,3 +238,44 @@ def test_a_gpu_with_another_time_slice_for_another_claim_is_a_conflict() -> None
     problem = Sharing.conflict(mine, [("ns/other", theirs)])
     assert problem is not None and "ns/other" in problem and "interval Long" in problem
     assert Sharing.conflict(mine, [("ns/other", mine)]) is None  # the same setting can be shared
+
+
+def share(c: dict, share_id: str, consumed: dict[str, str]) -> dict:
+    (result,) = c["status"]["allocation"]["devices"]["results"]
+    result["shareID"] = share_id
+    result["consumedCapacity"] = consumed
+    return c
+
+
+def test_memory_shares_of_one_gpu_get_their_own_cdi_devices_and_daemons_with_the_consumed_limits(
+    core: PluginCore,
+) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    s1, s2 = str(uuid.uuid4()), str(uuid.uuid4())
+    a = share(claim(uid(), [g0]), s1, {"memory": "40Gi", "computeShare": "30"})
+    b = share(claim(uid(), [g0]), s2, {"memory": "20Gi", "computeShare": "0"})
+    for c in (a, b):
+        core.add(c)
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    spec_a = json.loads(core.cdi.path(a["metadata"]["uid"]).read_text())
+    assert [d["name"] for d in spec_a["devices"]] == [f"{a['metadata']['uid']}-{g0}-{s1}"]
+    pipe_a, pid_a = daemon_of(core, a)
+    pipe_b, pid_b = daemon_of(core, b)
+    assert pipe_a != pipe_b
+    limit = f"get_default_device_pinned_mem_limit {gpu.uuid}"
+    assert ask(core, pipe_a, "get_default_active_thread_percentage", limit) == ["30.0", "40960M"]
+    assert ask(core, pipe_b, "get_default_active_thread_percentage", limit) == ["100.0", "20480M"]
+    assert compute_mode(core, gpu.uuid) == DEFAULT  # the shares' servers run side by side
+    asyncio.run(core.preparer.unprepare(ref_of(a)))
+    assert not alive(pid_a) and alive(pid_b)
+
+
+def test_time_slicing_cannot_enforce_a_memory_share(core: PluginCore) -> None:
+    c = share(
+        claim(uid(), gpu_names(core)[:1], config=timeslicing("Long")), str(uuid.uuid4()), {"memory": "8Gi"}
+    )
+    core.add(c)
+    with pytest.raises(PrepareError, match="TimeSlicing cannot enforce a memory share"):
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    assert core.checkpoint.records() == []
