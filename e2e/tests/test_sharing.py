@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 from support import sim_driver_root, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
-from test_kubelet_plugin import DRIVER, PLUGIN_DIR, PROFILE, allocated, claim_pod, device_attrs, template
+from test_kubelet_plugin import (
+    DRIVER,
+    PLUGIN_DIR,
+    PROFILE,
+    Plugin,
+    allocated,
+    claim_pod,
+    device_attrs,
+    ensure_device_classes,
+    our_slices,
+    template,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -179,3 +190,96 @@ def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and
         core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
     wait_for("the time slice to be restored", lambda: "Timeslice 0 (DEFAULT)" in time_slice(uuid), timeout=90)
     print(f"[e2e] after the pods: {time_slice(uuid)}")
+
+
+@pytest.fixture(scope="module")
+def shares(target, core, dyn, tmp_path_factory):
+    """The plugin on an A100 node (80Gi GPUs) publishing its whole GPUs as memory shares."""
+    if not target.local:
+        pytest.skip("the plugin runs as a host process only on the local e2e cluster")
+    node = core.list_node().items[0].metadata.name
+    p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
+    p.profile = "dgx-a100-mig"
+    p.extra_args = ["--memory-shares"]
+    ensure_device_classes(dyn)
+    p.start()
+    wait_for(
+        "shareable GPUs",
+        lambda: any(
+            d.get("allowMultipleAllocations") for s in our_slices(dyn)[1] for d in s["spec"]["devices"]
+        ),
+        timeout=30,
+    )
+    yield p
+    p.stop()
+    api, items = our_slices(dyn)
+    for s in items:
+        api.delete(name=s["metadata"]["name"])
+
+
+def memory_template(dyn, namespace, name, memory):
+    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaimTemplate")
+    request = {"deviceClassName": DRIVER, "capacity": {"requests": {"memory": memory}}}
+    api.create(
+        namespace=namespace,
+        body={
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": request}]}}},
+        },
+    )
+
+
+def share_of(dyn, namespace, pod):
+    """(device, shareID, consumedCapacity) of the claim made for `pod`."""
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    for c in claims.get(namespace=namespace).to_dict()["items"]:
+        owners = [o.get("name") for o in c["metadata"].get("ownerReferences") or []]
+        alloc = (c.get("status") or {}).get("allocation")
+        if pod in owners and alloc:
+            (r,) = alloc["devices"]["results"]
+            return r["device"], r.get("shareID"), r.get("consumedCapacity")
+    return None
+
+
+SHARE_PROBE = (
+    'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY"; '
+    'echo "get_default_device_pinned_mem_limit $NVIDIA_VISIBLE_DEVICES" | nvidia-cuda-mps-control; '
+    "echo asked; sleep 3600"
+)
+
+
+def test_memory_shares_pack_two_40gi_claims_on_one_gpu_each_enforced_by_its_own_daemon(
+    shares,
+    glibc_images,  # noqa: F811 - the fixture imported above
+    core,
+    dyn,
+    namespace,
+):
+    before = set(daemons())
+    for name, memory in (("forty", "40Gi"), ("fortyeight", "48Gi")):
+        memory_template(dyn, namespace, name, memory)
+    pods = {"a": "forty", "b": "forty", "c": "fortyeight"}
+    for pod, tmpl in pods.items():
+        gpu_pod(core, namespace, pod, DEBIAN_IMAGE, SHARE_PROBE, template=tmpl)
+    logs = {}
+    for pod in pods:
+        logs[pod] = wait_for(
+            f"pod {pod}'s answer",
+            lambda pod=pod: "asked" in pod_log(core, namespace, pod) and pod_log(core, namespace, pod),
+            timeout=120,
+        )
+    got = {pod: share_of(dyn, namespace, pod) for pod in pods}
+    print(f"\n[e2e] memory shares: {got}")
+    for pod, log in logs.items():
+        print(f"[e2e] {pod}: {' | '.join(log.splitlines())}")
+    (dev_a, share_a, _), (dev_b, share_b, _), (dev_c, _, _) = got["a"], got["b"], got["c"]
+    assert dev_a == dev_b and share_a and share_b and share_a != share_b  # one GPU, two shares
+    assert dev_c != dev_a  # 48Gi does not fit next to 2 x 40Gi on an 80Gi GPU
+    assert "pipe=/tmp/nvidia-mps" in logs["a"]
+    assert "40960M" in logs["a"] and "40960M" in logs["b"] and "49152M" in logs["c"]
+    assert len(set(daemons()) - before) == 3  # a daemon per share
+    for pod in pods:
+        core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
+    wait_for("the shares' daemons to stop", lambda: set(daemons()) <= before, timeout=90)
