@@ -79,14 +79,15 @@ def _allocated(claim: dict[str, Any]) -> bool:
 
 
 def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[str, Any]:
-    from dra_gpu.controller.allocator import Cluster, allocated_devices
+    from dra_gpu.controller.allocator import Cluster, allocated_devices, shared_consumption
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
 
     validator = Validator(driver, inputs.slices, inputs.classes)
     classes = {str((c.get("metadata") or {}).get("name")): c for c in inputs.classes}
-    in_use = allocated_devices([c for c in inputs.claims if _allocated(c)])
-    cluster = Cluster(validator.env, inputs.slices, classes, in_use)
+    allocated = [c for c in inputs.claims if _allocated(c)]
+    in_use = allocated_devices(allocated)
+    cluster = Cluster(validator.env, inputs.slices, classes, in_use, shared_use=shared_consumption(allocated))
     out = []
     for claim in inputs.claims:
         if _allocated(claim):
