@@ -283,3 +283,44 @@ def test_memory_shares_pack_two_40gi_claims_on_one_gpu_each_enforced_by_its_own_
     for pod in pods:
         core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
     wait_for("the shares' daemons to stop", lambda: set(daemons()) <= before, timeout=90)
+
+
+def test_a_memory_share_no_gpu_can_ever_give_is_denied_by_the_webhook(
+    shares, target, dyn, namespace, tmp_path
+):
+    from test_controller_webhook import Controller, _denied, _webhook_config
+
+    claims_api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    hooks_api = dyn.resources.get(
+        api_version="admissionregistration.k8s.io/v1", kind="ValidatingWebhookConfiguration"
+    )
+    request = {"deviceClassName": DRIVER, "capacity": {"requests": {"memory": "90Gi"}}}
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "ninety"},
+        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": request}]}},
+    }
+    ctl = Controller(target.kubeconfig, tmp_path, driver=DRIVER)
+    hook = f"dra-gpu-e2e-shares-{namespace}"
+    try:
+        wait_for("the controller to serve and list the cluster", ctl.ready, timeout=60, interval=0.2)
+        hooks_api.create(body=_webhook_config(hook, ctl, namespace))
+
+        def denied():
+            try:
+                return _denied(claims_api.create, body=body, namespace=namespace)
+            except AssertionError:  # admitted: the apiserver has not picked the webhook up yet
+                claims_api.delete(name="ninety", namespace=namespace)
+                return None
+
+        msg = wait_for("the webhook to deny 90Gi", denied, timeout=30, interval=0.5)
+        print(f"\n[e2e] 90Gi share: {msg}")
+        assert "no GPU can ever give memory 90Gi" in msg, msg
+    finally:
+        try:
+            hooks_api.delete(name=hook)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 404:
+                raise
+        ctl.stop()
