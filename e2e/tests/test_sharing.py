@@ -17,11 +17,9 @@ from test_kubelet_plugin import (
     DRIVER,
     PLUGIN_DIR,
     PROFILE,
-    Plugin,
     allocated,
     claim_pod,
     device_attrs,
-    ensure_device_classes,
     our_slices,
     template,
 )
@@ -81,7 +79,7 @@ def compute_mode(uuid: str) -> int:
 
 def pod_log(core, namespace, name) -> str:
     try:
-        return core.read_namespaced_pod_log(name, namespace)
+        return core.read_namespaced_pod_log(name, namespace) or ""
     except Exception:
         return ""
 
@@ -192,29 +190,26 @@ def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and
     print(f"[e2e] after the pods: {time_slice(uuid)}")
 
 
-@pytest.fixture(scope="module")
-def shares(target, core, dyn, tmp_path_factory):
-    """The plugin on an A100 node (80Gi GPUs) publishing its whole GPUs as memory shares."""
-    if not target.local:
-        pytest.skip("the plugin runs as a host process only on the local e2e cluster")
-    node = core.list_node().items[0].metadata.name
-    p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
-    p.profile = "dgx-a100-mig"
-    p.extra_args = ["--memory-shares"]
-    ensure_device_classes(dyn)
-    p.start()
-    wait_for(
-        "shareable GPUs",
-        lambda: any(
-            d.get("allowMultipleAllocations") for s in our_slices(dyn)[1] for d in s["spec"]["devices"]
-        ),
-        timeout=30,
-    )
-    yield p
-    p.stop()
-    api, items = our_slices(dyn)
-    for s in items:
-        api.delete(name=s["metadata"]["name"])
+@pytest.fixture
+def shares(hgx, dyn):  # noqa: F811 - the fixture imported above
+    """The same plugin restarted on an A100 node (80Gi GPUs) publishing its whole GPUs as memory
+    shares (one plugin per node: the fixture switches it and switches it back)."""
+    hgx.stop()
+    hgx.profile, hgx.extra_args = "dgx-a100-mig", ["--memory-shares"]
+    try:
+        hgx.start()
+        wait_for(
+            "shareable GPUs",
+            lambda: any(
+                d.get("allowMultipleAllocations") for s in our_slices(dyn)[1] for d in s["spec"]["devices"]
+            ),
+            timeout=30,
+        )
+        yield hgx
+    finally:
+        hgx.stop()
+        hgx.profile, hgx.extra_args = PROFILE, []
+        hgx.start()
 
 
 def memory_template(dyn, namespace, name, memory):
