@@ -268,6 +268,20 @@ class Preparer:
         except SharingError as exc:
             raise PrepareError(f"claim {ref}: sharing: {exc}") from exc
 
+    async def _keep_sharing(self, ref: ClaimRef) -> None:
+        """The sweeper's check of a live claim: its daemons are restarted if they died, without
+        waiting for the claim's next prepare (a pod's clients need the daemon now)."""
+        if self.sharing is None:
+            return
+        async with self._lock(ref.uid):
+            record = self.checkpoint.view(ref.uid)
+            if record is None or record.state != COMPLETED:
+                return
+            try:
+                await self._ensure_sharing(ref, record)
+            except PrepareError as exc:
+                log.error("sharing of a prepared claim not restored claim=%s error=%s", ref, exc)
+
     async def _release_sharing(self, ref: ClaimRef | str, raw: dict[str, Any], strict: bool = True) -> None:
         if self.sharing is None or not raw.get("sharing"):
             return
@@ -501,6 +515,7 @@ class Preparer:
             gone = claim is None or claim.get("metadata", {}).get("uid") != rec.uid
             if not gone:
                 self._gone_since.pop(rec.uid, None)
+                await self._keep_sharing(ClaimRef(rec.namespace, rec.uid, rec.name))
                 continue
             first = self._gone_since.setdefault(rec.uid, now())
             if now() - first >= grace_seconds:

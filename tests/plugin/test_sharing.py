@@ -279,3 +279,15 @@ def test_time_slicing_cannot_enforce_a_memory_share(core: PluginCore) -> None:
     with pytest.raises(PrepareError, match="TimeSlicing cannot enforce a memory share"):
         asyncio.run(core.preparer.prepare(ref_of(c)))
     assert core.checkpoint.records() == []
+
+
+def test_the_sweeper_restarts_a_dead_daemon_of_a_live_claim(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(70, None))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    os.kill(pid, signal.SIGKILL)
+    asyncio.run(core.preparer.sweep(60))
+    _, new_pid = daemon_of(core, c)
+    assert new_pid != pid and alive(new_pid)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["70.0"]
