@@ -204,6 +204,7 @@ class Placement:
     node: str
     results: list[tuple[str, Device]]  # (request name as in the allocation result, device)
     link_cost: int
+    consumed: list[dict[str, Decimal]] = field(default_factory=list)  # per result; {} unless shared
 
     @property
     def devices(self) -> list[str]:
@@ -624,4 +625,5 @@ def place(
     found = _Search(cluster, node, requests, constraints, ignore_in_use, best).run()
     if found is None:
         return None
-    return Placement(node, [(s.name, d) for s, d in found], link_cost([d for _, d in found]))
+    consumed = [(d.consumption(s.capacity) or {}) if d.multi else {} for s, d in found]
+    return Placement(node, [(s.name, d) for s, d in found], link_cost([d for _, d in found]), consumed)

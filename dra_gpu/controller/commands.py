@@ -119,8 +119,8 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
                 node=e.placement.node,
                 devices=e.placement.devices,
                 results=[
-                    {"request": r, "driver": d.driver, "pool": d.pool, "device": d.name}
-                    for r, d in e.placement.results
+                    _result(r, d, used)
+                    for (r, d), used in zip(e.placement.results, e.placement.consumed, strict=True)
                 ],
                 linkCost=e.placement.link_cost,
                 bestDevices=e.best.devices,
@@ -130,6 +130,17 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
             entry.update(reason=e.reason, simulated=e.simulated)
         out.append(entry)
     return {"claims": out}
+
+
+def _result(request: str, d: Any, consumed: dict[str, Any]) -> dict[str, Any]:
+    """An allocation result as the scheduler would write it; a share says what it consumes
+    (request policy applied: rounded up to a valid amount)."""
+    from dra_gpu.kubernetes_values import format_quantity
+
+    out: dict[str, Any] = {"request": request, "driver": d.driver, "pool": d.pool, "device": d.name}
+    if consumed:
+        out["consumedCapacity"] = {k: format_quantity(v) for k, v in sorted(consumed.items())}
+    return out
 
 
 def render_text(result: dict[str, Any]) -> str:
@@ -143,6 +154,10 @@ def render_text(result: dict[str, Any]) -> str:
         lines.append(
             f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"
         )
+        for r in c["results"]:
+            if r.get("consumedCapacity"):
+                used = ", ".join(f"{k} {v}" for k, v in r["consumedCapacity"].items())
+                lines.append(f"  {r['device']}: a share consuming {used}")
         if c["bestLinkCost"] < c["linkCost"]:
             lines.append(
                 f"  a cheaper placement on {c['node']}: {', '.join(c['bestDevices'])} "

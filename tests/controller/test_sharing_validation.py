@@ -119,3 +119,15 @@ def test_mps_limits_below_compute_capability_7_are_denied() -> None:
     )
     plain = claim("mps", config=config({"strategy": "MPS"}))  # no limits: fine on any GPU
     assert Validator(DRIVER, slices, [GPU_CLASS]).validate(plain).allowed
+
+
+def test_explain_shows_what_a_share_consumes_after_rounding() -> None:
+    from dra_gpu.controller.commands import explain_inputs, render_text
+    from dra_gpu.controller.inputs import Inputs
+
+    inputs = Inputs(slices=shares_slices(), classes=[GPU_CLASS], claims=[memory_claim("c", "20500Mi")])
+    (entry,) = explain_inputs(inputs, DRIVER)["claims"]
+    assert entry["allocatable"]
+    (result,) = entry["results"]
+    assert result["consumedCapacity"] == {"computeShare": "0", "memory": "21Gi"}  # rounded up to 1Gi steps
+    assert "a share consuming computeShare 0, memory 21Gi" in render_text({"claims": [entry]})
