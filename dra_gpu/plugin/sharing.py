@@ -109,7 +109,7 @@ class Sharing:
         daemons: list[MpsDaemon] = []
         for dev in devices:
             if dev.share_id is not None:
-                daemon = self._share_daemon(claim_uid, len(groups) + len(daemons), dev)
+                daemon = self._share_daemon(f"{claim_uid}-{len(daemons)}", dev)
                 daemons.append(daemon)
                 modes[dev.uuid] = {"mode": DEFAULT}
                 plan.device_edits[dev.name] = self.mps.cdi_edits(daemon)
@@ -144,7 +144,7 @@ class Sharing:
         return plan
 
     @staticmethod
-    def _share_daemon(claim_uid: str, n: int, dev: SharedDevice) -> MpsDaemon:
+    def _share_daemon(daemon_id: str, dev: SharedDevice) -> MpsDaemon:
         """The daemon that enforces one memory share: the consumed memory and compute share."""
         if dev.config.sharing.strategy == "TimeSlicing":
             raise SharingError(
@@ -172,7 +172,7 @@ class Sharing:
                 f"{dev.where}: a memory share needs MPS limits; device {dev.name} has compute capability {cc}"
             )
         return MpsDaemon(
-            id=f"{claim_uid}-{n}",
+            id=daemon_id,
             uuids=[dev.uuid],
             active_thread_percentage=pct,
             pinned_memory_limits=limits,

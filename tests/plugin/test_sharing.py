@@ -291,3 +291,22 @@ def test_the_sweeper_restarts_a_dead_daemon_of_a_live_claim(core: PluginCore) ->
     _, new_pid = daemon_of(core, c)
     assert new_pid != pid and alive(new_pid)
     assert ask(core, pipe, "get_default_active_thread_percentage") == ["70.0"]
+
+
+def test_a_claim_with_an_mps_device_and_a_share_gets_two_distinct_daemons(core: PluginCore) -> None:
+    g0, g1 = gpu_names(core)[:2]
+    c = claim(uid(), [g0, g1], requests=["a", "b"], config=mps_config(40, None))
+    c["status"]["allocation"]["devices"]["results"][1].update(
+        shareID=str(uuid.uuid4()), consumedCapacity={"memory": "8Gi", "computeShare": "20"}
+    )
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    record = core.checkpoint.get(c["metadata"]["uid"])
+    assert record is not None
+    ids = [d["id"] for d in record.raw["sharing"]["mps"]]
+    assert len(set(ids)) == 2, ids
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    pipes = [m["hostPath"] for d in spec["devices"] for m in d["containerEdits"]["mounts"]]
+    assert len(set(pipes)) == 2
+    answers = sorted(ask(core, p, "get_default_active_thread_percentage")[0] for p in pipes)
+    assert answers == ["20.0", "40.0"]
