@@ -265,8 +265,8 @@ class Sharing:
             except OSError as exc:
                 errors.append(f"MPS daemon {daemon.id}: {exc}")
         for uuid, setting in _modes(record).items():
-            if any(uuid in _modes(o) for o in others) or "previous" not in setting:
-                continue
+            if any(uuid in _modes(o) for o in others) or setting.get("previous") is None:
+                continue  # still needed by another claim, or never set by this one
             try:
                 if self.modes.get(uuid) != setting["previous"]:
                     self.modes.set(uuid, setting["previous"])
