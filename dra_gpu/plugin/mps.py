@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -224,21 +225,26 @@ class MpsDaemons:
             ) from exc
 
     def _check_limits(self, daemon: MpsDaemon) -> None:
-        """Ask the daemon back for what was set: a limit it did not take is an error."""
-        expected: list[tuple[str, str]] = []
+        """Ask the daemon back for what was set: a limit it answers differently is an error. An
+        answer in a form not understood here is logged, not fatal (driver versions word it
+        differently); one command per line, so answers are matched by position."""
+        asks: list[tuple[str, float]] = []  # (command, expected value: percent or MiB)
         if daemon.active_thread_percentage is not None:
-            expected.append(
-                ("get_default_active_thread_percentage", f"{daemon.active_thread_percentage:.1f}")
-            )
+            asks.append(("get_default_active_thread_percentage", float(daemon.active_thread_percentage)))
         for uuid, limit in sorted(daemon.pinned_memory_limits.items()):
-            expected.append((f"get_default_device_pinned_mem_limit {uuid}", limit))
-        if not expected:
+            asks.append((f"get_default_device_pinned_mem_limit {uuid}", _mib(limit) or 0.0))
+        if not asks:
             return
-        answers = self.control(daemon.id, [ask for ask, _ in expected]).splitlines()
-        for i, (ask, want) in enumerate(expected):
+        answers = self.control(daemon.id, [ask for ask, _ in asks]).splitlines()
+        for i, (ask, want) in enumerate(asks):
             got = answers[i].strip() if i < len(answers) else ""
-            if got != want and not (_is_number(got) and _is_number(want) and float(got) == float(want)):
-                raise MpsError(f"MPS daemon {daemon.id}: {ask} answered {got!r}, expected {want!r}")
+            value = float(got) if _is_number(got) else _mib(got)
+            if value is None:
+                log.warning(
+                    "MPS daemon answer not understood id=%s command=%r answer=%r", daemon.id, ask, got
+                )
+            elif value != want:
+                raise MpsError(f"MPS daemon {daemon.id}: {ask} answered {got!r}, expected {want:g}")
 
     def stop(self, daemon_id: str) -> None:
         """Stop the daemon (quit, then SIGKILL if it lingers) and remove its directories."""
@@ -270,6 +276,17 @@ class MpsDaemons:
         if not self.root.is_dir():
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+
+_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*([MG])i?B?$", re.IGNORECASE)
+
+
+def _mib(s: str) -> float | None:
+    """'10240M', '10G', '10 GB' -> MiB; None for anything else."""
+    m = _MEMORY.match(s.strip())
+    if not m:
+        return None
+    return float(m.group(1)) * (1024 if m.group(2).upper() == "G" else 1)
 
 
 def _is_number(s: str) -> bool:

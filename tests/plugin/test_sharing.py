@@ -310,3 +310,17 @@ def test_a_claim_with_an_mps_device_and_a_share_gets_two_distinct_daemons(core: 
     assert len(set(pipes)) == 2
     answers = sorted(ask(core, p, "get_default_active_thread_percentage")[0] for p in pipes)
     assert answers == ["20.0", "40.0"]
+
+
+def test_a_limit_the_daemon_answers_differently_is_an_error(tmp_path: Path) -> None:
+    from dra_gpu.plugin.mps import MpsDaemon, MpsDaemons, MpsError
+
+    daemons = MpsDaemons(tmp_path, lambda: (None, []))
+    daemon = MpsDaemon("x", ["GPU-1"], 50, {"GPU-1": "1024M"})
+    daemons.control = lambda _id, _commands: "100.0\n1024M\n"  # type: ignore[method-assign]
+    with pytest.raises(MpsError, match=r"answered '100\.0', expected 50"):
+        daemons._check_limits(daemon)
+    daemons.control = lambda _id, _commands: "50.0\n1G\n"  # type: ignore[method-assign]
+    daemons._check_limits(daemon)  # the same limit in other words
+    daemons.control = lambda _id, _commands: "50.0\nunlimited-ish\n"  # type: ignore[method-assign]
+    daemons._check_limits(daemon)  # an answer not understood is logged, not fatal
