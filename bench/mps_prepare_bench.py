@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -21,11 +22,12 @@ from typing import Any
 
 from dra_gpu.api import API_VERSION
 from dra_gpu.discovery import discover_node
+from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
 from dra_gpu.plugin.driver_files import DriverFiles
-from dra_gpu.plugin.prepare import ClaimRef, Preparer
+from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.sharing import node_sharing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,19 +90,23 @@ async def run(rounds: int, work: Path, cache: Path) -> None:
         node_sharing(mps_root, driver_files, PROFILE, dev_root),
     )
     device = inventory.gpus[0].device_name
-    prepare_ms, unprepare_ms = [], []
-    for _ in range(rounds):
-        uid = str(uuid.uuid4())
-        c = mps_claim(uid, device)
-        claims[("bench", c["metadata"]["name"])] = c
-        ref = ClaimRef("bench", uid, c["metadata"]["name"])
-        t0 = time.perf_counter()
-        await preparer.prepare(ref)
-        t1 = time.perf_counter()
-        await preparer.unprepare(ref)
-        t2 = time.perf_counter()
-        prepare_ms.append((t1 - t0) * 1000)
-        unprepare_ms.append((t2 - t1) * 1000)
+    prepare_ms: list[float] = []
+    unprepare_ms: list[float] = []
+    try:
+        for _ in range(rounds):
+            uid = str(uuid.uuid4())
+            c = mps_claim(uid, device)
+            claims[("bench", c["metadata"]["name"])] = c
+            ref = ClaimRef("bench", uid, c["metadata"]["name"])
+            t0 = time.perf_counter()
+            await preparer.prepare(ref)
+            t1 = time.perf_counter()
+            await preparer.unprepare(ref)
+            t2 = time.perf_counter()
+            prepare_ms.append((t1 - t0) * 1000)
+            unprepare_ms.append((t2 - t1) * 1000)
+    finally:
+        shutil.rmtree(mps_root, ignore_errors=True)  # each round stopped its own daemon
     for name, values in (
         ("prepare (daemon start incl.)", prepare_ms),
         ("unprepare (daemon stop)", unprepare_ms),

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from dra_gpu.api import API_VERSION, decode
+from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
-from dra_gpu.plugin.prepare import ClaimRef, PrepareError
+from dra_gpu.plugin.prepare import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
 from plugin.conftest import DRIVER, PluginCore, claim, gpu_names, mig_names
 
