@@ -19,6 +19,7 @@ from dra_gpu.controller import sharing_fit
 from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices, shared_consumption
 from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.explain import Failure, explain
+from dra_gpu.controller.schemas import decode_object
 from dra_gpu.kubernetes_values import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
@@ -135,6 +136,12 @@ class Validator:
             v.errors.append(
                 Problem("apiVersion", f"must be {RESOURCE_API_VERSION!r}, got {obj.get('apiVersion')!r}")
             )
+            return v
+        # Decode before any rule: bounded sizes and nesting, and every field the rules read typed.
+        problems = decode_object(obj)
+        if problems:
+            v.concerned = True
+            v.errors.extend(Problem(path or "(object)", msg) for path, msg in problems)
             return v
         size = len(json.dumps(obj, default=str))
         if size > MAX_OBJECT_BYTES:
