@@ -46,6 +46,7 @@ STANDARD_ATTRIBUTES: Mapping[str, AttributeType] = MappingProxyType(
 # Published unqualified; every capacity is a quantity.
 CAPACITIES = (
     "memory",
+    "computeShare",  # only on GPUs shared by memory (--memory-shares): percent of the SMs
     "multiprocessors",
     "copyEngines",
     "decoders",

@@ -70,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     inv.add_argument(
         "--slices", action="store_true", help="print the ResourceSlice objects that would be published"
     )
+    inv.add_argument(
+        "--memory-shares",
+        action="store_true",
+        help="with --slices: as the plugin's --memory-shares publishes",
+    )
     plug = sub.add_parser("kubelet-plugin", help="run the node plugin (kubelet gRPC, slices, CDI)")
     env = os.environ.get
     plug.add_argument(
@@ -126,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
         help="host:port of /healthz and /metrics; empty disables",
     )
     plug.add_argument(
+        "--memory-shares",
+        action="store_true",
+        default=env("DRA_GPU_MEMORY_SHARES", "false").lower() in ("1", "true", "yes"),
+        help="publish whole GPUs as shareable by memory (consumable capacity): several claims per "
+        "GPU, each enforced by its own MPS daemon ($DRA_GPU_MEMORY_SHARES)",
+    )
+    plug.add_argument(
         "--sweep-interval",
         type=float,
         default=float(env("DRA_GPU_SWEEP_INTERVAL", "600")),
@@ -167,6 +179,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         cdi_hook_path=args.cdi_hook_path,
         sweep_interval=args.sweep_interval,
         sweep_grace=args.sweep_grace,
+        memory_shares=args.memory_shares,
     )
     try:
         cfg.health = health_config(args)
@@ -193,7 +206,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.slices:
         try:
-            slices = build_slices(inventory, args.driver_name)
+            slices = build_slices(inventory, args.driver_name, memory_shares=args.memory_shares)
         except SliceLimitError as exc:
             print(f"dra-gpu: cannot build ResourceSlices: {exc}", file=sys.stderr)
             return EXIT_INVALID

@@ -38,6 +38,11 @@ MAX_DEVICES_PER_SLICE_ADVANCED = 64  # when any device has taints or consumes co
 MAX_STRING_VALUE = 64
 MAX_VERSION_VALUE = 64
 INT64 = (-(2**63), 2**63 - 1)
+# Memory shares (consumable capacity): requests are rounded up to whole GiB; a claim that asks
+# for no memory gets all of it (a whole GPU), one that asks for no compute share gets no
+# reserved share (its work is time-shared with the other shares').
+SHARE_MEMORY_STEP = 1 << 30
+COMPUTE_SHARE_TOTAL = 100
 
 
 class SliceLimitError(ValueError):
@@ -61,14 +66,42 @@ def _capacity(name: str, value: str) -> dict[str, str]:
     return {"value": value}
 
 
+def share_capacity(memory_bytes: int) -> dict[str, dict[str, Any]]:
+    """`memory` and `computeShare` with the request policies of a GPU shared by memory."""
+    step = SHARE_MEMORY_STEP
+    top = memory_bytes // step * step  # the range's max must be min + n * step
+    memory = {
+        "value": format_quantity(memory_bytes),
+        "requestPolicy": {
+            "default": format_quantity(top),
+            "validRange": {
+                "min": format_quantity(step),
+                "max": format_quantity(top),
+                "step": format_quantity(step),
+            },
+        },
+    }
+    compute = {
+        "value": str(COMPUTE_SHARE_TOTAL),
+        "requestPolicy": {
+            "default": "0",
+            "validRange": {"min": "0", "max": str(COMPUTE_SHARE_TOTAL), "step": "1"},
+        },
+    }
+    return {"memory": memory, "computeShare": compute}
+
+
 class SliceBuilder:
     """Builds the devices and slices of one node for one driver."""
 
-    def __init__(self, inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME) -> None:
+    def __init__(
+        self, inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME, memory_shares: bool = False
+    ) -> None:
         if not DNS_SUBDOMAIN.match(driver) or len(driver) > 63:
             raise SliceLimitError(f"driver name {driver!r}: must be a DNS subdomain of <= 63 chars")
         self.inv = inventory
         self.driver = driver
+        self.memory_shares = memory_shares  # whole GPUs allocatable to several claims by memory
         self.node_versions = self._node_versions()
 
     def _node_versions(self) -> dict[str, dict[str, Any]]:
@@ -119,7 +152,13 @@ class SliceBuilder:
             capacity["memory"] = _capacity("memory", format_quantity(gpu.memory_bytes))
         if gpu.multiprocessors is not None:
             capacity["multiprocessors"] = _capacity("multiprocessors", str(gpu.multiprocessors))
-        return {"name": gpu.device_name, "attributes": attrs, "capacity": capacity}
+        device: dict[str, Any] = {"name": gpu.device_name, "attributes": attrs, "capacity": capacity}
+        if self.memory_shares and gpu.memory_bytes is not None and gpu.memory_bytes >= SHARE_MEMORY_STEP:
+            device["allowMultipleAllocations"] = True
+            capacity.update(share_capacity(gpu.memory_bytes))
+            # Unconstrained capacities default to all of it per allocation: it would stop sharing.
+            capacity.pop("multiprocessors", None)
+        return device
 
     def mig_device(self, gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
         attrs: dict[str, dict[str, Any]] = {
@@ -206,8 +245,9 @@ def build_slices(
     driver: str = DEFAULT_DRIVER_NAME,
     generation: int = 1,
     taints: Mapping[str, list[dict[str, Any]]] | None = None,
+    memory_shares: bool = False,
 ) -> list[dict[str, Any]]:
-    return SliceBuilder(inventory, driver).slices(generation, taints)
+    return SliceBuilder(inventory, driver, memory_shares).slices(generation, taints)
 
 
 def validate_device(dev: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 DEB = "usr/lib/x86_64-linux-gnu"
 VERSION = "570.133.20"
+MPS_CONTROL_SOURCE = Path(__file__).parents[1] / "e2e" / "simdriver" / "src" / "mps-control.c"
 
 
 def _so(path: Path, soname: str | None) -> None:
@@ -32,9 +33,15 @@ def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: boo
     (root / libdir / "libcuda.so").symlink_to("libcuda.so.1")
     bindir = root / "usr/bin"
     bindir.mkdir(parents=True, exist_ok=True)
-    for b in ("nvidia-smi", "nvidia-cuda-mps-control"):
-        (bindir / b).write_text("#!/bin/sh\n")
-        (bindir / b).chmod(0o755)
+    # nvidia-smi notes its arguments where the simulated one keeps its state (next to the nodes).
+    (bindir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "$*" >> "${DRA_GPU_SIM_DEV_DIR:-/tmp}/nvidia-smi.calls"\n'
+    )
+    (bindir / "nvidia-smi").chmod(0o755)
+    # The simulated MPS control daemon (e2e/simdriver): the plugin starts and asks it for real.
+    subprocess.run(
+        ["cc", "-O1", "-o", str(bindir / "nvidia-cuda-mps-control"), str(MPS_CONTROL_SOURCE)], check=True
+    )
     fw = root / "lib/firmware/nvidia" / version
     fw.mkdir(parents=True, exist_ok=True)
     (fw / "gsp_ga10x.bin").write_bytes(b"\0" * 16)

@@ -6,10 +6,12 @@ simulated libraries are pointed at with DRA_GPU_SIM_DEV_DIR (simulation only).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -283,3 +285,43 @@ def test_a_cached_root_that_appears_meanwhile_is_kept(tmp_path: Path) -> None:
     sd._build(dest, VERSION, _gpus(), None, 12080, replace=False)
     assert [p.name for p in dest.iterdir()] == ["theirs"]
     assert [p.name for p in tmp_path.iterdir()] == ["key"]
+
+
+def test_nvidia_smi_compute_policy_sets_and_lists_time_slices(root: Path, libdir: Path, devdir: Path) -> None:
+    uuids = {g.minor: g.uuid for g in _gpus()}
+    out = _smi(root, "compute-policy", "-i", uuids[5], "--set-timeslice", "3", dev=devdir, libs=libdir)
+    assert out.returncode == 0 and out.stdout.strip() == f"Set timeslice to 3 for GPU {uuids[5]}.", out
+    listed = _smi(root, "compute-policy", "-l", dev=devdir, libs=libdir).stdout.splitlines()
+    assert listed == [f"GPU 0 ({uuids[2]}): Timeslice 0 (DEFAULT)", f"GPU 1 ({uuids[5]}): Timeslice 3 (LONG)"]
+    bad = _smi(root, "compute-policy", "-i", "0", "--set-timeslice", "7", dev=devdir, libs=libdir)
+    assert bad.returncode == 2 and "valid: 0-3" in bad.stdout
+
+
+def test_mps_control_daemon_answers_on_its_pipe_and_quits(root: Path, tmp_path: Path) -> None:
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "p"), "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "l")}
+    binary = str(root / "usr/bin/nvidia-cuda-mps-control")
+
+    def ask(*commands: str) -> subprocess.CompletedProcess[str]:
+        text = "".join(f"{c}\n" for c in commands)
+        return subprocess.run([binary], input=text, env=env, capture_output=True, text=True, timeout=10)
+
+    assert ask("get_server_list").stdout.strip() == "Cannot find MPS control daemon process"
+    assert subprocess.run([binary, "-d"], env=env, timeout=10).returncode == 0
+    pid = int((tmp_path / "p" / "nvidia-cuda-mps-control.pid").read_text())
+    try:
+        out = ask(
+            "set_default_active_thread_percentage 40",
+            "set_default_device_pinned_mem_limit GPU-x 8G",
+            "get_default_active_thread_percentage",
+            "get_default_device_pinned_mem_limit GPU-x",
+            "get_default_device_pinned_mem_limit 0",
+        )
+        assert out.stdout.splitlines() == ["40.0", "40.0", "8G", "Not Set"]
+        again = subprocess.run([binary, "-d"], env=env, capture_output=True, text=True, timeout=10)
+        assert again.returncode == 1 and "already running" in again.stderr
+        ask("quit")
+        assert "Shutdown" in (tmp_path / "l" / "control.log").read_text()
+        assert not (tmp_path / "p" / "control").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

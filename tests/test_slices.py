@@ -191,3 +191,23 @@ def test_invalid_node_or_driver_name_is_rejected() -> None:
         build_slices(inv)
     with pytest.raises(SliceLimitError, match="driver name"):
         build_slices(discover_node("node-a", "mixed"), driver="GPU/Driver")
+
+
+def test_memory_shares_publish_whole_gpus_with_request_policies() -> None:
+    from dra_gpu.discovery import discover_node
+    from dra_gpu.slices import build_slices as build
+
+    inv = discover_node("node-a", "hgx-2x4")
+    (dev, *_) = build(inv, memory_shares=True)[0]["spec"]["devices"]
+    assert dev["allowMultipleAllocations"] is True
+    memory = dev["capacity"]["memory"]
+    assert memory["value"] == "81559Mi"
+    # The range's max and the default are whole steps from min (the apiserver checks it).
+    assert memory["requestPolicy"] == {
+        "default": "79Gi",
+        "validRange": {"min": "1Gi", "max": "79Gi", "step": "1Gi"},
+    }
+    assert dev["capacity"]["computeShare"]["requestPolicy"]["default"] == "0"
+    assert "multiprocessors" not in dev["capacity"]  # unconstrained, it would be consumed whole
+    plain = build(inv)[0]["spec"]["devices"][0]
+    assert "allowMultipleAllocations" not in plain

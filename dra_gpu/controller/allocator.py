@@ -14,6 +14,7 @@ Besides the first-fit answer it finds the placement with the lowest NVLink link 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -89,6 +90,65 @@ class Device:
     def taints(self) -> list[Mapping[str, Any]]:
         return [t for t in self.raw.get("taints") or [] if isinstance(t, dict)]
 
+    @property
+    def multi(self) -> bool:
+        """Allocatable to several claims at once (consumable capacity)."""
+        return self.raw.get("allowMultipleAllocations") is True
+
+    def consumption(self, requests: Mapping[str, Decimal]) -> dict[str, Decimal] | None:
+        """What one allocation with these capacity requests consumes (request policies applied:
+        rounded up to a valid value), or None when no allocation of this device can give them."""
+        caps = self.raw.get("capacity") or {}
+        if any(self.capacity(name) is None for name in requests):
+            return None
+        if not self.multi:  # a whole device: its capacity must cover the requests
+            ok = all(amount <= (self.capacity(name) or 0) for name, amount in requests.items())
+            return {} if ok else None
+        out: dict[str, Decimal] = {}
+        for key, spec in caps.items():
+            name = key.rpartition("/")[2] if key.startswith(f"{self.driver}/") else key
+            value = self.capacity(name)
+            if value is None or not isinstance(spec, dict):
+                continue
+            amount = policy_amount(requests.get(name), value, spec.get("requestPolicy"))
+            if amount is None:
+                return None
+            out[name] = amount
+        return out
+
+
+def _q(value: Any) -> Decimal | None:
+    try:
+        return parse_quantity(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def policy_amount(request: Decimal | None, value: Decimal, policy: Any) -> Decimal | None:
+    """The amount a request consumes under a capacity's request policy (None: not allocatable),
+    as the scheduler rounds it: up to min, up to the next step, up to the next valid value."""
+    if not isinstance(policy, dict):
+        amount = value if request is None else request
+    elif request is None:
+        amount = _q(policy.get("default")) or Decimal(0)
+    elif policy.get("validValues"):
+        valid = sorted(v for v in (_q(x) for x in policy["validValues"]) if v is not None)
+        fitting = [v for v in valid if v >= request]
+        if not fitting:
+            return None
+        amount = fitting[0]
+    elif isinstance(policy.get("validRange"), dict):
+        rng = policy["validRange"]
+        low, high, step = _q(rng.get("min")) or Decimal(0), _q(rng.get("max")), _q(rng.get("step"))
+        amount = max(request, low)
+        if step:
+            amount = low + math.ceil((amount - low) / step) * step
+        if high is not None and amount > high:
+            return None
+    else:
+        amount = request
+    return amount if amount <= value else None
+
 
 @dataclass
 class Pool:
@@ -116,6 +176,7 @@ class SubRequest:
     count: int
     admin_access: bool
     tolerations: list[Mapping[str, Any]]
+    capacity: dict[str, Decimal] = field(default_factory=dict)  # capacity.requests
 
     @property
     def name(self) -> str:
@@ -143,6 +204,7 @@ class Placement:
     node: str
     results: list[tuple[str, Device]]  # (request name as in the allocation result, device)
     link_cost: int
+    consumed: list[dict[str, Decimal]] = field(default_factory=list)  # per result; {} unless shared
 
     @property
     def devices(self) -> list[str]:
@@ -187,16 +249,27 @@ def _sub(request: str, sub: Any, body: Mapping[str, Any]) -> SubRequest:
         count=int(count) if isinstance(count, int) and not isinstance(count, bool) else 1,
         admin_access=bool(body.get("adminAccess", False)),
         tolerations=list(body.get("tolerations") or []),
+        capacity=_capacity_requests(body),
     )
 
 
+def _capacity_requests(body: Mapping[str, Any]) -> dict[str, Decimal]:
+    requests = (body.get("capacity") or {}).get("requests") or {}
+    out = {}
+    for name, value in requests.items() if isinstance(requests, dict) else ():
+        amount = _q(value)
+        if amount is not None:
+            out[str(name).rpartition("/")[2]] = amount
+    return out
+
+
 def allocated_devices(claims: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]:
-    """Devices in use by allocated claims (admin-access results do not block others)."""
+    """Devices in use by allocated claims (admin-access results and shares do not block others)."""
     out: set[tuple[str, str, str]] = set()
     for c in claims:
         alloc = ((c.get("status") or {}).get("allocation") or {}).get("devices") or {}
         for r in alloc.get("results") or []:
-            if not r.get("adminAccess"):
+            if not r.get("adminAccess") and not r.get("shareID"):
                 out.add((str(r.get("driver")), str(r.get("pool")), str(r.get("device"))))
     return out
 
@@ -212,6 +285,23 @@ def blocking_taint(device: Device, sub: SubRequest) -> Mapping[str, Any] | None:
 def describe_taint(taint: Mapping[str, Any]) -> str:
     value = taint.get("value")
     return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"
+
+
+def shared_consumption(claims: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str, str], dict[str, Decimal]]:
+    """Capacity consumed on shared devices (allowMultipleAllocations) by allocated claims."""
+    out: dict[tuple[str, str, str], dict[str, Decimal]] = {}
+    for c in claims:
+        alloc = ((c.get("status") or {}).get("allocation") or {}).get("devices") or {}
+        for r in alloc.get("results") or []:
+            if not r.get("shareID"):
+                continue
+            used = out.setdefault((str(r.get("driver")), str(r.get("pool")), str(r.get("device"))), {})
+            for name, value in (r.get("consumedCapacity") or {}).items():
+                amount = _q(value)
+                if amount is not None:
+                    key = str(name).rpartition("/")[2]
+                    used[key] = used.get(key, Decimal(0)) + amount
+    return out
 
 
 def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]) -> bool:
@@ -236,10 +326,12 @@ class Cluster:
         classes: Mapping[str, Mapping[str, Any]],
         in_use: set[tuple[str, str, str]] | None = None,
         step_budget: int = DEFAULT_STEP_BUDGET,
+        shared_use: Mapping[tuple[str, str, str], Mapping[str, Decimal]] | None = None,
     ) -> None:
         self.env = env
         self.classes = dict(classes)
         self.in_use = set(in_use or ())
+        self.shared_use = {k: dict(v) for k, v in (shared_use or {}).items()}
         self.step_budget = step_budget
         self.pools = self._gather(slices)
         self.nodes = sorted(
@@ -343,6 +435,19 @@ class Cluster:
                 return False
         return all(self.matches(e, device) for e in sub.selectors)
 
+    @property
+    def busy(self) -> bool:
+        """Some device is allocated (exclusively or a share of it)."""
+        return bool(self.in_use or self.shared_use)
+
+    def free(self, d: Device, name: str, ignore_in_use: bool = False) -> Decimal | None:
+        """How much of a shared device's capacity no allocation has consumed."""
+        value = d.capacity(name)
+        if value is None:
+            return None
+        used = Decimal(0) if ignore_in_use else self.shared_use.get(d.key, {}).get(name, Decimal(0))
+        return value - used
+
     def candidates(self, node: str, sub: SubRequest) -> list[Device]:
         """Devices on `node` matching the class and request selectors (cached: selectors are pure)."""
         k = (node, sub.device_class, tuple(sub.selectors))
@@ -388,6 +493,9 @@ class _Search:
         self.best_cost: int | None = None
         self.cands: dict[int, list[Device]] = {}
         self._taken_stack: list[list[int]] = []  # per chosen device: the constraints it set a value in
+        self.shared_base = {} if ignore_in_use else cluster.shared_use
+        self.shared_used: dict[tuple[str, str, str], dict[str, Decimal]] = {}  # by this claim
+        self._consumed_stack: list[dict[str, Decimal]] = []
 
     def run(self) -> list[tuple[SubRequest, Device]] | None:
         self._next(0)
@@ -450,6 +558,18 @@ class _Search:
     def _add(self, sub: SubRequest, d: Device) -> bool:
         if d.key in self.allocating or (d.key in self.in_use and not sub.admin_access):
             return False
+        shares: dict[str, Decimal] = {}
+        if d.multi or sub.capacity:
+            cons = d.consumption(sub.capacity)
+            if cons is None:
+                return False
+            if d.multi:
+                base, mine = self.shared_base.get(d.key, {}), self.shared_used.get(d.key, {})
+                for name, amount in cons.items():
+                    used = base.get(name, Decimal(0)) + mine.get(name, Decimal(0))
+                    if used + amount > (d.capacity(name) or Decimal(0)):
+                        return False
+                shares = cons
         if not self.ignore_taints and blocking_taint(d, sub) is not None:
             return False
         pool = self.c.pool(d.pool_key)
@@ -480,7 +600,12 @@ class _Search:
                 self.consumed[k] = self.consumed.get(k, Decimal(0)) + v
         self.chosen.append((sub, d))
         self._taken_stack.append(taken)
-        if not sub.admin_access:
+        self._consumed_stack.append(shares)
+        if shares:
+            mine = self.shared_used.setdefault(d.key, {})
+            for name, amount in shares.items():
+                mine[name] = mine.get(name, Decimal(0)) + amount
+        if not sub.admin_access and not d.multi:  # a shared device may take another share
             self.allocating.add(d.key)
         return True
 
@@ -488,6 +613,8 @@ class _Search:
         _, d = self.chosen.pop()
         for i in self._taken_stack.pop():
             self.values[i].pop()
+        for name, amount in self._consumed_stack.pop().items():
+            self.shared_used[d.key][name] -= amount
         for cset, counters in d.consumes:
             for cname, v in counters.items():
                 self.consumed[(d.pool_key, cset, cname)] -= v
@@ -511,4 +638,5 @@ def place(
     found = _Search(cluster, node, requests, constraints, ignore_in_use, best).run()
     if found is None:
         return None
-    return Placement(node, [(s.name, d) for s, d in found], link_cost([d for _, d in found]))
+    consumed = [(d.consumption(s.capacity) or {}) if d.multi else {} for s, d in found]
+    return Placement(node, [(s.name, d) for s, d in found], link_cost([d for _, d in found]), consumed)

@@ -91,15 +91,16 @@ def explain_inputs(
 ) -> dict[str, Any]:
     """Each claim's simulated allocation. `bounded` (the command line): each claim in a forked
     child with a deadline and a memory cap (not from a process with threads: the doctor)."""
-    from dra_gpu.controller.allocator import Cluster, allocated_devices
+    from dra_gpu.controller.allocator import Cluster, allocated_devices, shared_consumption
     from dra_gpu.controller.bounded import OverBudget, run_bounded
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
 
     validator = Validator(driver, inputs.slices, inputs.classes)
     classes = {str((c.get("metadata") or {}).get("name")): c for c in inputs.classes}
-    in_use = allocated_devices([c for c in inputs.claims if _allocated(c)])
-    cluster = Cluster(validator.env, inputs.slices, classes, in_use)
+    allocated = [c for c in inputs.claims if _allocated(c)]
+    in_use = allocated_devices(allocated)
+    cluster = Cluster(validator.env, inputs.slices, classes, in_use, shared_use=shared_consumption(allocated))
     out = []
     for claim in inputs.claims:
         if _allocated(claim):
@@ -132,8 +133,8 @@ def explain_inputs(
                     node=e.placement.node,
                     devices=e.placement.devices,
                     results=[
-                        {"request": r, "driver": d.driver, "pool": d.pool, "device": d.name}
-                        for r, d in e.placement.results
+                        _result(r, d, used)
+                        for (r, d), used in zip(e.placement.results, e.placement.consumed, strict=True)
                     ],
                     linkCost=e.placement.link_cost,
                     bestDevices=e.best.devices,
@@ -154,6 +155,17 @@ def explain_inputs(
     return {"claims": out}
 
 
+def _result(request: str, d: Any, consumed: dict[str, Any]) -> dict[str, Any]:
+    """An allocation result as the scheduler would write it; a share says what it consumes
+    (request policy applied: rounded up to a valid amount)."""
+    from dra_gpu.kubernetes_values import format_quantity
+
+    out: dict[str, Any] = {"request": request, "driver": d.driver, "pool": d.pool, "device": d.name}
+    if consumed:
+        out["consumedCapacity"] = {k: format_quantity(v) for k, v in sorted(consumed.items())}
+    return out
+
+
 def render_text(result: dict[str, Any]) -> str:
     lines = []
     for c in result["claims"]:
@@ -165,6 +177,10 @@ def render_text(result: dict[str, Any]) -> str:
         lines.append(
             f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"
         )
+        for r in c["results"]:
+            if r.get("consumedCapacity"):
+                used = ", ".join(f"{k} {v}" for k, v in r["consumedCapacity"].items())
+                lines.append(f"  {r['device']}: a share consuming {used}")
         if c["bestLinkCost"] < c["linkCost"]:
             lines.append(
                 f"  a cheaper placement on {c['node']}: {', '.join(c['bestDevices'])} "

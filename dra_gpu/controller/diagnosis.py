@@ -66,6 +66,8 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
     best_n, best_node = -1, ""
     per_class: list[Device] = []
     blocked: list[tuple[str, Device, str]] = []  # (node, device, taint) the request does not tolerate
+    selected: list[Device] = []  # match the class and the request's selectors
+    capable: list[Device] = []  # ... and could ever give the requested capacity
     cls = cluster.classes.get(sub.device_class)
     if cls is None:
         raise UnknownClassError(sub.device_class)
@@ -78,6 +80,10 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
         in_class = [d for d in devs if all(cluster.matches(e, d) for e in class_sel)]
         per_class += in_class
         ok = [d for d in in_class if all(cluster.matches(e, d) for e in sub.selectors)]
+        selected += ok
+        if sub.capacity:
+            ok = [d for d in ok if d.consumption(sub.capacity) is not None]
+            capable += ok
         if not ignore_in_use:
             ok = [d for d in ok if d.key not in cluster.in_use or sub.admin_access]
             for d in ok:
@@ -85,6 +91,7 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
                 if taint is not None:
                     blocked.append((node, d, describe_taint(taint)))
             ok = [d for d in ok if blocking_taint(d, sub) is None]
+            ok = [d for d in ok if _fits_now(cluster, sub, d)]
         if len(ok) > best_n:
             best_n, best_node = len(ok), node
     taints = _taint_note(blocked)
@@ -97,6 +104,8 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
         return best_n, ""
     if not per_class:
         return best_n, f"request {sub.name!r}: no published device belongs to class {sub.device_class!r}"
+    if best_n <= 0 and selected and sub.capacity:
+        return best_n, f"request {sub.name!r}: {_capacity_problem(cluster, sub, selected, capable)}"
     if best_n <= 0 and not blocked:
         return best_n, f"request {sub.name!r}: {_selector_problem(cluster, sub, per_class)}"
     where = f" ({best_node})" if best_node else ""
@@ -113,6 +122,40 @@ def _taint_note(blocked: list[tuple[str, Device, str]], limit: int = 4) -> str:
     shown = ", ".join(f"{node + '/' if node else ''}{d.name} {t}" for node, d, t in blocked[:limit])
     more = f" and {len(blocked) - limit} more" if len(blocked) > limit else ""
     return f"; tainted, not tolerated: {shown}{more}"
+
+
+def _fits_now(cluster: Cluster, sub: SubRequest, d: Device) -> bool:
+    """A shared device still has what this request would consume."""
+    if not d.multi:
+        return True
+    cons = d.consumption(sub.capacity)
+    return cons is not None and all(amount <= (cluster.free(d, name) or 0) for name, amount in cons.items())
+
+
+def _asked(sub: SubRequest) -> str:
+    return ", ".join(f"{name} {format_quantity(v)}" for name, v in sorted(sub.capacity.items()))
+
+
+def _capacity_problem(
+    cluster: Cluster, sub: SubRequest, selected: list[Device], capable: list[Device]
+) -> str:
+    """'no GPU can ever give memory 90Gi (largest: 80Gi)' or 'no GPU has memory 48Gi free right now'."""
+    noun = _noun(selected)
+    if not capable:
+        sizes = []
+        for name in sub.capacity:
+            values = [v for v in (d.capacity(name) for d in selected) if v is not None]
+            if values:
+                sizes.append(f"{name} {format_quantity(max(values))}")
+        largest = f" (largest: {', '.join(sizes)})" if sizes else ""
+        return f"no {noun} can ever give {_asked(sub)}{largest}"
+    free = []
+    for name in sub.capacity:
+        values = [v for v in (cluster.free(d, name) for d in capable) if v is not None]
+        if values:
+            free.append(f"{name} {format_quantity(max(values))}")
+    most = f" (most free: {', '.join(free)})" if free else ""
+    return f"no {noun} has {_asked(sub)} free right now{most}"
 
 
 def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> str:
@@ -133,7 +176,7 @@ def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = Fal
     if constraint_reasons or count_reasons:
         return "; ".join(constraint_reasons + count_reasons)
     nodes = ", ".join(n for n in cluster.nodes if n) or "any node"
-    if not ignore_in_use and cluster.in_use:
+    if not ignore_in_use and cluster.busy:
         return f"no free combination of devices satisfies the requests and constraints on {nodes}"
     return f"no combination of devices satisfies all requests and constraints together on {nodes}"
 

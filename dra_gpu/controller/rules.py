@@ -15,7 +15,8 @@ from enum import Enum
 from typing import Any
 
 from dra_gpu.api import ConfigError, decode
-from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices
+from dra_gpu.controller import sharing_fit
+from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices, shared_consumption
 from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.explain import Failure, explain
 from dra_gpu.controller.schemas import decode_object
@@ -110,7 +111,10 @@ class Validator:
             env = CelEnvironment(schema)
         self.env = env
         self.classes = {str((c.get("metadata") or {}).get("name", "")): c for c in classes}
-        self.cluster = Cluster(env, self.slices, self.classes, allocated_devices(claims))
+        claims = list(claims)
+        self.cluster = Cluster(
+            env, self.slices, self.classes, allocated_devices(claims), shared_use=shared_consumption(claims)
+        )
         self.has_driver_slices = any((s.get("spec") or {}).get("driver") == driver for s in self.slices)
         self._checked: dict[str, list[str]] = {}
 
@@ -381,6 +385,15 @@ class Validator:
             if ident not in self.env.schema.attributes:
                 v.errors.append(Problem(ap, f"unknown attribute {attr}: {self.env.schema.suggest(ident)}"))
 
+    def _sharing_fit(self, spec: Mapping[str, Any], path: str, v: Verdict) -> None:
+        """Sharing configs the devices a request can get cannot take (see sharing_fit)."""
+        try:
+            errors, warnings = sharing_fit.check(self.cluster, spec, self.driver)
+        except AllocationError:
+            return  # the feasibility check reports it
+        v.errors += [Problem(f"{path}.{e.split(':', 1)[0]}", e.split(": ", 1)[1]) for e in errors]
+        v.warnings += [Problem(f"{path}.{w.split(':', 1)[0]}", w.split(": ", 1)[1]) for w in warnings]
+
     def _feasibility(self, spec: Mapping[str, Any], path: str, v: Verdict) -> None:
         if not self.has_driver_slices:
             v.warnings.append(
@@ -396,6 +409,7 @@ class Validator:
         except AllocationError as exc:  # pragma: no cover - explain reports these in .reason
             v.warnings.append(Problem(path, str(exc), ProblemKind.NOT_CHECKED))
             return
+        self._sharing_fit(spec, path, v)
         if not ever.allocatable:
             if not ever.simulated:  # a selector (the claim's or its class's) is valid but not modelled
                 v.warnings.append(
@@ -413,7 +427,7 @@ class Validator:
                 )
             return
         tainted = any(d.taints() for node in self.cluster.nodes for d in self.cluster.devices(node))
-        if not self.cluster.in_use and not tainted:
+        if not self.cluster.busy and not tainted:
             return
         now = explain(self.cluster, spec)
         if not now.allocatable:

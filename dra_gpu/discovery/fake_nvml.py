@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import uuid as uuidlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pynvml
 
 from dra_gpu.discovery.fake_nvml_events import FakeNvmlEvents
 from dra_gpu.discovery.profiles import GpuSpec, MigInstanceSpec, NodeProfile
+from dra_gpu.durable import atomic_write
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -83,12 +86,16 @@ def _nvml_call(fn: F) -> F:
 class FakeNvml(FakeNvmlEvents):
     """Drop-in for the `pynvml` module, backed by a NodeProfile."""
 
-    def __init__(self, profile: NodeProfile) -> None:
+    def __init__(self, profile: NodeProfile, state_file: Path | None = None) -> None:
+        """`state_file`: where settings a driver keeps until reboot (compute modes) are kept, so
+        that a restarted process sees them as it would on a GPU; None keeps them in memory."""
         self.profile = profile
         self._init_count = 0
         self._handles = [_GpuHandle(g) for g in profile.gpus]
         self._by_bus = {h.spec.pci_bus_id.lower(): h for h in self._handles}
         self._init_events()
+        self._state_file = state_file
+        self._compute_modes: dict[str, int] = {}
 
     @property
     def _initialised(self) -> bool:
@@ -143,12 +150,48 @@ class FakeNvml(FakeNvmlEvents):
         raise AssertionError("unreachable")
 
     @_nvml_call
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _GpuHandle:
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> _GpuHandle | _MigHandle:
         for h in self._handles:
             if h.spec.uuid == uuid:
                 return h
+            for instance in h.spec.mig_instances if h.spec.mig_enabled else []:
+                if instance.uuid == uuid:
+                    return _MigHandle(h, instance)
         _raise(pynvml.NVML_ERROR_NOT_FOUND)
         raise AssertionError("unreachable")
+
+    # -- compute mode (kept in the state file: the driver keeps it until reboot) --------------
+
+    def _uuid_of(self, h: Any) -> str:
+        return str(h.instance.uuid) if isinstance(h, _MigHandle) else str(h.spec.uuid)
+
+    def _load_state(self) -> None:
+        if self._state_file is not None and self._state_file.exists():
+            doc = json.loads(self._state_file.read_text())
+            self._compute_modes = {str(k): int(v) for k, v in doc.get("computeModes", {}).items()}
+
+    @_nvml_call
+    def nvmlDeviceGetComputeMode(self, h: Any) -> int:
+        if isinstance(h, _GpuHandle) and h.spec.mig_enabled:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a MIG-enabled GPU: ask its MIG devices
+        self._load_state()
+        return int(self._compute_modes.get(self._uuid_of(h), pynvml.NVML_COMPUTEMODE_DEFAULT))
+
+    @_nvml_call
+    def nvmlDeviceSetComputeMode(self, h: Any, mode: int) -> None:
+        if isinstance(h, _GpuHandle) and h.spec.mig_enabled:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if mode not in (
+            pynvml.NVML_COMPUTEMODE_DEFAULT,
+            pynvml.NVML_COMPUTEMODE_PROHIBITED,
+            pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+        ):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._load_state()
+        self._compute_modes[self._uuid_of(h)] = mode
+        if self._state_file is not None:
+            doc = {"computeModes": dict(sorted(self._compute_modes.items()))}
+            atomic_write(self._state_file, json.dumps(doc, indent=2).encode(), mode=0o644)
 
     @_nvml_call
     def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> _GpuHandle:

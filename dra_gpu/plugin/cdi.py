@@ -46,6 +46,7 @@ class CdiDevice:
     name: str  # the pool's device name; the spec device is "<claimUID>-<name>"
     device_nodes: list[DeviceNode]
     env: dict[str, str] = field(default_factory=dict)
+    mounts: list[dict[str, Any]] = field(default_factory=list)  # CDI mounts (an MPS pipe dir)
 
 
 def minimum_version(spec: dict[str, Any]) -> str:
@@ -107,6 +108,8 @@ class CdiSpecs:
             edits: dict[str, Any] = {"deviceNodes": [n.to_cdi() for n in dev.device_nodes]}
             if dev.env:
                 edits["env"] = [f"{k}={v}" for k, v in sorted(dev.env.items())]
+            if dev.mounts:
+                edits["mounts"] = list(dev.mounts)
             spec_devices.append({"name": name, "containerEdits": edits})
         spec: dict[str, Any] = {
             "cdiVersion": "",

@@ -23,15 +23,19 @@ class GpuDriver:
         preparer: Preparer,
         health: HealthManager | None = None,
         claim_status: ClaimStatusWriter | None = None,
+        memory_shares: bool = False,  # whole GPUs shareable by memory (consumable capacity)
     ) -> None:
         self.health = health
         self.claim_status = claim_status
         self.driver_name = driver_name
+        self.memory_shares = memory_shares
         self.pool_name = node_name  # one pool per node, named after it
         self.inventory = inventory
         self.preparer = preparer
         self.device_names = [
-            d["name"] for s in build_slices(inventory, driver_name) for d in s["spec"]["devices"]
+            d["name"]
+            for s in build_slices(inventory, driver_name, memory_shares=memory_shares)
+            for d in s["spec"]["devices"]
         ]
 
     async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
@@ -50,7 +54,7 @@ class GpuDriver:
 
     def resource_slices(self, generation: int) -> list[dict[str, Any]]:
         taints = self.health.slice_taints() if self.health is not None else None
-        return build_slices(self.inventory, self.driver_name, generation, taints)
+        return build_slices(self.inventory, self.driver_name, generation, taints, self.memory_shares)
 
     def device_health(self) -> list[DeviceHealth]:
         """The health monitor's verdicts; every device healthy when no monitor runs."""

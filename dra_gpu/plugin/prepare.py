@@ -23,6 +23,7 @@ from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
+from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError, SharingPlan
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Preparer:
         nodes: DeviceNodes,
         claims: ClaimSource,
         driver_files: DriverFiles,
+        sharing: Sharing | None = None,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
@@ -92,6 +94,7 @@ class Preparer:
         self.nodes = nodes
         self.claims = claims
         self.driver_files = driver_files
+        self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
         self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
         for gpu in inventory.gpus:
             if not gpu.mig_enabled:
@@ -145,6 +148,7 @@ class Preparer:
         async with self._lock(ref.uid):
             record = self.checkpoint.view(ref.uid)  # entries are replaced, never changed in place
             if record is not None and record.state == COMPLETED:
+                await self._ensure_sharing(ref, record)
                 return [PreparedDevice.from_dict(d) for d in record.devices]  # idempotent: no writes
             claim = await self.claims.get_claim(ref.namespace, ref.name)
             if claim is None:
@@ -155,7 +159,7 @@ class Preparer:
                     f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
                     f"uid is {uid}, the kubelet asked for {ref.uid}"
                 )
-            devices, spec, driver_edits = self._plan(ref, claim)
+            devices, spec, driver_edits, sharing = self._plan(ref, claim)
             entry = {
                 "state": STARTED,
                 "namespace": ref.namespace,
@@ -164,11 +168,15 @@ class Preparer:
                 "cdiSpec": spec,  # the claim's own part; the file adds the driver's user space
                 "driverFiles": self.driver_files.digest,
             }
+            if sharing.record:
+                entry["sharing"] = sharing.record
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
                     await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
-                self._check_conflicts(ref, devices)
+                    await self._release_sharing(ref, record.raw, strict=False)
+                self._check_conflicts(ref, devices, sharing)
                 self._stage(ref.uid, entry)
+            applied: dict[str, Any] | None = None
             try:
                 # "started" and the spec may land in either order: a spec without a completed
                 # record is removed by the start-up reconciliation.
@@ -176,10 +184,15 @@ class Preparer:
                     self._commit(),
                     asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits)),
                 )
+                if sharing.record:
+                    applied = await self._apply_sharing(ref, sharing.record)
+                    entry["sharing"] = applied
                 async with self._state_lock:
                     self._stage(ref.uid, {**entry, "state": COMPLETED})
                 await self._commit()
             except BaseException as exc:
+                if applied is not None:
+                    await self._release_sharing(ref, {"sharing": applied}, strict=False)
                 await self._roll_back(ref.uid)
                 if isinstance(exc, OSError):
                     raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
@@ -199,7 +212,7 @@ class Preparer:
             self._stage(uid, None)
         await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
 
-    def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice]) -> None:
+    def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice], sharing: SharingPlan) -> None:
         mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}
         for other in self.checkpoint.views():
             if other.uid == ref.uid:
@@ -210,10 +223,79 @@ class Preparer:
                     f"claim {ref}: device {sorted(clash)[0]} is already prepared for claim "
                     f"{other.ref()}; refusing to hand it to two claims"
                 )
+        if sharing.record:
+            others = [
+                (o.ref(), o.raw["sharing"])
+                for o in self.checkpoint.views()
+                if o.uid != ref.uid and o.raw.get("sharing")
+            ]
+            problem = Sharing.conflict(sharing.record, others)
+            if problem:
+                raise PrepareError(f"claim {ref}: {problem}")
+
+    # -- sharing hooks (dra_gpu.plugin.sharing does the work) ------------------------------------
+
+    def _other_sharing(self, uid: str) -> list[dict[str, Any]]:
+        return [o.raw["sharing"] for o in self.checkpoint.views() if o.uid != uid and o.raw.get("sharing")]
+
+    def _plan_sharing(self, ref: ClaimRef, shared: list[SharedDevice]) -> SharingPlan:
+        needs = [d for d in shared if d.needs_sharing]
+        if not needs:
+            return SharingPlan()
+        if self.sharing is None:
+            what = f"sharing.strategy: {needs[0].config.sharing.strategy}"
+            if needs[0].share_id is not None:
+                what = f"share {needs[0].share_id}"
+            raise PrepareError(f"{needs[0].where}: {what} is not supported by this plugin")
+        try:
+            return self.sharing.plan(ref.uid, shared)
+        except SharingError as exc:
+            raise PrepareError(str(exc)) from exc
+
+    async def _apply_sharing(self, ref: ClaimRef, record: dict[str, Any]) -> dict[str, Any]:
+        assert self.sharing is not None
+        try:
+            return await asyncio.to_thread(self.sharing.apply, record, self._other_sharing(ref.uid))
+        except SharingError as exc:
+            raise PrepareError(f"claim {ref}: sharing: {exc}") from exc
+
+    async def _ensure_sharing(self, ref: ClaimRef, record: ClaimRecord) -> None:
+        """A prepared claim's daemons answer before prepare returns (restarted if they died)."""
+        if self.sharing is None or not record.raw.get("sharing"):
+            return
+        try:
+            await asyncio.to_thread(self.sharing.ensure, record.raw["sharing"])
+        except SharingError as exc:
+            raise PrepareError(f"claim {ref}: sharing: {exc}") from exc
+
+    async def _keep_sharing(self, ref: ClaimRef) -> None:
+        """The sweeper's check of a live claim: its daemons are restarted if they died, without
+        waiting for the claim's next prepare (a pod's clients need the daemon now)."""
+        if self.sharing is None:
+            return
+        async with self._lock(ref.uid):
+            record = self.checkpoint.view(ref.uid)
+            if record is None or record.state != COMPLETED:
+                return
+            try:
+                await self._ensure_sharing(ref, record)
+            except PrepareError as exc:
+                log.error("sharing of a prepared claim not restored claim=%s error=%s", ref, exc)
+
+    async def _release_sharing(self, ref: ClaimRef | str, raw: dict[str, Any], strict: bool = True) -> None:
+        if self.sharing is None or not raw.get("sharing"):
+            return
+        uid = ref.uid if isinstance(ref, ClaimRef) else ref
+        try:
+            await asyncio.to_thread(self.sharing.release, raw["sharing"], self._other_sharing(uid))
+        except SharingError as exc:
+            if strict:
+                raise PrepareError(f"claim {ref}: cannot undo its sharing: {exc}") from exc
+            log.error("sharing of a claim not fully undone claim=%s error=%s", ref, exc)
 
     def _plan(
         self, ref: ClaimRef, claim: dict[str, Any]
-    ) -> tuple[list[PreparedDevice], dict[str, Any], dict[str, Any]]:
+    ) -> tuple[list[PreparedDevice], dict[str, Any], dict[str, Any], SharingPlan]:
         """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
@@ -226,6 +308,7 @@ class Preparer:
         configs = self._configs(ref, allocation)
         prepared: list[PreparedDevice] = []
         cdi_devices: dict[str, CdiDevice] = {}
+        shared: list[SharedDevice] = []
         uuids: list[str] = []
         for i, result in enumerate(results):
             request, device = str(result.get("request", "")), str(result.get("device", ""))
@@ -238,28 +321,41 @@ class Preparer:
                 raise PrepareError(f"{where}: device {device} is not published by this node")
             gpu, mig = self.devices[device]
             config = self._config_for(where, request, mig, configs)
-            if device not in cdi_devices:
+            share_id = str(result["shareID"]) if result.get("shareID") else None
+            # A share of a GPU allocated to several claims is a CDI device of its own.
+            cdi_name = f"{device}-{share_id}" if share_id else device
+            if cdi_name not in cdi_devices:
                 try:
                     nodes = self.nodes.mig(gpu, mig) if mig is not None else self.nodes.gpu(gpu)
                     self.nodes.verify(nodes)
                 except DeviceNodeError as exc:
                     raise PrepareError(f"{where}: {exc}") from exc
                 uuid = mig.uuid if mig is not None else gpu.uuid
-                uuids.append(uuid)
-                cdi_devices[device] = CdiDevice(
-                    name=device, device_nodes=nodes, env=config.container_env([uuid])
+                if uuid not in uuids:
+                    uuids.append(uuid)
+                cdi_devices[cdi_name] = CdiDevice(
+                    name=cdi_name, device_nodes=nodes, env=config.container_env([uuid])
                 )
-            share_id = result.get("shareID")
+                consumed = {str(k): str(v) for k, v in (result.get("consumedCapacity") or {}).items()}
+                shared.append(
+                    SharedDevice(
+                        cdi_name, uuid, config, where, gpu.cuda_compute_capability, share_id, consumed
+                    )
+                )
             prepared.append(
                 PreparedDevice(
                     request_names=[request.split("/", 1)[0]],
                     pool_name=self.node_name,
                     device_name=device,
-                    cdi_device_ids=[self.cdi.device_id(ref.uid, device)],
-                    share_id=str(share_id) if share_id else None,
+                    cdi_device_ids=[self.cdi.device_id(ref.uid, cdi_name)],
+                    share_id=share_id,
                     admin_access=bool(result.get("adminAccess", False)),
                 )
             )
+        sharing = self._plan_sharing(ref, shared)
+        for name, (env, mounts) in sharing.device_edits.items():
+            cdi_devices[name].env.update(env)
+            cdi_devices[name].mounts.extend(mounts)
         control = self.nodes.control()
         try:
             self.nodes.verify(control)
@@ -272,7 +368,7 @@ class Preparer:
         spec = self.cdi.build(
             ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
         )
-        return prepared, spec, driver_edits
+        return prepared, spec, driver_edits, sharing
 
     def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
         """This driver's configs, class configs before claim configs: (requests, config, where)."""
@@ -317,8 +413,10 @@ class Preparer:
 
     async def unprepare(self, ref: ClaimRef) -> None:
         async with self._lock(ref.uid):
-            if not self.checkpoint.has(ref.uid):
+            record = self.checkpoint.view(ref.uid)
+            if record is None:
                 return  # unknown claims succeed: the kubelet may repeat itself
+            await self._release_sharing(ref, record.raw)
             try:
                 await self._roll_back(ref.uid)
             except OSError as exc:
@@ -333,18 +431,56 @@ class Preparer:
         records = {r.uid: r for r in self.checkpoint.records()}
         for rec in records.values():
             if rec.state != COMPLETED:
+                self._reconcile_sharing(rec, counts)
                 self.cdi.remove(rec.uid)
                 self.checkpoint.remove(rec.uid)
                 counts["rolledBack"] += 1
                 log.warning("claim left half-prepared, rolled back claim=%s", rec.ref())
-            elif rec.cdi_spec is not None:
-                self._restore_spec(rec, counts)
+            else:
+                if rec.cdi_spec is not None:
+                    self._restore_spec(rec, counts)
+                self._reconcile_sharing(rec, counts)
         for uid in self.cdi.owned():
             owner = records.get(uid)
             if (owner is None or owner.state != COMPLETED) and self.cdi.remove(uid):
                 counts["removed"] += 1
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
+        if self.sharing is not None:
+            stopped = len(self._stop_orphan_daemons())
+            if stopped:
+                counts["daemonsStopped"] = stopped
         return counts
+
+    def _reconcile_sharing(self, rec: ClaimRecord, counts: dict[str, int]) -> None:
+        """Re-adopt a prepared claim's daemons (restarting dead ones); undo a half-prepared one's."""
+        sharing = rec.raw.get("sharing")
+        if self.sharing is None or not sharing:
+            return
+        try:
+            if rec.state == COMPLETED:
+                restarted = self.sharing.ensure(sharing)
+                if restarted:
+                    counts["daemonsRestarted"] = counts.get("daemonsRestarted", 0) + restarted
+                log.info(
+                    "MPS daemons of a prepared claim re-adopted claim=%s restarted=%d", rec.ref(), restarted
+                )
+            else:
+                others = [
+                    o.raw["sharing"]
+                    for o in self.checkpoint.views()
+                    if o.uid != rec.uid and o.raw.get("sharing")
+                ]
+                self.sharing.release(sharing, others)
+        except SharingError as exc:
+            log.error("sharing of claim not reconciled claim=%s error=%s", rec.ref(), exc)
+
+    def _stop_orphan_daemons(self) -> list[str]:
+        assert self.sharing is not None
+        owned: set[str] = set()
+        for rec in self.checkpoint.views():
+            if rec.raw.get("sharing"):
+                owned |= self.sharing.daemon_ids(rec.raw["sharing"])
+        return self.sharing.stop_orphans(owned)
 
     def _restore_spec(self, rec: ClaimRecord, counts: dict[str, int]) -> None:
         """Rewrite a completed claim's spec file unless it is what prepare wrote."""
@@ -379,6 +515,7 @@ class Preparer:
             gone = claim is None or claim.get("metadata", {}).get("uid") != rec.uid
             if not gone:
                 self._gone_since.pop(rec.uid, None)
+                await self._keep_sharing(ClaimRef(rec.namespace, rec.uid, rec.name))
                 continue
             first = self._gone_since.setdefault(rec.uid, now())
             if now() - first >= grace_seconds:
@@ -387,4 +524,7 @@ class Preparer:
                 self._gone_since.pop(rec.uid, None)
                 log.warning("stale claim unprepared by the sweeper claim=%s", ref)
                 swept.append(ref)
+        if self.sharing is not None:
+            async with self._state_lock:  # a claim being prepared has its record staged first
+                await asyncio.to_thread(self._stop_orphan_daemons)
         return swept

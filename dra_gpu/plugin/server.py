@@ -27,6 +27,7 @@ from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modp
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from dra_gpu.plugin.prepare import Preparer
+from dra_gpu.plugin.sharing import node_sharing
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class PluginConfig:
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
     health: HealthConfig = field(default_factory=HealthConfig)
+    memory_shares: bool = False  # whole GPUs shareable by memory (consumable capacity)
 
     @property
     def sockets(self) -> Sockets:
@@ -85,6 +87,7 @@ class KubeletPlugin:
             DeviceNodes(cfg.dev_root, modprobe=find_modprobe(cfg.driver_root)),
             kube,
             driver_files,
+            node_sharing(cfg.plugin_dir / "mps", driver_files, cfg.profile, cfg.dev_root),
         )
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
@@ -103,7 +106,9 @@ class KubeletPlugin:
                 ]
 
             claim_status = ClaimStatusWriter(kube, cfg.driver, inventory, health.manager, prepared_claims)
-        driver = GpuDriver(cfg.driver, cfg.node_name, inventory, preparer, health.manager, claim_status)
+        driver = GpuDriver(
+            cfg.driver, cfg.node_name, inventory, preparer, health.manager, claim_status, cfg.memory_shares
+        )
         helper = KubeletPluginHelper(cfg.driver, cfg.node_name, driver, kube, cfg.sockets, self.metrics)
         await helper.start()
         health.subscribe(helper.publisher.refresh)

@@ -42,7 +42,9 @@ CC = os.environ.get("CC", "gcc")
 CFLAGS = ["-O1", "-fPIC", "-s", "-Wall", "-std=gnu11"]
 DEFAULT_CUDA_VERSION = 12080
 FIRMWARE = ("gsp_ga10x.bin", "gsp_tu10x.bin")
-TOOLS = ("nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+TOOLS = ("nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-server")
+# Programs with behaviour of their own: file name -> source.
+PROGRAMS = {"nvidia-cuda-mps-control": "mps-control.c"}
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _PCI_RE = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 
@@ -207,6 +209,8 @@ def _populate(root: Path, version: str, cuda_version: int, gpus: list[SimGpu], s
         for tool in TOOLS:
             defs = [f'-DSIM_TOOL="{tool}"', f'-DSIM_DRIVER_VERSION="{version}"']
             _cc([*defs, "-o", str(bindir / tool), str(SRC / "tool.c")])
+        for program, source in PROGRAMS.items():
+            _cc(["-o", str(bindir / program), str(SRC / source)])
     if stale is not None:
         _symlink(f"libcuda.so.{stale}", libdir / "libcuda.so")
     for fw in FIRMWARE:

@@ -108,7 +108,7 @@ def _free_port() -> int:
 class Controller:
     """`dra-gpu controller` as a host process, watching the cluster with the admin kubeconfig."""
 
-    def __init__(self, kubeconfig: str, tmp: Path) -> None:
+    def __init__(self, kubeconfig: str, tmp: Path, driver: str = HGX) -> None:
         self.cert, self.key, self.ca_pem = _make_certs(tmp)
         self.port = _free_port()
         self.log_path = tmp / "controller.log"
@@ -130,7 +130,7 @@ class Controller:
                 "--kubeconfig",
                 kubeconfig,
                 "--driver-name",
-                HGX,
+                driver,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -332,6 +332,8 @@ RUNS = [
     ("hgx-2x4", "prioritized-h100-else-a100.yaml"),
     ("hgx-2x4", "shared-gpu-two-pods.yaml"),
     ("hgx-2x4", "classic-nvidia-gpu.yaml"),
+    ("hgx-2x4", "mps-gpu.yaml"),
+    ("hgx-2x4", "time-sliced-gpu.yaml"),
     ("dgx-a100-mig", "mig-3g40gb.yaml"),
     ("dgx-a100-mig", "prioritized-h100-else-a100.yaml"),
 ]
@@ -464,6 +466,11 @@ def test_example_runs(simulated_node, dyn, core, namespace, wait_pod, profile, e
         assert res["request"] == want, res
     elif example == "shared-gpu-two-pods.yaml":
         assert seen["shared-gpu-a"] == seen["shared-gpu-b"] and len(seen["shared-gpu-a"]) == 1
+    elif example == "mps-gpu.yaml":  # the claim's daemon: its pipe mounted, answering there
+        log = logs["mps-gpu"]
+        assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in log and "nvidia-cuda-mps-control.pid" in log, log
+    elif example == "time-sliced-gpu.yaml":
+        assert seen["time-sliced-a"] == seen["time-sliced-b"] and len(seen["time-sliced-a"]) == 1
     elif example == "classic-nvidia-gpu.yaml":
         status = extended["classic-nvidia-gpu"]
         assert status is not None and status.resource_claim_name, status  # served through DRA

@@ -68,11 +68,11 @@ def hgx(target, core, dyn, tmp_path_factory):
         api.delete(name=s["metadata"]["name"])
 
 
-def gpu_pod(core, namespace, name, image, command, claim=True):
+def gpu_pod(core, namespace, name, image, command, claim=True, template="gpus"):
     container = {"name": "main", "image": image, "imagePullPolicy": "Never", "command": ["sh", "-c", command]}
     spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0, "containers": [container]}
     if claim:
-        spec["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": "gpus"}]
+        spec["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]
         container["resources"] = {"claims": [{"name": "gpus"}]}
     core.create_namespaced_pod(
         namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}

@@ -35,7 +35,7 @@ class Plugin:
         self.proc: subprocess.Popen | None = None
         self.profile = PROFILE
         self.driver_version: str | None = None  # None: the profile's own (no mismatch)
-        self.extra_args: list[str] = []  # more `dra-gpu kubelet-plugin` flags
+        self.extra_args: list[str] = []  # more kubelet-plugin flags (e.g. --memory-shares)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it

@@ -4,6 +4,7 @@ slice policy, TLS, DeviceClasses; and that the chart's settings are ones the CLI
 from __future__ import annotations
 
 import base64
+import os
 import re
 import shutil
 import subprocess
@@ -450,3 +451,18 @@ def test_chart_files_name_no_local_paths() -> None:
         if p.is_file():
             text = p.read_text(errors="replace")
             assert not any(f"{d}/" in text for d in local), p
+
+
+def test_memory_shares_value_reaches_the_plugin(render: Render) -> None:
+    from dra_gpu.cli import _parser
+
+    off = env_of(container(one(render(), "DaemonSet")))
+    on = env_of(container(one(render("kubeletPlugin.memoryShares=true"), "DaemonSet")))
+    assert off["DRA_GPU_MEMORY_SHARES"] == "false" and on["DRA_GPU_MEMORY_SHARES"] == "true"
+    for value, want in (("true", True), ("false", False)):
+        os.environ["DRA_GPU_MEMORY_SHARES"] = value
+        try:
+            args = _parser().parse_args(["kubelet-plugin"])
+        finally:
+            del os.environ["DRA_GPU_MEMORY_SHARES"]
+        assert args.memory_shares is want

@@ -24,6 +24,9 @@ EXPECTED = {
     "prioritized-h100-else-a100.yaml",
     "shared-gpu-two-pods.yaml",
     "classic-nvidia-gpu.yaml",
+    "mps-gpu.yaml",
+    "time-sliced-gpu.yaml",
+    "gpu-memory-share-20gi.yaml",
 }
 CLASSES = {"gpu.dra-gpu.io", "mig.dra-gpu.io"}
 
@@ -93,7 +96,11 @@ def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
     classes = tmp_path / "classes.yaml"
     classes.write_text(yaml.safe_dump_all(by_kind(render(), "DeviceClass")))
     files = ["-f", str(classes)]
-    for profile, node in (("hgx-2x4", "node-a"), ("dgx-a100-mig", "node-b")):
+    for profile, node, shares in (
+        ("hgx-2x4", "node-a", []),
+        ("dgx-a100-mig", "node-b", []),
+        ("hgx-2x4", "node-c", ["--memory-shares"]),  # GPUs shared by memory
+    ):
         out = subprocess.run(
             [
                 sys.executable,
@@ -105,6 +112,7 @@ def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
                 "--node-name",
                 node,
                 "--slices",
+                *shares,
                 "-o",
                 "yaml",
             ],

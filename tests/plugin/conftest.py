@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import signal
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +24,12 @@ from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
+from dra_gpu.plugin.sharing import node_sharing
 from tests.driver_root import make_root
 
 DRIVER = "gpu.dra-gpu.io"
 NODE = "node-a"
+PROFILE = "dgx-a100-mig"
 SCHEMA_DIR = Path(__file__).parents[1] / "data" / "cdi-schema"
 
 
@@ -78,23 +85,48 @@ class PluginCore:
     def add(self, c: dict[str, Any]) -> None:
         self.claims[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
 
+    mps_root: Path = Path("/nonexistent")
+
     def restart(self) -> PluginCore:
         """A new plugin process over the same directories (same boot)."""
         return make_core(
-            self.root, self.inventory, self.claims, self.driver_root, boot_id=self.checkpoint.boot_id
+            self.root,
+            self.inventory,
+            self.claims,
+            self.driver_root,
+            boot_id=self.checkpoint.boot_id,
+            mps_root=self.mps_root,
         )
 
 
 def make_core(
-    root: Path, inventory: Inventory, claims: ClaimStore, driver_root: Path, boot_id: str = "boot-1"
+    root: Path,
+    inventory: Inventory,
+    claims: ClaimStore,
+    driver_root: Path,
+    boot_id: str = "boot-1",
+    mps_root: Path | None = None,
 ) -> PluginCore:
     checkpoint = Checkpoint(root / "plugin" / "checkpoint.json", boot_id=boot_id)
     cdi = CdiSpecs(root / "cdi", DRIVER)
     driver_files = DriverFiles(driver_root, inventory.driver_version)
+    # MPS pipe dirs hold a UNIX socket: a short root keeps its path under 108 bytes.
+    mps_root = mps_root or Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
+    sharing = node_sharing(mps_root, driver_files, PROFILE, root / "devroot")
     preparer = Preparer(
-        DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"), claims, driver_files
+        DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"), claims, driver_files, sharing
     )
-    return PluginCore(root, inventory, claims, checkpoint, cdi, preparer, driver_root)
+    return PluginCore(root, inventory, claims, checkpoint, cdi, preparer, driver_root, mps_root)
+
+
+def stop_daemons(mps_root: Path) -> None:
+    """Leave no MPS daemon of a test behind: quit each, kill what lingers, remove the root."""
+    if not mps_root.is_dir():
+        return
+    for pid_file in mps_root.glob("*/pipe/nvidia-cuda-mps-control.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    shutil.rmtree(mps_root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +139,11 @@ def driver_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def core(tmp_path: Path, driver_root: Path) -> Iterator[PluginCore]:
-    inventory = discover_node(NODE, "dgx-a100-mig")
+    inventory = discover_node(NODE, PROFILE)
     create_simulated(inventory, tmp_path / "devroot")
-    yield make_core(tmp_path, inventory, ClaimStore(), driver_root)
+    c = make_core(tmp_path, inventory, ClaimStore(), driver_root)
+    yield c
+    stop_daemons(c.mps_root)
 
 
 def gpu_names(core: PluginCore) -> list[str]:

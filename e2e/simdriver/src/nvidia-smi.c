@@ -137,7 +137,103 @@ static int table(unsigned count) {
     return 0;
 }
 
+/* Time-slice levels live in the (simulated) kernel module until reboot: a file next to the
+ * device nodes, one "<uuid> <level>" line per GPU whose level is not the default (0). */
+static void timeslice_path(char *out, size_t n) {
+    const char *d = getenv("DRA_GPU_SIM_DEV_DIR");
+    snprintf(out, n, "%s/.nvidia-sim-timeslices", d && *d ? d : "/dev");
+}
+
+static int timeslice_of(const char *uuid) {
+    char path[4096], u[96];
+    int level, found = 0;
+    timeslice_path(path, sizeof path);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    while (fscanf(f, "%95s %d", u, &level) == 2)
+        if (!strcmp(u, uuid)) found = level;
+    fclose(f);
+    return found;
+}
+
+static int set_timeslice(const char *uuid, int level) {
+    char path[4096], tmp[4200], u[96];
+    int l;
+    timeslice_path(path, sizeof path);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *in = fopen(path, "r"), *out = fopen(tmp, "w");
+    if (!out) return -1;
+    while (in && fscanf(in, "%95s %d", u, &l) == 2)
+        if (strcmp(u, uuid)) fprintf(out, "%s %d\n", u, l);
+    if (in) fclose(in);
+    if (level) fprintf(out, "%s %d\n", uuid, level);
+    fclose(out);
+    return rename(tmp, path);
+}
+
+static const char *LEVELS[] = {"DEFAULT", "SHORT", "MEDIUM", "LONG"};
+
+/* `compute-policy [-i <index|uuid>] (--set-timeslice <0..3> | -l)` */
+static int compute_policy(int argc, char **argv) {
+    const char *id = NULL;
+    int set = -1, list = 0;
+    for (int i = 1; i < argc; i++) {
+        if ((!strcmp(argv[i], "-i") || !strcmp(argv[i], "--id")) && i + 1 < argc) id = argv[++i];
+        else if (!strcmp(argv[i], "--set-timeslice") && i + 1 < argc) {
+            char *end;
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 0 || v > 3) {
+                printf("Invalid timeslice value \"%s\" (valid: 0-3).\n", argv[i]);
+                return EXIT_BAD_ARGS;
+            }
+            set = (int)v;
+        } else if (!strcmp(argv[i], "-l") || !strcmp(argv[i], "--list")) list = 1;
+        else {
+            printf("Invalid combination of input arguments. Please run 'nvidia-smi compute-policy -h' for help.\n\n");
+            return EXIT_BAD_ARGS;
+        }
+    }
+    if (set < 0 && !list) {
+        printf("Invalid combination of input arguments. Please run 'nvidia-smi compute-policy -h' for help.\n\n");
+        return EXIT_BAD_ARGS;
+    }
+    int rc = nvmlInit_v2();
+    if (rc != 0) {
+        printf("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+               "Make sure that the latest NVIDIA driver is installed and running.\n\n");
+        return rc;
+    }
+    unsigned count = 0, matched = 0;
+    nvmlDeviceGetCount_v2(&count);
+    for (unsigned d = 0; d < count; d++) {
+        struct gpu g;
+        char index[16];
+        read_gpu(d, &g);
+        snprintf(index, sizeof index, "%u", d);
+        if (id && strcmp(id, g.uuid) && strcmp(id, index)) continue;
+        matched++;
+        if (set >= 0) {
+            if (set_timeslice(g.uuid, set) != 0) {
+                printf("Failed to set timeslice for GPU %s: Insufficient Permissions\n", g.uuid);
+                nvmlShutdown();
+                return 4;
+            }
+            printf("Set timeslice to %d for GPU %s.\n", set, g.uuid);
+        } else {
+            int level = timeslice_of(g.uuid);
+            printf("GPU %u (%s): Timeslice %d (%s)\n", d, g.uuid, level, LEVELS[level]);
+        }
+    }
+    nvmlShutdown();
+    if (!matched) {
+        printf("No devices were found\n");
+        return EXIT_NO_DEVICES;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "compute-policy")) return compute_policy(argc - 1, argv + 1);
     const char *fields = NULL, *format = NULL;
     int list = 0;
     for (int i = 1; i < argc; i++) {

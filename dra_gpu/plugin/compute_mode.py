@@ -1,0 +1,53 @@
+"""GPU compute modes through NVML (pynvml, or the simulated node's fake NVML).
+
+MPS needs its GPUs in EXCLUSIVE_PROCESS (the MPS server is then the one context on them); time
+slicing needs DEFAULT. The mode is not persistent across reboots but is across processes, so the
+plugin records the mode it found and restores it when the last claim that needed another is gone.
+On a MIG-enabled GPU the mode is set on the MIG device's own handle (NVML requires it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+DEFAULT = 0
+PROHIBITED = 2
+EXCLUSIVE_PROCESS = 3
+NAMES = {DEFAULT: "Default", PROHIBITED: "Prohibited", EXCLUSIVE_PROCESS: "ExclusiveProcess"}
+
+
+class ComputeModeError(RuntimeError):
+    """NVML refused to read or set a device's compute mode."""
+
+
+def mode_name(mode: int) -> str:
+    return NAMES.get(mode, f"mode {mode}")
+
+
+class ComputeModes:
+    """Read and set compute modes by device UUID (GPU or MIG device)."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml  # the pynvml module or a FakeNvml
+        self._lock = threading.Lock()  # NVML init/shutdown pairs from several threads
+
+    def _call(self, uuid: str, what: str, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            try:
+                self.nvml.nvmlInit()
+            except self.nvml.NVMLError as exc:
+                raise ComputeModeError(f"NVML init failed: {exc}") from exc
+            try:
+                handle = self.nvml.nvmlDeviceGetHandleByUUID(uuid)
+                return fn(handle, *args)
+            except self.nvml.NVMLError as exc:
+                raise ComputeModeError(f"device {uuid}: cannot {what} compute mode: {exc}") from exc
+            finally:
+                self.nvml.nvmlShutdown()
+
+    def get(self, uuid: str) -> int:
+        return int(self._call(uuid, "read the", self.nvml.nvmlDeviceGetComputeMode))
+
+    def set(self, uuid: str, mode: int) -> None:
+        self._call(uuid, f"set the {mode_name(mode)}", self.nvml.nvmlDeviceSetComputeMode, mode)

@@ -1,0 +1,347 @@
+"""Sharing strategies applied on the GPU, for the preparer: what a claim's GpuConfig.sharing asks
+for is planned with the claim, applied before its CDI spec is written, and undone at unprepare.
+
+- MPS: one control daemon per claim (per distinct MPS config of the claim) with the configured
+  limits, its GPUs in EXCLUSIVE_PROCESS while it runs; containers get its pipe dir through CDI.
+- Memory shares (a result with a shareID on a GPU published with allowMultipleAllocations): one
+  daemon per share, its pinned-memory limit the consumed `memory`, its active thread percentage
+  the consumed `computeShare` (none when 0); the GPU stays in DEFAULT compute mode so the shares'
+  MPS servers run side by side.
+- TimeSlicing: the GPU's compute mode DEFAULT and its time slice at the requested level; both
+  restored when the last claim that set them is gone.
+- Exclusive: nothing to apply.
+
+What was applied is recorded in the claim's checkpoint entry (`sharing`), so a restarted plugin
+re-adopts the daemons, restarts a dead one, and stops those no claim owns any more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from decimal import InvalidOperation
+from pathlib import Path
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from dra_gpu.api import GpuConfig
+from dra_gpu.discovery.fake_nvml import FakeNvml
+from dra_gpu.discovery.profiles import load_profile
+from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, ComputeModes, mode_name
+from dra_gpu.plugin.driver_files import DriverFiles
+from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
+from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSlices
+
+log = logging.getLogger(__name__)
+
+MPS_LIMITS_MIN_CC = (7, 0)  # execution-resource provisioning came with Volta
+
+
+class SharingError(RuntimeError):
+    """A sharing config that cannot be applied; the message names the claim part and field."""
+
+
+@dataclass(frozen=True)
+class SharedDevice:
+    """One prepared device as sharing sees it."""
+
+    name: str  # the pool's device name
+    uuid: str  # the GPU's, or the MIG device's
+    config: GpuConfig
+    where: str  # "claim ...: status.allocation.devices.results[i]", for errors
+    compute_capability: tuple[int, int] | None = None
+    share_id: str | None = None  # a share of a GPU allocated to several claims
+    consumed: dict[str, str] = field(default_factory=dict)  # the share's consumedCapacity
+
+    @property
+    def needs_sharing(self) -> bool:
+        return self.share_id is not None or self.config.sharing.strategy in ("MPS", "TimeSlicing")
+
+
+@dataclass
+class SharingPlan:
+    """`record` goes into the checkpoint entry; `device_edits` into the devices' CDI edits."""
+
+    record: dict[str, Any] = field(default_factory=dict)
+    device_edits: dict[str, tuple[dict[str, str], list[dict[str, Any]]]] = field(default_factory=dict)
+
+
+def _daemons(record: dict[str, Any]) -> list[MpsDaemon]:
+    return [MpsDaemon.from_dict(d) for d in record.get("mps") or []]
+
+
+def _modes(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(record.get("computeModes") or {})
+
+
+def _quantity(value: str, where: str) -> int:
+    try:
+        q = parse_quantity(value)  # type: ignore[no-untyped-call]
+    except (ValueError, InvalidOperation) as exc:
+        raise SharingError(f"{where}: {value!r} is not a quantity") from exc
+    return int(q)
+
+
+def _slices(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(record.get("timeSlices") or {})
+
+
+_ERRORS = (ComputeModeError, MpsError, TimeSliceError)
+
+
+class Sharing:
+    """Plans, applies, checks and undoes the sharing of prepared claims on this node."""
+
+    def __init__(self, mps: MpsDaemons, modes: ComputeModes, timeslices: TimeSlices | None = None) -> None:
+        self.mps = mps
+        self.modes = modes
+        self.timeslices = timeslices
+
+    # -- planning (no side effects) -------------------------------------------------------------
+
+    def plan(self, claim_uid: str, devices: list[SharedDevice]) -> SharingPlan:
+        plan = SharingPlan()
+        groups: dict[GpuConfig, list[SharedDevice]] = {}
+        modes: dict[str, dict[str, Any]] = {}
+        slices: dict[str, dict[str, Any]] = {}
+        daemons: list[MpsDaemon] = []
+        for dev in devices:
+            if dev.share_id is not None:
+                daemon = self._share_daemon(f"{claim_uid}-{len(daemons)}", dev)
+                daemons.append(daemon)
+                modes[dev.uuid] = {"mode": DEFAULT}
+                plan.device_edits[dev.name] = self.mps.cdi_edits(daemon)
+            elif dev.config.sharing.strategy == "MPS":
+                self._check_mps(dev)
+                groups.setdefault(dev.config, []).append(dev)
+            elif dev.config.sharing.strategy == "TimeSlicing":
+                interval = (
+                    dev.config.sharing.time_slicing.interval if dev.config.sharing.time_slicing else "Default"
+                )
+                slices[dev.uuid] = {"interval": interval, "level": LEVELS[interval]}
+                modes[dev.uuid] = {"mode": DEFAULT}
+        for n, (config, members) in enumerate(groups.items(), start=len(daemons)):
+            mps = config.sharing.mps
+            limit = mps.default_pinned_device_memory_limit if mps else None
+            daemon = MpsDaemon(
+                id=f"{claim_uid}-{n}",
+                uuids=[d.uuid for d in members],
+                active_thread_percentage=mps.default_active_thread_percentage if mps else None,
+                pinned_memory_limits={d.uuid: pinned_limit(limit) for d in members} if limit else {},
+            )
+            daemons.append(daemon)
+            for d in members:
+                modes[d.uuid] = {"mode": EXCLUSIVE_PROCESS}
+                plan.device_edits[d.name] = self.mps.cdi_edits(daemon)
+        if daemons:
+            plan.record["mps"] = [d.to_dict() for d in daemons]
+        if modes:
+            plan.record["computeModes"] = modes
+        if slices:
+            plan.record["timeSlices"] = slices
+        return plan
+
+    @staticmethod
+    def _share_daemon(daemon_id: str, dev: SharedDevice) -> MpsDaemon:
+        """The daemon that enforces one memory share: the consumed memory and compute share."""
+        if dev.config.sharing.strategy == "TimeSlicing":
+            raise SharingError(
+                f"{dev.where}: sharing.strategy: TimeSlicing cannot enforce a memory share "
+                f"(share {dev.share_id}); use MPS or Exclusive"
+            )
+        mps = dev.config.sharing.mps
+        limits = {}
+        memory = dev.consumed.get("memory")
+        if memory is not None:
+            limits[dev.uuid] = pinned_limit(_quantity(memory, f"{dev.where}: consumedCapacity.memory"))
+        elif mps and mps.default_pinned_device_memory_limit:
+            limits[dev.uuid] = pinned_limit(mps.default_pinned_device_memory_limit)
+        share = _quantity(
+            dev.consumed.get("computeShare", "0"), f"{dev.where}: consumedCapacity.computeShare"
+        )
+        pct = min(100, share) if share > 0 else (mps.default_active_thread_percentage if mps else None)
+        if (
+            (limits or pct)
+            and dev.compute_capability is not None
+            and dev.compute_capability < MPS_LIMITS_MIN_CC
+        ):
+            cc = ".".join(map(str, dev.compute_capability))
+            raise SharingError(
+                f"{dev.where}: a memory share needs MPS limits; device {dev.name} has compute capability {cc}"
+            )
+        return MpsDaemon(
+            id=daemon_id,
+            uuids=[dev.uuid],
+            active_thread_percentage=pct,
+            pinned_memory_limits=limits,
+            share_id=dev.share_id,
+        )
+
+    @staticmethod
+    def _check_mps(dev: SharedDevice) -> None:
+        mps = dev.config.sharing.mps
+        if mps is None or dev.compute_capability is None or dev.compute_capability >= MPS_LIMITS_MIN_CC:
+            return
+        cc = ".".join(map(str, dev.compute_capability))
+        for value, name in (
+            (mps.default_active_thread_percentage, "defaultActiveThreadPercentage"),
+            (mps.default_pinned_device_memory_limit, "defaultPinnedDeviceMemoryLimit"),
+        ):
+            if value is not None:
+                raise SharingError(
+                    f"{dev.where}: sharing.mps.{name}: device {dev.name} has compute capability {cc}; "
+                    f"MPS limits need {'.'.join(map(str, MPS_LIMITS_MIN_CC))} or newer"
+                )
+
+    @staticmethod
+    def conflict(record: dict[str, Any], others: Iterable[tuple[str, dict[str, Any]]]) -> str | None:
+        """What stops `record` from being applied next to the other claims' (ref, record)."""
+        mine = _modes(record)
+        my_mps = {u for d in _daemons(record) if d.share_id is None for u in d.uuids}
+        for ref, other in others:
+            for uuid, theirs in _modes(other).items():
+                if uuid in mine and mine[uuid]["mode"] != theirs["mode"]:
+                    return (
+                        f"device {uuid} is in compute mode {mode_name(theirs['mode'])} for claim {ref}; "
+                        f"this claim's sharing needs {mode_name(mine[uuid]['mode'])}"
+                    )
+            clash = my_mps & {u for d in _daemons(other) for u in d.uuids}  # shares or not
+            if clash:
+                return f"device {sorted(clash)[0]} already has an MPS daemon for claim {ref}"
+            for uuid, theirs in _slices(other).items():
+                mine_ts = _slices(record).get(uuid)
+                if mine_ts is not None and mine_ts["level"] != theirs["level"]:
+                    return (
+                        f"device {uuid} has time slice {theirs['interval']} for claim {ref}; "
+                        f"this claim asks for sharing.timeSlicing.interval {mine_ts['interval']}"
+                    )
+        return None
+
+    # -- applying and undoing (blocking: run in a thread) ---------------------------------------
+
+    def apply(self, record: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
+        """Set compute modes and start daemons; the record with what to restore, or SharingError
+        with everything this call did undone."""
+        done = {**record, "computeModes": {}}
+        try:
+            for uuid, setting in _modes(record).items():
+                holder = next((_modes(o)[uuid] for o in others if uuid in _modes(o)), None)
+                previous = holder.get("previous") if holder else self.modes.get(uuid)
+                if previous != setting["mode"]:
+                    self.modes.set(uuid, setting["mode"])
+                done["computeModes"][uuid] = {**setting, "previous": previous}
+            for uuid, ts in _slices(record).items():
+                if not any(uuid in _slices(o) for o in others):
+                    self._timeslices().set(uuid, ts["level"])
+            for daemon in _daemons(record):
+                self.mps.start(daemon)
+        except _ERRORS as exc:
+            self._undo(done, others)
+            raise SharingError(str(exc)) from exc
+        if not done["computeModes"]:
+            del done["computeModes"]
+        return done
+
+    def release(self, record: dict[str, Any], others: list[dict[str, Any]]) -> None:
+        """Stop the record's daemons and restore compute modes no other claim still needs."""
+        errors = self._undo(record, others)
+        if errors:
+            raise SharingError("; ".join(errors))
+
+    def _undo(self, record: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
+        errors = []
+        for uuid in _slices(record):
+            if any(uuid in _slices(o) for o in others):
+                continue
+            try:
+                self._timeslices().set(uuid, LEVELS["Default"])
+            except TimeSliceError as exc:
+                errors.append(str(exc))
+        for daemon in _daemons(record):
+            try:
+                self.mps.stop(daemon.id)
+            except OSError as exc:
+                errors.append(f"MPS daemon {daemon.id}: {exc}")
+        for uuid, setting in _modes(record).items():
+            if any(uuid in _modes(o) for o in others) or setting.get("previous") is None:
+                continue  # still needed by another claim, or never set by this one
+            try:
+                if self.modes.get(uuid) != setting["previous"]:
+                    self.modes.set(uuid, setting["previous"])
+            except ComputeModeError as exc:
+                errors.append(str(exc))
+        return errors
+
+    def ensure(self, record: dict[str, Any]) -> int:
+        """Restart the record's daemons that do not answer (with their modes); how many."""
+        restarted = 0
+        for daemon in _daemons(record):
+            if self.mps.answers(daemon.id):
+                continue
+            log.warning("MPS daemon of a prepared claim is not answering, restarting id=%s", daemon.id)
+            try:
+                for uuid in daemon.uuids:
+                    want = _modes(record).get(uuid, {}).get("mode", EXCLUSIVE_PROCESS)
+                    if self.modes.get(uuid) != want:
+                        self.modes.set(uuid, want)
+                self.mps.start(daemon)
+            except _ERRORS as exc:
+                raise SharingError(str(exc)) from exc
+            restarted += 1
+        return restarted
+
+    def _timeslices(self) -> TimeSlices:
+        if self.timeslices is None:
+            raise TimeSliceError("time slicing is not available on this node")
+        return self.timeslices
+
+    def daemon_ids(self, record: dict[str, Any]) -> set[str]:
+        return {d.id for d in _daemons(record)}
+
+    def stop_orphans(self, owned: set[str]) -> list[str]:
+        """Stop daemons whose directory no claim record owns (a crash between start and record)."""
+        stopped = []
+        for daemon_id in self.mps.owned():
+            if daemon_id not in owned:
+                log.warning("MPS daemon owned by no claim stopped id=%s", daemon_id)
+                self.mps.stop(daemon_id)
+                stopped.append(daemon_id)
+        return stopped
+
+
+def driver_locator(driver_files: DriverFiles, program: str) -> Callable[[], tuple[Path | None, list[Path]]]:
+    """A driver program (nvidia-smi, the MPS control) and the library dirs, as this process sees
+    them (looked up per use: the installation may be found or fixed after start-up)."""
+
+    def locate() -> tuple[Path | None, list[Path]]:
+        found = driver_files.installation
+        if found is None:
+            return None, []
+        binary = next((b for b in found.binaries if b.rsplit("/", 1)[-1] == program), None)
+        dirs = [driver_files.root / d for d in found.library_dirs()]
+        return (driver_files.root / binary if binary else None), dirs
+
+    return locate
+
+
+def node_sharing(mps_root: Path, driver_files: DriverFiles, profile: str | None, dev_root: Path) -> Sharing:
+    """The node's sharing: daemons under `mps_root`, compute modes through NVML (on a simulated
+    node its fake, which keeps them in `<dev root>/nvidia-state.json` as a driver keeps them
+    across processes), time slices through the driver's nvidia-smi (on a simulated node told
+    where the node's device nodes are, as the simulated driver's programs are)."""
+    nvml: Any
+    tool_env = {}
+    if profile is not None:
+        nvml = FakeNvml(load_profile(profile), state_file=dev_root / "nvidia-state.json")
+        tool_env["DRA_GPU_SIM_DEV_DIR"] = str(dev_root / "dev")
+    else:
+        import pynvml
+
+        nvml = pynvml
+    return Sharing(
+        MpsDaemons(mps_root, driver_locator(driver_files, CONTROL_BINARY)),
+        ComputeModes(nvml),
+        TimeSlices(driver_locator(driver_files, NVIDIA_SMI), tool_env),
+    )

@@ -1,0 +1,327 @@
+"""Sharing applied on the GPU: an MPS claim gets its own control daemon (the simulated driver's
+real program, asked through its pipe), its GPUs in exclusive-process mode; restarts re-adopt the
+daemon, nothing is orphaned, and unprepare restores the GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dra_gpu.api import API_VERSION, decode
+from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
+from dra_gpu.plugin.prepare import PrepareError
+from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
+from plugin.conftest import DRIVER, PluginCore, claim, gpu_names, mig_names
+
+pytestmark = pytest.mark.skipif(
+    subprocess.run(["which", "cc"], capture_output=True).returncode != 0, reason="needs cc"
+)
+
+
+def uid() -> str:
+    return str(uuid.uuid4())
+
+
+def ref_of(c: dict) -> ClaimRef:
+    m = c["metadata"]
+    return ClaimRef(m["namespace"], m["uid"], m["name"])
+
+
+def mps_config(pct: int | None = 50, limit: str | None = "10Gi", kind: str = "GpuConfig") -> list[dict]:
+    mps: dict = {}
+    if pct is not None:
+        mps["defaultActiveThreadPercentage"] = pct
+    if limit is not None:
+        mps["defaultPinnedDeviceMemoryLimit"] = limit
+    params = {"apiVersion": API_VERSION, "kind": kind, "sharing": {"strategy": "MPS", "mps": mps}}
+    return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": params}}]
+
+
+def ask(core: PluginCore, pipe_dir: str, *commands: str) -> list[str]:
+    """What a client in the container would be told through the claim's pipe dir."""
+    binary = core.driver_root / "usr/bin/nvidia-cuda-mps-control"
+    out = subprocess.run(
+        [str(binary)],
+        input="".join(f"{c}\n" for c in commands),
+        env={"CUDA_MPS_PIPE_DIRECTORY": pipe_dir},
+        capture_output=True,
+        text=True,
+        timeout=5,
+        check=False,
+    )
+    return out.stdout.splitlines()
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def compute_mode(core: PluginCore, uuid_: str) -> int:
+    state = core.root / "devroot" / "nvidia-state.json"
+    if not state.exists():
+        return DEFAULT
+    return int(json.loads(state.read_text())["computeModes"].get(uuid_, DEFAULT))
+
+
+def daemon_of(core: PluginCore, c: dict) -> tuple[str, int]:
+    """The claim's pipe dir (from its CDI spec, as the container gets it) and daemon pid."""
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    (mount,) = [
+        m
+        for d in spec["devices"]
+        for m in d["containerEdits"].get("mounts", [])
+        if m["containerPath"] == "/tmp/nvidia-mps"
+    ]
+    pipe = mount["hostPath"]
+    return pipe, int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
+
+
+def test_mps_claim_runs_its_daemon_with_the_limits_and_unprepare_stops_it(core: PluginCore) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    c = claim(uid(), [g0], config=mps_config(50, "10Gi"))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    assert alive(pid)
+    assert ask(
+        core, pipe, "get_default_active_thread_percentage", f"get_default_device_pinned_mem_limit {gpu.uuid}"
+    ) == ["50.0", "10240M"]
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in spec["devices"][0]["containerEdits"]["env"]
+    assert compute_mode(core, gpu.uuid) == EXCLUSIVE_PROCESS
+    assert pipe.startswith(str(core.mps_root))
+
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+    assert not alive(pid)
+    assert not Path(pipe).exists()
+    assert compute_mode(core, gpu.uuid) == DEFAULT
+
+
+def test_mps_on_a_mig_device_sets_the_mig_devices_compute_mode(core: PluginCore) -> None:
+    m0 = mig_names(core)[0]
+    _, mig = core.preparer.devices[m0]
+    assert mig is not None
+    c = claim(uid(), [m0], config=mps_config(25, None, kind="MigDeviceConfig"))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, _ = daemon_of(core, c)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["25.0"]
+    assert compute_mode(core, mig.uuid) == EXCLUSIVE_PROCESS
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+    assert compute_mode(core, mig.uuid) == DEFAULT
+
+
+def test_a_dead_daemon_is_restarted_before_a_repeated_prepare_returns(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(30, None))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    os.kill(pid, signal.SIGKILL)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    _, new_pid = daemon_of(core, c)
+    assert new_pid != pid and alive(new_pid)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["30.0"]
+
+
+def test_restart_readopts_running_daemons_restarts_dead_ones_and_stops_orphans(core: PluginCore) -> None:
+    g0, g1, g2 = gpu_names(core)[:3]
+    running, dead, half = (claim(uid(), [g], config=mps_config(40, None)) for g in (g0, g1, g2))
+    for c in (running, dead, half):
+        core.add(c)
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    _, running_pid = daemon_of(core, running)
+    dead_pipe, dead_pid = daemon_of(core, dead)
+    half_pipe, half_pid = daemon_of(core, half)
+    os.kill(dead_pid, signal.SIGKILL)
+    core.checkpoint.remove(half["metadata"]["uid"])  # a crash before its record was written
+    restarted = core.restart()
+    counts = restarted.preparer.reconcile()
+    assert counts["daemonsRestarted"] == 1 and counts["daemonsStopped"] == 1
+    assert alive(running_pid)  # re-adopted, not restarted
+    assert ask(restarted, dead_pipe, "get_default_active_thread_percentage") == ["40.0"]
+    assert not alive(half_pid) and not Path(half_pipe).exists()
+
+
+def test_the_sweeper_stops_the_daemon_of_a_claim_gone_behind_the_kubelets_back(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(60, None))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    _, pid = daemon_of(core, c)
+    del core.claims[("default", c["metadata"]["name"])]
+    clock = [0.0]
+    asyncio.run(core.preparer.sweep(1, now=lambda: clock[0]))
+    clock[0] += 2
+    asyncio.run(core.preparer.sweep(1, now=lambda: clock[0]))
+    assert not alive(pid)
+    assert core.preparer.sharing is not None and core.preparer.sharing.mps.owned() == []
+
+
+def test_a_daemon_that_cannot_start_fails_prepare_and_leaves_nothing(core: PluginCore) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    assert core.preparer.sharing is not None
+    core.preparer.sharing.mps.locate = lambda: (None, [])
+    c = claim(uid(), [g0], config=mps_config())
+    core.add(c)
+    with pytest.raises(PrepareError, match="nvidia-cuda-mps-control not found"):
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    assert core.checkpoint.records() == []
+    assert not core.cdi.path(c["metadata"]["uid"]).exists()
+    assert compute_mode(core, gpu.uuid) == DEFAULT
+
+
+def test_mps_limits_are_refused_below_compute_capability_7() -> None:
+    config = decode(
+        {
+            "apiVersion": API_VERSION,
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 50}},
+        }
+    )
+    dev = SharedDevice("gpu-0", "GPU-1", config, "claim x: results[0]", compute_capability=(6, 1))
+    sharing = Sharing(mps=None, modes=None)  # type: ignore[arg-type]
+    with pytest.raises(SharingError, match=r"results\[0\]: sharing.mps.defaultActiveThreadPercentage: .*6.1"):
+        sharing.plan("uid", [dev])
+
+
+def test_a_gpu_set_differently_for_another_claim_is_a_conflict() -> None:
+    mine = {"computeModes": {"GPU-1": {"mode": EXCLUSIVE_PROCESS}}}
+    theirs = {"computeModes": {"GPU-1": {"mode": DEFAULT, "previous": DEFAULT}}}
+    problem = Sharing.conflict(mine, [("ns/other", theirs)])
+    assert problem is not None and "ns/other" in problem and "Default" in problem
+
+
+def timeslicing(interval: str) -> list[dict]:
+    params = {
+        "apiVersion": API_VERSION,
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}},
+    }
+    return [{"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": params}}]
+
+
+def smi_calls(core: PluginCore) -> list[str]:
+    calls = core.root / "devroot" / "dev" / "nvidia-smi.calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_time_slicing_sets_mode_and_slice_and_unprepare_restores_both(core: PluginCore) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    state = core.root / "devroot" / "nvidia-state.json"
+    state.write_text(json.dumps({"computeModes": {gpu.uuid: EXCLUSIVE_PROCESS}}))  # set by someone
+    c = claim(uid(), [g0], config=timeslicing("Long"))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    assert compute_mode(core, gpu.uuid) == DEFAULT
+    assert smi_calls(core) == [f"compute-policy -i {gpu.uuid} --set-timeslice 3"]
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+    assert compute_mode(core, gpu.uuid) == EXCLUSIVE_PROCESS  # what it was before
+    assert smi_calls(core)[-1] == f"compute-policy -i {gpu.uuid} --set-timeslice 0"
+
+
+def test_a_gpu_with_another_time_slice_for_another_claim_is_a_conflict() -> None:
+    mine = {"timeSlices": {"GPU-1": {"interval": "Long", "level": 3}}}
+    theirs = {"timeSlices": {"GPU-1": {"interval": "Short", "level": 1}}}
+    problem = Sharing.conflict(mine, [("ns/other", theirs)])
+    assert problem is not None and "ns/other" in problem and "interval Long" in problem
+    assert Sharing.conflict(mine, [("ns/other", mine)]) is None  # the same setting can be shared
+
+
+def share(c: dict, share_id: str, consumed: dict[str, str]) -> dict:
+    (result,) = c["status"]["allocation"]["devices"]["results"]
+    result["shareID"] = share_id
+    result["consumedCapacity"] = consumed
+    return c
+
+
+def test_memory_shares_of_one_gpu_get_their_own_cdi_devices_and_daemons_with_the_consumed_limits(
+    core: PluginCore,
+) -> None:
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    s1, s2 = str(uuid.uuid4()), str(uuid.uuid4())
+    a = share(claim(uid(), [g0]), s1, {"memory": "40Gi", "computeShare": "30"})
+    b = share(claim(uid(), [g0]), s2, {"memory": "20Gi", "computeShare": "0"})
+    for c in (a, b):
+        core.add(c)
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    spec_a = json.loads(core.cdi.path(a["metadata"]["uid"]).read_text())
+    assert [d["name"] for d in spec_a["devices"]] == [f"{a['metadata']['uid']}-{g0}-{s1}"]
+    pipe_a, pid_a = daemon_of(core, a)
+    pipe_b, pid_b = daemon_of(core, b)
+    assert pipe_a != pipe_b
+    limit = f"get_default_device_pinned_mem_limit {gpu.uuid}"
+    assert ask(core, pipe_a, "get_default_active_thread_percentage", limit) == ["30.0", "40960M"]
+    assert ask(core, pipe_b, "get_default_active_thread_percentage", limit) == ["100.0", "20480M"]
+    assert compute_mode(core, gpu.uuid) == DEFAULT  # the shares' servers run side by side
+    asyncio.run(core.preparer.unprepare(ref_of(a)))
+    assert not alive(pid_a) and alive(pid_b)
+
+
+def test_time_slicing_cannot_enforce_a_memory_share(core: PluginCore) -> None:
+    c = share(
+        claim(uid(), gpu_names(core)[:1], config=timeslicing("Long")), str(uuid.uuid4()), {"memory": "8Gi"}
+    )
+    core.add(c)
+    with pytest.raises(PrepareError, match="TimeSlicing cannot enforce a memory share"):
+        asyncio.run(core.preparer.prepare(ref_of(c)))
+    assert core.checkpoint.records() == []
+
+
+def test_the_sweeper_restarts_a_dead_daemon_of_a_live_claim(core: PluginCore) -> None:
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(70, None))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    os.kill(pid, signal.SIGKILL)
+    asyncio.run(core.preparer.sweep(60))
+    _, new_pid = daemon_of(core, c)
+    assert new_pid != pid and alive(new_pid)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["70.0"]
+
+
+def test_a_claim_with_an_mps_device_and_a_share_gets_two_distinct_daemons(core: PluginCore) -> None:
+    g0, g1 = gpu_names(core)[:2]
+    c = claim(uid(), [g0, g1], requests=["a", "b"], config=mps_config(40, None))
+    c["status"]["allocation"]["devices"]["results"][1].update(
+        shareID=str(uuid.uuid4()), consumedCapacity={"memory": "8Gi", "computeShare": "20"}
+    )
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    record = core.checkpoint.get(c["metadata"]["uid"])
+    assert record is not None
+    ids = [d["id"] for d in record.raw["sharing"]["mps"]]
+    assert len(set(ids)) == 2, ids
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    pipes = [m["hostPath"] for d in spec["devices"] for m in d["containerEdits"]["mounts"]]
+    assert len(set(pipes)) == 2
+    answers = sorted(ask(core, p, "get_default_active_thread_percentage")[0] for p in pipes)
+    assert answers == ["20.0", "40.0"]
+
+
+def test_a_limit_the_daemon_answers_differently_is_an_error(tmp_path: Path) -> None:
+    from dra_gpu.plugin.mps import MpsDaemon, MpsDaemons, MpsError
+
+    daemons = MpsDaemons(tmp_path, lambda: (None, []))
+    daemon = MpsDaemon("x", ["GPU-1"], 50, {"GPU-1": "1024M"})
+    daemons.control = lambda _id, _commands: "100.0\n1024M\n"  # type: ignore[method-assign]
+    with pytest.raises(MpsError, match=r"answered '100\.0', expected 50"):
+        daemons._check_limits(daemon)
+    daemons.control = lambda _id, _commands: "50.0\n1G\n"  # type: ignore[method-assign]
+    daemons._check_limits(daemon)  # the same limit in other words
+    daemons.control = lambda _id, _commands: "50.0\nunlimited-ish\n"  # type: ignore[method-assign]
+    daemons._check_limits(daemon)  # an answer not understood is logged, not fatal
