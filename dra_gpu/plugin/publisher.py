@@ -69,7 +69,7 @@ class SlicePublisher:
         self.synced = asyncio.Event()
 
     def device_names(self) -> list[str]:
-        return [d["name"] for s in self.desired.values() for d in s["spec"]["devices"]]
+        return [d["name"] for s in self.desired.values() for d in s["spec"].get("devices") or []]
 
     def _covers(self, stored: dict[str, Any]) -> bool:
         want = self.desired.get(stored["metadata"]["name"])

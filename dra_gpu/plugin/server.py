@@ -60,6 +60,7 @@ class PluginConfig:
     cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
+    dynamic_mig: bool = False  # publish MIG placements, create instances at prepare
 
     @property
     def dra_socket(self) -> Path:
