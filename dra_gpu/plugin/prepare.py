@@ -15,13 +15,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dra_gpu import failpoints
 from dra_gpu.api import ConfigError, GpuConfig, decode
 from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
-from dra_gpu.model import Gpu, Inventory, MigDevice
+from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
+from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,17 @@ class PreparedDevice:
         )
 
 
-def _config_kind_for(mig: MigDevice | None) -> str:
-    return "MigDeviceConfig" if mig is not None else "GpuConfig"
+# Steps of a dynamic MIG instance in the checkpoint ("migInstances" of a claim's entry): recorded
+# before each NVML call that makes something, so a restart knows what may exist.
+MIG_PLANNED, MIG_GPU_INSTANCE, MIG_READY = "planned", "gpu-instance", "ready"
+# Failpoint between the GPU instance and its compute instance (e2e: SIGKILL there).
+FAILPOINT_AFTER_GPU_INSTANCE = "mig-after-gpu-instance"
+
+Target = tuple[str, Gpu, MigPlacement]  # a dynamic MIG device to create: (name, parent, placement)
+
+
+def _config_kind_for(is_mig: bool) -> str:
+    return "MigDeviceConfig" if is_mig else "GpuConfig"
 
 
 class Preparer:
@@ -93,6 +104,7 @@ class Preparer:
         nodes: DeviceNodes,
         claims: ClaimSource,
         driver_files: DriverFiles,
+        mig: MigInstances | None = None,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
@@ -101,12 +113,21 @@ class Preparer:
         self.nodes = nodes
         self.claims = claims
         self.driver_files = driver_files
+        self.mig = mig
         self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
+        self.placements: dict[str, tuple[Gpu, MigPlacement]] = {}
+        self.dynamic_gpus = [g for g in inventory.gpus if g.dynamic_mig]
         for gpu in inventory.gpus:
-            if not gpu.mig_enabled:
+            if not gpu.mig_enabled or gpu.dynamic_mig:
                 self.devices[gpu.device_name] = (gpu, None)
-            for mig in gpu.mig_devices:
-                self.devices[gpu.mig_device_name(mig)] = (gpu, mig)
+            if gpu.dynamic_mig:
+                for p in gpu.mig_placements():
+                    self.placements[gpu.mig_name(p.profile.name, p.start)] = (gpu, p)
+            else:
+                for made in gpu.mig_devices:
+                    self.devices[gpu.mig_device_name(made)] = (gpu, made)
+        if self.placements and mig is None:
+            raise ValueError("dynamic MIG needs NVML's MIG calls (MigInstances)")
         self._claim_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._state_lock = asyncio.Lock()
         # Group commit: concurrent claims share checkpoint writes (see _commit).
@@ -164,8 +185,10 @@ class Preparer:
                     f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
                     f"uid is {uid}, the kubelet asked for {ref.uid}"
                 )
-            devices, spec, driver_edits = self._plan(ref, claim)
-            entry = {
+            devices, spec, driver_edits, targets = self._plan(ref, claim, None if self.placements else {})
+            if record is not None and record.mig_instances:
+                await self._destroy_recorded(record)  # an earlier partial attempt's instances
+            entry: dict[str, Any] = {
                 "state": STARTED,
                 "namespace": ref.namespace,
                 "name": ref.name,
@@ -173,12 +196,34 @@ class Preparer:
                 "cdiSpec": spec,  # the claim's own part; the file adds the driver's user space
                 "driverFiles": self.driver_files.digest,
             }
+            if targets:
+                entry["migInstances"] = [
+                    {
+                        "device": name,
+                        "parentUUID": gpu.uuid,
+                        "profileId": p.profile.profile_id,
+                        "start": p.start,
+                        "size": p.profile.memory_slices,
+                        "step": MIG_PLANNED,
+                    }
+                    for name, gpu, p in targets
+                ]
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
                     await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
                 self._check_conflicts(ref, devices)
                 self._stage(ref.uid, entry)
             try:
+                if targets:
+                    # "planned" is durable before NVML makes anything: a restart then knows
+                    # which placement to look at.
+                    await self._commit()
+                    created = await self._create_instances(ref, entry, targets)
+                    devices, spec, driver_edits, _ = self._plan(ref, claim, created)
+                    entry["cdiSpec"] = spec
+                    async with self._state_lock:
+                        self._stage(ref.uid, entry)
+                assert spec is not None
                 # "started" and the spec may land in either order: a spec without a completed
                 # record is removed by the start-up reconciliation.
                 await asyncio.gather(
@@ -189,7 +234,12 @@ class Preparer:
                     self._stage(ref.uid, {**entry, "state": COMPLETED})
                 await self._commit()
             except BaseException as exc:
-                await self._roll_back(ref.uid)
+                try:
+                    await self._roll_back(ref.uid)
+                except PrepareError as undo:
+                    log.error("claim could not be rolled back claim=%s error=%s", ref, undo)
+                if isinstance(exc, MigError):
+                    raise PrepareError(f"claim {ref}: {exc}; nothing was left behind") from exc
                 if isinstance(exc, OSError):
                     raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
                 raise
@@ -202,8 +252,88 @@ class Preparer:
             )
             return devices
 
+    async def _create_instances(
+        self, ref: ClaimRef, entry: dict[str, Any], targets: list[Target]
+    ) -> dict[str, MigDevice]:
+        """Make each target's GPU and compute instance, recording every step durably."""
+        assert self.mig is not None
+        created: dict[str, MigDevice] = {}
+        for rec, (name, gpu, placement) in zip(entry["migInstances"], targets, strict=True):
+            gi_id = await asyncio.to_thread(self.mig.create_gpu_instance, gpu.uuid, placement)
+            rec.update(giId=gi_id, step=MIG_GPU_INSTANCE)
+            async with self._state_lock:
+                self._stage(ref.uid, entry)
+            await self._commit()
+            failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
+            ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
+            mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
+            rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
+            async with self._state_lock:
+                self._stage(ref.uid, entry)
+            await self._commit()
+            created[name] = mig
+            log.info(
+                "mig instance created claim=%s device=%s gpu=%s gi=%d ci=%d uuid=%s",
+                ref,
+                name,
+                gpu.uuid,
+                gi_id,
+                ci_id,
+                mig.uuid,
+            )
+        return created
+
+    async def _destroy_recorded(self, record: ClaimRecord) -> None:
+        try:
+            await asyncio.to_thread(self.destroy_recorded, record)
+        except MigError as exc:
+            raise PrepareError(f"claim {record.ref()}: {exc}") from exc
+
+    def destroy_recorded(self, record: ClaimRecord) -> None:
+        """Destroy the instances a claim's entry records (last made first). An instance recorded
+        as planned may exist without its ID on record: the one at that placement is it, unless
+        another claim records it."""
+        if not record.mig_instances:
+            return
+        assert self.mig is not None
+        for rec in reversed(record.mig_instances):
+            parent, profile_id, start = str(rec["parentUUID"]), int(rec["profileId"]), int(rec["start"])
+            gi_id = rec.get("giId")
+            if gi_id is None:
+                others = self._recorded_gpu_instances(exclude=record.uid)
+                live = self.mig.instances(parent)
+                found = [
+                    i
+                    for i in live
+                    if (i.profile_id, i.start) == (profile_id, start) and (parent, i.gi_id) not in others
+                ]
+                if not found:
+                    continue
+                gi_id = found[0].gi_id
+            if self.mig.destroy(parent, int(gi_id), profile_id, start):
+                log.info(
+                    "mig instance of claim destroyed claim=%s device=%s gi=%s",
+                    record.ref(),
+                    rec["device"],
+                    gi_id,
+                )
+
+    def _recorded_gpu_instances(self, exclude: str | None = None) -> set[tuple[str, int]]:
+        return {
+            (str(m["parentUUID"]), int(m["giId"]))
+            for r in self.checkpoint.views()
+            if r.uid != exclude
+            for m in r.mig_instances
+            if m.get("giId") is not None
+        }
+
     async def _roll_back(self, uid: str) -> None:
-        """Remove the claim's spec and record (either order is safe, see reconcile)."""
+        """Destroy the claim's MIG instances, then remove its spec and record (either order is
+        safe, see reconcile). If an instance cannot be destroyed the record stays, so the device
+        stays taken and a retry or the next start tries again."""
+        record = self.checkpoint.get(uid)
+        if record is not None:
+            await self._destroy_recorded(record)
         async with self._state_lock:
             self._stage(uid, None)
         await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
@@ -221,9 +351,12 @@ class Preparer:
                 )
 
     def _plan(
-        self, ref: ClaimRef, claim: dict[str, Any]
-    ) -> tuple[list[PreparedDevice], dict[str, Any], dict[str, Any]]:
-        """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
+        self, ref: ClaimRef, claim: dict[str, Any], created: dict[str, MigDevice] | None
+    ) -> tuple[list[PreparedDevice], dict[str, Any] | None, dict[str, Any], list[Target]]:
+        """Map the allocation to devices and build the claim's CDI spec (no side effects).
+
+        Dynamic MIG devices exist only once made: with `created` None this only checks the claim
+        and returns them as targets (no spec); with the made instances it builds the spec."""
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
             raise PrepareError(f"claim {ref} is not allocated")
@@ -235,6 +368,7 @@ class Preparer:
         configs = self._configs(ref, allocation)
         prepared: list[PreparedDevice] = []
         cdi_devices: dict[str, CdiDevice] = {}
+        targets: dict[str, Target] = {}
         uuids: list[str] = []
         for i, result in enumerate(results):
             request, device = str(result.get("request", "")), str(result.get("device", ""))
@@ -243,11 +377,19 @@ class Preparer:
                 raise PrepareError(
                     f"{where}: device {result.get('pool')}/{device} is not on this node ({self.node_name})"
                 )
-            if device not in self.devices:
+            if device in self.placements:
+                gpu, placement = self.placements[device]
+                mig = None if created is None else created.get(device)
+                is_mig = True
+                if mig is None:
+                    targets[device] = (device, gpu, placement)
+            elif device in self.devices:
+                gpu, mig = self.devices[device]
+                is_mig = mig is not None
+            else:
                 raise PrepareError(f"{where}: device {device} is not published by this node")
-            gpu, mig = self.devices[device]
-            config = self._config_for(where, request, mig, configs)
-            if device not in cdi_devices:
+            config = self._config_for(where, request, is_mig, configs)
+            if device not in cdi_devices and device not in targets:
                 try:
                     nodes = self.nodes.mig(gpu, mig) if mig is not None else self.nodes.gpu(gpu)
                     self.nodes.verify(nodes)
@@ -278,10 +420,12 @@ class Preparer:
             driver_edits = self.driver_files.edits()
         except DriverInstallationError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from exc
+        if targets:
+            return prepared, None, driver_edits, list(targets.values())
         spec = self.cdi.build(
             ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
         )
-        return prepared, spec, driver_edits
+        return prepared, spec, driver_edits, []
 
     def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
         """This driver's configs, class configs before claim configs: (requests, config, where)."""
@@ -302,12 +446,12 @@ class Preparer:
         return out
 
     def _config_for(
-        self, where: str, request: str, mig: MigDevice | None, configs: list[tuple[list[str], GpuConfig, str]]
+        self, where: str, request: str, is_mig: bool, configs: list[tuple[list[str], GpuConfig, str]]
     ) -> GpuConfig:
         """The last config naming this request (or naming none) wins; kinds must match."""
         base = request.split("/", 1)[0]
-        kind = _config_kind_for(mig)
-        chosen = DEFAULT_MIG_CONFIG if mig is not None else DEFAULT_GPU_CONFIG
+        kind = _config_kind_for(is_mig)
+        chosen = DEFAULT_MIG_CONFIG if is_mig else DEFAULT_GPU_CONFIG
         for requests, config, cwhere in configs:
             named = request in requests or base in requests
             if requests and not named:
@@ -316,7 +460,7 @@ class Preparer:
                 if named:
                     raise PrepareError(
                         f"{where}: {cwhere}.kind: {config.kind} cannot configure "
-                        f"a {'MIG device' if mig else 'whole GPU'} (use {kind})"
+                        f"a {'MIG device' if is_mig else 'whole GPU'} (use {kind})"
                     )
                 continue
             chosen = config
@@ -340,20 +484,64 @@ class Preparer:
         """Make the CDI directory agree with the checkpoint (run before serving)."""
         counts = {"rolledBack": 0, "rebuilt": 0, "removed": 0}
         records = {r.uid: r for r in self.checkpoint.records()}
-        for rec in records.values():
+        for rec in list(records.values()):
             if rec.state != COMPLETED:
+                try:
+                    self.destroy_recorded(rec)
+                except MigError as exc:
+                    log.error(
+                        "half-prepared claim kept: its MIG instance is still there claim=%s error=%s",
+                        rec.ref(),
+                        exc,
+                    )
+                    continue
                 self.cdi.remove(rec.uid)
                 self.checkpoint.remove(rec.uid)
+                del records[rec.uid]
                 counts["rolledBack"] += 1
                 log.warning("claim left half-prepared, rolled back claim=%s", rec.ref())
             elif rec.cdi_spec is not None:
                 self._restore_spec(rec, counts)
+        if self.dynamic_gpus:
+            counts["orphansDestroyed"] = self._destroy_orphans()
         for uid in self.cdi.owned():
             owner = records.get(uid)
             if (owner is None or owner.state != COMPLETED) and self.cdi.remove(uid):
                 counts["removed"] += 1
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
         return counts
+
+    def _destroy_orphans(self) -> int:
+        """Destroy MIG instances on dynamic-MIG GPUs that no claim records, unless in use."""
+        if self.mig is None:
+            return 0
+        known = self._recorded_gpu_instances()
+        destroyed = 0
+        for gpu in self.dynamic_gpus:
+            try:
+                live = self.mig.instances(gpu.uuid)
+            except MigError as exc:
+                log.error("mig instances unreadable gpu=%s error=%s", gpu.uuid, exc)
+                continue
+            for inst in live:
+                if (gpu.uuid, inst.gi_id) in known:
+                    continue
+                pids = self.mig.processes(gpu.uuid, inst.gi_id)
+                if pids:
+                    log.warning(
+                        "mig instance no claim records is in use, left alone gpu=%s gi=%d pids=%s",
+                        gpu.uuid,
+                        inst.gi_id,
+                        ",".join(map(str, pids)),
+                    )
+                    continue
+                try:
+                    if self.mig.destroy(gpu.uuid, inst.gi_id, inst.profile_id, inst.start):
+                        destroyed += 1
+                        log.warning("orphaned mig instance destroyed gpu=%s %s", gpu.uuid, inst.describe())
+                except MigError as exc:
+                    log.error("orphaned mig instance not destroyed gpu=%s error=%s", gpu.uuid, exc)
+        return destroyed
 
     def _restore_spec(self, rec: ClaimRecord, counts: dict[str, int]) -> None:
         """Rewrite a completed claim's spec file unless it is what prepare wrote."""

@@ -14,7 +14,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dra_gpu.discovery import discover_node
+from dra_gpu.discovery import discover, open_nvml
 from dra_gpu.kube import Kube
 from dra_gpu.plugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
 from dra_gpu.plugin._proto import dra_v1_pb2 as v1_pb
@@ -35,6 +35,7 @@ from dra_gpu.plugin.grpc_services import (
     serve_unix,
 )
 from dra_gpu.plugin.metrics import PluginMetrics
+from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.publisher import SlicePublisher
 from dra_gpu.slices import build_slices
@@ -102,7 +103,16 @@ class KubeletPlugin:
     async def run(self) -> None:
         cfg = self.cfg
         cfg.check()
-        inventory = await asyncio.to_thread(discover_node, cfg.node_name, cfg.profile)
+        # A simulated node keeps its MIG state under its dev root, as the kernel keeps a GPU's.
+        nvml, pcie_root = await asyncio.to_thread(
+            open_nvml, cfg.profile, cfg.dev_root if cfg.profile else None
+        )
+        inventory = await asyncio.to_thread(discover, nvml, cfg.node_name, pcie_root, cfg.dynamic_mig)
+        mig = (
+            await asyncio.to_thread(MigInstances, nvml)
+            if any(g.dynamic_mig for g in inventory.gpus)
+            else None
+        )
         if cfg.profile is not None:
             await asyncio.to_thread(create_simulated, inventory, cfg.dev_root)
         driver_files = await asyncio.to_thread(
@@ -120,6 +130,7 @@ class KubeletPlugin:
             DeviceNodes(cfg.dev_root, modprobe=find_modprobe(cfg.driver_root)),
             kube,
             driver_files,
+            mig,
         )
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
