@@ -6,10 +6,10 @@ GPU cannot hold at once: one counter per memory slice (overlapping placements sh
 compute slices, and the SMs, engines and memory as the largest profile has them. The whole GPU
 consumes everything, so it and any MIG device exclude each other.
 
-The order is the scheduler's only preference (first fit, no scoring): GPUs in index order, so
-small instances pile onto the first GPUs and leave later ones whole, and within a GPU each profile
-is packed from the high end of the memory slices, so the 4-slice placement at 0 (4g.40gb,
-3g.40gb) stays free longest.
+The order is the scheduler's only preference (first fit, no scoring; slices by name, devices in
+order): partial profiles from the first GPU on, full-GPU ones from the last GPU back, and within a
+GPU each profile packed from the high end of the memory slices, so the 4-slice placement at 0
+(4g.40gb, 3g.40gb) stays free longest (see two_ended_order and bench/mig_fragmentation.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,11 @@ ENGINE_COUNTERS: dict[str, Callable[[MigProfile], int]] = {
     "memory": lambda p: p.memory_bytes,
 }
 
-PlacementOrder = Callable[[Gpu], list[MigPlacement]]
+# A dynamic-MIG device: (GPU, placement), or (GPU, None) for the whole GPU.
+Device = tuple[Gpu, MigPlacement | None]
+# The first-fit order of all dynamic-MIG devices of a node (GPUs in index order).
+PlacementOrder = Callable[[list[Gpu]], list[Device]]
+SMALL_SLICES = 4  # profiles up to half a GPU are packed from the first GPU on
 
 
 def counter_set_name(gpu: Gpu) -> str:
@@ -82,17 +86,54 @@ def consumes(gpu: Gpu, used: dict[str, int]) -> list[dict[str, object]]:
     ]
 
 
-def packed_order(gpu: Gpu) -> list[MigPlacement]:
-    """dra-gpu's order: smallest profiles first (a request matching several takes the smallest),
-    each profile's placements from the high end down."""
-    out = gpu.mig_placements()
-    rank = {p.profile.name: i for i, p in enumerate(out)}
-    return sorted(out, key=lambda p: (rank[p.profile.name], -p.start))
+def _per_gpu(gpus: list[Gpu], starts_descending: bool) -> list[Device]:
+    out: list[Device] = []
+    for gpu in gpus:
+        out.append((gpu, None))
+        placements = gpu.mig_placements()
+        rank = {p.profile.name: i for i, p in enumerate(placements)}
+        if starts_descending:
+            placements.sort(key=lambda p: (rank[p.profile.name], -p.start))
+        out += [(gpu, p) for p in placements]
+    return out
 
 
-def ascending_order(gpu: Gpu) -> list[MigPlacement]:
-    """The naive order (placements as NVML lists them, low end first): for comparison."""
-    return gpu.mig_placements()
+def ascending_order(gpus: list[Gpu]) -> list[Device]:
+    """Naive: GPU by GPU, each profile's placements as NVML lists them (low slice first), so a
+    1g.10gb takes slice 0 and with it the GPU's 4g.40gb, 7g.80gb and one 3g.40gb."""
+    return _per_gpu(gpus, starts_descending=False)
 
 
-PLACEMENT_ORDERS: dict[str, PlacementOrder] = {"packed": packed_order, "ascending": ascending_order}
+def packed_order(gpus: list[Gpu]) -> list[Device]:
+    """GPU by GPU, each profile's placements from the high end down."""
+    return _per_gpu(gpus, starts_descending=True)
+
+
+def two_ended_order(gpus: list[Gpu]) -> list[Device]:
+    """dra-gpu's order. Profiles up to half a GPU (1g..4g) from the first GPU on, each packed
+    from the high end of the GPU; the full-GPU profile (7g.80gb) and whole GPUs from the last GPU
+    back. Partial instances pile onto the GPUs already split, and the requests that need a whole
+    GPU find one at the other end, so the two meet only when the node is nearly full."""
+    small: list[Device] = []
+    large: list[Device] = []
+    for gpu in gpus:
+        for dev in packed_order([gpu])[1:]:
+            placement = dev[1]
+            is_small = placement is not None and placement.profile.memory_slices <= SMALL_SLICES
+            (small if is_small else large).append(dev)
+    large_by_gpu: dict[int, list[Device]] = {}
+    for dev in large:
+        large_by_gpu.setdefault(dev[0].index, []).append(dev)
+    out = small
+    for gpu in sorted(gpus, key=lambda g: g.index, reverse=True):
+        out += large_by_gpu.get(gpu.index, [])
+    for gpu in sorted(gpus, key=lambda g: g.index, reverse=True):
+        out.append((gpu, None))
+    return out
+
+
+PLACEMENT_ORDERS: dict[str, PlacementOrder] = {
+    "ascending": ascending_order,
+    "packed": packed_order,
+    "two-ended": two_ended_order,
+}

@@ -24,8 +24,8 @@ from dra_gpu.dynamic_mig import (
     consumes,
     counter_set,
     counter_totals,
-    packed_order,
     placement_consumption,
+    two_ended_order,
 )
 from dra_gpu.kubernetes_values import (
     DNS_LABEL,
@@ -75,7 +75,7 @@ class SliceBuilder:
     """Builds the devices and slices of one node for one driver."""
 
     def __init__(
-        self, inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME, order: PlacementOrder = packed_order
+        self, inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME, order: PlacementOrder = two_ended_order
     ) -> None:
         if not DNS_SUBDOMAIN.match(driver) or len(driver) > 63:
             raise SliceLimitError(f"driver name {driver!r}: must be a DNS subdomain of <= 63 chars")
@@ -186,15 +186,21 @@ class SliceBuilder:
             "consumesCounters": consumes(gpu, placement_consumption(gpu, placement)),
         }
 
-    def dynamic_group(self, gpu: Gpu) -> list[dict[str, Any]]:
-        """A dynamic-MIG GPU: the whole GPU (consuming all its counters), then every placement."""
-        whole = self.gpu_device(gpu)
-        whole["consumesCounters"] = consumes(gpu, counter_totals(gpu))
-        return [whole] + [self.placement_device(gpu, p) for p in self.order(gpu)]
+    def dynamic_devices(self, gpus: list[Gpu]) -> list[dict[str, Any]]:
+        """Dynamic-MIG GPUs: each whole GPU (consuming all its counters) and every placement."""
+        out = []
+        for gpu, placement in self.order(gpus):
+            if placement is None:
+                whole = self.gpu_device(gpu)
+                whole["consumesCounters"] = consumes(gpu, counter_totals(gpu))
+                out.append(whole)
+            else:
+                out.append(self.placement_device(gpu, placement))
+        return out
 
     def device_groups(self) -> list[list[dict[str, Any]]]:
-        """Devices in the scheduler's first-fit order, grouped so a group stays in one slice:
-        whole GPUs, pre-made MIG devices, then each dynamic-MIG GPU's devices."""
+        """Devices in the scheduler's first-fit order, grouped so a group starts a new slice:
+        whole GPUs, pre-made MIG devices, then the dynamic-MIG devices."""
         gpus = sorted(self.inv.gpus, key=lambda g: g.index)
         groups = [[self.gpu_device(g) for g in gpus if not g.mig_enabled]]
         groups.append(
@@ -205,7 +211,7 @@ class SliceBuilder:
                 for m in g.mig_devices
             ]
         )
-        groups += [self.dynamic_group(g) for g in gpus if g.dynamic_mig]
+        groups.append(self.dynamic_devices([g for g in gpus if g.dynamic_mig]))
         groups = [g for g in groups if g]
         names: set[str] = set()
         for group in groups:

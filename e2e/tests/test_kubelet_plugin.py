@@ -35,6 +35,8 @@ class Plugin:
         self.proc: subprocess.Popen | None = None
         self.profile = PROFILE
         self.driver_version: str | None = None  # None: the profile's own (no mismatch)
+        self.args: list[str] = []  # more flags (e.g. --dynamic-mig)
+        self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
@@ -64,9 +66,11 @@ class Plugin:
                 "2",
                 "--sweep-grace",
                 "3",
+                *self.args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
         )
         log.close()
         wait_for("the plugin's health endpoint", self.healthy, timeout=60)
