@@ -96,3 +96,24 @@ def test_user_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
         assert "Traceback" not in out.stderr
     out = run("inventory", "--profile", str(bad))
     assert f"{bad}: GPU 0: field 'uuid' is required" in out.stderr
+
+
+def test_inventory_shows_the_driver_installation(tmp_path: Path) -> None:
+    from tests.driver_root import make_root
+
+    root = make_root(tmp_path / "driver", "570.133.20")
+    table = run("inventory", "--profile", "hgx-2x4", "--node-name", "n", "--driver-root", str(root))
+    assert table.returncode == 0, table.stderr
+    line = next(x for x in table.stdout.splitlines() if x.startswith("Driver installation"))
+    assert f"(root {root}): version 570.133.20, 3 libraries, 2 binaries, 1 firmware files" in line
+    assert "missing (optional): libnvidia-nvvm.so.570.133.20" in table.stdout
+    data = json.loads(
+        run("inventory", "--profile", "hgx-2x4", "--driver-root", str(root), "-o", "json").stdout
+    )
+    inst = data["driverInstallation"]
+    assert inst["version"] == "570.133.20" and inst["libraries"] == 3 and inst["error"] is None
+    # Another driver's libraries only: the mismatch is shown, with both versions.
+    old = make_root(tmp_path / "old", "550.54.15")
+    mismatch = run("inventory", "--profile", "hgx-2x4", "--driver-root", str(old), "-o", "json")
+    err = json.loads(mismatch.stdout)["driverInstallation"]["error"]
+    assert "version mismatch" in err and "550.54.15" in err and "570.133.20" in err

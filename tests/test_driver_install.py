@@ -150,3 +150,24 @@ def test_same_library_in_two_directories_is_mounted_once(tmp_path: Path) -> None
     targets = [m["containerPath"] for m in container_edits(found)["mounts"]]
     assert len(targets) == len(set(targets))
     assert os.path.basename(targets[0]).startswith("lib")
+
+
+def test_a_missing_node_on_a_real_node_is_asked_of_nvidia_modprobe(tmp_path: Path) -> None:
+    from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes, find_modprobe
+
+    # A stand-in nvidia-modprobe in the driver root that records how it was called (it creates
+    # nothing, so the node stays missing and prepare's error names it).
+    calls = tmp_path / "calls"
+    tool = tmp_path / "root/usr/bin/nvidia-modprobe"
+    tool.parent.mkdir(parents=True)
+    tool.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    tool.chmod(0o755)
+    modprobe = find_modprobe(tmp_path / "root")
+    assert modprobe == str(tool)
+    nodes = DeviceNodes(Path("/"), modprobe=modprobe)
+    missing = [nodes.node("/dev/nvidia987")]
+    with pytest.raises(DeviceNodeError, match=r"/dev/nvidia987 is missing .*nvidia-modprobe -c 987.*retried"):
+        nodes.verify(missing)
+    assert calls.read_text().split("\n")[0] == "-c 987"
+    # A simulated dev root never runs it: the tool makes nodes in the real /dev only.
+    assert DeviceNodes(tmp_path / "sim", modprobe=modprobe).modprobe is None

@@ -135,7 +135,8 @@ class CdiSpecs:
         return spec
 
     def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
-        data = json.dumps(spec, indent=2, sort_keys=False).encode() + b"\n"
+        # Compact: the C encoder (indent= falls back to the pure-Python one, ~4x slower).
+        data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
         atomic_write(self.path(claim_uid), data, mode=0o644)
 
     def read(self, claim_uid: str) -> dict[str, Any] | None:

@@ -134,12 +134,22 @@ def test_the_same_image_without_a_claim_has_no_driver(hgx, glibc_images, core, n
     assert "NO-LIBCUDA" in log and "NO-NVIDIA-SMI" in log, log
 
 
-def failed_prepare(core, namespace, pod):
+def failed_prepare(core, namespace, pod, needle):
+    """The pod's FailedPrepareDynamicResources event that says `needle` (a plugin just restarted
+    may first be reported as not registered yet)."""
+
     def event():
         events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={pod}")
-        return next((e.message for e in events.items if e.reason == "FailedPrepareDynamicResources"), None)
+        return next(
+            (
+                e.message
+                for e in events.items
+                if e.reason == "FailedPrepareDynamicResources" and needle in e.message
+            ),
+            None,
+        )
 
-    return wait_for("FailedPrepareDynamicResources", event, timeout=90)
+    return wait_for(f"FailedPrepareDynamicResources saying {needle!r}", event, timeout=90)
 
 
 def our_specs() -> set[Path]:
@@ -156,7 +166,7 @@ def test_a_missing_device_node_fails_prepare_naming_it_until_it_appears(
     try:
         template(dyn, namespace, "gpus", count=1)
         gpu_pod(core, namespace, "nouvm", DEBIAN_IMAGE, "nvidia-smi -L")
-        message = failed_prepare(core, namespace, "nouvm")
+        message = failed_prepare(core, namespace, "nouvm", "is missing")
         print(f"\n[e2e] event: {message}")
         assert f"device node {uvm} is missing" in message, message
         assert our_specs() == before  # nothing written
@@ -178,7 +188,7 @@ def test_a_driver_version_mismatch_fails_prepare_naming_both_versions(
         before = our_specs()
         template(dyn, namespace, "gpus", count=1)
         gpu_pod(core, namespace, "mismatch", DEBIAN_IMAGE, "nvidia-smi -L")
-        message = failed_prepare(core, namespace, "mismatch")
+        message = failed_prepare(core, namespace, "mismatch", "driver version mismatch")
         print(f"\n[e2e] event: {message}")
         assert "driver version mismatch" in message and "570.133.20" in message and "550.54.15" in message
         assert our_specs() == before

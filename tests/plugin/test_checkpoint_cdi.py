@@ -68,3 +68,27 @@ def spec(name: str = "gpu-0", **edits: object) -> dict:
 )
 def test_minimum_cdi_version(s: dict, version: str) -> None:
     assert minimum_version(s) == version
+
+
+def test_spec_with_the_driver_user_space_and_a_hook_is_schema_valid(
+    tmp_path: Path, driver_root: Path
+) -> None:
+    from dra_gpu.discovery.driver_install import discover_installation
+    from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, DeviceNode
+    from dra_gpu.plugin.driver_files import container_edits
+    from plugin.conftest import validate_cdi
+
+    specs = CdiSpecs(tmp_path, "gpu.dra-gpu.io")
+    own = specs.build(
+        "uid-1",
+        [CdiDevice("gpu-0", [DeviceNode("/dev/nvidia0", "/dev/nvidia0")], {"A": "b"})],
+        [DeviceNode("/dev/nvidiactl", "/dev/nvidiactl")],
+        {"NVIDIA_VISIBLE_DEVICES": "GPU-x"},
+    )
+    edits = container_edits(discover_installation(driver_root, "570.124.06"), "/usr/bin/nvidia-cdi-hook")
+    spec = specs.compose(own, edits)
+    validate_cdi(spec)
+    # Mounts and createContainer hooks exist since 0.3.0: the driver's files need no newer runtime.
+    assert spec["cdiVersion"] == minimum_version(own) == "0.3.0"
+    assert own["containerEdits"].keys() == {"env", "deviceNodes"}  # the claim's part is untouched
+    assert spec["containerEdits"]["hooks"][0]["args"][1] == "update-ldcache"
