@@ -89,6 +89,15 @@ FAILPOINT_AFTER_GPU_INSTANCE = "mig-after-gpu-instance"
 Target = tuple[str, Gpu, MigPlacement]  # a dynamic MIG device to create: (name, parent, placement)
 
 
+def _snapshot(entry: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an entry still being built, for the checkpoint (which takes entries over and
+    never sees them change); only the MIG step records are changed in place, so they are copied."""
+    out = dict(entry)
+    if "migInstances" in entry:
+        out["migInstances"] = [dict(m) for m in entry["migInstances"]]
+    return out
+
+
 def _config_kind_for(is_mig: bool) -> str:
     return "MigDeviceConfig" if is_mig else "GpuConfig"
 
@@ -212,7 +221,7 @@ class Preparer:
                 if record is not None and record.state == STARTED:
                     await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
                 self._check_conflicts(ref, devices)
-                self._stage(ref.uid, entry)
+                self._stage(ref.uid, _snapshot(entry))
             try:
                 if targets:
                     # "planned" is durable before NVML makes anything: a restart then knows
@@ -222,7 +231,7 @@ class Preparer:
                     devices, spec, driver_edits, _ = self._plan(ref, claim, created)
                     entry["cdiSpec"] = spec
                     async with self._state_lock:
-                        self._stage(ref.uid, entry)
+                        self._stage(ref.uid, _snapshot(entry))
                 assert spec is not None
                 # "started" and the spec may land in either order: a spec without a completed
                 # record is removed by the start-up reconciliation.
@@ -231,7 +240,7 @@ class Preparer:
                     asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits)),
                 )
                 async with self._state_lock:
-                    self._stage(ref.uid, {**entry, "state": COMPLETED})
+                    self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
                 await self._commit()
             except BaseException as exc:
                 try:
@@ -262,14 +271,14 @@ class Preparer:
             gi_id = await asyncio.to_thread(self.mig.create_gpu_instance, gpu.uuid, placement)
             rec.update(giId=gi_id, step=MIG_GPU_INSTANCE)
             async with self._state_lock:
-                self._stage(ref.uid, entry)
+                self._stage(ref.uid, _snapshot(entry))
             await self._commit()
             failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
             ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
             mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
             rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
             async with self._state_lock:
-                self._stage(ref.uid, entry)
+                self._stage(ref.uid, _snapshot(entry))
             await self._commit()
             created[name] = mig
             log.info(
