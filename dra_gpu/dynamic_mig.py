@@ -7,9 +7,9 @@ compute slices, and the SMs, engines and memory as the largest profile has them.
 consumes everything, so it and any MIG device exclude each other.
 
 The order is the scheduler's only preference (first fit, no scoring; slices by name, devices in
-order): partial profiles from the first GPU on, full-GPU ones from the last GPU back, and within a
-GPU each profile packed from the high end of the memory slices, so the 4-slice placement at 0
-(4g.40gb, 3g.40gb) stays free longest (see two_ended_order and bench/mig_fragmentation.py).
+order): partial profiles from the first GPU on, full-GPU ones from the last GPU back; within a GPU
+small profiles from the low end and 3g/4g from the high end (see two_ended_order and
+bench/mig_fragmentation.py for what each choice is worth).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ ENGINE_COUNTERS: dict[str, Callable[[MigProfile], int]] = {
 Device = tuple[Gpu, MigPlacement | None]
 # The first-fit order of all dynamic-MIG devices of a node (GPUs in index order).
 PlacementOrder = Callable[[list[Gpu]], list[Device]]
-SMALL_SLICES = 4  # profiles up to half a GPU are packed from the first GPU on
+SMALL_SLICES = 2  # profiles packed from the low end of a GPU
+HALF_GPU_SLICES = 4  # profiles up to this many memory slices are placed from the first GPU on
 
 
 def counter_set_name(gpu: Gpu) -> str:
@@ -86,50 +87,43 @@ def consumes(gpu: Gpu, used: dict[str, int]) -> list[dict[str, object]]:
     ]
 
 
-def _per_gpu(gpus: list[Gpu], starts_descending: bool) -> list[Device]:
-    out: list[Device] = []
-    for gpu in gpus:
-        out.append((gpu, None))
-        placements = gpu.mig_placements()
-        rank = {p.profile.name: i for i, p in enumerate(placements)}
-        if starts_descending:
-            placements.sort(key=lambda p: (rank[p.profile.name], -p.start))
-        out += [(gpu, p) for p in placements]
-    return out
+def _by_profile(gpu: Gpu, start_key: Callable[[MigPlacement], int]) -> list[MigPlacement]:
+    """The GPU's placements, smallest profiles first (a request several profiles match takes the
+    smallest), each profile's placements ordered by `start_key`."""
+    placements = gpu.mig_placements()
+    rank = {p.profile.name: i for i, p in enumerate(placements)}
+    return sorted(placements, key=lambda p: (rank[p.profile.name], start_key(p)))
+
+
+def _split(p: MigPlacement) -> int:
+    """Small profiles (<= 2 memory slices) from the low end; larger ones from the high end, the
+    half that holds slice 7, which 1g.10gb and 2g.20gb can never use."""
+    return p.start if p.profile.memory_slices <= SMALL_SLICES else -p.start
 
 
 def ascending_order(gpus: list[Gpu]) -> list[Device]:
-    """Naive: GPU by GPU, each profile's placements as NVML lists them (low slice first), so a
-    1g.10gb takes slice 0 and with it the GPU's 4g.40gb, 7g.80gb and one 3g.40gb."""
-    return _per_gpu(gpus, starts_descending=False)
+    """Naive: GPU by GPU, the whole GPU, then each profile's placements as NVML lists them."""
+    return [d for g in gpus for d in [(g, None), *((g, p) for p in _by_profile(g, lambda p: p.start))]]
 
 
 def packed_order(gpus: list[Gpu]) -> list[Device]:
     """GPU by GPU, each profile's placements from the high end down."""
-    return _per_gpu(gpus, starts_descending=True)
+    return [d for g in gpus for d in [(g, None), *((g, p) for p in _by_profile(g, lambda p: -p.start))]]
 
 
 def two_ended_order(gpus: list[Gpu]) -> list[Device]:
-    """dra-gpu's order. Profiles up to half a GPU (1g..4g) from the first GPU on, each packed
-    from the high end of the GPU; the full-GPU profile (7g.80gb) and whole GPUs from the last GPU
-    back. Partial instances pile onto the GPUs already split, and the requests that need a whole
-    GPU find one at the other end, so the two meet only when the node is nearly full."""
-    small: list[Device] = []
-    large: list[Device] = []
-    for gpu in gpus:
-        for dev in packed_order([gpu])[1:]:
-            placement = dev[1]
-            is_small = placement is not None and placement.profile.memory_slices <= SMALL_SLICES
-            (small if is_small else large).append(dev)
-    large_by_gpu: dict[int, list[Device]] = {}
-    for dev in large:
-        large_by_gpu.setdefault(dev[0].index, []).append(dev)
-    out = small
-    for gpu in sorted(gpus, key=lambda g: g.index, reverse=True):
-        out += large_by_gpu.get(gpu.index, [])
-    for gpu in sorted(gpus, key=lambda g: g.index, reverse=True):
-        out.append((gpu, None))
-    return out
+    """dra-gpu's order. Profiles up to half a GPU from the first GPU on (small ones from the low
+    end of each GPU, 3g/4g from the high end); the full-GPU profile (7g.80gb) and whole GPUs from
+    the last GPU back. Partial instances pile onto the GPUs already split, and requests that need
+    a whole GPU find one at the other end, so the two meet only when the node is nearly full."""
+    by_index = sorted(gpus, key=lambda g: g.index)
+    partial: list[Device] = []
+    full: list[Device] = []
+    for gpu in by_index:
+        for p in _by_profile(gpu, _split):
+            (partial if p.profile.memory_slices <= HALF_GPU_SLICES else full).append((gpu, p))
+    full.sort(key=lambda d: -d[0].index)  # stable: a GPU's own order is kept
+    return partial + full + [(g, None) for g in reversed(by_index)]
 
 
 PLACEMENT_ORDERS: dict[str, PlacementOrder] = {

@@ -161,14 +161,15 @@ def test_slices_follow_the_135_rules():
     assert whole["consumesCounters"][0]["counters"] == sets["gpu-0000-18-00-0-counters"]
 
 
-def test_order_packs_small_profiles_from_the_high_end():
+def test_order_small_from_the_low_end_large_from_the_high_end_7g_from_the_last_gpu():
     slices = build_slices(_inventory())
     names = [d["name"] for s in slices for d in s["spec"].get("devices") or []]
     gpu0 = [n.removeprefix("gpu-0000-18-00-0-mig-") for n in names if n.startswith("gpu-0000-18-00-0-mig-")]
-    assert gpu0[:7] == [f"1g10gb-{i}" for i in (6, 5, 4, 3, 2, 1, 0)]
+    assert gpu0[:7] == [f"1g10gb-{i}" for i in range(7)]
+    assert gpu0.index("2g20gb-0") < gpu0.index("2g20gb-4")
     assert gpu0.index("3g40gb-4") < gpu0.index("3g40gb-0")
     # Partial profiles from the first GPU on; whole-GPU ones (7g, the GPU itself) from the last back.
-    assert names.index("gpu-0000-18-00-0-mig-3g40gb-0") < names.index("gpu-0000-2a-00-0-mig-1g10gb-6")
+    assert names.index("gpu-0000-18-00-0-mig-4g40gb-0") < names.index("gpu-0000-2a-00-0-mig-1g10gb-0")
     sevens = [n[: len("gpu-0000-18-00-0")] for n in names if n.endswith("-mig-7g80gb-0")]
     wholes = [n for n in names if "-mig-" not in n]
     assert sevens == wholes == sorted(wholes, reverse=True)

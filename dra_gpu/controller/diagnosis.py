@@ -156,19 +156,25 @@ def _counter_reason(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bo
                     k = (d.pool_key, cset, cname)
                     used[k] = used.get(k, Decimal(0)) + v
                     users.setdefault(k, []).append(d.name)
+        over = []
         for k, total in used.items():
             pool = cluster.pool(k[0])
             have = pool.counters.get((k[1], k[2])) if pool is not None else None
             if have is not None and total > have:
-                held = taken.get(k, Decimal(0))
-                by_others = f" ({format_quantity(held)} taken by allocated devices)" if held else ""
-                where = f" on {node}" if node else ""
-                return (
-                    f"the devices it needs share counters and no choice{where} fits them: e.g. "
-                    f"{', '.join(users[k])} need {format_quantity(total - held)} of counter {k[2]} of "
-                    f"{k[1]}, which has {format_quantity(have)}{by_others} (MIG placements that overlap, "
-                    "or a MIG device and its whole GPU, exclude each other)"
-                )
+                over.append((k, total, have))
+        # A placement overlap says the most: name a slice-like counter (held by one device) first.
+        over.sort(key=lambda o: (o[2] != 1, o[0][2]))
+        if over:
+            k, total, have = over[0]
+            held = taken.get(k, Decimal(0))
+            by_others = f" ({format_quantity(held)} taken by allocated devices)" if held else ""
+            where = f" on {node}" if node else ""
+            return (
+                f"the devices it needs share counters and no choice{where} fits them: e.g. "
+                f"{', '.join(users[k])} need {format_quantity(total - held)} of counter {k[2]} of "
+                f"{k[1]}, which has {format_quantity(have)}{by_others} (MIG placements that overlap, "
+                "or a MIG device and its whole GPU, exclude each other)"
+            )
     return ""
 
 

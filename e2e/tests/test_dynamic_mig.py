@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from support import wait_for
+from support import ROOT, wait_for
 from test_kubelet_plugin import (
     CDI_DIR,
     DRIVER,
@@ -199,7 +199,7 @@ def test_seven_1g_fill_one_gpu_and_the_eighth_goes_to_the_next(
         core, namespace, pods[7], {"resource_claim_template_name": "one-g"}, "sleep 3600", busybox_image
     )
     (eighth,) = wait_for("the eighth allocated", lambda: allocated(dyn, namespace, pods[7]), timeout=60)
-    assert eighth == f"{GPU1}-mig-1g10gb-6"
+    assert eighth == f"{GPU1}-mig-1g10gb-0"
 
     def all_running():
         return all(core.read_namespaced_pod(p, namespace).status.phase == "Running" for p in pods)
@@ -264,7 +264,7 @@ def test_a_14gib_model_fits_no_1g_but_runs_on_a_2g(mig_plugin, core, dyn, namesp
     claim_pod(core, namespace, "model", {"resource_claim_template_name": "model-2g"}, SHOW, busybox_image)
     log = running_log(core, namespace, "model")
     (device,) = allocated(dyn, namespace, "model")
-    assert device == f"{GPU0}-mig-2g20gb-4"
+    assert device == f"{GPU0}-mig-2g20gb-0"
     assert [i["uuid"] for i in instances()] == [visible(log)]
     delete_pods(core, namespace, "model")
     wait_for("the 2g.20gb instance to be destroyed", lambda: not instances(), timeout=90)
@@ -307,4 +307,58 @@ def test_plugin_killed_between_gpu_and_compute_instance(mig_plugin, core, dyn, n
     )
     delete_pods(core, namespace, "crash")
     wait_for("the instance to be destroyed", lambda: not instances(), timeout=90)
+    wait_claims_gone(dyn, namespace)
+
+
+def test_a_trace_sample_places_as_explain_predicts(mig_plugin, core, dyn, namespace, busybox_image):
+    """24 arrivals of bench/mig_fragmentation.py's trace (seed 1, mean life 80: two departures,
+    three refusals) through the real scheduler, against the bench's simulation of it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import mig_fragmentation as bench
+
+    arrivals = bench.trace(1, 24, 80)
+    predicted = bench.run("two-ended", arrivals)["placements"]
+    for profile in {a.profile for a in arrivals}:
+        name = "t-" + profile.replace(".", "")
+        template(dyn, namespace, name, device_class=MIG_CLASS, selectors=[profile_is(profile)])
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    live: dict[str, int] = {}  # pod -> the step it leaves at
+    got: list[str | None] = []
+
+    def claim_of(pod):
+        items = claims.get(namespace=namespace).to_dict()["items"]
+        return [c for c in items if pod in [o["name"] for o in c["metadata"].get("ownerReferences") or []]]
+
+    for a, (_, _, want) in zip(arrivals, predicted, strict=True):
+        for pod in [p for p, leaves in live.items() if leaves <= a.step]:
+            delete_pods(core, namespace, pod)
+            del live[pod]
+            wait_for(f"{pod}'s claim to go", lambda pod=pod: not claim_of(pod), timeout=60)
+        pod = f"t{a.step}"
+        template_name = "t-" + a.profile.replace(".", "")
+        claim_pod(
+            core, namespace, pod, {"resource_claim_template_name": template_name}, "sleep 3600", busybox_image
+        )
+        if want is None:
+            time.sleep(5)
+            assert not allocated(dyn, namespace, pod), (
+                f"step {a.step}: {a.profile} was expected to be refused"
+            )
+            got.append(None)
+            delete_pods(core, namespace, pod)
+            wait_for(f"{pod}'s claim to go", lambda pod=pod: not claim_of(pod), timeout=60)
+            continue
+        (device,) = wait_for(
+            f"step {a.step}: {a.profile} allocated", lambda pod=pod: allocated(dyn, namespace, pod)
+        )
+        got.append(device)
+        live[pod] = a.leaves
+    assert got == [want for _, _, want in predicted]
+    refused = sum(1 for d in got if d is None)
+    print(
+        f"\n[e2e] trace sample: {len(got)} arrivals placed by the real scheduler as explain "
+        f"predicted ({refused} refused)"
+    )
+    delete_pods(core, namespace, *live)
+    wait_for("the trace's MIG instances to be destroyed", lambda: not instances(), timeout=120)
     wait_claims_gone(dyn, namespace)

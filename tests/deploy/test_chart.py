@@ -163,6 +163,9 @@ def test_daemonset_driver_root_and_cdi_hook(render: Render) -> None:
     assert "NVIDIA_CDI_HOOK_PATH" not in env
     hooked = env_of(container(one(render("kubeletPlugin.cdiHookPath=/usr/bin/nvidia-cdi-hook"), "DaemonSet")))
     assert hooked["NVIDIA_CDI_HOOK_PATH"] == "/usr/bin/nvidia-cdi-hook"
+    assert "DRA_GPU_DYNAMIC_MIG" not in env
+    dynamic = env_of(container(one(render("kubeletPlugin.dynamicMig=true"), "DaemonSet")))
+    assert dynamic["DRA_GPU_DYNAMIC_MIG"] == "true"
     text = (CHART / "templates" / "kubeletplugin-daemonset.yaml").read_text()
     assert re.search(r"# Privileged: .*\n", text), "privileged mode must say why in a comment"
 
