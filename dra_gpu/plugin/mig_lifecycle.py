@@ -60,7 +60,7 @@ class MigInstances:
         try:
             return self.nv.nvmlDeviceGetHandleByUUID(parent_uuid)
         except self.nv.NVMLError as exc:
-            raise MigError(f"GPU {parent_uuid}: not found by NVML: {exc}", exc) from exc
+            raise MigError(f"GPU {parent_uuid}: not found by NVML: {_describe(exc)}", exc) from exc
 
     def create_gpu_instance(self, parent_uuid: str, placement: MigPlacement) -> int:
         """Create the GI at exactly `placement`; returns its ID."""
@@ -74,7 +74,7 @@ class MigInstances:
             except self.nv.NVMLError as exc:
                 raise MigError(
                     f"GPU {parent_uuid}: cannot create a {p.name} GPU instance at memory slices "
-                    f"{placement.start}-{placement.start + p.memory_slices - 1}: NVML: {exc}"
+                    f"{placement.start}-{placement.start + p.memory_slices - 1}: NVML: {_describe(exc)}"
                     f"{self._occupants(h, placement)}",
                     exc,
                 ) from exc
@@ -91,7 +91,7 @@ class MigInstances:
             except self.nv.NVMLError as exc:
                 raise MigError(
                     f"GPU {parent_uuid}: cannot create the compute instance of GPU instance {gi_id} "
-                    f"({placement.profile.name}): NVML: {exc}",
+                    f"({placement.profile.name}): NVML: {_describe(exc)}",
                     exc,
                 ) from exc
 
@@ -141,7 +141,7 @@ class MigInstances:
                         )
             except self.nv.NVMLError as exc:
                 raise MigError(
-                    f"GPU {parent_uuid}: cannot read MIG device {gi_id}/{ci_id}: NVML: {exc}", exc
+                    f"GPU {parent_uuid}: cannot read MIG device {gi_id}/{ci_id}: NVML: {_describe(exc)}", exc
                 ) from exc
         raise MigError(f"GPU {parent_uuid}: no MIG device for GPU instance {gi_id}, compute instance {ci_id}")
 
@@ -216,7 +216,7 @@ class MigInstances:
                 return False
             except self.nv.NVMLError as exc:
                 raise MigError(
-                    f"GPU {parent_uuid}: cannot look up GPU instance {gi_id}: NVML: {exc}", exc
+                    f"GPU {parent_uuid}: cannot look up GPU instance {gi_id}: NVML: {_describe(exc)}", exc
                 ) from exc
             if (int(info.profileId), int(info.placement.start)) != (profile_id, start):
                 log.warning(
@@ -240,7 +240,7 @@ class MigInstances:
             except self.nv.NVMLError as exc:
                 raise MigError(
                     f"GPU {parent_uuid}: cannot destroy GPU instance {gi_id} (profile {profile_id} at "
-                    f"{start}): NVML: {exc}",
+                    f"{start}): NVML: {_describe(exc)}",
                     exc,
                 ) from exc
             log.info(
@@ -251,6 +251,13 @@ class MigInstances:
                 start,
             )
             return True
+
+
+def _describe(exc: Exception) -> str:
+    """NVML's words for an error, with its name when the library could not give them."""
+    text = str(exc)
+    name = type(exc).__name__.removeprefix("NVMLError_").removeprefix("NVMLError")
+    return text if not name or name in text.replace(" ", "") else f"{text} ({name})"
 
 
 def _placement(nv: Any, start: int, size: int) -> Any:

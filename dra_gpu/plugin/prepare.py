@@ -265,32 +265,42 @@ class Preparer:
         self, ref: ClaimRef, entry: dict[str, Any], targets: list[Target]
     ) -> dict[str, MigDevice]:
         """Make each target's GPU and compute instance, recording every step durably."""
-        assert self.mig is not None
         created: dict[str, MigDevice] = {}
-        for rec, (name, gpu, placement) in zip(entry["migInstances"], targets, strict=True):
-            gi_id = await asyncio.to_thread(self.mig.create_gpu_instance, gpu.uuid, placement)
-            rec.update(giId=gi_id, step=MIG_GPU_INSTANCE)
-            async with self._state_lock:
-                self._stage(ref.uid, _snapshot(entry))
-            await self._commit()
-            failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
-            ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
-            mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
-            rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
-            async with self._state_lock:
-                self._stage(ref.uid, _snapshot(entry))
-            await self._commit()
-            created[name] = mig
-            log.info(
-                "mig instance created claim=%s device=%s gpu=%s gi=%d ci=%d uuid=%s",
-                ref,
-                name,
-                gpu.uuid,
-                gi_id,
-                ci_id,
-                mig.uuid,
-            )
+        for rec, target in zip(entry["migInstances"], targets, strict=True):
+            try:
+                created[target[0]] = await self._create_instance(ref, entry, rec, target)
+            except MigError as exc:
+                raise MigError(f"device {target[0]}: {exc}", exc.nvml_error) from exc
         return created
+
+    async def _create_instance(
+        self, ref: ClaimRef, entry: dict[str, Any], rec: dict[str, Any], target: Target
+    ) -> MigDevice:
+        """GPU instance, its ID on record, compute instance, its ID and the MIG UUID on record."""
+        assert self.mig is not None
+        name, gpu, placement = target
+        gi_id = await asyncio.to_thread(self.mig.create_gpu_instance, gpu.uuid, placement)
+        rec.update(giId=gi_id, step=MIG_GPU_INSTANCE)
+        async with self._state_lock:
+            self._stage(ref.uid, _snapshot(entry))
+        await self._commit()
+        failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
+        ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
+        mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
+        rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
+        async with self._state_lock:
+            self._stage(ref.uid, _snapshot(entry))
+        await self._commit()
+        log.info(
+            "mig instance created claim=%s device=%s gpu=%s gi=%d ci=%d uuid=%s",
+            ref,
+            name,
+            gpu.uuid,
+            gi_id,
+            ci_id,
+            mig.uuid,
+        )
+        return mig
 
     async def _destroy_recorded(self, record: ClaimRecord) -> None:
         try:

@@ -212,3 +212,36 @@ def test_a_kept_claims_instance_survives_restart_and_orphans_go_unless_busy(node
     left = sorted(i.placement for i in after.live())
     assert left == [1, 6]  # the busy orphan (logged) and the claim's instance
     assert idle.gi_id not in {i.gi_id for i in after.live()}
+
+
+def test_an_instance_in_use_is_not_destroyed_and_the_claim_stays(node: Node) -> None:
+    ref = node.add(claim(uid(), [f"{GPU0}-mig-1g10gb-0"]))
+    asyncio.run(node.preparer.prepare(ref))
+    (inst,) = node.live()
+    inst.processes.append(777)  # the container is still running on it
+    with pytest.raises(
+        PrepareError, match=r"cannot destroy GPU instance 1 \(profile 19 at 0\): NVML: .*InUse"
+    ):
+        asyncio.run(node.preparer.unprepare(ref))
+    assert node.checkpoint.has(ref.uid) and node.cdi.path(ref.uid).exists()
+    inst.processes.clear()
+    asyncio.run(node.preparer.unprepare(ref))  # the kubelet's retry
+    assert node.live() == [] and not node.checkpoint.has(ref.uid)
+
+
+def test_failpoints_and_simulated_failures_parse_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dra_gpu import failpoints
+    from dra_gpu.discovery.fake_nvml import parse_failures
+
+    monkeypatch.setenv(failpoints.ENV, "a=error")
+    with pytest.raises(failpoints.FailpointError):
+        failpoints.hit("a")
+    failpoints.hit("b")  # not set: nothing
+    monkeypatch.setenv(failpoints.ENV, "a=explode")
+    with pytest.raises(ValueError, match="action must be one of kill, error"):
+        failpoints.hit("a")
+    assert parse_failures("nvmlGpuInstanceDestroy=InUse") == {
+        "nvmlGpuInstanceDestroy": pynvml.NVML_ERROR_IN_USE
+    }
+    with pytest.raises(ValueError, match="DRA_GPU_SIM_NVML_FAIL"):
+        parse_failures("nvmlGpuInstanceDestroy=Oops")
