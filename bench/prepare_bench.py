@@ -29,8 +29,8 @@ import grpc
 import yaml
 from kubernetes import client, config
 
-from dra_gpu.plugin._proto import dra_v1_pb2 as pb
-from dra_gpu.plugin._proto import dra_v1_pb2_grpc as pb_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as pb
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBELET_ROOT = Path(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet"))

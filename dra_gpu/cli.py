@@ -18,6 +18,7 @@ from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
 from dra_gpu.discovery.driver_install import describe as describe_installation
 from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
+from dra_gpu.doctor.command import add_doctor_command
 from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from dra_gpu.inventory_report import render
 from dra_gpu.model import DEFAULT_DRIVER_NAME
@@ -144,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
         default=float(env("DRA_GPU_SWEEP_GRACE", "60")),
         help="seconds a claim must be gone before the sweeper unprepares it",
     )
+    add_doctor_command(sub)
     p.set_defaults(extra_commands=add_commands(sub))
     return p
 
@@ -232,6 +234,12 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dra_gpu.doctor.command import cmd_doctor as run_doctor
+
+    return run_doctor(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -245,7 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command != "inventory":
         logging.getLogger("dra_gpu").setLevel(logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = args.extra_commands
-    commands = {"inventory": cmd_inventory, "kubelet-plugin": cmd_kubelet_plugin, **handlers}
+    commands = {
+        "inventory": cmd_inventory,
+        "kubelet-plugin": cmd_kubelet_plugin,
+        "doctor": cmd_doctor,
+        **handlers,
+    }
     try:
         return commands[args.command](args)
     except BrokenPipeError:

@@ -5,20 +5,32 @@ The connection, TLS and credentials come from the client's Configuration and Api
 the generated per-resource API classes: objects stay plain JSON dicts (the driver builds and
 compares raw API objects), and the prepare path skips a model layer it does not need. Every call
 has a timeout.
+
+It lives here, not in dra_gpu.kubeletplugin, because the controller uses it too and must not import
+the node side. `list_watch` is the one list+watch loop of the driver (slice publisher, webhook caches).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.aio import client as kclient
 from kubernetes.aio import config as kconfig
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
+from tenacity.wait import wait_base
+
+log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 10.0
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
+HTTP_GONE = 410
 
 
 class KubeError(RuntimeError):
@@ -130,7 +142,7 @@ class Kube:
         resource_version: str,
         timeout_seconds: int,
         field_selector: str | None = None,
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """Watch events (type, object) until the server ends the watch after `timeout_seconds`."""
         query = {
             "resourceVersion": resource_version,
@@ -151,12 +163,106 @@ class Kube:
         finally:
             resp.release()
 
+    async def get_json(self, path: str) -> dict[str, Any] | None:
+        """Any GET (an object, an API group's discovery document); None when it does not exist."""
+        resp = await self._request("GET", path)
+        if resp.status == 404:
+            resp.release()
+            return None
+        return await _json(resp, f"get {path}")
+
+    async def create(self, path: str, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """POST an object to a collection; with `dry_run` the apiserver validates it and stores nothing."""
+        resp = await self._request("POST", path, {"dryRun": "All"} if dry_run else None, body)
+        return await _json(resp, f"create in {path}")
+
     async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
         return await self.list_objects(f"{RESOURCE_V1}/resourceslices", field_selector)
 
-    def watch_slices(
-        self, field_selector: str, resource_version: str, timeout_seconds: int
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        return self.watch_objects(
-            f"{RESOURCE_V1}/resourceslices", resource_version, timeout_seconds, field_selector
-        )
+
+# ---------------------------------------------------------------- list + watch
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff from `initial` up to `maximum`, plus up to `initial` of random jitter so
+    that a fleet of nodes does not retry in step."""
+
+    initial: float = 1.0
+    maximum: float = 30.0
+
+    def wait(self) -> wait_base:
+        return wait_exponential(multiplier=self.initial, max=self.maximum) + wait_random(0, self.initial)
+
+
+ListHandler = Callable[[list[dict[str, Any]], str], Awaitable[None]]
+EventHandler = Callable[[str, dict[str, Any]], Awaitable[bool]]
+
+
+async def list_watch(
+    kube: Kube,
+    path: str,
+    on_list: ListHandler,
+    on_event: EventHandler,
+    *,
+    field_selector: str | None = None,
+    watch_seconds: int = 300,
+    backoff: Backoff = Backoff(),
+) -> None:
+    """List a collection, then watch it from the list's resourceVersion, forever (cancel to stop).
+
+    `on_list(items, resourceVersion)` gets every full list; `on_event(type, object)` every ADDED,
+    MODIFIED or DELETED event and returns False to have the collection listed again at once. A new
+    list also follows the end of each watch and a 410 Gone (the resourceVersion is too old). Any
+    other failure is retried after a backoff that grows until a round (list, then watch to its end)
+    succeeds. The watch has a deadline of its own, so a stalled connection cannot hang the loop.
+    """
+    while True:
+        async for attempt in AsyncRetrying(
+            wait=backoff.wait(),
+            retry=retry_if_exception_type(Exception),
+            before_sleep=_log_retry(path),
+        ):
+            with attempt:
+                await _list_then_watch(kube, path, on_list, on_event, field_selector, watch_seconds)
+
+
+async def _list_then_watch(
+    kube: Kube,
+    path: str,
+    on_list: ListHandler,
+    on_event: EventHandler,
+    field_selector: str | None,
+    watch_seconds: int,
+) -> None:
+    items, version = await kube.list_objects(path, field_selector)
+    await on_list(items, version)
+    try:
+        async with (
+            asyncio.timeout(watch_seconds + REQUEST_TIMEOUT),
+            contextlib.aclosing(kube.watch_objects(path, version, watch_seconds, field_selector)) as events,
+        ):
+            async for kind, obj in events:
+                if kind == "BOOKMARK":
+                    continue
+                if kind == "ERROR":
+                    code = int(obj.get("code") or 0)
+                    if code == HTTP_GONE:
+                        log.info("watch expired, listing again path=%s", path)
+                        return
+                    raise KubeError(code, f"watch {path}: {obj.get('message') or obj}")
+                if not await on_event(kind, obj):
+                    return
+    except KubeError as exc:
+        if exc.status != HTTP_GONE:
+            raise
+        log.info("watch expired, listing again path=%s", path)
+
+
+def _log_retry(path: str) -> Callable[[RetryCallState], None]:
+    def log_it(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        delay = state.next_action.sleep if state.next_action else 0.0
+        log.warning("list+watch failed, retrying in %.2fs path=%s error=%r", delay, path, str(error)[:200])
+
+    return log_it

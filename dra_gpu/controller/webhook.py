@@ -1,11 +1,13 @@
 """`dra-gpu controller`: the validating admission webhook (AdmissionReview v1 over HTTPS).
 
 One asyncio loop serves HTTPS (aiohttp, already a dependency of `kubernetes.aio`, so no second HTTP
-stack) and keeps the cluster view current with list+watch loops of `kubernetes.aio` on ResourceSlices,
-DeviceClasses and ResourceClaims. The certificate and key are re-read when their files change: the
-new chain is loaded into the live SSLContext, so new connections get it without a restart.
+stack) and keeps the cluster view current with list+watch loops (`dra_gpu.kube.list_watch`) on
+ResourceSlices, DeviceClasses and ResourceClaims. The certificate and key are re-read when their files
+change: the new chain is loaded into the live SSLContext, so new connections get it without a restart.
 
-Endpoints: POST /validate (also /), GET /healthz, GET /metrics (Prometheus text).
+Endpoints: POST /validate (also /), GET /healthz (liveness), GET /readyz (200 once the watch caches
+have their first list), GET /metrics (Prometheus text). On SIGTERM it stops accepting connections,
+lets the reviews in flight finish (at most SHUTDOWN_TIMEOUT seconds) and exits 0.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import ssl
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +39,13 @@ from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.rules import KINDS, Validator
 from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
-from dra_gpu.kube import RESOURCE_V1, Kube
+from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 log = logging.getLogger(__name__)
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
 ADMISSION_API = "admission.k8s.io/v1"
+SHUTDOWN_TIMEOUT = 10.0  # well inside the pod's 30 s grace period
 
 
 @dataclass(frozen=True)
@@ -179,19 +183,54 @@ def _bad_request(message: str) -> web.Response:
 
 
 class Webhook:
-    def __init__(self, state: ClusterState, metrics: Metrics) -> None:
+    def __init__(self, state: ClusterState, metrics: Metrics, watched: Collection[str] = ()) -> None:
         self.state = state
         self.metrics = metrics
+        self.watched = watched  # the stores /readyz waits for (their first list)
+        self.in_flight = 0
+        self._idle = asyncio.Event()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REVIEW_BYTES)
+        app = web.Application(client_max_size=MAX_REVIEW_BYTES, middlewares=[self._count_in_flight])
         app.router.add_post("/validate", self.review)
         app.router.add_post("/", self.review)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_page)
         return app
 
+    @web.middleware
+    async def _count_in_flight(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> int:
+        """Wait until no request is in flight, at most `timeout` seconds; returns how many still are.
+
+        aiohttp's own shutdown stops reading from open connections, which would drop a review whose
+        body is still arriving; so the listener is closed first and the open connections drained here.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self.in_flight:
+                    self._idle.clear()
+                    await self._idle.wait()
+        return self.in_flight
+
     async def healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(self, _: web.Request) -> web.Response:
+        waiting = sorted(set(self.watched) - self.state.synced)
+        if waiting:
+            return web.Response(status=503, text=f"not ready: waiting for the first list of {waiting}\n")
         return web.Response(text="ok\n")
 
     async def metrics_page(self, _: web.Request) -> web.Response:
@@ -283,47 +322,59 @@ def _unchanged_spec(req: Mapping[str, Any]) -> bool:
 # ---------------------------------------------------------------- watching the cluster
 
 
-async def watch_resource(state: ClusterState, store: str, kube: Kube, path: str, metrics: Metrics) -> None:
-    """List, then watch from the list's resourceVersion; relist on 410 Gone or any error (with backoff)."""
-    backoff = 1.0
-    while True:
-        try:
-            items, rv = await kube.list_objects(path)
-            state.replace(store, items)
-            log.info(
-                "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), rv
-            )
-            async for kind, obj in kube.watch_objects(path, rv, timeout_seconds=300):
-                backoff = 1.0
-                metrics.watch_events.labels(store).inc()
-                if kind == "ERROR":
-                    break  # e.g. 410 Gone: list again
-                if kind != "BOOKMARK":
-                    state.apply(store, kind, obj)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning(
-                "event=watch_error resource=%s error=%r retry_in=%.0fs", store, str(exc)[:200], backoff
-            )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
+WATCHED = (("slices", "resourceslices"), ("classes", "deviceclasses"), ("claims", "resourceclaims"))
+WATCH_BACKOFF = Backoff(initial=1.0, maximum=30.0)
+
+
+async def watch_resource(
+    state: ClusterState,
+    store: str,
+    kube: Kube,
+    path: str,
+    metrics: Metrics,
+    backoff: Backoff = WATCH_BACKOFF,
+) -> None:
+    """Keep one store of the cluster view current (see dra_gpu.kube.list_watch)."""
+
+    async def replace(items: list[dict[str, Any]], version: str) -> None:
+        state.replace(store, items)
+        log.info(
+            "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), version
+        )
+
+    async def apply(kind: str, obj: dict[str, Any]) -> bool:
+        metrics.watch_events.labels(store).inc()
+        state.apply(store, kind, obj)
+        return True
+
+    await list_watch(kube, path, replace, apply, watch_seconds=300, backoff=backoff)
 
 
 async def start_watches(
     state: ClusterState, kubeconfig: str | None, metrics: Metrics
 ) -> list[asyncio.Task[None]]:
+    """One task watching the three stores; /readyz waits until each was listed once."""
     kube = await Kube.connect(kubeconfig)
-    stores = (("slices", "resourceslices"), ("classes", "deviceclasses"), ("claims", "resourceclaims"))
-    return [
-        asyncio.create_task(watch_resource(state, store, kube, f"{RESOURCE_V1}/{plural}", metrics))
-        for store, plural in stores
-    ]
+    state.synced.difference_update(store for store, _ in WATCHED)  # files loaded with -f do not count
+
+    async def watch_all() -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for store, plural in WATCHED:
+                    group.create_task(watch_resource(state, store, kube, f"{RESOURCE_V1}/{plural}", metrics))
+        finally:
+            await kube.close()
+
+    return [asyncio.create_task(watch_all(), name="watches")]
 
 
 async def serve(
-    config: WebhookConfig, ready: asyncio.Event | None = None, reload_interval: float = 2.0
+    config: WebhookConfig,
+    ready: asyncio.Event | None = None,
+    reload_interval: float = 2.0,
+    stop: asyncio.Event | None = None,
 ) -> None:
+    """Serve until `stop` is set (or the task is cancelled), then shut down gracefully."""
     metrics = Metrics()
     state = ClusterState(config.driver)
     if config.files:
@@ -332,7 +383,8 @@ async def serve(
         state.replace("classes", inputs.classes)
         state.replace("claims", inputs.claims)
     certs = CertReloader(config.cert, config.key, metrics)
-    runner = web.AppRunner(Webhook(state, metrics).app(), access_log=None)
+    webhook = Webhook(state, metrics, watched=[store for store, _ in WATCHED] if config.watch else ())
+    runner = web.AppRunner(webhook.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.address, config.port, ssl_context=certs.context)
     await site.start()
@@ -343,20 +395,33 @@ async def serve(
     if ready is not None:
         ready.set()
     try:
-        await asyncio.Event().wait()
+        await (stop or asyncio.Event()).wait()
+        log.info("event=stopping in_flight=%d timeout=%.0fs", webhook.in_flight, SHUTDOWN_TIMEOUT)
+        await site.stop()  # new connections are refused; the open ones are still served
+        left = await webhook.drain(SHUTDOWN_TIMEOUT)
+        if left:
+            log.warning("event=stop_timeout in_flight=%d", left)
     finally:
+        await runner.cleanup()
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        await runner.cleanup()
 
 
 def run(config: WebhookConfig) -> int:
     logging.getLogger().setLevel(logging.INFO)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop=stop)
+
     try:
-        asyncio.run(serve(config))
+        asyncio.run(main())
     except (OSError, ssl.SSLError, InputError) as exc:
         print(f"dra-gpu controller: {exc}", file=sys.stderr)
         return EXIT_USAGE

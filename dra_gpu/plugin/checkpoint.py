@@ -92,7 +92,8 @@ class ClaimRecord:
 
 
 class Checkpoint:
-    """In-memory view of the checkpoint file; every change is written through before returning."""
+    """In-memory view of the checkpoint file. Prepare stages changes in memory and makes them
+    durable with `write(encode())` (grouped, see prepare._commit); reconcile's removals write at once."""
 
     def __init__(self, path: Path, boot_id: str | None = None) -> None:
         self.path = path

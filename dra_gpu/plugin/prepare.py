@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from dra_gpu import failpoints
 from dra_gpu.api import ConfigError, GpuConfig, decode
 from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
+from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
@@ -28,18 +29,8 @@ from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances
 log = logging.getLogger(__name__)
 
 
-class PrepareError(RuntimeError):
+class PrepareError(ClaimError):
     """A claim that cannot be prepared (or unprepared); the message goes back to the kubelet."""
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    namespace: str
-    uid: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} (uid {self.uid})"
 
 
 class ClaimSource(Protocol):

@@ -1,5 +1,6 @@
-"""`dra-gpu kubelet-plugin`: wires discovery, slices, the gRPC services and HTTP endpoints on
-one asyncio event loop, and shuts them down cleanly on SIGTERM."""
+"""`dra-gpu kubelet-plugin`: builds the GPU driver (discovery, device nodes, checkpoint, CDI,
+prepare) and runs it through the kubelet-plugin layer, with the stale-claim sweeper and the HTTP
+endpoints, on one asyncio event loop; shuts them down cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,39 +11,22 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dra_gpu.discovery import discover, open_nvml
 from dra_gpu.kube import Kube
-from dra_gpu.plugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
-from dra_gpu.plugin._proto import dra_v1_pb2 as v1_pb
-from dra_gpu.plugin._proto import dra_v1_pb2_grpc as v1_grpc
-from dra_gpu.plugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
-from dra_gpu.plugin._proto import pluginregistration_v1_pb2 as reg_pb
-from dra_gpu.plugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
-from dra_gpu.plugin.grpc_services import (
-    DraV1beta1Service,
-    DraV1Service,
-    HealthService,
-    NodeService,
-    RegistrationService,
-    serve_unix,
-)
-from dra_gpu.plugin.metrics import PluginMetrics
+from dra_gpu.plugin.gpu_driver import GpuDriver
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.plugin.publisher import SlicePublisher
-from dra_gpu.slices import build_slices
 
 log = logging.getLogger(__name__)
-
-UNIX_PATH_MAX = 108
 
 
 @dataclass
@@ -64,33 +48,11 @@ class PluginConfig:
     dynamic_mig: bool = False  # publish MIG placements, create instances at prepare
 
     @property
-    def dra_socket(self) -> Path:
-        return self.plugin_dir / "dra.sock"
-
-    @property
-    def registration_socket(self) -> Path:
-        return self.registry_dir / f"{self.driver}-reg.sock"
+    def sockets(self) -> Sockets:
+        return Sockets.for_driver(self.driver, self.plugin_dir, self.registry_dir)
 
     def check(self) -> None:
-        for sock in (self.dra_socket, self.registration_socket):
-            if len(str(sock)) >= UNIX_PATH_MAX:
-                raise ValueError(f"socket path {sock} is longer than {UNIX_PATH_MAX - 1} bytes")
-
-
-async def self_check(cfg: PluginConfig, timeout: float = 2.0) -> str | None:
-    """None when both sockets answer as the kubelet would call them, else what failed."""
-    try:
-        async with grpc.aio.insecure_channel(f"unix://{cfg.registration_socket}") as ch:
-            info = await reg_grpc.RegistrationStub(ch).GetInfo(reg_pb.InfoRequest(), timeout=timeout)
-            if info.name != cfg.driver:
-                return f"registration socket answers for driver {info.name!r}"
-        async with grpc.aio.insecure_channel(f"unix://{cfg.dra_socket}") as ch:
-            await v1_grpc.DRAPluginStub(ch).NodePrepareResources(
-                v1_pb.NodePrepareResourcesRequest(), timeout=timeout
-            )
-    except grpc.aio.AioRpcError as exc:
-        return f"{exc.code().name}: {exc.details()}"
-    return None
+        self.sockets.check()
 
 
 class KubeletPlugin:
@@ -135,55 +97,27 @@ class KubeletPlugin:
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
         self.metrics.prepared_devices.set(preparer.prepared_device_count())
-        publisher = SlicePublisher(
-            kube,
-            cfg.driver,
-            cfg.node_name,
-            lambda gen: build_slices(inventory, cfg.driver, gen),
-            self.metrics,
-        )
-        await publisher.start()
-        node = NodeService(preparer, self.metrics)
-        health = HealthService(cfg.node_name, publisher.device_names)
-        dra_server = await serve_unix(
-            cfg.dra_socket,
-            [
-                (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
-                (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
-                (health_grpc.add_DRAResourceHealthServicer_to_server, health),
-            ],
-        )
-        registration = RegistrationService(cfg.driver, str(cfg.dra_socket))
-        reg_server = await serve_unix(
-            cfg.registration_socket, [(reg_grpc.add_RegistrationServicer_to_server, registration)]
-        )
-        http = await self._start_http()
-        tasks = [
-            asyncio.create_task(publisher.run(), name="publisher"),
-            asyncio.create_task(self._sweep(preparer), name="sweeper"),
-        ]
+        driver = GpuDriver(cfg.driver, cfg.node_name, inventory, preparer)
+        helper = KubeletPluginHelper(cfg.driver, cfg.node_name, driver, kube, cfg.sockets, self.metrics)
+        await helper.start()
+        http = await self._start_http(helper)
+        sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
         log.info(
             "kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
             cfg.driver,
             cfg.node_name,
-            cfg.dra_socket,
-            cfg.registration_socket,
+            cfg.sockets.dra,
+            cfg.sockets.registration,
         )
         self.ready.set()
         try:
             await self.stopping.wait()
         finally:
             log.info("kubelet plugin stopping")
-            # Registration socket first: the kubelet stops sending work before the service goes.
-            await reg_server.stop(grace=1)
-            cfg.registration_socket.unlink(missing_ok=True)
-            await dra_server.stop(grace=5)
-            cfg.dra_socket.unlink(missing_ok=True)
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await helper.stop()
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             if http is not None:
                 await http.cleanup()
             await kube.close()
@@ -197,13 +131,13 @@ class KubeletPlugin:
             except Exception as exc:
                 log.warning("stale-claim sweep failed error=%r", str(exc))
 
-    async def _start_http(self) -> web.AppRunner | None:
+    async def _start_http(self, helper: KubeletPluginHelper) -> web.AppRunner | None:
         if not self.cfg.http_address:
             return None
         host, _, port = self.cfg.http_address.rpartition(":")
 
         async def healthz(_request: web.Request) -> web.Response:
-            problem = await self_check(self.cfg)
+            problem = await helper.self_check()
             if problem is None:
                 return web.Response(text="ok\n")
             return web.Response(status=503, text=f"unhealthy: {problem}\n")

@@ -201,7 +201,8 @@ def test_controller_deployment_pdb_service_webhook(render: Render) -> None:
     assert c["args"][0] == "controller"
     assert "--cert=/tls/tls.crt" in c["args"] and "--key=/tls/tls.key" in c["args"]
     assert "--port=8443" in c["args"]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "https", "scheme": "HTTPS"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}

@@ -12,23 +12,21 @@ from typing import Any
 
 import grpc
 
-from dra_gpu.plugin._proto import dra_health_v1alpha1_pb2 as health_pb
-from dra_gpu.plugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
-from dra_gpu.plugin._proto import dra_v1_pb2 as v1_pb
-from dra_gpu.plugin._proto import dra_v1_pb2_grpc as v1_grpc
-from dra_gpu.plugin._proto import dra_v1beta1_pb2 as v1beta1_pb
-from dra_gpu.plugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
-from dra_gpu.plugin._proto import pluginregistration_v1_pb2 as reg_pb
-from dra_gpu.plugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
-from dra_gpu.plugin.grpc_services import (
-    DraV1beta1Service,
-    DraV1Service,
-    HealthService,
-    NodeService,
-    RegistrationService,
-    serve_unix,
-)
-from dra_gpu.plugin.metrics import PluginMetrics
+from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2 as health_pb
+from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
+from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
+from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.kubeletplugin.driver import DeviceHealth, Health
+from dra_gpu.kubeletplugin.health import HealthService
+from dra_gpu.kubeletplugin.helper import serve_unix
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
+from dra_gpu.kubeletplugin.node_service import DraV1beta1Service, DraV1Service, NodeService
+from dra_gpu.kubeletplugin.registration import RegistrationService
+from dra_gpu.plugin.gpu_driver import GpuDriver
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names
 
 
@@ -36,7 +34,7 @@ async def with_servers(core: PluginCore, body: Any) -> Any:
     sock_dir = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))  # unix paths must be < 108 bytes
     try:
         metrics = PluginMetrics()
-        node = NodeService(core.preparer, metrics)
+        node = NodeService(GpuDriver(DRIVER, NODE, core.inventory, core.preparer), metrics)
         dra = sock_dir / "dra.sock"
         dra.write_text("stale socket from a previous run")
         dra_server = await serve_unix(
@@ -46,7 +44,10 @@ async def with_servers(core: PluginCore, body: Any) -> Any:
                 (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
                 (
                     health_grpc.add_DRAResourceHealthServicer_to_server,
-                    HealthService(NODE, lambda: gpu_names(core), resend_seconds=0.05),
+                    HealthService(
+                        lambda: [DeviceHealth(NODE, n, Health.HEALTHY) for n in gpu_names(core)],
+                        resend_seconds=0.05,
+                    ),
                 ),
             ],
         )

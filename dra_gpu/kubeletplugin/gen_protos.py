@@ -1,4 +1,4 @@
-"""Generates the Python gRPC stubs for `protos/*.proto` into `dra_gpu/plugin/_proto/`.
+"""Generates the Python gRPC stubs for `protos/*.proto` into `dra_gpu/kubeletplugin/_proto/`.
 
 Run at install time (`scripts/setup`, the wheel build in setup.py, the image build); generated code
 is never edited or committed. protoc writes absolute imports (`import dra_v1_pb2`); they are
@@ -39,7 +39,9 @@ def generate(proto_dir: Path, out_dir: Path) -> None:
         text = path.read_text()
         fixed = re.sub(r"^import (\w+_pb2) as", r"from . import \1 as", text, flags=re.M)
         path.write_text(fixed)
-    (out_dir / "__init__.py").write_text('"""Generated gRPC stubs; see dra_gpu/plugin/gen_protos.py."""\n')
+    (out_dir / "__init__.py").write_text(
+        '"""Generated gRPC stubs; see dra_gpu/kubeletplugin/gen_protos.py."""\n'
+    )
 
 
 def main() -> None:

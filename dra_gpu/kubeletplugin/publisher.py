@@ -14,15 +14,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay
 
-from dra_gpu.kube import Kube, KubeError
-from dra_gpu.plugin.metrics import PluginMetrics
+from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, KubeError, list_watch
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
 log = logging.getLogger(__name__)
 
+SLICES = f"{RESOURCE_V1}/resourceslices"
 WATCH_SECONDS = 60
-MAX_BACKOFF = 10.0
+# Shorter than the webhook's: while this node's slices are gone, its devices cannot be allocated.
+BACKOFF = Backoff(initial=0.2, maximum=10.0)
 
 
 def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
@@ -78,7 +80,7 @@ class SlicePublisher:
     async def start(self, timeout: float = 120.0) -> None:
         """First publication: keep the stored generation when nothing changed, else bump it."""
         async for attempt in AsyncRetrying(
-            wait=wait_exponential(multiplier=0.2, max=MAX_BACKOFF),
+            wait=BACKOFF.wait(),
             stop=stop_after_delay(timeout),
             retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
             reraise=True,
@@ -132,32 +134,25 @@ class SlicePublisher:
                     path,
                 )
 
-    async def run(self) -> None:
-        """Watch and restore until cancelled; lists again after each watch ends or fails."""
-        failures = 0
-        while True:
-            try:
-                existing, version = await self.kube.list_slices(self.selector)
-                if await self.sync(existing):
-                    self.metrics.slice_restores.inc()
-                    log.warning("slices restored node=%s", self.node)
-                failures = 0
-                async for kind, obj in self.kube.watch_slices(self.selector, version, WATCH_SECONDS):
-                    if kind == "ERROR":
-                        break
-                    if kind == "BOOKMARK":
-                        continue
-                    if kind == "DELETED" or not self._covers(obj):
-                        log.warning(
-                            "slice %s by someone else: restoring name=%s",
-                            kind.lower(),
-                            obj["metadata"]["name"],
-                        )
-                        break  # list + sync at the top of the loop
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                delay = min(MAX_BACKOFF, 0.2 * 2**failures)
-                log.warning("slice watch failed, retrying in %.1fs error=%r", delay, str(exc))
-                await asyncio.sleep(delay)
+    async def run(self, backoff: Backoff = BACKOFF) -> None:
+        """Watch and restore until cancelled; a deleted or edited slice is re-applied after a new list."""
+        await list_watch(
+            self.kube,
+            SLICES,
+            self._restore,
+            self._still_true,
+            field_selector=self.selector,
+            watch_seconds=WATCH_SECONDS,
+            backoff=backoff,
+        )
+
+    async def _restore(self, existing: list[dict[str, Any]], _version: str) -> None:
+        if await self.sync(existing):
+            self.metrics.slice_restores.inc()
+            log.warning("slices restored node=%s", self.node)
+
+    async def _still_true(self, kind: str, obj: dict[str, Any]) -> bool:
+        if kind == "DELETED" or not self._covers(obj):
+            log.warning("slice %s by someone else: restoring name=%s", kind.lower(), obj["metadata"]["name"])
+            return False  # list again, then sync
+        return True

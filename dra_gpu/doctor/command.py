@@ -1,0 +1,132 @@
+"""`dra-gpu doctor`: its flags (the kubelet plugin's, with the same environment fallbacks) and the run.
+
+Node checks need a GPU node (or --profile); cluster checks need a kubeconfig. Either part is
+skipped with the reason when it cannot run; the exit status is 0 when nothing FAILs, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from dra_gpu.doctor.settings import (
+    DEFAULT_CDI_DIR,
+    DEFAULT_CONTAINERD_CONFIG,
+    DEFAULT_NODE_SELECTOR,
+    DEFAULT_REGISTRY_DIR,
+    ClusterSettings,
+    NodeSettings,
+    default_plugin_dir,
+)
+from dra_gpu.model import DEFAULT_DRIVER_NAME
+
+
+def add_doctor_command(sub: Any) -> None:
+    env = os.environ.get
+    d = sub.add_parser(
+        "doctor",
+        help="check a GPU node and the cluster for the usual GPU problems and say how to fix them",
+        description="Node checks (driver, device nodes, CDI, containerd, the plugin) and cluster checks "
+        "(DRA API, classes, slices, Pending pods, taints, webhook). Exit 0: nothing FAILs; 1: something "
+        "does; 2: usage error.",
+    )
+    d.add_argument("--only", choices=("node", "cluster"), help="run only the node or only the cluster checks")
+    d.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    d.add_argument("--node-name", default=env("NODE_NAME"), help="this node ($NODE_NAME; default: host name)")
+    d.add_argument("--driver-name", default=env("DRIVER_NAME", DEFAULT_DRIVER_NAME))
+    d.add_argument(
+        "--profile",
+        default=env("DRA_GPU_PROFILE"),
+        metavar="NAME|PATH",
+        help="a simulated node ($DRA_GPU_PROFILE)",
+    )
+    d.add_argument(
+        "--plugin-dir", default=env("DRA_GPU_PLUGIN_DIR"), help="default: /var/lib/kubelet/plugins/<driver>"
+    )
+    d.add_argument("--registry-dir", default=env("DRA_GPU_REGISTRY_DIR", DEFAULT_REGISTRY_DIR))
+    d.add_argument("--cdi-dir", default=env("DRA_GPU_CDI_DIR", DEFAULT_CDI_DIR))
+    d.add_argument(
+        "--dev-root",
+        default=env("DRA_GPU_DEV_ROOT"),
+        help="root of dev/ and proc/; default: / (with --profile: <plugin-dir>/simulated-root)",
+    )
+    d.add_argument(
+        "--driver-root",
+        default=env("NVIDIA_DRIVER_ROOT", "/"),
+        help="the driver's files ($NVIDIA_DRIVER_ROOT)",
+    )
+    d.add_argument(
+        "--containerd-config",
+        default=env("DRA_GPU_CONTAINERD_CONFIG", DEFAULT_CONTAINERD_CONFIG),
+        help=f"containerd's config.toml (default: {DEFAULT_CONTAINERD_CONFIG})",
+    )
+    d.add_argument("--kubeconfig", default=env("KUBECONFIG"), help="default: ~/.kube/config, else in-cluster")
+    d.add_argument(
+        "--node-selector",
+        default=DEFAULT_NODE_SELECTOR,
+        help=f"the label of the driver's nodes (default: {DEFAULT_NODE_SELECTOR}, the chart's)",
+    )
+    d.add_argument("-n", "--namespace", help="Pending pods of this namespace only (default: all)")
+    d.add_argument(
+        "--webhook-url", help="reach the admission webhook here instead of its Service (https://...)"
+    )
+    d.add_argument("--timeout", type=float, default=10.0, help="seconds for each network call (default: 10)")
+
+
+def _kubeconfig(args: argparse.Namespace) -> str | None:
+    """--kubeconfig, $KUBECONFIG, ~/.kube/config; None: in-cluster, or no cluster at all."""
+    if args.kubeconfig:
+        return str(args.kubeconfig)
+    home = Path.home() / ".kube" / "config"
+    return str(home) if home.exists() else None
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dra_gpu.doctor.report import Result, exit_code, render_json, render_table, skip
+
+    if args.timeout <= 0:
+        print("dra-gpu doctor: --timeout must be positive", file=sys.stderr)
+        return 2
+    results: list[Result] = []
+    if args.only != "cluster":
+        from dra_gpu.doctor.node_checks import run_node_checks
+
+        plugin_dir = Path(args.plugin_dir) if args.plugin_dir else default_plugin_dir(args.driver_name)
+        node = NodeSettings(
+            node_name=args.node_name or socket.gethostname().lower(),
+            driver=args.driver_name,
+            profile=args.profile,
+            plugin_dir=plugin_dir,
+            registry_dir=Path(args.registry_dir),
+            cdi_dir=Path(args.cdi_dir),
+            dev_root=Path(args.dev_root or (plugin_dir / "simulated-root" if args.profile else "/")),
+            driver_root=Path(args.driver_root),
+            containerd_config=Path(args.containerd_config),
+            timeout=min(args.timeout, 5.0),
+        )
+        results += run_node_checks(node)
+    if args.only != "node":
+        kubeconfig = _kubeconfig(args)
+        if kubeconfig is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            results.append(
+                skip("cluster/api-server", "no kubeconfig (--kubeconfig, $KUBECONFIG, ~/.kube/config)")
+            )
+        else:
+            from dra_gpu.doctor.cluster_checks import run_cluster_checks
+
+            results += run_cluster_checks(
+                ClusterSettings(
+                    kubeconfig=kubeconfig,
+                    driver=args.driver_name,
+                    node_selector=args.node_selector,
+                    namespace=args.namespace,
+                    webhook_url=args.webhook_url,
+                    timeout=args.timeout,
+                )
+            )
+    print(render_json(results) if args.output == "json" else render_table(results))
+    return exit_code(results)

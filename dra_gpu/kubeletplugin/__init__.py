@@ -1,0 +1,7 @@
+"""The GPU-agnostic kubelet-plugin layer (Python counterpart of Go's
+k8s.io/dynamic-resource-allocation/kubeletplugin).
+
+Registration, the DRA node service (v1, v1beta1), the health stream and the ResourceSlice publisher
+live here; a driver plugs in by implementing `driver.Driver` and is run by `helper.KubeletPluginHelper`.
+Nothing here knows about GPUs: no imports from dra_gpu.plugin, .discovery, .model, .api or .slices.
+"""

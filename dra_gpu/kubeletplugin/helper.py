@@ -1,0 +1,139 @@
+"""Runs a Driver as a kubelet plugin (Go: kubeletplugin.Start and its Helper).
+
+start() publishes the driver's ResourceSlices, then serves the DRA socket (node service v1 and
+v1beta1, health stream) and, last, the registration socket, so the kubelet finds a plugin that is
+ready. stop() goes in the reverse order: the registration socket first, so the kubelet stops sending
+work before the DRA service goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from dra_gpu.kube import Kube
+from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
+from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.kubeletplugin.driver import Driver
+from dra_gpu.kubeletplugin.health import HEALTH_RESEND_SECONDS, HealthService
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
+from dra_gpu.kubeletplugin.node_service import DraV1beta1Service, DraV1Service, NodeService
+from dra_gpu.kubeletplugin.publisher import SlicePublisher
+from dra_gpu.kubeletplugin.registration import RegistrationService
+
+log = logging.getLogger(__name__)
+
+UNIX_PATH_MAX = 108
+
+
+@dataclass(frozen=True)
+class Sockets:
+    """The DRA socket in the plugin dir and the registration socket the kubelet's watcher finds."""
+
+    dra: Path
+    registration: Path
+
+    @classmethod
+    def for_driver(cls, driver_name: str, plugin_dir: Path, registry_dir: Path) -> Sockets:
+        return cls(plugin_dir / "dra.sock", registry_dir / f"{driver_name}-reg.sock")
+
+    def check(self) -> None:
+        for sock in (self.dra, self.registration):
+            if len(str(sock)) >= UNIX_PATH_MAX:
+                raise ValueError(f"socket path {sock} is longer than {UNIX_PATH_MAX - 1} bytes")
+
+
+async def serve_unix(path: Path, servicers: list[tuple[Callable[[Any, Any], None], Any]]) -> Any:
+    """A grpc.aio server on a unix socket: stale socket removed first, owner-only permissions."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    server = grpc.aio.server()
+    for add, servicer in servicers:
+        add(servicer, server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    os.chmod(path, 0o600)
+    return server
+
+
+async def self_check(sockets: Sockets, driver_name: str, timeout: float = 2.0) -> str | None:
+    """None when both sockets answer as the kubelet would call them, else what failed."""
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{sockets.registration}") as ch:
+            info = await reg_grpc.RegistrationStub(ch).GetInfo(reg_pb.InfoRequest(), timeout=timeout)
+            if info.name != driver_name:
+                return f"registration socket answers for driver {info.name!r}"
+        async with grpc.aio.insecure_channel(f"unix://{sockets.dra}") as ch:
+            await v1_grpc.DRAPluginStub(ch).NodePrepareResources(
+                v1_pb.NodePrepareResourcesRequest(), timeout=timeout
+            )
+    except grpc.aio.AioRpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+    return None
+
+
+class KubeletPluginHelper:
+    def __init__(
+        self,
+        driver_name: str,
+        node_name: str,
+        driver: Driver,
+        kube: Kube,
+        sockets: Sockets,
+        metrics: PluginMetrics,
+        health_resend_seconds: float = HEALTH_RESEND_SECONDS,
+    ) -> None:
+        self.driver_name = driver_name
+        self.sockets = sockets
+        self.publisher = SlicePublisher(kube, driver_name, node_name, driver.resource_slices, metrics)
+        node = NodeService(driver, metrics)
+        self._dra_servicers: list[tuple[Callable[[Any, Any], None], Any]] = [
+            (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
+            (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
+            (
+                health_grpc.add_DRAResourceHealthServicer_to_server,
+                HealthService(driver.device_health, health_resend_seconds),
+            ),
+        ]
+        self.registration = RegistrationService(driver_name, str(sockets.dra))
+        self._dra_server: Any = None
+        self._registration_server: Any = None
+        self._publishing: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.sockets.check()
+        await self.publisher.start()
+        self._dra_server = await serve_unix(self.sockets.dra, self._dra_servicers)
+        self._registration_server = await serve_unix(
+            self.sockets.registration,
+            [(reg_grpc.add_RegistrationServicer_to_server, self.registration)],
+        )
+        self._publishing = asyncio.create_task(self.publisher.run(), name="publisher")
+
+    async def stop(self) -> None:
+        if self._registration_server is not None:
+            await self._registration_server.stop(grace=1)
+            self.sockets.registration.unlink(missing_ok=True)
+        if self._dra_server is not None:
+            await self._dra_server.stop(grace=5)
+            self.sockets.dra.unlink(missing_ok=True)
+        if self._publishing is not None:
+            self._publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publishing
+
+    async def self_check(self, timeout: float = 2.0) -> str | None:
+        return await self_check(self.sockets, self.driver_name, timeout)

@@ -1,0 +1,106 @@
+"""The DRA node service (NodePrepareResources / NodeUnprepareResources), v1 and v1beta1.
+
+Both API versions call into one NodeService; only the message module differs. Each claim of a
+kubelet batch goes to the driver concurrently and gets its own answer: a ClaimError's message, or
+"internal error: ..." for anything else, so a bug fails one claim rather than the whole batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
+from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef, Device, Driver
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class NodeService:
+    def __init__(self, driver: Driver, metrics: PluginMetrics) -> None:
+        self.driver = driver
+        self.metrics = metrics
+
+    async def _one(
+        self, operation: str, ref: ClaimRef, call: Callable[[ClaimRef], Awaitable[T]]
+    ) -> tuple[T | None, str]:
+        start = time.perf_counter()
+        try:
+            result = await call(ref)
+            self.metrics.requests.labels(operation, "success").inc()
+            return result, ""
+        except ClaimError as exc:
+            self.metrics.requests.labels(operation, "error").inc()
+            log.warning("%s failed claim=%s error=%r", operation, ref, str(exc))
+            return None, str(exc)
+        except Exception as exc:  # a bug must fail one claim, not the kubelet's whole batch
+            self.metrics.requests.labels(operation, "error").inc()
+            log.exception("%s failed unexpectedly claim=%s", operation, ref)
+            return None, f"internal error: {exc}"
+        finally:
+            self.metrics.latency.labels(operation).observe(time.perf_counter() - start)
+            self.metrics.prepared_devices.set(self.driver.prepared_device_count())
+
+    async def prepare(self, request: Any, pb: Any) -> Any:
+        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+        outcomes = await asyncio.gather(*(self._one("prepare", r, self.driver.prepare) for r in refs))
+        response = pb.NodePrepareResourcesResponse()
+        for ref, (devices, error) in zip(refs, outcomes, strict=True):
+            entry = response.claims[ref.uid]
+            if error:
+                entry.error = error
+                continue
+            for d in devices or ():
+                entry.devices.append(_device(pb, d))
+        return response
+
+    async def unprepare(self, request: Any, pb: Any) -> Any:
+        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+        outcomes = await asyncio.gather(*(self._one("unprepare", r, self.driver.unprepare) for r in refs))
+        response = pb.NodeUnprepareResourcesResponse()
+        for ref, (_, error) in zip(refs, outcomes, strict=True):
+            response.claims[ref.uid].error = error
+        return response
+
+
+def _device(pb: Any, d: Device) -> Any:
+    msg = pb.Device(
+        request_names=d.request_names,
+        pool_name=d.pool_name,
+        device_name=d.device_name,
+        cdi_device_ids=d.cdi_device_ids,
+    )
+    if d.share_id is not None and pb is v1_pb:
+        msg.share_id = d.share_id  # v1beta1 has no share_id
+    return msg
+
+
+class DraV1Service(v1_grpc.DRAPluginServicer):  # type: ignore[misc]
+    def __init__(self, node: NodeService) -> None:
+        self.node = node
+
+    async def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        return await self.node.prepare(request, v1_pb)
+
+    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        return await self.node.unprepare(request, v1_pb)
+
+
+class DraV1beta1Service(v1beta1_grpc.DRAPluginServicer):  # type: ignore[misc]
+    def __init__(self, node: NodeService) -> None:
+        self.node = node
+
+    async def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        return await self.node.prepare(request, v1beta1_pb)
+
+    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        return await self.node.unprepare(request, v1beta1_pb)

@@ -1,0 +1,186 @@
+"""The layer as the kubelet sees it: a GPU-free driver run by KubeletPluginHelper, called over real
+gRPC on real unix sockets, its slices published to the in-memory API."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from fake_kube import FakeApiServer, until
+
+from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2 as health_pb
+from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
+from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
+from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
+from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
+from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
+
+from .conftest import DRIVER, NODE, FakeDriver
+
+
+@dataclass
+class Running:
+    helper: KubeletPluginHelper
+    driver: FakeDriver
+    api: FakeApiServer
+    metrics: PluginMetrics
+    registration: Any  # grpc.aio channels to the two sockets
+    dra: Any
+
+
+def run_plugin(tmp_path: Path, test: Callable[[Running], Awaitable[None]]) -> None:
+    sockets = Sockets.for_driver(DRIVER, tmp_path / "plug", tmp_path / "reg")
+    sockets.dra.parent.mkdir()
+    sockets.dra.write_text("a stale socket file from an earlier run")
+
+    async def body() -> None:
+        api, driver, metrics = FakeApiServer(), FakeDriver(), PluginMetrics()
+        helper = KubeletPluginHelper(
+            DRIVER, NODE, driver, api.kube(), sockets, metrics, health_resend_seconds=0.05
+        )
+        await helper.start()
+        try:
+            async with (
+                grpc.aio.insecure_channel(f"unix://{sockets.registration}") as reg,
+                grpc.aio.insecure_channel(f"unix://{sockets.dra}") as dra,
+            ):
+                await test(Running(helper, driver, api, metrics, reg, dra))
+        finally:
+            await helper.stop()
+        assert not sockets.dra.exists() and not sockets.registration.exists()
+        assert await helper.self_check(timeout=0.5) is not None  # nobody answers any more
+
+    asyncio.run(body())
+
+
+def test_registration_handshake(tmp_path: Path) -> None:
+    async def test(p: Running) -> None:
+        stub = reg_grpc.RegistrationStub(p.registration)
+        info = await stub.GetInfo(reg_pb.InfoRequest(), timeout=1)
+        assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(p.helper.sockets.dra))
+        assert list(info.supported_versions) == [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth",
+        ]
+        await stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
+        assert p.helper.registration.registered.is_set()
+        refused = reg_pb.RegistrationStatus(plugin_registered=False, error="version mismatch")
+        await stub.NotifyRegistrationStatus(refused, timeout=5)
+        assert not p.helper.registration.registered.is_set()
+        for sock in (p.helper.sockets.dra, p.helper.sockets.registration):
+            mode = sock.stat().st_mode
+            assert stat.S_ISSOCK(mode) and mode & 0o077 == 0  # stale file replaced, owner-only
+        assert await p.helper.self_check() is None
+        # Slices were published before the sockets were served.
+        assert [s["metadata"]["name"] for s in p.api.items("resourceslices")] == [f"{NODE}-{DRIVER}-0"]
+
+    run_plugin(tmp_path, test)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1beta1"])
+def test_prepare_and_unprepare_answer_each_claim(tmp_path: Path, version: str) -> None:
+    pb, grpc_mod = (v1_pb, v1_grpc) if version == "v1" else (v1beta1_pb, v1beta1_grpc)
+
+    def claims(*names: str) -> list[Any]:
+        return [pb.Claim(namespace="ns", uid=f"uid-{n}", name=n) for n in names]
+
+    async def test(p: Running) -> None:
+        stub = grpc_mod.DRAPluginStub(p.dra)
+        request = pb.NodePrepareResourcesRequest(claims=claims("good", "bad-1", "bug-1", "other"))
+        resp = await stub.NodePrepareResources(request, timeout=45)
+        assert set(resp.claims) == {"uid-good", "uid-bad-1", "uid-bug-1", "uid-other"}
+        good = resp.claims["uid-good"]
+        assert good.error == ""
+        assert [(list(d.request_names), d.pool_name, d.device_name) for d in good.devices] == [
+            (["gpus"], NODE, "dev-0"),
+            ([], NODE, "dev-1"),
+        ]
+        assert list(good.devices[0].cdi_device_ids) == [f"k8s.{DRIVER}/claim=uid-good"]
+        if version == "v1":
+            assert good.devices[0].share_id == "share-1" and not good.devices[1].HasField("share_id")
+        else:
+            assert "share_id" not in {f.name for f in good.devices[0].DESCRIPTOR.fields}
+        assert resp.claims["uid-bad-1"].error == "claim ns/bad-1 (uid uid-bad-1): not allocated"
+        assert not resp.claims["uid-bad-1"].devices
+        assert resp.claims["uid-bug-1"].error == "internal error: 'allocation'"
+        assert p.metrics.requests.labels("prepare", "success")._value.get() == 2
+        assert p.metrics.requests.labels("prepare", "error")._value.get() == 2
+        assert p.metrics.prepared_devices._value.get() == 4
+        assert p.metrics.latency.labels("prepare")._sum.get() > 0
+        assert len((await stub.NodePrepareResources(pb.NodePrepareResourcesRequest(), timeout=5)).claims) == 0
+
+        unrequest = pb.NodeUnprepareResourcesRequest(claims=claims("good", "bad-2", "never-prepared"))
+        un = await stub.NodeUnprepareResources(unrequest, timeout=45)
+        assert {uid: e.error for uid, e in un.claims.items()} == {
+            "uid-good": "",
+            "uid-bad-2": "claim ns/bad-2 (uid uid-bad-2): not allocated",
+            "uid-never-prepared": "",
+        }
+        assert p.metrics.prepared_devices._value.get() == 2  # `other` is still prepared
+        assert p.metrics.requests.labels("unprepare", "error")._value.get() == 1
+
+    run_plugin(tmp_path, test)
+
+
+def test_a_batch_runs_concurrently(tmp_path: Path) -> None:
+    async def test(p: Running) -> None:
+        names = [f"c{i}" for i in range(50)]
+        request = v1_pb.NodePrepareResourcesRequest(
+            claims=[v1_pb.Claim(namespace="ns", uid=n, name=n) for n in names]
+        )
+        await v1_grpc.DRAPluginStub(p.dra).NodePrepareResources(request, timeout=45)
+        # Every claim was started before the first one finished (the driver yields once).
+        assert p.driver.calls[:50] == [("prepare", n) for n in names]
+
+    run_plugin(tmp_path, test)
+
+
+def test_health_stream_sends_the_drivers_device_health(tmp_path: Path) -> None:
+    async def test(p: Running) -> None:
+        stream = health_grpc.DRAResourceHealthStub(p.dra).NodeWatchResources(
+            health_pb.NodeWatchResourcesRequest(), timeout=5
+        )
+        first = await stream.read()
+        p.driver.unhealthy.add("dev-1")
+        second = await stream.read()
+        stream.cancel()
+        assert [(d.device.pool_name, d.device.device_name, d.health) for d in first.devices] == [
+            (NODE, "dev-0", health_pb.HEALTHY),
+            (NODE, "dev-1", health_pb.HEALTHY),
+            (NODE, "dev-2", health_pb.HEALTHY),
+        ]
+        assert [d.health for d in second.devices] == [
+            health_pb.HEALTHY,
+            health_pb.UNHEALTHY,
+            health_pb.HEALTHY,
+        ]
+        assert all(d.health_check_timeout_seconds == 30 and d.last_updated_time > 0 for d in second.devices)
+
+    run_plugin(tmp_path, test)
+
+
+def test_slices_stay_published_while_it_runs(tmp_path: Path) -> None:
+    async def test(p: Running) -> None:
+        await until(lambda: p.api.count("GET", "resourceslices", watch=True) == 1)
+        p.api.remove("resourceslices", f"{NODE}-{DRIVER}-0")  # the kubelet wipes them when it restarts
+        await until(lambda: len(p.api.items("resourceslices")) == 1)
+        assert p.metrics.slice_restores._value.get() == 1
+
+    run_plugin(tmp_path, test)
+
+
+def test_socket_paths_longer_than_unix_allows_are_refused(tmp_path: Path) -> None:
+    sockets = Sockets.for_driver(DRIVER, tmp_path / ("x" * 100), tmp_path)
+    with pytest.raises(ValueError, match="is longer than 107 bytes"):
+        sockets.check()

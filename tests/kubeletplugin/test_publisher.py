@@ -1,0 +1,193 @@
+"""The slice publisher: what it compares, and how it keeps a node's slices true (in-memory API)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from fake_kube import FakeApiServer, until
+
+from dra_gpu.discovery import discover_node
+from dra_gpu.kube import Backoff, KubeError
+from dra_gpu.kubeletplugin.metrics import PluginMetrics
+from dra_gpu.kubeletplugin.publisher import SlicePublisher, missing_fields
+from dra_gpu.slices import build_slices
+
+from .conftest import DRIVER, NODE, FakeDriver, slice_of
+
+
+def test_stored_defaults_are_fine_but_dropped_or_changed_fields_are_found() -> None:
+    (want,) = build_slices(discover_node("node-a", "hgx-2x4"))
+    stored = {**want["spec"], "extra": "defaulted by the apiserver"}
+    assert missing_fields(want["spec"], stored) == []
+    dropped = {**want["spec"], "devices": [dict(d) for d in want["spec"]["devices"]]}
+    dropped["devices"][3] = {k: v for k, v in dropped["devices"][3].items() if k != "capacity"}
+    assert missing_fields(want["spec"], dropped) == ["devices[3].capacity"]
+    edited = {**want["spec"], "devices": want["spec"]["devices"][1:]}
+    assert missing_fields(want["spec"], edited) == ["devices"]
+    changed = {**want["spec"], "pool": {**want["spec"]["pool"], "generation": 9}}
+    assert missing_fields(want["spec"], changed) == ["pool.generation"]
+
+
+# ---------------------------------------------------------------- against the in-memory API
+
+
+def publisher(api: FakeApiServer, driver: FakeDriver) -> SlicePublisher:
+    return SlicePublisher(api.kube(), DRIVER, NODE, driver.resource_slices, PluginMetrics())
+
+
+def generations(api: FakeApiServer) -> list[int]:
+    return [s["spec"]["pool"]["generation"] for s in api.items("resourceslices")]
+
+
+def test_first_publication_creates_the_slices() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        api.put("resourceslices", {**slice_of("other-node-slice", ["x"], 7), "spec": {"nodeName": "node-b"}})
+        pub = publisher(api, FakeDriver(slices_per_node=2))
+        await pub.start()
+        mine = [s for s in api.items("resourceslices") if s["spec"].get("nodeName") == NODE]
+        assert sorted(s["metadata"]["name"] for s in mine) == [f"{NODE}-{DRIVER}-0", f"{NODE}-{DRIVER}-1"]
+        assert {s["spec"]["pool"]["generation"] for s in mine} == {1}
+        assert sorted(pub.device_names()) == ["dev-0", "dev-1", "dev-2"]
+        assert pub.metrics.published_devices._value.get() == 3
+        assert pub.synced.is_set()
+        assert api.requests[-1].method == "PATCH" and api.requests[-1].query["fieldManager"] == DRIVER
+
+    asyncio.run(body())
+
+
+def test_generation_is_kept_while_unchanged_and_bumped_on_change() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        await publisher(api, FakeDriver(slices_per_node=2)).start()
+        writes = api.count("PATCH", "resourceslices")
+        await publisher(api, FakeDriver(slices_per_node=2)).start()  # a restart, same devices
+        assert api.count("PATCH", "resourceslices") == writes and generations(api) == [1, 1]
+        await publisher(api, FakeDriver(["dev-0", "dev-1"], slices_per_node=2)).start()  # one device gone
+        assert generations(api) == [2, 2]
+        await publisher(api, FakeDriver(["dev-0", "dev-1"])).start()  # now in one slice: the other goes
+        assert generations(api) == [3] and api.count("DELETE", "resourceslices") == 1
+
+    asyncio.run(body())
+
+
+def test_start_retries_until_the_apiserver_answers() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        api.fail(method="GET", status=503, count=2)
+        api.fail(method="PATCH", error=ConnectionRefusedError("connection refused"))
+        await publisher(api, FakeDriver()).start()
+        assert generations(api) == [1]
+        api.fail(method="GET", status=403, count=1000)
+        with pytest.raises(KubeError, match="HTTP 403"):
+            await publisher(api, FakeDriver()).start(timeout=0.5)
+
+    asyncio.run(body())
+
+
+async def running(pub: SlicePublisher, test: Callable[[], Awaitable[None]]) -> None:
+    await pub.start()
+    task = asyncio.create_task(pub.run(Backoff(initial=0.01, maximum=0.05)))
+    try:
+        await test()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def test_deleted_or_edited_slices_are_restored() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        pub = publisher(api, FakeDriver())
+        (name,) = (s["metadata"]["name"] for s in pub.build(1))
+
+        def stored() -> dict[str, Any] | None:
+            return api.objects["resourceslices"].get(f"/{name}")
+
+        async def test() -> None:
+            await until(lambda: api.count("GET", "resourceslices", watch=True) == 1)
+            api.remove("resourceslices", name)  # as the kubelet does when it starts
+            await until(lambda: stored() is not None)
+            assert pub.metrics.slice_restores._value.get() == 1
+            edited = copy.deepcopy(stored())
+            assert edited is not None
+            edited["spec"]["devices"] = edited["spec"]["devices"][:1]
+            api.put("resourceslices", edited)
+            await until(lambda: len((stored() or {})["spec"]["devices"]) == 3)
+            assert pub.metrics.slice_restores._value.get() == 2
+            defaulted = copy.deepcopy(stored())
+            assert defaulted is not None
+            defaulted["spec"]["perDeviceNodeSelection"] = None  # a field we never set: left alone
+            writes = api.count("PATCH", "resourceslices")
+            api.put("resourceslices", defaulted)
+            lists = api.count("GET", "resourceslices")
+            await asyncio.sleep(0.1)
+            assert api.count("GET", "resourceslices") == lists
+            assert api.count("PATCH", "resourceslices") == writes
+            assert generations(api) == [1]
+
+        await running(pub, test)
+
+    asyncio.run(body())
+
+
+def test_an_expired_watch_lists_again() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        pub = publisher(api, FakeDriver())
+
+        async def test() -> None:
+            await until(lambda: api.count("GET", "resourceslices", watch=True) == 1)
+            lists = api.count("GET", "resourceslices")
+            api.expire_watches = 1
+            api.remove("resourceslices", f"{NODE}-{DRIVER}-0")  # ends the first watch: relist, restore
+            await until(lambda: api.count("GET", "resourceslices", watch=True) == 3)
+            assert api.count("GET", "resourceslices") == lists + 2  # after the deletion, after the 410
+            assert generations(api) == [1]
+
+        await running(pub, test)
+
+    asyncio.run(body())
+
+
+def test_failures_are_retried_with_backoff(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+
+    async def body() -> None:
+        api = FakeApiServer()
+        pub = publisher(api, FakeDriver())
+
+        async def test() -> None:
+            await until(lambda: api.count("GET", "resourceslices", watch=True) == 1)
+            api.fail(method="PATCH", status=500, count=3)
+            api.remove("resourceslices", f"{NODE}-{DRIVER}-0")
+            await until(lambda: generations(api) == [1])
+            assert caplog.text.count("list+watch failed, retrying") == 3
+            assert pub.metrics.slice_restores._value.get() == 1
+
+        await running(pub, test)
+
+    asyncio.run(body())
+
+
+def test_a_field_the_apiserver_drops_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    def drop_capacity(obj: dict[str, Any]) -> None:
+        for device in obj.get("spec", {}).get("devices", []):
+            device.pop("capacity", None)
+
+    async def body() -> None:
+        api = FakeApiServer(on_write=drop_capacity)
+        await publisher(api, FakeDriver()).start()
+
+    asyncio.run(body())
+    dropped = [r.getMessage() for r in caplog.records if "dropped a field" in r.getMessage()]
+    assert dropped == [
+        f"apiserver dropped a field of ResourceSlice {NODE}-{DRIVER}-0: spec.devices[0].capacity; "
+        "is the feature gate for it off?"
+    ]

@@ -1,0 +1,256 @@
+"""dra_gpu.kube against the in-memory API (tests/fake_kube.py): requests, errors, list_watch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from fake_kube import FakeApiServer, until
+
+from dra_gpu import kube as kube_module
+from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, KubeError, list_watch
+
+CLASSES = f"{RESOURCE_V1}/deviceclasses"
+FAST = Backoff(initial=0.01, maximum=0.04)
+
+
+def device_class(name: str, selector: str = "true") -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": selector}}]},
+    }
+
+
+def test_requests_and_their_errors() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        kube = api.kube()
+        claim = {"metadata": {"name": "c", "namespace": "ns"}, "spec": {}}
+        api.put("resourceclaims", claim)
+        assert (await kube.get_claim("ns", "c") or {})["metadata"]["name"] == "c"
+        assert await kube.get_claim("ns", "missing") is None
+        stored = await kube.apply_slice({"metadata": {"name": "s"}, "spec": {"x": 1}}, field_manager="me")
+        assert stored["metadata"]["resourceVersion"] == "2"
+        assert api.requests[-1].query == {"fieldManager": "me", "force": "true"}
+        items, version = await kube.list_objects(f"{RESOURCE_V1}/resourceslices")
+        assert [i["metadata"]["name"] for i in items] == ["s"] and version == "2"
+        await kube.delete_slice("s")
+        await kube.delete_slice("s")  # already gone: fine
+        assert api.items("resourceslices") == []
+        api.fail(method="GET", status=403)
+        with pytest.raises(KubeError) as exc:
+            await kube.get_claim("ns", "c")
+        assert exc.value.status == 403
+        assert str(exc.value) == "HTTP 403: get resourceclaim ns/c: injected failure of GET " + (
+            f"{RESOURCE_V1}/namespaces/ns/resourceclaims/c"
+        )
+        api.fail(method="GET", watch=True, status=500)
+        with pytest.raises(KubeError, match="HTTP 500: watch"):
+            async for _ in kube.watch_objects(CLASSES, "0", 1):
+                pass
+        await kube.close()
+        assert kube.api_client.closed
+
+    asyncio.run(body())
+
+
+def test_error_body_that_is_not_json() -> None:
+    from fake_kube import FakeResponse
+
+    async def body() -> None:
+        with pytest.raises(KubeError, match="HTTP 502: list x: <html>bad gateway"):
+            await kube_module._json(FakeResponse(502, b"<html>bad gateway"), "list x")
+
+    asyncio.run(body())
+
+
+class Recorder:
+    """list_watch's handlers, recording what they got; `keep_watching` decides what on_event returns."""
+
+    def __init__(self, keep_watching: Callable[[str, dict[str, Any]], bool] = lambda k, o: True) -> None:
+        self.lists: list[list[str]] = []
+        self.events: list[tuple[str, str]] = []
+        self.keep_watching = keep_watching
+        self.changed = asyncio.Event()
+
+    async def on_list(self, items: list[dict[str, Any]], version: str) -> None:
+        self.lists.append(sorted(i["metadata"]["name"] for i in items))
+        self.changed.set()
+
+    async def on_event(self, kind: str, obj: dict[str, Any]) -> bool:
+        self.events.append((kind, obj["metadata"]["name"]))
+        self.changed.set()
+        return self.keep_watching(kind, obj)
+
+
+async def running(
+    api: FakeApiServer, rec: Recorder, test: Callable[[], Awaitable[None]], **kwargs: Any
+) -> None:
+    kwargs.setdefault("backoff", FAST)
+    task = asyncio.create_task(list_watch(api.kube(), CLASSES, rec.on_list, rec.on_event, **kwargs))
+    try:
+        await test()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def test_lists_then_delivers_events_in_order() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        api.put("deviceclasses", device_class("a"))
+        rec = Recorder()
+
+        async def test() -> None:
+            await until(lambda: rec.lists == [["a"]])
+            api.put("deviceclasses", device_class("b"))
+            api.put("deviceclasses", device_class("a", "false"))
+            api.put("deviceclasses", device_class("a", "false"))  # no-op: no event
+            api.remove("deviceclasses", "b")
+            await until(lambda: len(rec.events) == 3)
+            assert rec.events == [("ADDED", "b"), ("MODIFIED", "a"), ("DELETED", "b")]
+            assert rec.lists == [["a"]]
+
+        await running(api, rec, test)
+
+    asyncio.run(body())
+
+
+def test_relists_when_the_handler_asks_and_after_each_watch() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        rec = Recorder(keep_watching=lambda kind, obj: obj["metadata"]["name"] != "stop")
+
+        async def test() -> None:
+            await until(lambda: len(rec.lists) == 1)
+            api.put("deviceclasses", device_class("go"))
+            api.put("deviceclasses", device_class("stop"))
+            await until(lambda: len(rec.lists) == 2)
+            assert rec.lists[1] == ["go", "stop"]
+            await until(lambda: len(rec.lists) >= 3)  # the 1 s watch ended: listed again
+
+        await running(api, rec, test, watch_seconds=1)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("how", ["error-event", "http-status"])
+def test_relists_at_once_on_410_gone(how: str) -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        if how == "error-event":
+            api.expire_watches = 2
+        else:
+            api.fail(method="GET", watch=True, status=410, count=2)
+        rec = Recorder()
+
+        async def test() -> None:
+            start = time.monotonic()
+            await until(lambda: len(rec.lists) == 3)
+            assert time.monotonic() - start < 2  # no backoff: a 410 is not a failure
+            api.put("deviceclasses", device_class("after"))
+            await until(lambda: rec.events == [("ADDED", "after")])
+
+        await running(api, rec, test, backoff=Backoff(initial=5, maximum=5))
+
+    asyncio.run(body())
+
+
+def test_backs_off_on_failures_and_resets_after_a_good_round(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="dra_gpu.kube")
+
+    async def body() -> None:
+        api = FakeApiServer()
+        api.fail(method="GET", watch=False, status=500, count=4)
+        rec = Recorder()
+
+        async def test() -> None:
+            await until(lambda: len(rec.lists) == 1)
+            delays = [float(d) for d in re.findall(r"retrying in ([\d.]+)s", caplog.text)]
+            assert len(delays) == 4
+            # 0.01, 0.02, 0.04, 0.04 (the cap), each plus up to 0.01 of jitter
+            for delay, base in zip(delays, (0.01, 0.02, 0.04, 0.04), strict=True):
+                assert base <= delay <= base + 0.01
+            assert "injected failure of GET" in caplog.text
+            caplog.clear()
+            # The 1 s watch ends well, then the next list fails: the backoff starts from the bottom.
+            api.fail(method="GET", watch=False, error=ConnectionResetError("reset by peer"))
+            await until(lambda: len(rec.lists) >= 2)
+            delays = [float(d) for d in re.findall(r"retrying in ([\d.]+)s", caplog.text)]
+            assert len(delays) == 1 and 0.01 <= delays[0] <= 0.02
+            assert "reset by peer" in caplog.text
+
+        await running(api, rec, test, watch_seconds=1)
+
+    asyncio.run(body())
+
+
+def test_watch_error_event_other_than_410_is_retried_with_backoff(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="dra_gpu.kube")
+
+    async def body() -> None:
+        api = FakeApiServer()
+        rec = Recorder()
+        real_watch = api._watch
+
+        def failing_watch(plural: str, ns: str, query: dict[str, str]) -> Any:
+            stream = real_watch(plural, ns, query)
+            if len(rec.lists) == 1:
+                stream.preset = [{"type": "ERROR", "object": {"code": 500, "message": "etcd hiccup"}}]
+            return stream
+
+        api._watch = failing_watch  # type: ignore[method-assign]
+
+        async def test() -> None:
+            await until(lambda: len(rec.lists) == 2)
+            assert "HTTP 500: watch" in caplog.text and "etcd hiccup" in caplog.text
+
+        await running(api, rec, test)
+
+    asyncio.run(body())
+
+
+def test_a_stalled_watch_is_cut_by_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kube_module, "REQUEST_TIMEOUT", 0.2)  # the deadline: watch_seconds + this
+    caplog.set_level(logging.WARNING, logger="dra_gpu.kube")
+
+    async def body() -> None:
+        api = FakeApiServer(stall_watches=True)
+        rec = Recorder()
+
+        async def test() -> None:
+            start = time.monotonic()
+            await until(lambda: len(rec.lists) == 2)
+            assert 1.2 <= time.monotonic() - start < 4
+            assert "list+watch failed, retrying" in caplog.text
+
+        await running(api, rec, test, watch_seconds=1)
+
+    asyncio.run(body())
+
+
+def test_kube_connect_reads_a_kubeconfig(tmp_path: Any) -> None:
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:6443'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+
+    async def body() -> None:
+        kube = await Kube.connect(str(config))
+        assert kube.api_client.configuration.host == "https://127.0.0.1:6443"
+        await kube.close()
+
+    asyncio.run(body())
