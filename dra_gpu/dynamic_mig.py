@@ -35,6 +35,10 @@ ENGINE_COUNTERS: dict[str, Callable[[MigProfile], int]] = {
 Device = tuple[Gpu, MigPlacement | None]
 # The first-fit order of all dynamic-MIG devices of a node (GPUs in index order).
 PlacementOrder = Callable[[list[Gpu]], list[Device]]
+# Binding conditions of a MIG placement: the scheduler binds the pod only once the plugin has made
+# the instance (True), and sends it back to scheduling if making it failed.
+READY_CONDITION = "MigInstanceReady"
+FAILED_CONDITION = "MigInstanceFailed"
 SMALL_SLICES = 2  # profiles packed from the low end of a GPU
 HALF_GPU_SLICES = 4  # profiles up to this many memory slices are placed from the first GPU on
 

@@ -20,6 +20,8 @@ from dra_gpu.attributes import (
     normalise_version,
 )
 from dra_gpu.dynamic_mig import (
+    FAILED_CONDITION,
+    READY_CONDITION,
     PlacementOrder,
     consumes,
     counter_set,
@@ -184,6 +186,9 @@ class SliceBuilder:
             "attributes": attrs,
             "capacity": capacity,
             "consumesCounters": consumes(gpu, placement_consumption(gpu, placement)),
+            # Made between allocation and binding: a failure goes back to the scheduler.
+            "bindingConditions": [READY_CONDITION],
+            "bindingFailureConditions": [FAILED_CONDITION],
         }
 
     def dynamic_devices(self, gpus: list[Gpu]) -> list[dict[str, Any]]:

@@ -255,7 +255,12 @@ class Cluster:
                 for cs in s["spec"].get("sharedCounters") or []:
                     for cname, c in (cs.get("counters") or {}).items():
                         p.counters[(str(cs.get("name")), str(cname))] = parse_quantity(str(c.get("value")))
-        return [pools[k] for k in sorted(pools)]
+
+        # The scheduler tries pools with binding-condition devices last.
+        def waits(p: Pool) -> bool:
+            return any(d.get("bindingConditions") for s in p.slices for d in s["spec"].get("devices") or [])
+
+        return sorted((pools[k] for k in sorted(pools)), key=waits)
 
     def devices(self, node: str) -> list[Device]:
         """The devices usable on `node`, in the allocator's order."""

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STARTED, COMPLETED = "started", "completed"
+# Dynamic MIG: the claim's instances were made before its pod was bound (binding conditions);
+# prepare then only writes the CDI spec. Kept across restarts, like completed.
+BOUND = "bound"
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
 

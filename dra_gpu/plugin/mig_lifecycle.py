@@ -109,7 +109,6 @@ class MigInstances:
 
     def mig_device(self, parent_uuid: str, gi_id: int, ci_id: int, placement: MigPlacement) -> MigDevice:
         """The MIG device of (GI, CI): its UUID is what the container is given."""
-        p = placement.profile
         with self._lock:
             h = self._gpu(parent_uuid)
             try:
@@ -123,22 +122,7 @@ class MigInstances:
                         int(self.nv.nvmlDeviceGetGpuInstanceId(mig)) == gi_id
                         and int(self.nv.nvmlDeviceGetComputeInstanceId(mig)) == ci_id
                     ):
-                        return MigDevice(
-                            uuid=str(self.nv.nvmlDeviceGetUUID(mig)),
-                            profile=p.name,
-                            gpu_instance_id=gi_id,
-                            compute_instance_id=ci_id,
-                            gi_profile_id=p.profile_id,
-                            placement_start=placement.start,
-                            placement_size=p.memory_slices,
-                            memory_bytes=p.memory_bytes,
-                            multiprocessors=p.multiprocessors,
-                            copy_engines=p.copy_engines,
-                            decoders=p.decoders,
-                            encoders=p.encoders,
-                            jpeg_engines=p.jpeg_engines,
-                            ofa_engines=p.ofa_engines,
-                        )
+                        return made_device(placement, gi_id, ci_id, str(self.nv.nvmlDeviceGetUUID(mig)))
             except self.nv.NVMLError as exc:
                 raise MigError(
                     f"GPU {parent_uuid}: cannot read MIG device {gi_id}/{ci_id}: NVML: {_describe(exc)}", exc
@@ -251,6 +235,27 @@ class MigInstances:
                 start,
             )
             return True
+
+
+def made_device(placement: MigPlacement, gi_id: int, ci_id: int, uuid: str) -> MigDevice:
+    """The MIG device of an instance made at `placement`."""
+    p = placement.profile
+    return MigDevice(
+        uuid=uuid,
+        profile=p.name,
+        gpu_instance_id=gi_id,
+        compute_instance_id=ci_id,
+        gi_profile_id=p.profile_id,
+        placement_start=placement.start,
+        placement_size=p.memory_slices,
+        memory_bytes=p.memory_bytes,
+        multiprocessors=p.multiprocessors,
+        copy_engines=p.copy_engines,
+        decoders=p.decoders,
+        encoders=p.encoders,
+        jpeg_engines=p.jpeg_engines,
+        ofa_engines=p.ofa_engines,
+    )
 
 
 def _describe(exc: Exception) -> str:

@@ -21,10 +21,10 @@ from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
-from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
+from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, STARTED, Checkpoint, ClaimRecord
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
-from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances
+from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
 
 log = logging.getLogger(__name__)
 
@@ -185,29 +185,15 @@ class Preparer:
                     f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
                     f"uid is {uid}, the kubelet asked for {ref.uid}"
                 )
+            if record is not None and record.state == BOUND:
+                done = await self._complete_bound(ref, claim, record)
+                if done is not None:
+                    return done
+                record = None  # rolled back: the allocation no longer matches what was made
             devices, spec, driver_edits, targets = self._plan(ref, claim, None if self.placements else {})
             if record is not None and record.mig_instances:
                 await self._destroy_recorded(record)  # an earlier partial attempt's instances
-            entry: dict[str, Any] = {
-                "state": STARTED,
-                "namespace": ref.namespace,
-                "name": ref.name,
-                "devices": [d.to_dict() for d in devices],
-                "cdiSpec": spec,  # the claim's own part; the file adds the driver's user space
-                "driverFiles": self.driver_files.digest,
-            }
-            if targets:
-                entry["migInstances"] = [
-                    {
-                        "device": name,
-                        "parentUUID": gpu.uuid,
-                        "profileId": p.profile.profile_id,
-                        "start": p.start,
-                        "size": p.profile.memory_slices,
-                        "step": MIG_PLANNED,
-                    }
-                    for name, gpu, p in targets
-                ]
+            entry = self._started_entry(ref, devices, spec, targets)
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
                     await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
@@ -251,6 +237,105 @@ class Preparer:
                 ",".join(d.device_name for d in devices),
             )
             return devices
+
+    async def bind(self, ref: ClaimRef, claim: dict[str, Any]) -> dict[str, MigDevice]:
+        """Make a claim's dynamic MIG instances before its pod is bound (the devices' binding
+        conditions), recorded as `bound`; prepare then only writes the spec. Idempotent: made
+        instances are returned as they are. Failures leave nothing behind (PrepareError)."""
+        async with self._lock(ref.uid):
+            record = self.checkpoint.view(ref.uid)
+            if record is not None and record.state in (BOUND, COMPLETED):
+                return self._made(record)
+            devices, _, _, targets = self._plan(ref, claim, None)
+            if not targets:
+                return {}
+            if record is not None and record.mig_instances:
+                await self._destroy_recorded(record)  # an earlier partial attempt's instances
+            entry = self._started_entry(ref, devices, None, targets)
+            async with self._state_lock:
+                self._check_conflicts(ref, devices)
+                self._stage(ref.uid, _snapshot(entry))
+            try:
+                await self._commit()
+                created = await self._create_instances(ref, entry, targets)
+                async with self._state_lock:
+                    self._stage(ref.uid, {**_snapshot(entry), "state": BOUND})
+                await self._commit()
+            except BaseException as exc:
+                try:
+                    await self._roll_back(ref.uid)
+                except PrepareError as undo:
+                    log.error("claim could not be rolled back claim=%s error=%s", ref, undo)
+                if isinstance(exc, MigError):
+                    raise PrepareError(f"claim {ref}: {exc}; nothing was left behind") from exc
+                if isinstance(exc, OSError):
+                    raise PrepareError(f"claim {ref}: cannot write its record: {exc}") from exc
+                raise
+            log.info("claim's mig instances made before binding claim=%s devices=%s", ref, ",".join(created))
+            return created
+
+    def _made(self, record: ClaimRecord) -> dict[str, MigDevice]:
+        """The MIG devices a record says were made (step ready)."""
+        out = {}
+        for m in record.mig_instances:
+            name = str(m.get("device"))
+            if m.get("step") != MIG_READY or name not in self.placements:
+                continue
+            _, placement = self.placements[name]
+            out[name] = made_device(placement, int(m["giId"]), int(m["ciId"]), str(m["uuid"]))
+        return out
+
+    async def _complete_bound(
+        self, ref: ClaimRef, claim: dict[str, Any], record: ClaimRecord
+    ) -> list[PreparedDevice] | None:
+        """Prepare a claim whose instances were made at binding: the spec, then `completed`.
+        None (after a rollback) when the allocation asks for devices that were not made."""
+        devices, spec, driver_edits, targets = self._plan(ref, claim, self._made(record))
+        if targets or spec is None:
+            log.warning("claim's allocation changed since binding, rolled back claim=%s", ref)
+            await self._roll_back(ref.uid)
+            return None
+        entry = {
+            **_snapshot(record.raw),
+            "devices": [d.to_dict() for d in devices],
+            "cdiSpec": spec,
+            "driverFiles": self.driver_files.digest,
+        }
+        try:
+            await asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
+            async with self._state_lock:
+                self._stage(ref.uid, {**entry, "state": COMPLETED})
+            await self._commit()
+        except OSError as exc:
+            await asyncio.to_thread(self.cdi.remove, ref.uid)
+            raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
+        log.info("claim prepared claim=%s devices=%s", ref, ",".join(d.device_name for d in devices))
+        return devices
+
+    def _started_entry(
+        self, ref: ClaimRef, devices: list[PreparedDevice], spec: dict[str, Any] | None, targets: list[Target]
+    ) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "state": STARTED,
+            "namespace": ref.namespace,
+            "name": ref.name,
+            "devices": [d.to_dict() for d in devices],
+            "cdiSpec": spec,  # the claim's own part; the file adds the driver's user space
+            "driverFiles": self.driver_files.digest,
+        }
+        if targets:
+            entry["migInstances"] = [
+                {
+                    "device": name,
+                    "parentUUID": gpu.uuid,
+                    "profileId": p.profile.profile_id,
+                    "start": p.start,
+                    "size": p.profile.memory_slices,
+                    "step": MIG_PLANNED,
+                }
+                for name, gpu, p in targets
+            ]
+        return entry
 
     async def _create_instances(
         self, ref: ClaimRef, entry: dict[str, Any], targets: list[Target]
@@ -495,7 +580,7 @@ class Preparer:
         counts = {"rolledBack": 0, "rebuilt": 0, "removed": 0}
         records = {r.uid: r for r in self.checkpoint.records()}
         for rec in list(records.values()):
-            if rec.state != COMPLETED:
+            if rec.state not in (COMPLETED, BOUND):
                 try:
                     self.destroy_recorded(rec)
                 except MigError as exc:
@@ -515,7 +600,7 @@ class Preparer:
         if self.dynamic_gpus:
             counts["orphansDestroyed"] = self._destroy_orphans()
         for uid in self.cdi.owned():
-            owner = records.get(uid)
+            owner = records.get(uid)  # a bound claim has no spec yet: its file is stale too
             if (owner is None or owner.state != COMPLETED) and self.cdi.remove(uid):
                 counts["removed"] += 1
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
@@ -576,14 +661,27 @@ class Preparer:
         counts["rebuilt"] += 1
         log.warning("CDI spec of a prepared claim rebuilt claim=%s", rec.ref())
 
+    def _allocates(self, claim: dict[str, Any] | None, rec: ClaimRecord) -> bool:
+        """Whether the claim's allocation still holds every device the record made."""
+        alloc = ((claim or {}).get("status") or {}).get("allocation") or {}
+        held = {
+            str(r.get("device"))
+            for r in (alloc.get("devices") or {}).get("results") or []
+            if r.get("driver") == self.driver and r.get("pool") == self.node_name
+        }
+        return all(str(m.get("device")) in held for m in rec.mig_instances)
+
     async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:
         """Unprepare claims whose ResourceClaim has been gone (or replaced) for `grace_seconds`."""
         swept = []
         for rec in self.checkpoint.records():
-            if rec.state != COMPLETED:
+            if rec.state not in (COMPLETED, BOUND):
                 continue
             claim = await self.claims.get_claim(rec.namespace, rec.name)
             gone = claim is None or claim.get("metadata", {}).get("uid") != rec.uid
+            if not gone and rec.state == BOUND:
+                # Made for an allocation that was given up (binding failed or timed out).
+                gone = not self._allocates(claim, rec)
             if not gone:
                 self._gone_since.pop(rec.uid, None)
                 continue

@@ -23,6 +23,7 @@ from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.gpu_driver import GpuDriver
+from dra_gpu.plugin.mig_binding import MigBinder
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
 
@@ -102,6 +103,9 @@ class KubeletPlugin:
         await helper.start()
         http = await self._start_http(helper)
         sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
+        # Dynamic MIG: instances are made between allocation and binding (binding conditions).
+        binder = MigBinder(cfg.driver, cfg.node_name, preparer, kube) if mig is not None else None
+        binding = asyncio.create_task(binder.run(), name="mig-binder") if binder is not None else None
         log.info(
             "kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
             cfg.driver,
@@ -115,6 +119,11 @@ class KubeletPlugin:
         finally:
             log.info("kubelet plugin stopping")
             await helper.stop()
+            if binder is not None and binding is not None:
+                binding.cancel()
+                await binder.stop()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await binding
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper

@@ -120,6 +120,8 @@ def test_counters_and_placements_are_published_as_sent(mig_plugin, dyn):
     assert len(devices) == 8 * 19 and all(len(s["spec"].get("devices") or []) <= 64 for s in items)
     # The apiserver kept the gated fields (DRAPartitionableDevices is on): nothing dropped.
     assert all(d.get("consumesCounters") for d in devices)
+    placements = [d for d in devices if d["attributes"]["type"]["string"] == "mig"]
+    assert all(d.get("bindingConditions") == ["MigInstanceReady"] for d in placements)
     assert {s["spec"]["pool"]["resourceSliceCount"] for s in items} == {4}
 
 
@@ -330,10 +332,13 @@ def test_a_trace_sample_places_as_explain_predicts(mig_plugin, core, dyn, namesp
         return [c for c in items if pod in [o["name"] for o in c["metadata"].get("ownerReferences") or []]]
 
     for a, (_, _, want) in zip(arrivals, predicted, strict=True):
-        for pod in [p for p, leaves in live.items() if leaves <= a.step]:
+        leaving = [p for p, leaves in live.items() if leaves <= a.step]
+        for pod in leaving:
             delete_pods(core, namespace, pod)
             del live[pod]
             wait_for(f"{pod}'s claim to go", lambda pod=pod: not claim_of(pod), timeout=60)
+        if leaving:
+            time.sleep(2)  # the scheduler's informer sees the deletion a moment after the API does
         pod = f"t{a.step}"
         template_name = "t-" + a.profile.replace(".", "")
         claim_pod(
@@ -362,3 +367,38 @@ def test_a_trace_sample_places_as_explain_predicts(mig_plugin, core, dyn, namesp
     delete_pods(core, namespace, *live)
     wait_for("the trace's MIG instances to be destroyed", lambda: not instances(), timeout=120)
     wait_claims_gone(dyn, namespace)
+
+
+def test_a_failed_creation_sends_the_pod_back_to_the_scheduler(
+    mig_plugin, core, dyn, namespace, busybox_image
+):
+    """The first GPU-instance creation fails (NVML error): the plugin reports MigInstanceFailed
+    before the pod is bound, the scheduler gives the allocation up and schedules the pod again,
+    and the second attempt makes the instance: the pod never waits on a failing prepare."""
+    mig_plugin.stop()
+    mig_plugin.env = {"DRA_GPU_SIM_NVML_FAIL": "nvmlDeviceCreateGpuInstanceWithPlacement=Unknown"}
+    mig_plugin.start()
+    try:
+        template(dyn, namespace, "four-g", device_class=MIG_CLASS, selectors=[profile_is("4g.40gb")])
+        claim_pod(core, namespace, "retry", {"resource_claim_template_name": "four-g"}, SHOW, busybox_image)
+        log = running_log(core, namespace, "retry")
+        (made,) = instances()
+        assert made["uuid"] == visible(log) and made["profile"] == "4g.40gb"
+        tail = mig_plugin.log_tail(400)
+        failed = tail.index(f"mig binding condition reported claim={namespace}/")
+        assert "=failed" in tail[failed:].splitlines()[0], tail
+        assert "=ready" in tail[failed:], tail
+        assert "FailedPrepareDynamicResources" not in {
+            e.reason for e in core.list_namespaced_event(namespace).items if e.involved_object.name == "retry"
+        }
+        reasons = sorted({e.reason for e in core.list_namespaced_event(namespace).items})
+        print(
+            f"\n[e2e] first creation failed, back to the scheduler, made on the next try; events: {reasons}"
+        )
+        delete_pods(core, namespace, "retry")
+        wait_for("the instance to be destroyed", lambda: not instances(), timeout=90)
+        wait_claims_gone(dyn, namespace)
+    finally:
+        mig_plugin.stop()
+        mig_plugin.env = {}
+        mig_plugin.start()

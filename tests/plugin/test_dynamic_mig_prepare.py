@@ -245,3 +245,97 @@ def test_failpoints_and_simulated_failures_parse_strictly(monkeypatch: pytest.Mo
     }
     with pytest.raises(ValueError, match="DRA_GPU_SIM_NVML_FAIL"):
         parse_failures("nvmlGpuInstanceDestroy=Oops")
+
+
+def test_instances_made_at_binding_are_used_by_prepare_and_kept_across_restarts(node: Node) -> None:
+    c = claim(uid(), [f"{GPU0}-mig-3g40gb-4"])
+    ref = node.add(c)
+    made = asyncio.run(node.preparer.bind(ref, c))
+    (inst,) = node.live()
+    assert made[f"{GPU0}-mig-3g40gb-4"].uuid == inst.uuid
+    rec = node.checkpoint.get(ref.uid)
+    assert rec is not None and rec.state == "bound" and not node.cdi.path(ref.uid).exists()
+    assert asyncio.run(node.preparer.bind(ref, c)) == made  # idempotent: nothing new
+    after = node.restart()
+    assert after.preparer.reconcile()["rolledBack"] == 0  # a bound claim is kept
+    asyncio.run(after.preparer.prepare(ref))
+    (same,) = after.live()
+    assert same.uuid == inst.uuid
+    spec = json.loads(after.cdi.path(ref.uid).read_text())
+    assert f"NVIDIA_VISIBLE_DEVICES={inst.uuid}" in spec["containerEdits"]["env"]
+    rec = after.checkpoint.get(ref.uid)
+    assert rec is not None and rec.state == COMPLETED
+
+
+def test_a_binding_failure_leaves_nothing_and_a_given_up_allocation_is_swept(node: Node) -> None:
+    c = claim(uid(), [f"{GPU0}-mig-1g10gb-0"])
+    ref = node.add(c)
+    node.nv.fail_next("nvmlDeviceCreateGpuInstanceWithPlacement", pynvml.NVML_ERROR_UNKNOWN)
+    with pytest.raises(PrepareError, match="nothing was left behind"):
+        asyncio.run(node.preparer.bind(ref, c))
+    assert node.live() == [] and not node.checkpoint.has(ref.uid)
+    asyncio.run(node.preparer.bind(ref, c))
+    assert len(node.live()) == 1
+    # The scheduler gave the allocation up (binding timed out): the sweeper undoes it.
+    del c["status"]["allocation"]
+    clock = iter([0.0, 0.0, 100.0, 100.0])
+    assert asyncio.run(node.preparer.sweep(10, now=lambda: next(clock))) == []
+    assert asyncio.run(node.preparer.sweep(10, now=lambda: next(clock))) == [ref]
+    assert node.live() == [] and not node.checkpoint.has(ref.uid)
+
+
+class _Kube:
+    """get_claim / patch_claim_status over the test's claim store, with resourceVersions."""
+
+    def __init__(self, claims: ClaimStore) -> None:
+        self.claims = claims
+        self.patches: list[dict] = []
+
+    async def get_claim(self, namespace: str, name: str) -> dict | None:
+        return await self.claims.get_claim(namespace, name)
+
+    async def patch_claim_status(self, namespace: str, name: str, patch: dict) -> dict:
+        stored = self.claims[(namespace, name)]
+        assert patch["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
+        stored.setdefault("status", {})["devices"] = patch["status"]["devices"]
+        stored["metadata"]["resourceVersion"] = str(int(stored["metadata"]["resourceVersion"]) + 1)
+        self.patches.append(patch)
+        return stored
+
+
+def _waiting_claim(devices: list[str]) -> dict:
+    c = claim(uid(), devices)
+    c["metadata"]["resourceVersion"] = "1"
+    for r in c["status"]["allocation"]["devices"]["results"]:
+        r["bindingConditions"] = ["MigInstanceReady"]
+        r["bindingFailureConditions"] = ["MigInstanceFailed"]
+    return c
+
+
+def test_the_binder_reports_ready_or_failed_in_the_claims_device_status(node: Node) -> None:
+    from dra_gpu.plugin.mig_binding import MigBinder
+
+    kube = _Kube(node.claims)
+    binder = MigBinder(DRIVER, NODE, node.preparer, kube)  # type: ignore[arg-type]
+    ok = _waiting_claim([f"{GPU0}-mig-2g20gb-0"])
+    ref = node.add(ok)
+    assert binder.waiting(ok) == [f"{GPU0}-mig-2g20gb-0"]
+    asyncio.run(binder._bind(ref, ok))
+    (status,) = node.claims[(ref.namespace, ref.name)]["status"]["devices"]
+    (cond,) = status["conditions"]
+    (inst,) = node.live()
+    assert (cond["type"], cond["status"], cond["message"]) == (
+        "MigInstanceReady",
+        "True",
+        f"MIG device {inst.uuid}",
+    )
+    assert binder.waiting(node.claims[(ref.namespace, ref.name)]) == []
+
+    bad = _waiting_claim([f"{GPU0}-mig-2g20gb-0"])  # the same placement: taken by the first claim
+    ref2 = node.add(bad)
+    asyncio.run(binder._bind(ref2, bad))
+    (status,) = node.claims[(ref2.namespace, ref2.name)]["status"]["devices"]
+    (cond,) = status["conditions"]
+    assert (cond["type"], cond["reason"]) == ("MigInstanceFailed", "InstanceCreationFailed")
+    assert "already prepared for claim" in cond["message"]
+    assert len(node.live()) == 1
