@@ -18,6 +18,7 @@ from typing import Any
 from dra_gpu.dynamic_mig import FAILED_CONDITION, READY_CONDITION
 from dra_gpu.kube import RESOURCE_V1, Kube, KubeError, list_watch
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.model import MigDevice
 from dra_gpu.plugin.prepare import PrepareError, Preparer
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 HTTP_CONFLICT = 409
 MAX_MESSAGE = 32768  # metav1.Condition.message
 REPORT_ATTEMPTS = 5
+DEPARTING_WAIT = 60.0  # seconds to wait for an instance of a deleted claim to be unprepared
+RETRY_SECONDS = 1.0
 
 
 class MigBinder:
@@ -36,17 +39,22 @@ class MigBinder:
         self.preparer = preparer
         self.kube = kube
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        self.departing_wait = DEPARTING_WAIT
 
     def waiting(self, claim: dict[str, Any]) -> list[str]:
         """This node's devices of the claim that wait for their binding condition."""
         alloc = (claim.get("status") or {}).get("allocation") or {}
+        # A condition from before this allocation (an earlier, given-up one) does not count.
+        since = str(alloc.get("allocationTimestamp") or "")
         reported = {
             str(d.get("device"))
             for d in (claim.get("status") or {}).get("devices") or []
             if d.get("driver") == self.driver
             and d.get("pool") == self.node
             and any(
-                c.get("type") in (READY_CONDITION, FAILED_CONDITION) and c.get("status") == "True"
+                c.get("type") in (READY_CONDITION, FAILED_CONDITION)
+                and c.get("status") == "True"
+                and str(c.get("lastTransitionTime") or "") >= since
                 for c in d.get("conditions") or []
             )
         }
@@ -81,7 +89,7 @@ class MigBinder:
     async def _bind(self, ref: ClaimRef, claim: dict[str, Any]) -> None:
         devices = self.waiting(claim)
         try:
-            made = await self.preparer.bind(ref, claim)
+            made = await self._bind_when_free(ref, claim)
             outcome = {d: (True, f"MIG device {made[d].uuid}") for d in devices if d in made}
             outcome.update({d: (False, "no MIG instance was made for it") for d in devices if d not in made})
         except PrepareError as exc:
@@ -94,6 +102,19 @@ class MigBinder:
             await self._report(ref, outcome)
         except Exception as exc:
             log.error("mig binding condition not reported claim=%s error=%r", ref, str(exc))
+
+    async def _bind_when_free(self, ref: ClaimRef, claim: dict[str, Any]) -> dict[str, MigDevice]:
+        """Preparer.bind, retried while the placement is still held by a claim on its way out
+        (deleted before the kubelet unprepared it); the scheduler waits minutes for the condition."""
+        deadline = time.monotonic() + self.departing_wait
+        while True:
+            try:
+                return await self.preparer.bind(ref, claim)
+            except PrepareError:
+                if time.monotonic() >= deadline or not self.preparer.held_by_another_claim(ref, claim):
+                    raise
+                log.info("mig placement still held by a departing claim, waiting claim=%s", ref)
+                await asyncio.sleep(RETRY_SECONDS)
 
     async def _report(self, ref: ClaimRef, outcome: dict[str, tuple[bool, str]]) -> None:
         """Set the condition of each device in status.devices (optimistic: retried on a conflict)."""

@@ -274,6 +274,24 @@ class Preparer:
             log.info("claim's mig instances made before binding claim=%s devices=%s", ref, ",".join(created))
             return created
 
+    def held_by_another_claim(self, ref: ClaimRef, claim: dict[str, Any]) -> bool:
+        """Whether a placement the claim was allocated overlaps an instance another claim's record
+        holds: one being torn down (its claim is gone before the kubelet unprepared it), so the
+        scheduler already counts the slices free. Waiting a little then beats failing."""
+        try:
+            _, _, _, targets = self._plan(ref, claim, None)
+        except PrepareError:
+            return False
+        for other in self.checkpoint.views():
+            if other.uid == ref.uid:
+                continue
+            for m in other.mig_instances:
+                for _, gpu, placement in targets:
+                    theirs = range(int(m["start"]), int(m["start"]) + int(m["size"]))
+                    if m.get("parentUUID") == gpu.uuid and set(theirs) & set(placement.slices):
+                        return True
+        return False
+
     def _made(self, record: ClaimRecord) -> dict[str, MigDevice]:
         """The MIG devices a record says were made (step ready)."""
         out = {}

@@ -332,6 +332,7 @@ def test_the_binder_reports_ready_or_failed_in_the_claims_device_status(node: No
     assert binder.waiting(node.claims[(ref.namespace, ref.name)]) == []
 
     bad = _waiting_claim([f"{GPU0}-mig-2g20gb-0"])  # the same placement: taken by the first claim
+    binder.departing_wait = 0  # (which is not going away)
     ref2 = node.add(bad)
     asyncio.run(binder._bind(ref2, bad))
     (status,) = node.claims[(ref2.namespace, ref2.name)]["status"]["devices"]
@@ -339,3 +340,28 @@ def test_the_binder_reports_ready_or_failed_in_the_claims_device_status(node: No
     assert (cond["type"], cond["reason"]) == ("MigInstanceFailed", "InstanceCreationFailed")
     assert "already prepared for claim" in cond["message"]
     assert len(node.live()) == 1
+
+
+def test_the_binder_waits_for_a_departing_claims_instance(node: Node) -> None:
+    """The scheduler frees a deleted claim's devices before the kubelet unprepares it: the next
+    claim of that placement waits for the instance to go instead of failing its binding."""
+    from dra_gpu.plugin.mig_binding import MigBinder
+
+    old = claim(uid(), [f"{GPU0}-mig-3g40gb-0"])
+    old_ref = node.add(old)
+    asyncio.run(node.preparer.prepare(old_ref))
+    new = _waiting_claim([f"{GPU0}-mig-1g10gb-0"])  # overlaps the 3g.40gb at 0
+    ref = node.add(new)
+    binder = MigBinder(DRIVER, NODE, node.preparer, _Kube(node.claims))  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        binding = asyncio.create_task(binder._bind(ref, new))
+        await asyncio.sleep(1.5)
+        assert not binding.done()
+        await node.preparer.unprepare(old_ref)  # the kubelet's unprepare, late
+        await binding
+
+    asyncio.run(scenario())
+    (status,) = node.claims[(ref.namespace, ref.name)]["status"]["devices"]
+    assert status["conditions"][0]["type"] == "MigInstanceReady"
+    assert [(i.profile, i.placement) for i in node.live()] == [("1g.10gb", 0)]
