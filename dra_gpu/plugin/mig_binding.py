@@ -19,7 +19,7 @@ from dra_gpu.dynamic_mig import FAILED_CONDITION, READY_CONDITION
 from dra_gpu.kube import RESOURCE_V1, Kube, KubeError, list_watch
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.model import MigDevice
-from dra_gpu.plugin.prepare import PrepareError, Preparer
+from dra_gpu.plugin.prepare import BusyPrepareError, PrepareError, Preparer
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class MigBinder:
         while True:
             try:
                 return await self.preparer.bind(ref, claim)
-            except PrepareError:
+            except BusyPrepareError:
                 if time.monotonic() >= deadline or not self.preparer.held_by_another_claim(ref, claim):
                     raise
                 log.info("mig placement still held by a departing claim, waiting claim=%s", ref)

@@ -33,6 +33,10 @@ class PrepareError(ClaimError):
     """A claim that cannot be prepared (or unprepared); the message goes back to the kubelet."""
 
 
+class BusyPrepareError(PrepareError):
+    """The device, or the memory slices of its MIG placement, are held by another instance."""
+
+
 class ClaimSource(Protocol):
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 
@@ -267,7 +271,12 @@ class Preparer:
                 except PrepareError as undo:
                     log.error("claim could not be rolled back claim=%s error=%s", ref, undo)
                 if isinstance(exc, MigError):
-                    raise PrepareError(f"claim {ref}: {exc}; nothing was left behind") from exc
+                    busy = (
+                        exc.nvml_error is not None
+                        and "InsufficientResources" in type(exc.nvml_error).__name__
+                    )
+                    error = BusyPrepareError if busy else PrepareError
+                    raise error(f"claim {ref}: {exc}; nothing was left behind") from exc
                 if isinstance(exc, OSError):
                     raise PrepareError(f"claim {ref}: cannot write its record: {exc}") from exc
                 raise
@@ -458,7 +467,7 @@ class Preparer:
                 continue
             clash = mine & other.device_names
             if clash:
-                raise PrepareError(
+                raise BusyPrepareError(
                     f"claim {ref}: device {sorted(clash)[0]} is already prepared for claim "
                     f"{other.ref()}; refusing to hand it to two claims"
                 )

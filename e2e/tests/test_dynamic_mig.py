@@ -334,6 +334,10 @@ def test_a_trace_sample_places_as_explain_predicts(mig_plugin, core, dyn, namesp
     for a, (_, _, want) in zip(arrivals, predicted, strict=True):
         leaving = [p for p, leaves in live.items() if leaves <= a.step]
         for pod in leaving:
+            # Bound first: the scheduler holds a pod still waiting in PreBind (binding conditions,
+            # checked every 5 s) "in flight" for a while after it is deleted; the bench's pods
+            # leave once placed.
+            wait_for(f"{pod} bound", lambda pod=pod: core.read_namespaced_pod(pod, namespace).spec.node_name)
             delete_pods(core, namespace, pod)
             del live[pod]
             wait_for(f"{pod}'s claim to go", lambda pod=pod: not claim_of(pod), timeout=60)
