@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -40,9 +41,17 @@ def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dra-gpu")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dra-gpu", description="Kubernetes DRA driver for NVIDIA GPUs")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     inv = sub.add_parser("inventory", help="discover this node's GPUs (or a simulated node's)")
     inv.add_argument(

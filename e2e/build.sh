@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Build (once) and cache the upstream programs the e2e cluster runs.
 #
-#   e2e/build.sh [all|kubernetes|etcd|containerd|debs]
+#   e2e/build.sh [all|kubernetes|etcd|containerd|debs|image]
 #
 # Binaries land under ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/,
 # keyed by the pinned version below; a component is rebuilt only when its pin changes
 # (or its directory lacks the .complete marker). The Go workspaces (a generated go.mod per
 # component) live under .../src/, never in the repo. GOMODCACHE/GOCACHE are Go's defaults.
+# `image` builds the dra-gpu image of deploy/Dockerfile with buildah (e2e/image_build.sh), as an
+# OCI archive under .../images/, rebuilt only when a hash of its inputs changes.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -141,12 +143,13 @@ main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
   case "$what" in
-    all) debs; (build_kubernetes); (build_etcd); (build_containerd) ;;
+    all) debs; (build_kubernetes); (build_etcd); (build_containerd); bash "$HERE/image_build.sh" ;;
     kubernetes) (build_kubernetes) ;;
     etcd) (build_etcd) ;;
     containerd) (build_containerd) ;;
     debs) debs ;;
-    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs]" >&2; exit 2 ;;
+    image) bash "$HERE/image_build.sh" ;;
+    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image]" >&2; exit 2 ;;
   esac
   log "done ($what) in $((SECONDS - t0)) s; binaries under $CACHE/bin"
 }

@@ -117,3 +117,11 @@ def test_inventory_shows_the_driver_installation(tmp_path: Path) -> None:
     mismatch = run("inventory", "--profile", "hgx-2x4", "--driver-root", str(old), "-o", "json")
     err = json.loads(mismatch.stdout)["driverInstallation"]["error"]
     assert "version mismatch" in err and "550.54.15" in err and "570.133.20" in err
+
+
+def test_version_names_the_installed_package() -> None:
+    from importlib.metadata import version
+
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"dra-gpu {version('dra-gpu')}"

@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import sys
+import tarfile
 
 from .config import (
     ADMIN_KUBECONFIG,
@@ -320,7 +321,8 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
 
 
 def import_images() -> None:
-    """The pause and busybox images of e2e/images.py (built once, cached) into containerd."""
+    """The pause and busybox images of e2e/images.py (built once, cached) into containerd, and
+    the dra-gpu image of e2e/image_build.sh when it has been built."""
     imgdir = os.path.join(CACHE, "images")
     run([sys.executable, os.path.join(E2E_DIR, "images.py"), imgdir])
     have = ctr("-n", "k8s.io", "images", "ls", "-q").stdout.split()
@@ -331,6 +333,31 @@ def import_images() -> None:
         if r.returncode != 0:
             raise Fail(f"importing {tar} into containerd failed: {r.stderr.strip()}")
     ctr("-n", "k8s.io", "images", "label", PAUSE_IMAGE, "io.cri-containerd.pinned=pinned", check=False)
+    import_dra_gpu_image()
+
+
+def import_dra_gpu_image() -> str | None:
+    """The image of deploy/Dockerfile (CACHE/images/dra-gpu.tar, written by e2e/image_build.sh)
+    into containerd when containerd lacks it or holds another build under its name. Returns the
+    image's name, or None when it has not been built."""
+    imgdir = os.path.join(CACHE, "images")
+    archive, meta = os.path.join(imgdir, "dra-gpu.tar"), os.path.join(imgdir, "dra-gpu.json")
+    if not (os.path.exists(archive) and os.path.exists(meta)):
+        return None
+    with open(meta) as f:
+        name = str(json.load(f)["name"])
+    with tarfile.open(archive) as tf:
+        index = tf.extractfile("index.json")
+        if index is None:
+            raise Fail(f"{archive}: no index.json")
+        digest = str(json.load(index)["manifests"][0]["digest"])
+    listed = ctr("-n", "k8s.io", "images", "ls").stdout.splitlines()[1:]
+    if any(line.split()[:3:2] == [name, digest] for line in listed):
+        return name
+    r = ctr("-n", "k8s.io", "images", "import", archive, check=False)
+    if r.returncode != 0:
+        raise Fail(f"importing {archive} into containerd failed: {r.stderr.strip()}")
+    return name
 
 
 def start_kubelet(ip: str) -> None:

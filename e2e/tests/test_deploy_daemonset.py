@@ -1,17 +1,18 @@
-"""The chart's kubelet-plugin DaemonSet, installed for real with `simulatedProfile` and run as a
-pod of the e2e cluster: its security context (not privileged, only CAP_MKNOD, read-only root),
-host paths, downward-API env, startup/liveness probes on the pod IP, and its service account
-(in-cluster config, least-privilege RBAC, the node-scoped slice policy) all at work; a claim pod
-then gets a GPU from it.
+"""The chart's kubelet-plugin DaemonSet and controller Deployment, installed for real and run as
+pods of the e2e cluster from the image of deploy/Dockerfile (built with buildah by
+e2e/image_build.sh and imported into the cluster's containerd): the image's own Python and
+package, started through its entrypoint, with the chart's security contexts (the plugin as root
+with only CAP_MKNOD on a simulated node, the controller as 65532 with no capabilities, both with a
+read-only root filesystem), host paths, downward-API env, probes and service accounts; a claim
+pod then gets a GPU from the plugin pod and the controller pod's webhook denies a bad claim.
 
-There is no container engine to build deploy/Dockerfile here, so the pod runs the e2e busybox
-image with this machine's Python, virtualenv and source mounted read-only at their own paths
-(the only changes made to the rendered DaemonSet, with hostNetwork and the apiserver's address
-because the e2e cluster has no kube-proxy and its apiserver listens on 127.0.0.1)."""
+The only changes made to the rendered objects: hostNetwork and the apiserver's address, because
+the e2e cluster has no kube-proxy and its apiserver listens on 127.0.0.1."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -31,34 +32,94 @@ EXAMPLES = ROOT / "deploy" / "examples"
 DRIVER = "gpu.dra-gpu.io"
 LABEL = "nvidia.com/gpu.present"
 BROKEN_CEL = "device.attributes['gpu.dra-gpu.io'].productName =="  # a syntax error
+CAP_MKNOD = 1 << 27
 
 
-def run_from_host(ds, apiserver_port):
-    """Point the DaemonSet's container at this machine's Python instead of the image's."""
-    spec = ds["spec"]["template"]["spec"]
+@pytest.fixture(scope="module")
+def image(target):
+    """The dra-gpu image, built (or found cached) by e2e/image_build.sh and imported into the local
+    cluster's containerd; returns the `--set` values that make the chart use it."""
+    if not target.local:
+        pytest.skip("the image is imported into the local e2e cluster's containerd")
+    t0 = time.time()
+    r = subprocess.run(["bash", str(ROOT / "e2e" / "image_build.sh")], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"e2e/image_build.sh failed:\n{r.stderr[-4000:]}")
+    sys.path.insert(0, str(ROOT / "e2e"))
+    from harness.components import CACHE, import_dra_gpu_image
+
+    name = import_dra_gpu_image()
+    assert name, "e2e/image_build.sh wrote no image archive"
+    with open(os.path.join(CACHE, "images", "dra-gpu.json")) as f:
+        meta = json.load(f)
+    print(
+        f"\n[image] {name}: rootfs {meta['rootfs_bytes'] / 1e6:.0f} MB, archive "
+        f"{meta['archive_bytes'] / 1e6:.0f} MB, {len(meta['packages'])} Python distributions; "
+        f"build + import {time.time() - t0:.1f} s"
+    )
+    repository, tag = name.rsplit(":", 1)
+    return (f"image.repository={repository}", f"image.tag={tag}", "image.pullPolicy=Never")
+
+
+def reach_apiserver(workload, apiserver_port):
+    """Host network and the apiserver's address: the e2e cluster has no kube-proxy."""
+    spec = workload["spec"]["template"]["spec"]
     c = spec["containers"][0]
-    c["image"], c["imagePullPolicy"] = "localhost/dra-gpu-e2e/busybox:1", "Never"
-    c["command"] = [sys.executable, "-m", "dra_gpu.cli"]
+    assert "command" not in c, "the image's entrypoint runs"
     c.setdefault("env", [])
     c["env"] += [
         {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
         {"name": "KUBERNETES_SERVICE_PORT", "value": str(apiserver_port)},
-        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
     ]
     spec["hostNetwork"] = True
-    # The interpreter, its shared libraries (and the loader, whose links are absolute /lib paths).
-    libs = os.path.realpath("/lib/x86_64-linux-gnu")
-    mounts = {p: p for p in (sys.prefix, sys.base_prefix, str(ROOT))}
-    mounts.update(
-        {
-            "/lib/x86_64-linux-gnu": libs,
-            "/usr/lib/x86_64-linux-gnu": libs,
-            "/lib64": os.path.realpath("/lib64"),
-        }
+
+
+def render(release, namespace, *sets):
+    cmd = [helm_binary(), "template", release, str(CHART), "-n", namespace, "--kube-version", "1.37.2"]
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return [o for o in yaml.safe_load_all(out) if o]
+
+
+def container_process(pod):
+    """What runs in the pod's container, seen from the host: its pid, user, effective
+    capabilities, root mount options and command line (containerd's task of the container)."""
+    from harness.processes import ctr
+
+    cid = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    tasks = ctr("-n", "k8s.io", "tasks", "ls").stdout.splitlines()[1:]
+    (pid,) = [int(t.split()[1]) for t in tasks if t.split()[0] == cid]
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    root = next(
+        line.split()
+        for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        if line.split()[4] == "/"
     )
-    for i, (inside, host) in enumerate(sorted(mounts.items())):
-        spec["volumes"].append({"name": f"host-{i}", "hostPath": {"path": host, "type": "Directory"}})
-        c["volumeMounts"].append({"name": f"host-{i}", "mountPath": inside, "readOnly": True})
+    return {
+        "cid": cid,
+        "uid": int(status["Uid"].split()[1]),
+        "cap_eff": int(status["CapEff"].strip(), 16),
+        "root_options": root[5].split(","),
+        "cmdline": Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1],
+    }
+
+
+def exec_in(cid, *argv):
+    """Run a command in a running container (containerd's exec, as the container's user)."""
+    from harness.processes import ctr
+
+    r = ctr("-n", "k8s.io", "tasks", "exec", "--exec-id", "e2e-" + uuid.uuid4().hex[:6], cid, *argv)
+    return r.stdout.strip()
+
+
+def assert_runs_the_image(proc, cid):
+    """The image's own interpreter and package: its entrypoint's venv, nothing from the host."""
+    assert proc["cmdline"][:2] == [b"/opt/dra-gpu/bin/python3", b"/opt/dra-gpu/bin/dra-gpu"], proc
+    assert "ro" in proc["root_options"], proc  # readOnlyRootFilesystem
+    assert exec_in(cid, "dra-gpu", "--version") == "dra-gpu 0.1.0"
+    where = exec_in(cid, "python3", "-c", "import dra_gpu, sys; print(dra_gpu.__file__, sys.prefix)")
+    assert where == "/opt/dra-gpu/lib/python3.11/site-packages/dra_gpu/__init__.py /opt/dra-gpu", where
 
 
 def api_for(dyn, o):
@@ -111,38 +172,22 @@ def wait_ready_pod(core, namespace, selector, timeout, what):
     )
 
 
-def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_pod):
-    if not target.local:
-        pytest.skip("runs the host's Python in the pod: only on the local e2e cluster")
+def test_daemonset_serves_a_simulated_node(image, dyn, core, namespace, wait_pod):
     from kubernetes.client.exceptions import ApiException
 
     node = core.list_node().items[0].metadata.name
     port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
     release = "ds-" + uuid.uuid4().hex[:6]
-    out = subprocess.run(
-        [
-            helm_binary(),
-            "template",
-            release,
-            str(CHART),
-            "-n",
-            namespace,
-            "--kube-version",
-            "1.37.2",
-            "--set",
-            "simulatedProfile=hgx-2x4",
-            "--set",
-            f"kubeletPlugin.nvidiaDriverRoot={sim_driver_root('hgx-2x4')}",
-            "--set",
-            "controller.enabled=false",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    objs = [o for o in yaml.safe_load_all(out) if o]
+    objs = render(
+        release,
+        namespace,
+        *image,
+        "simulatedProfile=hgx-2x4",
+        f"kubeletPlugin.nvidiaDriverRoot={sim_driver_root('hgx-2x4')}",
+        "controller.enabled=false",
+    )
     (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
-    run_from_host(ds, port)
+    reach_apiserver(ds, port)
     applied = []
     slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
     core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
@@ -150,9 +195,15 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
         apply_all(dyn, objs, namespace, applied)
         # The pod becomes Ready only after its startup probe got 200 from /healthz on the pod IP.
         sel = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=kubelet-plugin"
+        t0 = time.time()
         pod = wait_ready_pod(core, namespace, sel, 120, "plugin")
+        ready_s = time.time() - t0
         sc = pod.spec.containers[0].security_context
         assert sc.privileged is False and sc.capabilities.add == ["MKNOD"]
+        # As the chart says: root, with CAP_MKNOD as its only capability, read-only root.
+        proc = container_process(pod)
+        assert proc["uid"] == 0 and proc["cap_eff"] == CAP_MKNOD, proc
+        assert_runs_the_image(proc, proc["cid"])
         # Published through its own service account (RBAC + the node-scoped policy let it).
         items = slices.get(field_selector=f"spec.driver={DRIVER},spec.nodeName={node}").to_dict()["items"]
         assert sum(len(s["spec"]["devices"]) for s in items) == 8
@@ -165,6 +216,10 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
         log = core.read_namespaced_pod_log("one-gpu", namespace)
         assert phase == "Succeeded", log
         assert "NVIDIA_VISIBLE_DEVICES=GPU-" in log and "nvidia" in log.split("\n", 1)[1], log
+        print(
+            f"[image] plugin pod Ready in {ready_s:.1f} s (uid 0, CapEff MKNOD only, ro root); "
+            "a claim pod got its GPU from it"
+        )
     finally:
         core.delete_collection_namespaced_pod(
             namespace, label_selector="!nonexistent", grace_period_seconds=0
@@ -179,53 +234,42 @@ def test_daemonset_serves_a_simulated_node(target, dyn, core, namespace, wait_po
                 slices.delete(name=s["metadata"]["name"])
 
 
-def test_controller_deployment_serves_admission_reviews(target, dyn, core, namespace):
+def test_controller_deployment_serves_admission_reviews(image, dyn, core, namespace):
     """The chart's controller Deployment (non-root, no capabilities, read-only root) with the
     chart's generated certificate: Ready through its HTTPS probe, watching the cluster through
     its read-only RBAC without a denial, and answering an AdmissionReview over TLS that verifies
     with the webhook's caBundle for the Service's DNS name. (The apiserver cannot call it here:
     no kube-proxy routes the Service, so the ValidatingWebhookConfiguration is not applied.)"""
-    if not target.local:
-        pytest.skip("runs the host's Python in the pod: only on the local e2e cluster")
     import base64
-    import json
     import socket
     import ssl
 
     port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
     release = "ctl-" + uuid.uuid4().hex[:6]
-    out = subprocess.run(
-        [
-            helm_binary(),
-            "template",
-            release,
-            str(CHART),
-            "-n",
-            namespace,
-            "--set",
-            "kubeletPlugin.enabled=false",
-            "--set",
-            "controller.replicas=1",
-            "--set",
-            "deviceClasses.gpu.enabled=false",
-            "--set",
-            "deviceClasses.mig.enabled=false",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    objs = [o for o in yaml.safe_load_all(out) if o]
+    objs = render(
+        release,
+        namespace,
+        *image,
+        "kubeletPlugin.enabled=false",
+        "controller.replicas=1",
+        "deviceClasses.gpu.enabled=false",
+        "deviceClasses.mig.enabled=false",
+    )
     (vwc,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
     objs = [o for o in objs if o is not vwc]
     (dep,) = [o for o in objs if o["kind"] == "Deployment"]
-    run_from_host(dep, port)
+    reach_apiserver(dep, port)
     applied = []
     try:
         apply_all(dyn, objs, namespace, applied)
         sel = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=controller"
+        t0 = time.time()
         pod = wait_ready_pod(core, namespace, sel, 90, "controller")
+        ready_s = time.time() - t0
         assert pod.spec.security_context.run_as_user == 65532
+        proc = container_process(pod)
+        assert proc["uid"] == 65532 and proc["cap_eff"] == 0, proc
+        assert_runs_the_image(proc, proc["cid"])
         time.sleep(2)  # let the list+watch loops run once
         log = core.read_namespaced_pod_log(pod.metadata.name, namespace)
         # Its read-only RBAC covers every list and watch it makes.
@@ -283,5 +327,9 @@ def test_controller_deployment_serves_admission_reviews(target, dyn, core, names
                 data += chunk
         response = json.loads(data.split(b"\r\n\r\n", 1)[1])["response"]
         assert response["uid"] == "u1" and response["allowed"] is False, response
+        print(
+            f"[image] controller pod Ready in {ready_s:.1f} s (uid 65532, no capabilities, ro root); "
+            f"its webhook denied the bad claim: {response.get('status', {}).get('message', '')[:80]}"
+        )
     finally:
         delete_all(dyn, applied, namespace)
