@@ -21,6 +21,7 @@ from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
 from dra_gpu.doctor.command import add_doctor_command
 from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.health.command import add_health_command, add_health_flags, cmd_health, health_config
 from dra_gpu.inventory_report import render
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 from dra_gpu.slices import SliceLimitError, build_slices
@@ -154,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
         default=float(env("DRA_GPU_SWEEP_GRACE", "60")),
         help="seconds a claim must be gone before the sweeper unprepares it",
     )
+    add_health_flags(plug)
+    add_health_command(sub)
     add_doctor_command(sub)
     p.set_defaults(extra_commands=add_commands(sub))
     return p
@@ -185,6 +188,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         dynamic_mig=args.dynamic_mig,
     )
     try:
+        cfg.health = health_config(args)
         cfg.check()
         return run(cfg)
     except (NvmlUnavailableError, ProfileError, ValueError) as exc:
@@ -266,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inventory": cmd_inventory,
         "kubelet-plugin": cmd_kubelet_plugin,
         "doctor": cmd_doctor,
+        "health": cmd_health,
         **handlers,
     }
     try:

@@ -120,6 +120,19 @@ class Kube:
         )
         return await _json(resp, f"apply resourceslice {name}")
 
+    async def apply_claim_status(
+        self, namespace: str, name: str, body: dict[str, Any], field_manager: str
+    ) -> dict[str, Any]:
+        """Server-side apply to a ResourceClaim's status (the driver's `status.devices` entries)."""
+        resp = await self._request(
+            "PATCH",
+            f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaims/{name}/status",
+            {"fieldManager": field_manager, "force": "true"},
+            body,
+            content_type="application/apply-patch+yaml",
+        )
+        return await _json(resp, f"apply resourceclaim {namespace}/{name} status")
+
     async def delete_slice(self, name: str) -> None:
         resp = await self._request("DELETE", f"{RESOURCE_V1}/resourceslices/{name}")
         if resp.status == 404:

@@ -44,17 +44,46 @@ def qualified_name_problem(name: str) -> str | None:
 # ---------------------------------------------------------------- quantities
 
 
+# The quantity grammar of k8s.io/apimachinery (resource.Quantity): a signed decimal number and one of
+# a binary suffix, a decimal suffix or a decimal exponent.
+_QUANTITY = re.compile(
+    r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:(Ki|Mi|Gi|Ti|Pi|Ei)|([eE][+-]?[0-9]+)|(m|k|M|G|T|P|E)?)$"
+)
+_BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+_DECIMAL = {"m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+MAX_QUANTITY_CHARS = 128
+# Kubernetes quantities never exceed 2^63-1 in magnitude nor go below 10^-9 (nano); an exponent
+# beyond these bounds cannot be meant, and refusing it keeps the arithmetic on it O(1).
+MAX_QUANTITY_EXPONENT = 64
+
+
 @functools.lru_cache(maxsize=4096)
 def parse_quantity(text: str) -> Decimal:
-    """A Kubernetes quantity ("80Gi", "1.5", "500m") as a number; ValueError when it is none."""
-    # Imported here: the kubernetes client is heavy and only the controller parses quantities.
-    from kubernetes.utils.quantity import parse_quantity as kubernetes_parse_quantity
+    """A Kubernetes quantity ("80Gi", "1.5", "500m", "1e3") as a number; ValueError when it is none.
 
+    Bounded: at most 128 characters and a decimal exponent within +-64, so no input costs more than
+    a constant amount of work (a huge exponent would make Decimal arithmetic take minutes); NaN and
+    Infinity are not quantities.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"{text!r} is not a quantity")
+    if len(text) > MAX_QUANTITY_CHARS:
+        raise ValueError(f"quantity of {len(text)} characters is too long (at most {MAX_QUANTITY_CHARS})")
+    m = _QUANTITY.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a quantity")
+    number, binary, exponent, decimal = m.groups()
     try:
-        value = kubernetes_parse_quantity(text)  # type: ignore[no-untyped-call]
-    except (ValueError, InvalidOperation) as exc:
+        value = Decimal(number)
+    except InvalidOperation as exc:  # pragma: no cover - the pattern admits only decimal numbers
         raise ValueError(f"{text!r} is not a quantity") from exc
-    return Decimal(value)
+    if binary:
+        return value * (1 << _BINARY[binary])
+    exp = int(exponent[1:]) if exponent else _DECIMAL[decimal or ""]
+    if abs(exp) > MAX_QUANTITY_EXPONENT:
+        raise ValueError(f"{text!r}: exponent out of range (at most +-{MAX_QUANTITY_EXPONENT})")
+    return value * Decimal(10) ** exp
 
 
 def format_quantity(value: int | Decimal) -> str:

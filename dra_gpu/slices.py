@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from dra_gpu.attributes import (
@@ -250,13 +251,19 @@ class SliceBuilder:
         digest = hashlib.sha256(name.encode()).hexdigest()[:10]
         return f"{name[:230].rstrip('.-')}-{digest}-{i}"
 
-    def slices(self, generation: int = 1) -> list[dict[str, Any]]:
+    def slices(
+        self, generation: int = 1, taints: Mapping[str, list[dict[str, Any]]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The node's slices; `taints`: device name -> its taints (health), if any."""
         if not DNS_SUBDOMAIN.match(self.inv.node_name) or len(self.inv.node_name) > 253:
             raise SliceLimitError(
                 f"node name {self.inv.node_name!r}: must be a lowercase DNS subdomain (the pool name)"
             )
         groups = self.device_groups()
         devices = [d for g in groups for d in g]
+        for dev in devices:
+            if taints and taints.get(dev["name"]):
+                dev["taints"] = [dict(t) for t in taints[dev["name"]]]
         advanced = any(d.get("taints") or d.get("consumesCounters") for d in devices)
         per_slice = MAX_DEVICES_PER_SLICE_ADVANCED if advanced else MAX_DEVICES_PER_SLICE
         chunks = _pack(groups, per_slice)
@@ -307,9 +314,12 @@ def _pack(groups: list[list[dict[str, Any]]], per_slice: int) -> list[list[dict[
 
 
 def build_slices(
-    inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME, generation: int = 1
+    inventory: Inventory,
+    driver: str = DEFAULT_DRIVER_NAME,
+    generation: int = 1,
+    taints: Mapping[str, list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
-    return SliceBuilder(inventory, driver).slices(generation)
+    return SliceBuilder(inventory, driver).slices(generation, taints)
 
 
 def validate_device(dev: dict[str, Any]) -> None:

@@ -112,3 +112,20 @@ def test_long_node_names_keep_domain_ids_short_and_distinct() -> None:
     a = domain_id("a" * 200 + "-1", "0000:18:00.0")
     b = domain_id("a" * 200 + "-2", "0000:18:00.0")
     assert len(a) <= 64 and len(b) <= 64 and a != b
+
+
+def test_clique_search_is_capped_on_adversarial_graphs() -> None:
+    """The complement of disjoint triangles has 3^(n/3) maximal cliques (3^85 for 255 GPUs): the
+    capped search still partitions it into cliques, in well under a second."""
+    import time
+
+    from dra_gpu.discovery.nvlink_domains import partition
+
+    nodes = [f"{i:04d}" for i in range(255)]
+    adj = {a: {b for b in nodes if b != a and int(a) // 3 != int(b) // 3} for a in nodes}
+    start = time.monotonic()
+    groups = partition(adj)
+    assert time.monotonic() - start < 5
+    assert sorted(v for g in groups for v in g) == nodes
+    for g in groups:  # every group is a clique
+        assert all(b in adj[a] for a in g for b in g if a != b)

@@ -18,10 +18,9 @@ field, a wrong type or an out-of-range value is an error naming the field path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
+from dra_gpu.kubernetes_values import parse_quantity
 
 GROUP = "gpu.dra-gpu.io"
 VERSION = "v1alpha1"
@@ -130,12 +129,12 @@ def _mps(value: Any, path: str) -> Mps:
         if not isinstance(limit, str | int) or isinstance(limit, bool):
             raise ConfigError(p, f"must be a quantity such as 10Gi, got {_type_name(limit)}")
         try:
-            q = parse_quantity(limit)  # type: ignore[no-untyped-call]
-        except (ValueError, InvalidOperation) as exc:
+            q = parse_quantity(str(limit))
+        except ValueError as exc:
             raise ConfigError(p, f"{limit!r} is not a quantity such as 10Gi") from exc
         if q < MIN_PINNED_MEMORY:
             raise ConfigError(p, f"must be at least 1Mi, got {limit}")
-        limit_bytes = int(q.to_integral_value()) if isinstance(q, Decimal) else int(q)
+        limit_bytes = int(q.to_integral_value())
     return Mps(default_active_thread_percentage=pct, default_pinned_device_memory_limit=limit_bytes)
 
 

@@ -201,6 +201,19 @@ def allocated_devices(claims: Iterable[Mapping[str, Any]]) -> set[tuple[str, str
     return out
 
 
+def blocking_taint(device: Device, sub: SubRequest) -> Mapping[str, Any] | None:
+    """The first NoSchedule / NoExecute taint of the device the request does not tolerate."""
+    for t in device.taints():
+        if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(t, sub.tolerations):
+            return t
+    return None
+
+
+def describe_taint(taint: Mapping[str, Any]) -> str:
+    value = taint.get("value")
+    return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"
+
+
 def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]) -> bool:
     for t in tolerations:
         if t.get("effect") and t.get("effect") != taint.get("effect"):
@@ -382,6 +395,7 @@ class _Search:
         self.requests = requests
         self.constraints = constraints
         self.in_use = set() if ignore_in_use else cluster.in_use
+        self.ignore_taints = ignore_in_use  # "could it ever": taints come and go like allocations
         self.best_mode = best
         self.ignore_counters = ignore_counters
         self.chosen: list[tuple[SubRequest, Device]] = []
@@ -458,9 +472,8 @@ class _Search:
     def _add(self, sub: SubRequest, d: Device) -> bool:
         if d.key in self.allocating or (d.key in self.in_use and not sub.admin_access):
             return False
-        for t in d.taints():
-            if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(t, sub.tolerations):
-                return False
+        if not self.ignore_taints and blocking_taint(d, sub) is not None:
+            return False
         pool = self.c.pool(d.pool_key)
         if d.consumes and pool is not None and not self.ignore_counters:
             for cset, counters in d.consumes:

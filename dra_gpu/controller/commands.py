@@ -20,7 +20,8 @@ from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from dra_gpu.controller.rules import Validator  # the CEL engine loads only for these commands
+    from dra_gpu.controller.bounded import OverBudget, run_bounded
+    from dra_gpu.controller.rules import Problem, Validator, Verdict  # the CEL engine loads only here
 
     try:
         inputs = load_files(args.filename)
@@ -56,7 +57,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print("dra-gpu: no DeviceClass, ResourceClaim or ResourceClaimTemplate in the input", file=sys.stderr)
         return EXIT_USAGE
     for obj in to_check:
-        verdict = validator.validate(obj)
+        try:  # bounded: a selector too costly to evaluate costs this object its verdict, no more
+            verdict = run_bounded(lambda obj=obj: validator.validate(obj))  # type: ignore[misc]
+        except OverBudget as exc:
+            meta = obj.get("metadata") or {}
+            name = str(meta.get("name") or meta.get("generateName") or "?")
+            verdict = Verdict(
+                str(obj.get("kind") or "?"), name, errors=[Problem("(object)", f"validation {exc}")]
+            )
         for line in verdict.lines():
             print(line)
         for line in verdict.warning_lines():
@@ -78,8 +86,13 @@ def _allocated(claim: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------- explain
 
 
-def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[str, Any]:
+def explain_inputs(
+    inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME, bounded: bool = False
+) -> dict[str, Any]:
+    """Each claim's simulated allocation. `bounded` (the command line): each claim in a forked
+    child with a deadline and a memory cap (not from a process with threads: the doctor)."""
     from dra_gpu.controller.allocator import Cluster, allocated_devices
+    from dra_gpu.controller.bounded import OverBudget, run_bounded
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
 
@@ -105,28 +118,38 @@ def explain_inputs(inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME) -> dict[st
             "reason": "",
             "simulated": True,  # False: a selector uses Kubernetes CEL functions dra-gpu does not model
         }
-        verdict = validator.validate({**claim, "status": {}})
-        if verdict.errors and not any(p.kind is ProblemKind.UNSATISFIABLE for p in verdict.errors):
-            entry["reason"] = "; ".join(f"{p.path}: {p.message}" for p in verdict.errors)
-            out.append(entry)
-            continue
-        spec: dict[str, Any] = claim["spec"] if isinstance(claim.get("spec"), dict) else {}
-        e = explain(cluster, spec)
-        if e.allocatable and e.placement is not None and e.best is not None:
-            entry.update(
-                allocatable=True,
-                node=e.placement.node,
-                devices=e.placement.devices,
-                results=[
-                    {"request": r, "driver": d.driver, "pool": d.pool, "device": d.name}
-                    for r, d in e.placement.results
-                ],
-                linkCost=e.placement.link_cost,
-                bestDevices=e.best.devices,
-                bestLinkCost=e.best.link_cost,
-            )
+
+        def one(claim: dict[str, Any] = claim, entry: dict[str, Any] = entry) -> dict[str, Any]:
+            verdict = validator.validate({**claim, "status": {}})
+            if verdict.errors and not any(p.kind is ProblemKind.UNSATISFIABLE for p in verdict.errors):
+                entry["reason"] = "; ".join(f"{p.path}: {p.message}" for p in verdict.errors)
+                return entry
+            spec: dict[str, Any] = claim["spec"] if isinstance(claim.get("spec"), dict) else {}
+            e = explain(cluster, spec)
+            if e.allocatable and e.placement is not None and e.best is not None:
+                entry.update(
+                    allocatable=True,
+                    node=e.placement.node,
+                    devices=e.placement.devices,
+                    results=[
+                        {"request": r, "driver": d.driver, "pool": d.pool, "device": d.name}
+                        for r, d in e.placement.results
+                    ],
+                    linkCost=e.placement.link_cost,
+                    bestDevices=e.best.devices,
+                    bestLinkCost=e.best.link_cost,
+                )
+            else:
+                entry.update(reason=e.reason, simulated=e.simulated)
+            return entry
+
+        if bounded:
+            try:
+                entry = run_bounded(one)
+            except OverBudget as exc:
+                entry["reason"] = f"simulation {exc}"
         else:
-            entry.update(reason=e.reason, simulated=e.simulated)
+            entry = one()
         out.append(entry)
     return {"claims": out}
 
@@ -165,7 +188,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             "dra-gpu: no ResourceClaim to allocate (without status.allocation) in the input", file=sys.stderr
         )
         return EXIT_USAGE
-    result = explain_inputs(inputs, args.driver_name)
+    result = explain_inputs(inputs, args.driver_name, bounded=True)
     if args.output == "json":
         print(json.dumps(result, indent=2))
     else:

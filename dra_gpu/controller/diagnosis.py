@@ -19,6 +19,8 @@ from dra_gpu.controller.allocator import (
     Request,
     SubRequest,
     UnknownClassError,
+    blocking_taint,
+    describe_taint,
     parse_requests,
     place,
 )
@@ -83,6 +85,7 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
     """(most devices on one node, reason) for one request alternative; reason empty when counts fit."""
     best_n, best_node = -1, ""
     per_class: list[Device] = []
+    blocked: list[tuple[str, Device, str]] = []  # (node, device, taint) the request does not tolerate
     cls = cluster.classes.get(sub.device_class)
     if cls is None:
         raise UnknownClassError(sub.device_class)
@@ -97,21 +100,39 @@ def _alternative_reason(cluster: Cluster, sub: SubRequest, ignore_in_use: bool) 
         ok = [d for d in in_class if all(cluster.matches(e, d) for e in sub.selectors)]
         if not ignore_in_use:
             ok = [d for d in ok if d.key not in cluster.in_use or sub.admin_access]
+            for d in ok:
+                taint = blocking_taint(d, sub)
+                if taint is not None:
+                    blocked.append((node, d, describe_taint(taint)))
+            ok = [d for d in ok if blocking_taint(d, sub) is None]
         if len(ok) > best_n:
             best_n, best_node = len(ok), node
+    taints = _taint_note(blocked)
     if sub.mode == "All":
-        return best_n, "" if best_n > 0 else f"request {sub.name!r}: no device matches (allocationMode All)"
+        return (
+            best_n,
+            "" if best_n > 0 else f"request {sub.name!r}: no device matches (allocationMode All){taints}",
+        )
     if best_n >= sub.count:
         return best_n, ""
     if not per_class:
         return best_n, f"request {sub.name!r}: no published device belongs to class {sub.device_class!r}"
-    if best_n <= 0:
+    if best_n <= 0 and not blocked:
         return best_n, f"request {sub.name!r}: {_selector_problem(cluster, sub, per_class)}"
     where = f" ({best_node})" if best_node else ""
     return best_n, (
         f"request {sub.name!r} needs {sub.count} {_noun(per_class, True)}; "
-        f"at most {best_n} match on one node{where}"
+        f"at most {max(best_n, 0)} match on one node{where}{taints}"
     )
+
+
+def _taint_note(blocked: list[tuple[str, Device, str]], limit: int = 4) -> str:
+    """ "; tainted, not tolerated: node/device key=value:Effect, ..." (empty when nothing is)."""
+    if not blocked:
+        return ""
+    shown = ", ".join(f"{node + '/' if node else ''}{d.name} {t}" for node, d, t in blocked[:limit])
+    more = f" and {len(blocked) - limit} more" if len(blocked) > limit else ""
+    return f"; tainted, not tolerated: {shown}{more}"
 
 
 def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> str:
@@ -189,10 +210,15 @@ def _constraint_reasons(
         need = sum(s.count for s in subs if s.mode == "ExactCount")
         largest, node_of = 0, ""
         noun_pool: list[Device] = []
+        tainted: list[tuple[str, Device, str]] = []
         for node in cluster.nodes:
             groups: Counter[Any] = Counter()
             for d in cluster.devices(node):
-                if not any(cluster.selectable(s, d) for s in subs):
+                fits = [s for s in subs if cluster.selectable(s, d)]
+                if not fits:
+                    continue
+                if not ignore_in_use and all(blocking_taint(d, s) is not None for s in fits):
+                    tainted.append((node, d, describe_taint(blocking_taint(d, fits[0]) or {})))
                     continue
                 if not ignore_in_use and d.key in cluster.in_use:
                     continue
@@ -209,11 +235,11 @@ def _constraint_reasons(
                 free = "" if ignore_in_use else "free "
                 out.append(
                     f"largest {free}NVLink domain: {largest} {noun}{where}; "
-                    f"the claim needs {need} NVLink-connected {noun}"
+                    f"the claim needs {need} NVLink-connected {noun}{_taint_note(tainted)}"
                 )
             else:
                 out.append(
                     f"at most {largest} devices share one value of {con.attribute}{where}; "
-                    f"the constraint needs {need}"
+                    f"the constraint needs {need}{_taint_note(tainted)}"
                 )
     return out

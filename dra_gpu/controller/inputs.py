@@ -10,12 +10,12 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-MAX_FILE_BYTES = 64 * 1024 * 1024
+from dra_gpu.controller.schemas import decode_object, object_label
+from dra_gpu.decoding import MAX_FILE_BYTES, DecodeError, load_yaml_all, read_bounded, yaml_problem
 
 
 class InputError(Exception):
@@ -36,11 +36,22 @@ class Inputs:
         if not isinstance(doc, dict):
             self.problems.append(f"{where}: not a Kubernetes object (got {type(doc).__name__})")
             return
-        if doc.get("kind") == "List" or (str(doc.get("kind", "")).endswith("List") and "items" in doc):
-            for i, item in enumerate(doc.get("items") or []):
+        kind = doc.get("kind")
+        if kind == "List" or (str(kind or "").endswith("List") and "items" in doc):
+            items = doc.get("items") or []
+            if not isinstance(items, list):
+                self.problems.append(f"{where}: items: must be a list")
+                return
+            for i, item in enumerate(items):
                 self.add(item, f"{where}: items[{i}]")
             return
-        kind = doc.get("kind")
+        # Decode before anything reads it: a wrong type anywhere is a field error here, not a
+        # traceback in the rules, the CEL environment or the allocator.
+        problems = decode_object(doc)
+        if problems:
+            label = object_label(doc)
+            self.problems.extend(f"{label}: {path}: {msg}" for path, msg in problems)
+            return
         {"ResourceSlice": self.slices, "DeviceClass": self.classes, "ResourceClaim": self.claims}.get(
             str(kind), self.others
         ).append(doc)
@@ -50,27 +61,18 @@ def load_files(paths: Sequence[str], inputs: Inputs | None = None) -> Inputs:
     inputs = inputs or Inputs()
     for path in paths:
         try:
-            if path == "-":
-                text = sys.stdin.read(MAX_FILE_BYTES + 1)
-            else:
-                p = Path(path)
-                if p.stat().st_size > MAX_FILE_BYTES:
-                    raise InputError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
-                text = p.read_text(encoding="utf-8")
+            text = sys.stdin.read(MAX_FILE_BYTES + 1) if path == "-" else read_bounded(path, MAX_FILE_BYTES)
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from exc
+        except DecodeError as exc:
+            raise InputError(str(exc)) from exc
         if len(text) > MAX_FILE_BYTES:
             raise InputError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
         try:
-            for i, doc in enumerate(yaml.safe_load_all(text)):
+            for i, doc in enumerate(load_yaml_all(text)):
                 inputs.add(doc, f"{path}: document {i + 1}")
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            inputs.problems.append(f"{path}{line}: not valid YAML: {problem}")
-        except RecursionError:
-            inputs.problems.append(f"{path}: not valid YAML: nested too deeply")
+        except (yaml.YAMLError, RecursionError) as exc:
+            inputs.problems.append(f"{path}{yaml_problem(exc)}")
     return inputs
 
 

@@ -18,6 +18,7 @@ from dra_gpu.api import ConfigError, decode
 from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices
 from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.explain import Failure, explain
+from dra_gpu.controller.schemas import decode_object
 from dra_gpu.kubernetes_values import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
@@ -131,6 +132,12 @@ class Validator:
             v.errors.append(
                 Problem("apiVersion", f"must be {RESOURCE_API_VERSION!r}, got {obj.get('apiVersion')!r}")
             )
+            return v
+        # Decode before any rule: bounded sizes and nesting, and every field the rules read typed.
+        problems = decode_object(obj)
+        if problems:
+            v.concerned = True
+            v.errors.extend(Problem(path or "(object)", msg) for path, msg in problems)
             return v
         size = len(json.dumps(obj, default=str))
         if size > MAX_OBJECT_BYTES:
@@ -405,14 +412,18 @@ class Validator:
                     )
                 )
             return
-        if not self.cluster.in_use:
+        tainted = any(d.taints() for node in self.cluster.nodes for d in self.cluster.devices(node))
+        if not self.cluster.in_use and not tainted:
             return
         now = explain(self.cluster, spec)
         if not now.allocatable:
+            why = {(True, False): "in use", (False, True): "tainted"}.get(
+                (bool(self.cluster.in_use), tainted), "in use or tainted"
+            )
             v.warnings.append(
                 Problem(
                     path,
-                    f"cannot be allocated right now (devices in use): {now.reason}",
+                    f"cannot be allocated right now (devices {why}): {now.reason}",
                     ProblemKind.IN_USE,
                 )
             )

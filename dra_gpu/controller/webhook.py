@@ -5,6 +5,12 @@ stack) and keeps the cluster view current with list+watch loops (`dra_gpu.kube.l
 ResourceSlices, DeviceClasses and ResourceClaims. The certificate and key are re-read when their files
 change: the new chain is loaded into the live SSLContext, so new connections get it without a restart.
 
+The rules themselves (CEL evaluation, quantity arithmetic) run in worker processes with a deadline
+and a memory cap (review_pool.py), so one costly review never blocks the loop: /healthz and other
+reviews keep answering, and the costly one is denied. Every review is decoded first (the
+AdmissionReview's shape here, the object's in the rules), so a wrong type is a 400 or a deny,
+never a 500.
+
 Endpoints: POST /validate (also /), GET /healthz (liveness), GET /readyz (200 once the watch caches
 have their first list), GET /metrics (Prometheus text). On SIGTERM it stops accepting connections,
 lets the reviews in flight finish (at most SHUTDOWN_TIMEOUT seconds) and exits 0.
@@ -21,7 +27,7 @@ import signal
 import ssl
 import sys
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +41,12 @@ from prometheus_client import (
     generate_latest,
 )
 
-from dra_gpu.controller.cel import CelEnvironment, Schema
+from dra_gpu.controller.cluster_state import ClusterState
 from dra_gpu.controller.inputs import InputError, load_files
-from dra_gpu.controller.rules import KINDS, Validator
+from dra_gpu.controller.review_pool import OverBudget, ReviewPool, ReviewResult
+from dra_gpu.controller.rules import KINDS
+from dra_gpu.controller.schemas import ADMISSION_REVIEW
+from dra_gpu.decoding import decode
 from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.model import DEFAULT_DRIVER_NAME
@@ -60,6 +69,8 @@ class WebhookConfig:
     kubeconfig: str | None = None  # None: in-cluster config
     watch: bool = True  # False: no list+watch of the cluster (tests and local runs)
     files: tuple[str, ...] = ()  # static slices/classes/claims for the cluster view
+    workers: int = 3  # processes that run the rules (CEL), so one costly review never blocks the loop
+    review_deadline_s: float = 1.0  # a review still running then is denied and its worker replaced
 
 
 class Metrics:
@@ -86,56 +97,14 @@ class Metrics:
         self.cert_reloads = Counter(
             "dra_gpu_cert_reloads_total", "Certificate reloads", ["result"], registry=self.registry
         )
+        self.over_budget = Counter(
+            "dra_gpu_admission_over_budget_total",
+            "Reviews denied because validation passed its time or memory budget",
+            registry=self.registry,
+        )
         self.watch_events = Counter(
             "dra_gpu_watch_events_total", "Watch events by resource", ["resource"], registry=self.registry
         )
-
-
-class ClusterState:
-    """Slices, classes and claims as last seen; a Validator rebuilt lazily after a change."""
-
-    def __init__(self, driver: str) -> None:
-        self.driver = driver
-        self.stores: dict[str, dict[str, dict[str, Any]]] = {"slices": {}, "classes": {}, "claims": {}}
-        self._validator: Validator | None = None
-        self._env: tuple[tuple[Any, ...], CelEnvironment] | None = None
-        self.synced: set[str] = set()
-
-    @staticmethod
-    def key(obj: Mapping[str, Any]) -> str:
-        meta = obj.get("metadata") or {}
-        return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
-
-    def replace(self, store: str, items: Iterable[dict[str, Any]]) -> None:
-        self.stores[store] = {self.key(o): o for o in items}
-        self.synced.add(store)
-        self._validator = None
-
-    def apply(self, store: str, event_type: str, obj: dict[str, Any]) -> None:
-        if event_type == "DELETED":
-            self.stores[store].pop(self.key(obj), None)
-        elif event_type in ("ADDED", "MODIFIED"):
-            self.stores[store][self.key(obj)] = obj
-        else:
-            return
-        self._validator = None
-
-    def validator(self) -> Validator:
-        if self._validator is None:
-            slices = list(self.stores["slices"].values())
-            schema = Schema.default(self.driver)
-            schema.add_slices(slices)
-            sig = (tuple(sorted(schema.attributes.items())), tuple(sorted(schema.capacities)))
-            if self._env is None or self._env[0] != sig:
-                self._env = (sig, CelEnvironment(schema))
-            claims = [c for c in self.stores["claims"].values() if (c.get("status") or {}).get("allocation")]
-            self._validator = Validator(
-                self.driver, slices, self.stores["classes"].values(), claims, env=self._env[1]
-            )
-        return self._validator
-
-    def device_count(self) -> int:
-        return sum(len((s.get("spec") or {}).get("devices") or []) for s in self.stores["slices"].values())
 
 
 class CertReloader:
@@ -183,9 +152,16 @@ def _bad_request(message: str) -> web.Response:
 
 
 class Webhook:
-    def __init__(self, state: ClusterState, metrics: Metrics, watched: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        metrics: Metrics,
+        pool: ReviewPool | None = None,
+        watched: Collection[str] = (),
+    ) -> None:
         self.state = state
         self.metrics = metrics
+        self.pool = pool
         self.watched = watched  # the stores /readyz waits for (their first list)
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -268,18 +244,18 @@ class Webhook:
                     "apiVersion": obj.get("apiVersion")
                     or f"{(req.get('kind') or {}).get('group')}/{(req.get('kind') or {}).get('version')}",
                 }
-            verdict = self.state.validator().validate(obj)
+            verdict = await self._validate(obj)
             if verdict.errors:
                 result = "denied"
                 response["allowed"] = False
                 response["status"] = {
                     "code": 403,
                     "reason": "Invalid",
-                    "message": "; ".join(f"{p.path}: {p.message}" for p in verdict.errors),
+                    "message": "; ".join(f"{path}: {message}" for path, message in verdict.errors),
                 }
             if verdict.warnings:
                 result = "warned" if result == "allowed" else result
-                response["warnings"] = [f"{p.path}: {p.message}"[:1000] for p in verdict.warnings]
+                response["warnings"] = [f"{path}: {message}"[:1000] for path, message in verdict.warnings]
             log.info(
                 "event=admission kind=%s name=%s namespace=%s operation=%s result=%s uid=%s",
                 kind,
@@ -295,10 +271,33 @@ class Webhook:
             {"apiVersion": ADMISSION_API, "kind": "AdmissionReview", "response": response}
         )
 
+    async def _validate(self, obj: Any) -> ReviewResult:
+        """The rules' verdict, from a worker process when there is a pool (always, when serving)."""
+        if self.pool is None:
+            v = self.state.validator().validate(obj)
+            errors = [(p.path, p.message) for p in v.errors]
+            return ReviewResult(v.name, v.namespace, errors, [(p.path, p.message) for p in v.warnings])
+        try:
+            return await self.pool.validate(obj)
+        except OverBudget as exc:
+            meta = obj.get("metadata") if isinstance(obj, dict) else None
+            meta = meta if isinstance(meta, dict) else {}
+            self.metrics.over_budget.inc()
+            return ReviewResult(
+                str(meta.get("name") or meta.get("generateName") or "?"),
+                str(meta.get("namespace") or ""),
+                [("(object)", str(exc))],
+                [],
+            )
+
 
 def _review_problem(review: Any) -> str | None:
     if not isinstance(review, dict):
         return "body must be an AdmissionReview object"
+    problems = decode(review, ADMISSION_REVIEW)
+    if problems:
+        path, message = problems[0]
+        return f"{path}: {message}"
     if review.get("apiVersion") != ADMISSION_API or review.get("kind") != "AdmissionReview":
         return f"apiVersion/kind must be {ADMISSION_API}/AdmissionReview"
     req = review.get("request")
@@ -377,13 +376,16 @@ async def serve(
     """Serve until `stop` is set (or the task is cancelled), then shut down gracefully."""
     metrics = Metrics()
     state = ClusterState(config.driver)
+    pool = ReviewPool(config.driver, workers=config.workers, deadline_s=config.review_deadline_s)
+    state.pool = pool
     if config.files:
         inputs = load_files(config.files)
         state.replace("slices", inputs.slices)
         state.replace("classes", inputs.classes)
         state.replace("claims", inputs.claims)
     certs = CertReloader(config.cert, config.key, metrics)
-    webhook = Webhook(state, metrics, watched=[store for store, _ in WATCHED] if config.watch else ())
+    await pool.start()
+    webhook = Webhook(state, metrics, pool, watched=[store for store, _ in WATCHED] if config.watch else ())
     runner = web.AppRunner(webhook.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.address, config.port, ssl_context=certs.context)
@@ -408,6 +410,7 @@ async def serve(
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        await pool.close()
 
 
 def run(config: WebhookConfig) -> int:

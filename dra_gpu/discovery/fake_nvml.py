@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import pynvml
 
 from dra_gpu.discovery.fake_mig import Instance, MigStateError, SimulatedMig
+from dra_gpu.discovery.fake_nvml_events import FakeNvmlEvents
 from dra_gpu.discovery.profiles import NODE_FAILURE_ENV, NVML_ERROR_CODES, GpuSpec, NodeProfile
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -110,6 +111,7 @@ def _nvml_call(fn: F) -> F:
             code = spec.nvml_errors.get(fn.__name__, spec.nvml_errors.get("*"))
             if code is not None:
                 _raise(code)
+        self._check_lost(handle)  # a simulated lost GPU (health events)
         code = self.profile.nvml_errors.get(fn.__name__)
         if code is not None:
             _raise(code)
@@ -122,7 +124,7 @@ def _nvml_call(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class FakeNvml:
+class FakeNvml(FakeNvmlEvents):
     """Drop-in for the `pynvml` module, backed by a NodeProfile.
 
     `root`: the simulated node's root; its MIG state is kept there (see fake_mig) and survives
@@ -136,6 +138,7 @@ class FakeNvml:
         self._init_count = 0
         self._handles = [_GpuHandle(g) for g in profile.gpus]
         self._by_bus = {h.spec.pci_bus_id.lower(): h for h in self._handles}
+        self._init_events()
 
     def fail_next(self, function: str, code: int) -> None:
         """Make the next call of `function` raise NVMLError(code) (a failing step, for tests)."""

@@ -18,6 +18,7 @@ GPUs in MIG mode are not published as whole GPUs and take no part in domains.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterable
 
@@ -50,21 +51,39 @@ def connectivity(gpus: Iterable[Gpu], other_gpus: Iterable[str] = ()) -> dict[st
     return adj
 
 
-def maximal_cliques(adj: dict[str, set[str]]) -> list[frozenset[str]]:
-    """Bron-Kerbosch with pivoting; node counts here are small (<= a few dozen GPUs)."""
+MAX_CLIQUE_STEPS = 5_000
+
+
+def maximal_cliques(adj: dict[str, set[str]], max_steps: int = MAX_CLIQUE_STEPS) -> list[frozenset[str]]:
+    """Bron-Kerbosch with pivoting, capped at `max_steps` expansions.
+
+    Real nodes (<= a few dozen GPUs, cliques that do not overlap much) finish in far fewer steps;
+    a link graph built to have exponentially many maximal cliques stops at the cap with the cliques
+    found so far (at least one: the first descent reaches a leaf within len(adj) steps), so a
+    profile can never make discovery run for hours. Deterministic, as the order is.
+    """
     out: list[frozenset[str]] = []
+    steps = 0
+
+    class _Capped(Exception):
+        pass
 
     def expand(r: set[str], p: set[str], x: set[str]) -> None:
+        nonlocal steps
+        steps += 1
+        if steps > max_steps and out:
+            raise _Capped
         if not p and not x:
             out.append(frozenset(r))
             return
-        pivot = max(p | x, key=lambda v: len(adj[v] & p))
+        pivot = max(sorted(p | x), key=lambda v: len(adj[v] & p))
         for v in sorted(p - adj[pivot]):
             expand(r | {v}, p & adj[v], x & adj[v])
             p = p - {v}
             x = x | {v}
 
-    expand(set(), set(adj), set())
+    with contextlib.suppress(_Capped):
+        expand(set(), set(adj), set())
     return out
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from dra_gpu.decoding import DecodeError, check_bounds, load_yaml, read_bounded
+
 BUILTIN_PROFILES = ("hgx-2x4", "dgx-h100", "dgx-a100-mig", "dgx-h100-mig", "mixed", "pcie-pairs")
 MEMORY_SLICES = 8  # of an A100 / H100 80GB (MIG user guide)
 
@@ -74,6 +76,17 @@ _PCI_RE = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 _UUID_RE = re.compile(r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
 _MIG_UUID_RE = re.compile(r"^MIG-[0-9a-fA-F-]{36}$")
 _MIG_NAME_RE = re.compile(r"^\d+g\.\d+gb$")
+
+
+# Bounds on what a profile may describe: well above any real node (an NVL72 rack is 72 GPUs, 18
+# NVLinks each), low enough that deriving NVLink domains stays fast.
+MAX_PROFILE_BYTES = 512 * 1024  # a 256-GPU profile is ~100 KiB
+MAX_GPUS = 256
+MAX_NVSWITCHES = 64
+MAX_NVLINKS = 18  # per GPU: NVLink 4 (Hopper) has 18, Blackwell 18
+MAX_MIG_PROFILES = 64
+MAX_MIG_INSTANCES = 7
+MAX_MIG_SLICE = 7  # memory slices 0..7
 
 
 class ProfileError(ValueError):
@@ -160,23 +173,32 @@ def load_profile(name_or_path: str) -> NodeProfile:
         ref = resources.files("dra_gpu.discovery").joinpath(f"profiles/{name_or_path}.yaml")
         return parse_profile(ref.read_text(encoding="utf-8"), source=f"{name_or_path}.yaml")
     path = Path(name_or_path)
-    if not path.is_file():
+    if not path.exists():
         raise ProfileError(
             f"profile {name_or_path!r}: not a built-in profile ({', '.join(BUILTIN_PROFILES)}) "
             "and no such file"
         )
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_bounded(str(path), MAX_PROFILE_BYTES)
+    except DecodeError as exc:
         raise ProfileError(f"{path}: cannot read profile: {exc}") from exc
     return parse_profile(text, source=str(path))
 
 
 def parse_profile(text: str, source: str) -> NodeProfile:
+    """Decode a profile: YAML without aliases, bounded in size and nesting, then checked field by field."""
+    if len(text) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{source}: larger than {MAX_PROFILE_BYTES} bytes")
     try:
-        doc = yaml.safe_load(text)
+        doc = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ProfileError(f"{source}: not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ProfileError(f"{source}: not valid YAML: nested too deeply") from exc
+    bounds = check_bounds(doc, depth_limit=8)
+    if bounds:
+        where, message = bounds[0]
+        raise ProfileError(f"{source}: {where}: {message}")
     return _Parser(source).node(doc)
 
 
@@ -213,6 +235,17 @@ class _Parser:
             )
         return value
 
+    def at_most(self, items: list[Any], limit: int, where: str) -> None:
+        if len(items) > limit:
+            raise self.fail(where, f"has {len(items)} entries, at most {limit} are accepted")
+
+    def positive(self, d: dict[str, Any], key: str, where: str, default: Any = ..., minimum: int = 1) -> int:
+        """An integer field that must be >= `minimum` (sizes, counts)."""
+        value: int = self.get(d, key, int, where, default)
+        if value < minimum:
+            raise self.fail(where, f"field {key!r} must be at least {minimum}, got {value}")
+        return value
+
     def check_keys(self, d: dict[str, Any], allowed: set[str], where: str) -> None:
         unknown = sorted(set(d) - allowed)
         if unknown:
@@ -224,7 +257,7 @@ class _Parser:
         for fn, err in raw.items():
             if not isinstance(fn, str) or not (fn == "*" or fn.startswith("nvml")):
                 raise self.fail(where, f"nvmlErrors: key {fn!r} must be an nvml function name or '*'")
-            if err not in NVML_ERROR_CODES:
+            if not isinstance(err, str) or err not in NVML_ERROR_CODES:
                 raise self.fail(
                     where,
                     f"nvmlErrors.{fn}: unknown NVML error {err!r} "
@@ -255,17 +288,21 @@ class _Parser:
         driver = self.get(doc, "driverVersion", str, "top level")
         if not re.fullmatch(r"\d+(\.\d+){1,2}", driver):
             raise self.fail("driverVersion", f"{driver!r} is not a driver version like 570.133.20")
-        cuda = self.get(doc, "cudaDriverVersion", int, "top level")
+        cuda = self.positive(doc, "cudaDriverVersion", "top level")
         switches = self.get(doc, "nvswitches", list, "top level", [])
+        self.at_most(switches, MAX_NVSWITCHES, "nvswitches")
         for i, sw in enumerate(switches):
             if not isinstance(sw, str) or not _PCI_RE.match(sw):
                 raise self.fail(f"nvswitches[{i}]", f"{sw!r} is not a PCI bus id")
         mig_profiles = {}
-        for i, mp in enumerate(self.get(doc, "migProfiles", list, "top level", [])):
+        raw_mig_profiles = self.get(doc, "migProfiles", list, "top level", [])
+        self.at_most(raw_mig_profiles, MAX_MIG_PROFILES, "migProfiles")
+        for i, mp in enumerate(raw_mig_profiles):
             spec = self.mig_profile(mp, f"migProfiles[{i}]")
             mig_profiles[spec.name] = spec
         defaults = self.get(doc, "defaults", dict, "top level", {})
         raw_gpus = self.get(doc, "gpus", list, "top level")
+        self.at_most(raw_gpus, MAX_GPUS, "gpus")
         gpus = []
         for i, raw in enumerate(raw_gpus):
             if not isinstance(raw, dict):
@@ -309,10 +346,10 @@ class _Parser:
             },
             where,
         )
-        slices = self.get(mp, "slices", int, where)
-        size = self.get(mp, "placementSize", int, where, slices)
-        if not 1 <= size <= MEMORY_SLICES:
-            raise self.fail(where, f"placementSize must be 1..{MEMORY_SLICES}, got {size}")
+        slices = self.positive(mp, "slices", where)
+        size = self.positive(mp, "placementSize", where, slices)
+        if slices > MAX_MIG_SLICE + 1 or size > MAX_MIG_SLICE + 1:
+            raise self.fail(where, f"a MIG profile spans at most {MAX_MIG_SLICE + 1} slices")
         # Without a list: every aligned start that fits (real GPUs list fewer, e.g. 2g.20gb).
         default = list(range(0, MEMORY_SLICES - size + 1, size))
         placements = self.get(mp, "placements", list, where, default)
@@ -329,19 +366,19 @@ class _Parser:
                 )
         return MigProfileSpec(
             name=name,
-            profile_id=self.get(mp, "id", int, where),
-            index=self.get(mp, "index", int, where),
+            profile_id=self.positive(mp, "id", where, minimum=0),
+            index=self.positive(mp, "index", where, minimum=0),
             slice_count=slices,
             placement_size=size,
-            memory_mib=self.get(mp, "memoryMiB", int, where),
-            multiprocessors=self.get(mp, "multiprocessors", int, where),
-            copy_engines=self.get(mp, "copyEngines", int, where, 0),
-            decoders=self.get(mp, "decoders", int, where, 0),
-            encoders=self.get(mp, "encoders", int, where, 0),
-            jpeg=self.get(mp, "jpeg", int, where, 0),
-            ofa=self.get(mp, "ofa", int, where, 0),
+            memory_mib=self.positive(mp, "memoryMiB", where),
+            multiprocessors=self.positive(mp, "multiprocessors", where),
+            copy_engines=self.positive(mp, "copyEngines", where, 0, minimum=0),
+            decoders=self.positive(mp, "decoders", where, 0, minimum=0),
+            encoders=self.positive(mp, "encoders", where, 0, minimum=0),
+            jpeg=self.positive(mp, "jpeg", where, 0, minimum=0),
+            ofa=self.positive(mp, "ofa", where, 0, minimum=0),
             placements=tuple(placements),
-            max_instances=self.get(mp, "maxInstances", int, where, len(placements)),
+            max_instances=self.positive(mp, "maxInstances", where, len(placements), minimum=0),
         )
 
     def gpu(self, g: dict[str, Any], i: int, mig_profiles: dict[str, MigProfileSpec]) -> GpuSpec:
@@ -370,7 +407,7 @@ class _Parser:
             },
             where,
         )
-        index = self.get(g, "index", int, where)
+        index = self.positive(g, "index", where, minimum=0)
         uuid = self.get(g, "uuid", str, where)
         if not _UUID_RE.match(uuid):
             raise self.fail(f"{where}: uuid", f"{uuid!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-...)")
@@ -392,16 +429,22 @@ class _Parser:
         memory = self.get(g, "memoryMiB", int, where)
         if memory <= 0:
             raise self.fail(f"{where}: memoryMiB", f"must be positive, got {memory}")
-        nvlink_count = self.get(g, "nvlinkCount", int, where, 0)
+        nvlink_count = self.positive(g, "nvlinkCount", where, 0, minimum=0)
+        if nvlink_count > MAX_NVLINKS:
+            raise self.fail(f"{where}: nvlinkCount", f"at most {MAX_NVLINKS}, got {nvlink_count}")
         nvlinks = []
         used = 0
-        for j, link in enumerate(self.get(g, "nvlinks", list, where, [])):
+        raw_links = self.get(g, "nvlinks", list, where, [])
+        self.at_most(raw_links, MAX_NVLINKS, f"{where}: nvlinks")
+        for j, link in enumerate(raw_links):
             lw = f"{where}: nvlinks[{j}]"
             if not isinstance(link, dict):
                 raise self.fail(lw, "must be a mapping with remote and links")
             remote = self.get(link, "remote", str, lw)
             if not _PCI_RE.match(remote):
                 raise self.fail(lw, f"remote {remote!r} is not a PCI bus id")
+            if remote.lower() == pci.lower():
+                raise self.fail(lw, f"remote {remote} is this GPU itself: a GPU has no NVLink to itself")
             count = self.get(link, "links", int, lw)
             if count <= 0:
                 raise self.fail(lw, f"links must be positive, got {count}")
@@ -412,9 +455,13 @@ class _Parser:
         mig = self.get(g, "mig", dict, where, None)
         mig_enabled, instances = False, []
         if mig is not None:
+            if ARCHITECTURES[arch] < ARCHITECTURES["ampere"]:
+                raise self.fail(f"{where}: mig", f"a {arch} GPU has no MIG (Ampere or newer has)")
             self.check_keys(mig, {"enabled", "instances"}, f"{where}: mig")
             mig_enabled = self.get(mig, "enabled", bool, f"{where}: mig")
-            for j, inst in enumerate(self.get(mig, "instances", list, f"{where}: mig", [])):
+            raw_instances = self.get(mig, "instances", list, f"{where}: mig", [])
+            self.at_most(raw_instances, MAX_MIG_INSTANCES, f"{where}: mig.instances")
+            for j, inst in enumerate(raw_instances):
                 instances.append(
                     self.mig_instance(inst, f"{where}: mig.instances[{j}]", mig_profiles, uuid, j)
                 )
@@ -427,15 +474,17 @@ class _Parser:
             fw = f"{where}: fabric"
             fabric = FabricSpec(
                 cluster_uuid=self.get(f, "clusterUuid", str, fw),
-                clique_id=self.get(f, "cliqueId", int, fw),
-                state=self.get(f, "state", int, fw, 3),
+                clique_id=self.positive(f, "cliqueId", fw, minimum=0),
+                state=self.positive(f, "state", fw, 3, minimum=0),
             )
             if not re.fullmatch(r"[0-9a-fA-F-]{32,36}", fabric.cluster_uuid):
                 raise self.fail(fw, f"clusterUuid {fabric.cluster_uuid!r} is not a UUID")
         numa = self.get(g, "numaNode", int, where, None)
+        if numa is not None and numa < 0:
+            raise self.fail(f"{where}: numaNode", f"must be 0 or more, got {numa}")
         return GpuSpec(
             index=index,
-            minor=self.get(g, "minor", int, where, index),
+            minor=self.positive(g, "minor", where, index, minimum=0),
             uuid=uuid,
             name=self.get(g, "name", str, where),
             brand=BRANDS[brand],
@@ -464,7 +513,7 @@ class _Parser:
         if profile not in mig_profiles:
             known = ", ".join(mig_profiles) or "none: add migProfiles"
             raise self.fail(f"{where}: profile", f"unknown MIG profile {profile!r} (known: {known})")
-        placement = self.get(inst, "placement", int, where)
+        placement = self.positive(inst, "placement", where, minimum=0)
         default_uuid = "MIG-" + parent_uuid[4:12] + f"-{position:04d}" + parent_uuid[17:]
         uuid = self.get(inst, "uuid", str, where, default_uuid)
         if not _MIG_UUID_RE.match(uuid):
@@ -472,7 +521,7 @@ class _Parser:
         return MigInstanceSpec(
             profile=profile,
             placement=placement,
-            gi_id=self.get(inst, "gpuInstanceId", int, where, position + 1),
+            gi_id=self.positive(inst, "gpuInstanceId", where, position + 1),
             uuid=uuid,
         )
 

@@ -56,6 +56,7 @@ class DeviceHealth:
     pool_name: str
     device_name: str
     health: Health
+    message: str = ""  # why, for the pod's status (the kubelet keeps <= 1024 characters)
 
 
 class Driver(Protocol):

@@ -15,6 +15,7 @@ PROTO_FILES = (
     "dra_v1.proto",
     "dra_v1beta1.proto",
     "dra_health_v1alpha1.proto",
+    "dra_health_v1.proto",
 )
 
 

@@ -1,4 +1,9 @@
-"""The device-health stream (dra-health v1alpha1) the kubelet reads on the DRA socket."""
+"""The device-health stream (dra-health v1alpha1, and v1 for 1.37+ kubelets, which prefer it) the
+kubelet reads on the DRA socket. The two versions have the same messages in another proto package.
+
+The full list is re-sent well within the kubelet's timeout, and at once after notify() (a device's
+health changed), so a pod learns of a broken GPU in well under a second.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ from dra_gpu.kubeletplugin.driver import DeviceHealth, Health
 
 HEALTH_RESEND_SECONDS = 10
 HEALTH_TIMEOUT_SECONDS = 30
+MAX_MESSAGE = 1024
 
-_WIRE_HEALTH = {
+_WIRE_HEALTH = {  # the same numbers in v1alpha1 and v1
     Health.UNKNOWN: health_pb.UNKNOWN,
     Health.HEALTHY: health_pb.HEALTHY,
     Health.UNHEALTHY: health_pb.UNHEALTHY,
@@ -28,19 +34,29 @@ class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc
         self,
         device_health: Callable[[], list[DeviceHealth]],
         resend_seconds: float = HEALTH_RESEND_SECONDS,
+        pb: Any = health_pb,
     ) -> None:
+        self.pb = pb  # the generated messages of the served version
         self.device_health = device_health
         self.resend_seconds = resend_seconds
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Wake every open stream: the driver's device health changed."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def snapshot(self) -> Any:
         now = int(time.time())
-        return health_pb.NodeWatchResourcesResponse(
+        pb = self.pb
+        return pb.NodeWatchResourcesResponse(
             devices=[
-                health_pb.DeviceHealth(
-                    device=health_pb.DeviceIdentifier(pool_name=d.pool_name, device_name=d.device_name),
+                pb.DeviceHealth(
+                    device=pb.DeviceIdentifier(pool_name=d.pool_name, device_name=d.device_name),
                     health=_WIRE_HEALTH[d.health],
                     last_updated_time=now,
                     health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
+                    message=d.message[:MAX_MESSAGE],
                 )
                 for d in self.device_health()
             ]
@@ -48,5 +64,10 @@ class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc
 
     async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
         while True:
+            changed = self._changed
             yield self.snapshot()
-            await asyncio.sleep(self.resend_seconds)
+            try:
+                async with asyncio.timeout(self.resend_seconds):
+                    await changed.wait()
+            except TimeoutError:
+                pass

@@ -20,6 +20,8 @@ from typing import Any
 import grpc
 
 from dra_gpu.kube import Kube
+from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2 as health_v1_pb
+from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2_grpc as health_v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
@@ -100,13 +102,13 @@ class KubeletPluginHelper:
         self.sockets = sockets
         self.publisher = SlicePublisher(kube, driver_name, node_name, driver.resource_slices, metrics)
         node = NodeService(driver, metrics)
+        self.health = HealthService(driver.device_health, health_resend_seconds)
+        self.health_v1 = HealthService(driver.device_health, health_resend_seconds, pb=health_v1_pb)
         self._dra_servicers: list[tuple[Callable[[Any, Any], None], Any]] = [
             (v1_grpc.add_DRAPluginServicer_to_server, DraV1Service(node)),
             (v1beta1_grpc.add_DRAPluginServicer_to_server, DraV1beta1Service(node)),
-            (
-                health_grpc.add_DRAResourceHealthServicer_to_server,
-                HealthService(driver.device_health, health_resend_seconds),
-            ),
+            (health_grpc.add_DRAResourceHealthServicer_to_server, self.health),
+            (health_v1_grpc.add_DRAResourceHealthServicer_to_server, self.health_v1),
         ]
         self.registration = RegistrationService(driver_name, str(sockets.dra))
         self._dra_server: Any = None
@@ -134,6 +136,11 @@ class KubeletPluginHelper:
             self._publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._publishing
+
+    async def health_changed(self) -> None:
+        """The driver's device health changed: every open health stream sends it now."""
+        self.health.notify()
+        self.health_v1.notify()
 
     async def self_check(self, timeout: float = 2.0) -> str | None:
         return await self_check(self.sockets, self.driver_name, timeout)

@@ -5,6 +5,8 @@ operator may edit them, so publishing once is not enough: the publisher watches 
 slices of this driver and re-applies (server-side apply, field manager = driver name) whatever
 was deleted or changed. The pool generation is kept while the devices stay the same and bumped
 when they change. Fields the apiserver silently drops (a feature gate off) are logged once.
+refresh() re-builds the slices when the driver's devices changed while running (e.g. a health
+taint) and applies only what differs.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class SlicePublisher:
         self.desired: dict[str, dict[str, Any]] = {}
         self._dropped_logged: set[str] = set()
         self.synced = asyncio.Event()
+        self._lock = asyncio.Lock()  # sync() and refresh() never interleave their writes
 
     def device_names(self) -> list[str]:
         return [d["name"] for s in self.desired.values() for d in s["spec"].get("devices") or []]
@@ -107,6 +110,10 @@ class SlicePublisher:
 
     async def sync(self, existing: list[dict[str, Any]]) -> int:
         """Apply what is missing or differs, delete what is not desired; returns slices applied."""
+        async with self._lock:
+            return await self._sync(existing)
+
+    async def _sync(self, existing: list[dict[str, Any]]) -> int:
         by_name = {s["metadata"]["name"]: s for s in existing}
         applied = 0
         for name, body in self.desired.items():
@@ -122,6 +129,33 @@ class SlicePublisher:
         self.metrics.published_devices.set(len(self.device_names()))
         self.synced.set()
         return applied
+
+    async def refresh(self, timeout: float = 30.0) -> int:
+        """Re-build the desired slices and apply those that changed; the generation is bumped when
+        more than one slice (or the set of slices) changes. Returns the slices applied."""
+        async with self._lock:
+            old = self.desired
+            new = {s["metadata"]["name"]: s for s in self.build(self.generation)}
+            changed = [name for name, body in new.items() if old.get(name) != body]
+            if new.keys() != old.keys() or len(changed) > 1:
+                self.generation += 1
+                new = {s["metadata"]["name"]: s for s in self.build(self.generation)}
+                changed = list(new)
+            self.desired = new
+            async for attempt in AsyncRetrying(
+                wait=BACKOFF.wait(),
+                stop=stop_after_delay(timeout),
+                retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
+                reraise=True,
+            ):
+                with attempt:
+                    for name in changed:
+                        self._check_dropped(new[name], await self.kube.apply_slice(new[name], self.driver))
+                    for name in old.keys() - new.keys():
+                        await self.kube.delete_slice(name)
+            # What failed for longer than `timeout` the next list (at the latest WATCH_SECONDS) restores.
+            self.metrics.published_devices.set(len(self.device_names()))
+            return len(changed)
 
     def _check_dropped(self, sent: dict[str, Any], stored: dict[str, Any]) -> None:
         for path in missing_fields(sent["spec"], stored.get("spec", {})):

@@ -12,7 +12,12 @@ from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_g
 log = logging.getLogger(__name__)
 
 # The kubelet picks the first entry it supports, so v1 comes first (as in the Go library).
-SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+SUPPORTED_SERVICES = (
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    "v1.DRAResourceHealth",  # 1.37+ kubelets prefer it
+    "v1alpha1.DRAResourceHealth",
+)
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):  # type: ignore[misc]

@@ -1,10 +1,13 @@
 """The GPU driver as the kubelet-plugin layer sees it: the Preparer for claims, the node's
-Inventory for the ResourceSlices and the devices whose health is reported."""
+Inventory for the ResourceSlices and the devices whose health is reported (the health manager's
+taints go into the slices and its verdicts into the kubelet's health stream)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from dra_gpu.health.claim_status import ClaimStatusWriter
+from dra_gpu.health.manager import HealthManager
 from dra_gpu.kubeletplugin.driver import ClaimRef, DeviceHealth, Health
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.prepare import PreparedDevice, Preparer
@@ -12,7 +15,17 @@ from dra_gpu.slices import build_slices
 
 
 class GpuDriver:
-    def __init__(self, driver_name: str, node_name: str, inventory: Inventory, preparer: Preparer) -> None:
+    def __init__(
+        self,
+        driver_name: str,
+        node_name: str,
+        inventory: Inventory,
+        preparer: Preparer,
+        health: HealthManager | None = None,
+        claim_status: ClaimStatusWriter | None = None,
+    ) -> None:
+        self.health = health
+        self.claim_status = claim_status
         self.driver_name = driver_name
         self.pool_name = node_name  # one pool per node, named after it
         self.inventory = inventory
@@ -22,17 +35,32 @@ class GpuDriver:
         ]
 
     async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
-        return await self.preparer.prepare(claim)
+        devices = await self.preparer.prepare(claim)
+        if self.claim_status is not None:
+            self.claim_status.prepared(claim.namespace, claim.name, claim.uid, [d.to_dict() for d in devices])
+        return devices
 
     async def unprepare(self, claim: ClaimRef) -> None:
         await self.preparer.unprepare(claim)
+        if self.claim_status is not None:
+            self.claim_status.unprepared(claim.uid)
 
     def prepared_device_count(self) -> int:
         return self.preparer.prepared_device_count()
 
     def resource_slices(self, generation: int) -> list[dict[str, Any]]:
-        return build_slices(self.inventory, self.driver_name, generation)
+        taints = self.health.slice_taints() if self.health is not None else None
+        return build_slices(self.inventory, self.driver_name, generation, taints)
 
     def device_health(self) -> list[DeviceHealth]:
-        """Every published device healthy: no health source is wired in yet."""
-        return [DeviceHealth(self.pool_name, name, Health.HEALTHY) for name in self.device_names]
+        """The health monitor's verdicts; every device healthy when no monitor runs."""
+        if self.health is None:
+            return [DeviceHealth(self.pool_name, name, Health.HEALTHY) for name in self.device_names]
+        verdicts = self.health.health()
+        out = []
+        for name in self.device_names:
+            healthy, message = verdicts.get(name, (True, ""))
+            out.append(
+                DeviceHealth(self.pool_name, name, Health.HEALTHY if healthy else Health.UNHEALTHY, message)
+            )
+        return out

@@ -8,18 +8,21 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dra_gpu.discovery import discover, open_nvml
+from dra_gpu.health.claim_status import ClaimStatusWriter
+from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.plugin.cdi import CdiSpecs
-from dra_gpu.plugin.checkpoint import Checkpoint
+from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.gpu_driver import GpuDriver
@@ -47,6 +50,7 @@ class PluginConfig:
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
     dynamic_mig: bool = False  # publish MIG placements, create instances at prepare
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def sockets(self) -> Sockets:
@@ -98,9 +102,28 @@ class KubeletPlugin:
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
         self.metrics.prepared_devices.set(preparer.prepared_device_count())
-        driver = GpuDriver(cfg.driver, cfg.node_name, inventory, preparer)
+        health = HealthNode(
+            cfg.health, cfg.driver, inventory, cfg.plugin_dir, self.metrics.registry, cfg.profile
+        )
+        claim_status = None
+        if cfg.health.claim_status:
+
+            def prepared_claims() -> list[tuple[str, str, str, list[dict[str, Any]]]]:
+                return [
+                    (r.namespace, r.name, r.uid, r.devices)
+                    for r in checkpoint.views()
+                    if r.state == COMPLETED
+                ]
+
+            claim_status = ClaimStatusWriter(kube, cfg.driver, inventory, health.manager, prepared_claims)
+        driver = GpuDriver(cfg.driver, cfg.node_name, inventory, preparer, health.manager, claim_status)
         helper = KubeletPluginHelper(cfg.driver, cfg.node_name, driver, kube, cfg.sockets, self.metrics)
         await helper.start()
+        health.subscribe(helper.publisher.refresh)
+        health.subscribe(helper.health_changed)
+        if claim_status is not None:
+            health.subscribe(claim_status.sync)
+        await health.start()
         http = await self._start_http(helper)
         sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
         # Dynamic MIG: instances are made between allocation and binding (binding conditions).
@@ -118,12 +141,15 @@ class KubeletPlugin:
             await self.stopping.wait()
         finally:
             log.info("kubelet plugin stopping")
+            await health.stop()
             await helper.stop()
             if binder is not None and binding is not None:
                 binding.cancel()
                 await binder.stop()
                 with contextlib.suppress(asyncio.CancelledError):
                     await binding
+            if claim_status is not None:
+                await claim_status.close()
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper

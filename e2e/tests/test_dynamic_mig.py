@@ -100,7 +100,7 @@ def mig_plugin(target, core, dyn, tmp_path_factory):
     MIG_STATE.unlink(missing_ok=True)  # a fresh GPU, as after a reboot
     p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
     p.profile = PROFILE
-    p.args = ["--dynamic-mig"]
+    p.extra_args = ["--dynamic-mig"]
     ensure_device_classes(dyn)
     p.start()
     wait_for("the dynamic MIG slices", lambda: len(our_slices(dyn)[1]) == 4, timeout=60)

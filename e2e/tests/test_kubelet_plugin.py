@@ -35,7 +35,7 @@ class Plugin:
         self.proc: subprocess.Popen | None = None
         self.profile = PROFILE
         self.driver_version: str | None = None  # None: the profile's own (no mismatch)
-        self.args: list[str] = []  # more flags (e.g. --dynamic-mig)
+        self.extra_args: list[str] = []  # more `dra-gpu kubelet-plugin` flags
         self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS)
 
     def start(self) -> None:
@@ -66,7 +66,7 @@ class Plugin:
                 "2",
                 "--sweep-grace",
                 "3",
-                *self.args,
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

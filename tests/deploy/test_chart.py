@@ -185,6 +185,7 @@ def test_kubelet_root_dir_is_configurable(render: Render) -> None:
 def test_chart_env_names_are_read_by_the_cli(render: Render) -> None:
     """Every DRA_GPU_*/driver env var the chart sets is one `dra-gpu kubelet-plugin` reads."""
     cli = (ROOT / "dra_gpu" / "cli.py").read_text()
+    cli += (ROOT / "dra_gpu" / "health" / "command.py").read_text()  # the health flags
     env = env_of(container(one(render("simulatedProfile=hgx-2x4"), "DaemonSet")))
     for name in env:
         if name.startswith(("DRA_GPU_", "NVIDIA_DRIVER", "NVIDIA_HOST", "NVIDIA_CDI")) or name in (
@@ -328,6 +329,9 @@ def test_rbac_is_least_privilege(render: Render) -> None:
     assert rules_of(objs, "kubelet-plugin") == {
         *(("resource.k8s.io", "resourceslices", v, "") for v in slice_verbs),
         ("resource.k8s.io", "resourceclaims", "get", ""),
+        # status.devices of the claims it prepared: patch (server-side apply), nothing more.
+        ("resource.k8s.io", "resourceclaims/status", "patch", ""),
+        ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
         ("", "nodes", "get", ""),
     }
     assert rules_of(objs, "controller") == {
@@ -341,10 +345,11 @@ def test_rbac_is_least_privilege(render: Render) -> None:
     assert not by_kind(objs, "Role") and not by_kind(objs, "RoleBinding")
 
 
-def test_claim_status_writes_are_opt_in(render: Render) -> None:
-    rules = rules_of(render("kubeletPlugin.claimStatusWrites=true"), "kubelet-plugin")
-    assert ("resource.k8s.io", "resourceclaims/status", "update", "") in rules
-    assert ("resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER) in rules
+def test_claim_status_writes_can_be_turned_off(render: Render) -> None:
+    objs = render("kubeletPlugin.claimStatusWrites=false")
+    rules = rules_of(objs, "kubelet-plugin")
+    assert not any(r[1].startswith(("resourceclaims/status", "resourceclaims/driver")) for r in rules)
+    assert env_of(container(one(objs, "DaemonSet")))["DRA_GPU_CLAIM_STATUS"] == "off"
 
 
 # ---------------------------------------------------------------- node-scoped slice policy

@@ -71,6 +71,7 @@ def test_registration_handshake(tmp_path: Path) -> None:
         assert list(info.supported_versions) == [
             "v1.DRAPlugin",
             "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
             "v1alpha1.DRAResourceHealth",
         ]
         await stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True), timeout=5)
@@ -184,3 +185,23 @@ def test_socket_paths_longer_than_unix_allows_are_refused(tmp_path: Path) -> Non
     sockets = Sockets.for_driver(DRIVER, tmp_path / ("x" * 100), tmp_path)
     with pytest.raises(ValueError, match="is longer than 107 bytes"):
         sockets.check()
+
+
+def test_v1_health_stream_sends_at_once_after_a_change(tmp_path: Path) -> None:
+    from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2 as v1_health_pb
+    from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2_grpc as v1_health_grpc
+
+    async def test(p: Running) -> None:
+        p.helper.health_v1.resend_seconds = 60  # only a change can make the second message come soon
+        stream = v1_health_grpc.DRAResourceHealthStub(p.dra).NodeWatchResources(
+            v1_health_pb.NodeWatchResourcesRequest(), timeout=5
+        )
+        first = await stream.read()
+        p.driver.unhealthy.add("dev-2")
+        await p.helper.health_changed()
+        second = await asyncio.wait_for(stream.read(), 1)
+        stream.cancel()
+        assert [d.health for d in first.devices] == [v1_health_pb.HEALTHY] * 3
+        assert [d.health for d in second.devices][2] == v1_health_pb.UNHEALTHY
+
+    run_plugin(tmp_path, test)

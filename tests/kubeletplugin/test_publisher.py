@@ -191,3 +191,37 @@ def test_a_field_the_apiserver_drops_is_logged_once(caplog: pytest.LogCaptureFix
         f"apiserver dropped a field of ResourceSlice {NODE}-{DRIVER}-0: spec.devices[0].capacity; "
         "is the feature gate for it off?"
     ]
+
+
+def test_refresh_applies_only_the_changed_slice_and_bumps_when_several_change() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        driver = FakeDriver(slices_per_node=2)
+        pub = publisher(api, driver)
+        await pub.start()
+        writes = api.count("PATCH", "resourceslices")
+        assert await pub.refresh() == 0  # nothing changed: nothing written
+        inner = driver.resource_slices
+
+        def tainted(generation: int) -> list[dict[str, Any]]:
+            out = inner(generation)
+            out[0]["spec"]["devices"][0]["taints"] = [{"key": "d.io/x", "value": "y", "effect": "NoSchedule"}]
+            return out
+
+        pub.build = tainted
+        assert await pub.refresh() == 1
+        assert api.count("PATCH", "resourceslices") == writes + 1 and generations(api) == [1, 1]
+        stored = api.objects["resourceslices"][f"/{NODE}-{DRIVER}-0"]
+        assert stored["spec"]["devices"][0]["taints"][0]["effect"] == "NoSchedule"
+
+        def both(generation: int) -> list[dict[str, Any]]:
+            out = tainted(generation)
+            out[0]["spec"]["devices"][0]["taints"][0]["value"] = "w"
+            out[1]["spec"]["devices"][0]["taints"] = [{"key": "d.io/x", "value": "z", "effect": "NoExecute"}]
+            return out
+
+        pub.build = both
+        assert await pub.refresh() == 2
+        assert generations(api) == [2, 2]
+
+    asyncio.run(body())

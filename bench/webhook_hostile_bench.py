@@ -1,0 +1,154 @@
+"""Webhook latency while hostile reviews run: normal reviews and /healthz at a fixed rate on one
+connection while a second connection sends, back to back, claims whose selector doubles a string
+with `cel.bind` (seconds and gigabytes per device if evaluated to the end).
+
+    .venv/bin/python bench/webhook_hostile_bench.py [--seconds 20] [--rate 100] [--nodes 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.controller_bench import SELECTORS, cluster, pct  # noqa: E402
+from tests.controller.objects import NVLINK, claim  # noqa: E402
+from tests.controller.test_webhook import make_cert  # noqa: E402
+
+
+def doubling_selector(levels: int) -> str:
+    """`cel.bind(v0, device.driver + device.driver, cel.bind(v1, v0 + v0, ...)) .size() > 0`."""
+    body = f"v{levels - 1}.size() > 0"
+    for i in reversed(range(levels)):
+        prev = "device.driver" if i == 0 else f"v{i - 1}"
+        body = f"cel.bind(v{i}, {prev} + {prev}, {body})"
+    return body
+
+
+def review(obj: dict[str, Any], uid: str) -> bytes:
+    return json.dumps(
+        {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": uid,
+                "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+                "operation": "CREATE",
+                "object": obj,
+            },
+        }
+    ).encode()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=20)
+    ap.add_argument("--rate", type=int, default=100)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--no-hostile", action="store_true", help="the baseline: normal reviews only")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    cert, key = make_cert(tmp, "bench")
+    (tmp / "cluster.yaml").write_text(yaml.safe_dump_all(cluster(args.nodes, args.nodes // 2)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
+    cmd = [exe, "controller", "--cert", str(cert), "--key", str(key), "--address", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--no-watch", "-f", str(tmp / "cluster.yaml")], stderr=subprocess.DEVNULL
+    )
+    ctx = ssl.create_default_context(cafile=str(cert))
+    stop = threading.Event()
+    hostile: list[tuple[float, str]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
+                conn.request("GET", "/healthz")
+                conn.getresponse().read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        normal = review(claim("normal", 2, selectors=SELECTORS, constraints=NVLINK), "normal")
+        bad = review(claim("hostile", selectors=[doubling_selector(26)]), "hostile")
+
+        def attack() -> None:
+            c = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=60)
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                c.request("POST", "/validate", bad, {"Content-Type": "application/json"})
+                r = json.loads(c.getresponse().read())["response"]
+                msg = "allowed" if r["allowed"] else r["status"]["message"]
+                hostile.append(((time.perf_counter() - t0) * 1000, msg))
+
+        def once(path: str, body: bytes | None) -> float:
+            t0 = time.perf_counter()
+            conn.request("POST" if body else "GET", path, body, {"Content-Type": "application/json"})
+            raw = conn.getresponse().read()
+            if body:
+                assert json.loads(raw)["response"]["allowed"], raw
+            return (time.perf_counter() - t0) * 1000
+
+        once("/validate", normal)
+        attacker = threading.Thread(target=attack, daemon=True)
+        if not args.no_hostile:
+            attacker.start()
+        time.sleep(0.5)  # the first hostile review is running
+        lat: list[float] = []
+        health: list[float] = []
+        start = time.perf_counter()
+        for i in range(args.rate * args.seconds):
+            target = start + i / args.rate
+            now = time.perf_counter()
+            if target > now:
+                time.sleep(target - now)
+            if i % 10 == 9:
+                health.append(once("/healthz", None))
+            else:
+                lat.append(once("/validate", normal))
+        elapsed = time.perf_counter() - start
+        stop.set()
+        if attacker.is_alive():
+            attacker.join(60)
+        print(
+            f"webhook under hostile reviews: {args.nodes} hgx-2x4 nodes, normal claim with "
+            f"{len(SELECTORS)} selectors + NVLink, {args.rate}/s for {elapsed:.1f} s"
+        )
+        print(
+            f"  normal reviews: {len(lat)}, p50 {pct(lat, 50):.2f} ms, p99 {pct(lat, 99):.2f} ms, "
+            f"max {max(lat):.2f} ms"
+        )
+        print(f"  /healthz: {len(health)}, p99 {pct(health, 99):.2f} ms, max {max(health):.2f} ms")
+        times = [t for t, _ in hostile] or [0.0]
+        verdicts = sorted({m for _, m in hostile})
+        print(f"  hostile reviews: {len(hostile)}, each answered in {min(times):.0f}-{max(times):.0f} ms")
+        for v in verdicts:
+            print(f"    {v}")
+    finally:
+        stop.set()
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""Decoding untrusted input before any logic sees it: bounded reading, bounded YAML, bounded values
+and a small typed schema walker.
+
+Every object the tools accept (DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+AdmissionReview, node profiles, opaque configs) goes through here first, so the rules behind it can
+rely on types and sizes instead of re-checking them, and no input costs more than a bounded amount of
+time or memory. One mechanism: a file is read with `read_bounded`, parsed with `load_yaml_all`
+(aliases refused: "billion laughs"), walked once by `check_bounds` (depth, sizes, string lengths,
+numbers) and then by a `Shape` (types, field by field). Problems come back as `(path, message)`
+pairs; callers prefix them with `<Kind>/<name>:`.
+
+Libraries considered: jsonschema (already a dev dependency) validates types, but its error paths
+need translating, it neither bounds depth nor cost, and it would be a runtime dependency for one
+walk; pydantic would replace the plain dicts the rules work on. A walker of ~150 lines keeps the
+messages in the project's words ("must be a list, got a string").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+MAX_FILE_BYTES = 64 * 1024 * 1024
+MAX_DEPTH = 64  # nesting of mappings and lists
+MAX_ITEMS = 100_000  # entries of one list or mapping
+MAX_STRING = 3 * 1024 * 1024  # characters of one string (the apiserver's request limit)
+MAX_INT = (1 << 63) - 1  # Kubernetes integers are int64
+
+Problems = list[tuple[str, str]]
+
+
+class DecodeError(ValueError):
+    """Input that cannot be decoded at all (unreadable, too large, not YAML)."""
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The text of a regular file of at most `limit` bytes.
+
+    Special files are refused: /dev/zero never ends and a FIFO blocks until a writer comes; stat
+    first, then open without blocking and read at most limit+1 bytes, so a file that grows while
+    being read is caught too.
+    """
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise DecodeError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise DecodeError(f"{path}: larger than {limit} bytes")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # swapped between stat and open
+                raise DecodeError(f"{path}: not a regular file")
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise DecodeError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(data) > limit:
+        raise DecodeError(f"{path}: larger than {limit} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"cannot read {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+
+# ---------------------------------------------------------------- YAML
+
+
+class NoAliasSafeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases: `*ref` can expand a small file into billions of nodes."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "YAML aliases (*name) are not accepted",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
+_OPEN = (yaml.SequenceStartEvent, yaml.MappingStartEvent)
+_CLOSE = (yaml.SequenceEndEvent, yaml.MappingEndEvent)
+_FAST = getattr(yaml, "__with_libyaml__", False)
+
+
+def _scan(text: str) -> None:
+    """One pass over libyaml's events: aliases and nesting are refused before anything is built
+    (libyaml's composer would expand the aliases, and recurse in C on the nesting)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "YAML aliases (*name) are not accepted",
+                event.start_mark,  # type: ignore[arg-type]
+            )
+        if isinstance(event, _OPEN):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"nested more than {MAX_DEPTH} levels deep",
+                    event.start_mark,  # type: ignore[arg-type]
+                )
+        elif isinstance(event, _CLOSE):
+            depth -= 1
+
+
+def load_yaml_all(text: str) -> Iterator[Any]:
+    """The documents of a YAML (or JSON) stream, without aliases; yaml.YAMLError when it is not YAML.
+
+    With libyaml (the usual case) a scan of its events first, then its loader: ~5x faster than
+    PyYAML's own parser, which matters for a file of megabytes."""
+    if _FAST:
+        _scan(text)
+        yield from yaml.load_all(text, Loader=yaml.CSafeLoader)
+        return
+    loader = NoAliasSafeLoader(text)
+    try:
+        while loader.check_data():  # type: ignore[no-untyped-call]
+            yield loader.get_data()
+    finally:
+        loader.dispose()
+
+
+def load_yaml(text: str) -> Any:
+    """One YAML document, without aliases."""
+    if _FAST:
+        _scan(text)
+        return yaml.load(text, Loader=yaml.CSafeLoader)
+    loader = NoAliasSafeLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def yaml_problem(exc: yaml.YAMLError | RecursionError) -> str:
+    """A YAML error as `:<line>: not valid YAML: <problem>` (the file name goes before it)."""
+    if isinstance(exc, RecursionError):
+        return ": not valid YAML: nested too deeply"
+    mark = getattr(exc, "problem_mark", None)
+    line = f":{mark.line + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{line}: not valid YAML: {problem}"
+
+
+# ---------------------------------------------------------------- bounds
+
+
+def join(path: str, key: Any) -> str:
+    """`spec.devices` + `requests` -> `spec.devices.requests`; an int key gives `[i]`; a key that is
+    not a plain name is quoted: `capacity["gpu.dra-gpu.io/memory"]`."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    text = str(key)
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
+        return f"{path}.{text}" if path else text
+    return f"{path}[{text[:64]!r}]".replace("'", '"')
+
+
+def check_bounds(value: Any, path: str = "", depth_limit: int = MAX_DEPTH) -> Problems:
+    """Sizes, nesting and numbers of a decoded document, iteratively (no recursion to exhaust).
+
+    Stops at the first problem: past one, the rest may be arbitrarily large.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, path, 0)]
+    while stack:
+        v, p, depth = stack.pop()
+        where = p or "(document)"
+        if isinstance(v, dict | list):
+            if depth >= depth_limit:
+                return [(where, f"nested more than {depth_limit} levels deep")]
+            if len(v) > MAX_ITEMS:
+                return [(where, f"has {len(v)} entries, at most {MAX_ITEMS} are accepted")]
+            if isinstance(v, dict):
+                for k, item in v.items():
+                    if not isinstance(k, str):
+                        return [(join(p, str(k)), f"key {k!r} must be a string")]
+                    if len(k) > MAX_STRING:
+                        return [(where, f"has a key of {len(k)} characters")]
+                    stack.append((item, join(p, k), depth + 1))
+            else:
+                stack.extend((item, join(p, i), depth + 1) for i, item in enumerate(v))
+        elif isinstance(v, str):
+            if len(v) > MAX_STRING:
+                return [
+                    (
+                        where,
+                        f"is {len(v)} characters long; the apiserver accepts at most {MAX_STRING} bytes",
+                    )
+                ]
+        elif isinstance(v, bool) or v is None:
+            continue
+        elif isinstance(v, int):
+            if abs(v) > MAX_INT:
+                return [(where, f"integer out of range (at most {MAX_INT} in magnitude)")]
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return [(where, f"{v!r} is not a number (NaN and infinities are not accepted)")]
+        else:  # YAML timestamps, binary, sets: not JSON, so never part of a Kubernetes object
+            return [(where, f"{type_name(v)} is not accepted (quote it to make it a string)")]
+    return []
+
+
+def type_name(value: Any) -> str:
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), f"a {type(value).__name__}")
+
+
+# ---------------------------------------------------------------- shapes
+
+
+class Shape:
+    """The expected type of one value. `check` appends problems; None (JSON null) means unset and
+    is accepted wherever a field is optional, as the apiserver's decoder does."""
+
+    description = "a value"
+
+    def check(self, value: Any, path: str, problems: Problems) -> None:
+        if not self.accepts(value):
+            problems.append((path, f"must be {self.description}, got {type_name(value)}"))
+
+    def accepts(self, value: Any) -> bool:
+        return True
+
+
+class Str(Shape):
+    description = "a string"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, str)
+
+
+class Int(Shape):
+    description = "an integer"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Bool(Shape):
+    description = "a boolean"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, bool)
+
+
+class Quantity(Shape):
+    """A Kubernetes quantity: a string such as "80Gi" or a plain integer (YAML reads 80 as one)."""
+
+    description = "a quantity such as 80Gi"
+
+    def check(self, value: Any, path: str, problems: Problems) -> None:
+        from dra_gpu.kubernetes_values import parse_quantity
+
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            problems.append((path, f"must be {self.description}, got {type_name(value)}"))
+            return
+        try:
+            parse_quantity(str(value))
+        except ValueError as exc:
+            problems.append((path, str(exc)))
+
+
+@dataclass
+class Obj(Shape):
+    """A mapping with typed known fields; other fields are not checked here (the rules say which
+    are allowed where it matters)."""
+
+    fields: Mapping[str, Shape]
+    description: str = "an object"
+
+    def check(self, value: Any, path: str, problems: Problems) -> None:
+        if not isinstance(value, dict):
+            problems.append((path or "(document)", f"must be {self.description}, got {type_name(value)}"))
+            return
+        for name, shape in self.fields.items():
+            item = value.get(name)
+            if item is not None:
+                shape.check(item, join(path, name), problems)
+
+
+@dataclass
+class ListOf(Shape):
+    item: Shape
+    description: str = "a list"
+
+    def check(self, value: Any, path: str, problems: Problems) -> None:
+        if not isinstance(value, list):
+            problems.append((path, f"must be a list, got {type_name(value)}"))
+            return
+        for i, item in enumerate(value):
+            if item is None:
+                problems.append((join(path, i), "must not be null"))
+            else:
+                self.item.check(item, join(path, i), problems)
+
+
+@dataclass
+class MapOf(Shape):
+    value: Shape
+    description: str = "an object"
+
+    def check(self, value: Any, path: str, problems: Problems) -> None:
+        if not isinstance(value, dict):
+            problems.append((path, f"must be an object, got {type_name(value)}"))
+            return
+        for k, item in value.items():
+            if item is None:
+                problems.append((join(path, k), "must not be null"))
+            else:
+                self.value.check(item, join(path, k), problems)
+
+
+@dataclass
+class Custom(Shape):
+    """A value checked by a function returning the problem (or None); for one-off rules."""
+
+    problem: Callable[[Any], str | None]
+
+    def check(self, value: Any, path: str, problems: Problems) -> None:
+        msg = self.problem(value)
+        if msg:
+            problems.append((path, msg))
+
+
+ANY = Shape()
+
+
+def decode(value: Any, shape: Shape, path: str = "") -> Problems:
+    """Bounds first, then the shape: the problems of `value`, empty when it may be used."""
+    problems = check_bounds(value, path)
+    if problems:
+        return problems
+    shape.check(value, path, problems)
+    return problems

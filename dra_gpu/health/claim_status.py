@@ -1,0 +1,179 @@
+"""The claim's `status.devices` (KEP-4817): for each device the plugin prepared, what it is (`data`:
+UUID, product, index, minor, MIG profile) and two conditions, `Ready` (prepared) and `Healthy`
+(follows the health monitor), so `kubectl get resourceclaim -o yaml` says which GPU a workload got
+and whether it is still healthy.
+
+Written with server-side apply to the status subresource (field manager = the driver name), which
+owns exactly this driver's entries. Best effort: a failure is logged, never fails a prepare; a
+missing permission (the chart's `kubeletPlugin.claimStatusWrites`) is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from dra_gpu.health.manager import HealthManager
+from dra_gpu.kube import Kube, KubeError
+from dra_gpu.model import Gpu, Inventory, MigDevice
+
+log = logging.getLogger(__name__)
+
+HTTP_FORBIDDEN, HTTP_NOT_FOUND, HTTP_CONFLICT = 403, 404, 409
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, KubeError):
+        return exc.status >= 500 or exc.status == HTTP_CONFLICT or exc.status == 429
+    return isinstance(exc, OSError | asyncio.TimeoutError)
+
+
+def rfc3339(wall: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+
+
+class ClaimStatusWriter:
+    def __init__(
+        self,
+        kube: Kube,
+        driver_name: str,
+        inventory: Inventory,
+        health: HealthManager | None,
+        prepared_claims: Callable[[], list[tuple[str, str, str, list[dict[str, Any]]]]],
+    ) -> None:
+        """`prepared_claims`: (namespace, name, uid, devices as the checkpoint stores them)."""
+        self.kube = kube
+        self.driver = driver_name
+        self.health = health
+        self.prepared_claims = prepared_claims
+        self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
+        for gpu in inventory.gpus:
+            if not gpu.mig_enabled:
+                self.devices[gpu.device_name] = (gpu, None)
+            for mig in gpu.mig_devices:
+                self.devices[gpu.mig_device_name(mig)] = (gpu, mig)
+        self._written: dict[str, str] = {}  # claim uid -> the status last applied (JSON)
+        self._since: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # condition status, since
+        self._forbidden_said = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def data(self, device: str) -> dict[str, Any]:
+        gpu, mig = self.devices[device]
+        out: dict[str, Any] = {
+            "uuid": mig.uuid if mig else gpu.uuid,
+            "productName": gpu.product_name,
+            "index": gpu.index,
+            "minor": gpu.minor,
+        }
+        if mig is not None:
+            out.update(migProfile=mig.profile, parentUUID=gpu.uuid)
+        return out
+
+    def _condition(
+        self, uid: str, device: str, ctype: str, ok: bool, reason: str, message: str
+    ) -> dict[str, Any]:
+        status = "True" if ok else "False"
+        key = (uid, device, ctype, "")
+        last = self._since.get(key)
+        if last is None or last[0] != status:
+            last = self._since[key] = (status, time.time())
+        return {
+            "type": ctype,
+            "status": status,
+            "reason": reason,
+            "message": message[:1024],
+            "lastTransitionTime": rfc3339(last[1]),
+        }
+
+    def body(self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        verdicts = self.health.health() if self.health is not None else {}
+        entries = []
+        for d in devices:
+            device = str(d["deviceName"])
+            if device not in self.devices:
+                continue
+            healthy, message = verdicts.get(device, (True, ""))
+            entry: dict[str, Any] = {
+                "driver": self.driver,
+                "pool": str(d["poolName"]),
+                "device": device,
+                "data": self.data(device),
+                "conditions": [
+                    self._condition(uid, device, "Ready", True, "Prepared", "prepared on the node"),
+                    self._condition(
+                        uid,
+                        device,
+                        "Healthy",
+                        healthy,
+                        "DeviceHealthy" if healthy else "DeviceUnhealthy",
+                        message or ("the GPU passes its health checks" if healthy else "unhealthy"),
+                    ),
+                ],
+            }
+            if d.get("shareId"):
+                entry["shareID"] = d["shareId"]
+            entries.append(entry)
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "status": {"devices": entries},
+        }
+
+    async def write(self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]) -> None:
+        body = self.body(namespace, name, uid, devices)
+        encoded = json.dumps(body, sort_keys=True)
+        if self._written.get(uid) == encoded:
+            return
+        try:
+            async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=0.2, max=2),
+                stop=stop_after_attempt(4),
+                retry=retry_if_exception(_transient),
+                reraise=True,
+            ):
+                with attempt:
+                    await self.kube.apply_claim_status(namespace, name, body, self.driver)
+            self._written[uid] = encoded
+        except KubeError as exc:
+            if exc.status == HTTP_FORBIDDEN:
+                if not self._forbidden_said:
+                    self._forbidden_said = True
+                    log.error(
+                        "claim status not written: no permission to patch resourceclaims/status "
+                        "(Helm: kubeletPlugin.claimStatusWrites) claim=%s/%s error=%r",
+                        namespace,
+                        name,
+                        exc.message,
+                    )
+            elif exc.status != HTTP_NOT_FOUND:
+                log.warning("claim status not written claim=%s/%s error=%r", namespace, name, str(exc))
+        except (TimeoutError, OSError) as exc:
+            log.warning("claim status not written claim=%s/%s error=%r", namespace, name, str(exc))
+
+    def prepared(self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]) -> None:
+        """In the background: a prepare does not wait for its status."""
+        task = asyncio.create_task(self.write(namespace, name, uid, devices), name=f"claim-status-{uid}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def unprepared(self, uid: str) -> None:
+        self._written.pop(uid, None)
+        for key in [k for k in self._since if k[0] == uid]:
+            del self._since[key]
+
+    async def sync(self) -> None:
+        """Every prepared claim's status as it should be now (after a health change, at start)."""
+        for namespace, name, uid, devices in self.prepared_claims():
+            await self.write(namespace, name, uid, devices)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,86 @@
+"""status.devices of prepared claims: device data, Ready, and Healthy following the monitor."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from dra_gpu.discovery import discover_node
+from dra_gpu.health.claim_status import ClaimStatusWriter
+from dra_gpu.health.classification import Classifier, EventKind
+from dra_gpu.health.manager import HealthManager
+from dra_gpu.health.monitor import Observation, Seen
+from dra_gpu.health.taint_book import TaintBook
+from dra_gpu.kube import KubeError
+
+DRIVER = "gpu.dra-gpu.io"
+
+
+class RecordingKube:
+    def __init__(self, fail: list[int] | None = None) -> None:
+        self.applied: list[tuple[str, str, dict[str, Any]]] = []
+        self.fail = fail or []
+
+    async def apply_claim_status(
+        self, namespace: str, name: str, body: dict[str, Any], field_manager: str
+    ) -> dict[str, Any]:
+        assert field_manager == DRIVER
+        if self.fail:
+            raise KubeError(self.fail.pop(0), "injected")
+        self.applied.append((namespace, name, body))
+        return body
+
+
+def test_status_follows_prepare_and_health(tmp_path: Path) -> None:
+    async def body() -> None:
+        inv = discover_node("node-a", "dgx-a100-mig")
+        gpu = inv.gpus[1]
+        mig = gpu.mig_devices[2]
+        names = [g.device_name for g in inv.gpus if not g.mig_enabled]
+        names += [g.mig_device_name(m) for g in inv.gpus for m in g.mig_devices]
+        manager = HealthManager(
+            inv, f"{DRIVER}/unhealthy", TaintBook(None, names), Classifier(), CollectorRegistry()
+        )
+        kube = RecordingKube(fail=[503])  # a transient failure is retried
+        devices = [{"deviceName": gpu.mig_device_name(mig), "poolName": "node-a", "shareId": "s-1"}]
+        writer = ClaimStatusWriter(
+            kube,  # type: ignore[arg-type]
+            DRIVER,
+            inv,
+            manager,
+            lambda: [("ns", "c", "uid-1", devices)],
+        )
+        writer.prepared("ns", "c", "uid-1", devices)
+        await asyncio.sleep(0.5)
+        ((ns, name, applied),) = kube.applied
+        (entry,) = applied["status"]["devices"]
+        assert (ns, name, applied["metadata"]["uid"]) == ("ns", "c", "uid-1")
+        assert entry["driver"] == DRIVER and entry["shareID"] == "s-1"
+        assert entry["data"] == {
+            "uuid": mig.uuid,
+            "productName": gpu.product_name,
+            "index": gpu.index,
+            "minor": gpu.minor,
+            "migProfile": mig.profile,
+            "parentUUID": gpu.uuid,
+        }
+        assert [(c["type"], c["status"]) for c in entry["conditions"]] == [
+            ("Ready", "True"),
+            ("Healthy", "True"),
+        ]
+        await writer.sync()
+        assert len(kube.applied) == 1  # nothing changed: nothing written
+        manager.handle(Observation(gpu.uuid, Seen.EVENT, EventKind.XID, 48, mig.gpu_instance_id))
+        await writer.sync()
+        healthy = kube.applied[-1][2]["status"]["devices"][0]["conditions"][1]
+        assert healthy["status"] == "False" and healthy["reason"] == "DeviceUnhealthy"
+        assert "XID 48" in healthy["message"]
+        kube.fail = [403]
+        writer.unprepared("uid-1")
+        await writer.sync()  # no permission: logged, not raised
+        await writer.close()
+
+    asyncio.run(body())

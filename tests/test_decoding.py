@@ -1,0 +1,78 @@
+"""The bounded decoder: files, YAML (both loaders), bounds and shapes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dra_gpu import decoding
+from dra_gpu.decoding import (
+    MAX_DEPTH,
+    DecodeError,
+    Int,
+    ListOf,
+    NoAliasSafeLoader,
+    Obj,
+    Quantity,
+    Str,
+    check_bounds,
+    decode,
+    load_yaml_all,
+    read_bounded,
+)
+
+
+def test_read_bounded_refuses_special_and_large_files(tmp_path: Path) -> None:
+    with pytest.raises(DecodeError, match="not a regular file"):
+        read_bounded("/dev/zero")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(DecodeError, match="not a regular file"):
+        read_bounded(str(tmp_path / "fifo"))
+    (tmp_path / "big").write_bytes(b"x" * 101)
+    with pytest.raises(DecodeError, match="larger than 100 bytes"):
+        read_bounded(str(tmp_path / "big"), 100)
+    (tmp_path / "bin").write_bytes(b"\xff\xfe")
+    with pytest.raises(DecodeError, match="not UTF-8"):
+        read_bounded(str(tmp_path / "bin"))
+    assert read_bounded(str(tmp_path / "big")) == "x" * 101
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_yaml_refuses_aliases_and_deep_nesting(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
+    monkeypatch.setattr(decoding, "_FAST", fast and decoding._FAST)
+    assert list(load_yaml_all("a: 1\n---\nb: [1, 2]\n")) == [{"a": 1}, {"b": [1, 2]}]
+    with pytest.raises(yaml.YAMLError, match="aliases"):
+        list(load_yaml_all("a: &x [1]\nb: *x\n"))
+    with pytest.raises((yaml.YAMLError, RecursionError)):
+        list(load_yaml_all("a: " + "[" * 2000 + "]" * 2000))
+
+
+def test_no_alias_loader_directly() -> None:
+    with pytest.raises(yaml.YAMLError, match="aliases"):
+        yaml.load("a: &x 1\nb: *x\n", Loader=NoAliasSafeLoader)
+
+
+def test_bounds() -> None:
+    assert check_bounds({"a": [1, "x", 1.5, None, True]}) == []
+    assert check_bounds({"a": float("nan")})[0][0] == "a"
+    assert "integer out of range" in check_bounds([2**64])[0][1]
+    deep: list[object] = []
+    for _ in range(MAX_DEPTH + 1):
+        deep = [deep]
+    assert "nested more than" in check_bounds(deep)[0][1]
+    assert "must be a string" in check_bounds({1: "x"})[0][1]
+
+
+def test_shapes_name_the_field() -> None:
+    shape = Obj({"spec": Obj({"items": ListOf(Obj({"n": Int(), "s": Str(), "q": Quantity()}))})})
+    doc = {"spec": {"items": [{"n": "1", "s": 2, "q": "1e999"}, None]}}
+    assert decode(doc, shape) == [
+        ("spec.items[0].n", "must be an integer, got a string"),
+        ("spec.items[0].s", "must be a string, got an integer"),
+        ("spec.items[0].q", "'1e999': exponent out of range (at most +-64)"),
+        ("spec.items[1]", "must not be null"),
+    ]
+    assert decode({"spec": None}, shape) == []
