@@ -38,6 +38,10 @@ def default_node_name() -> str:
     return os.environ.get("NODE_NAME") or socket.gethostname().lower()
 
 
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("dra-gpu")
@@ -74,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
         "--memory-shares",
         action="store_true",
         help="with --slices: as the plugin's --memory-shares publishes",
+    )
+    inv.add_argument(
+        "--dynamic-mig",
+        action="store_true",
+        default=_flag(os.environ.get("DRA_GPU_DYNAMIC_MIG")),
+        help="publish GPUs in MIG mode as every MIG placement, made at prepare ($DRA_GPU_DYNAMIC_MIG)",
     )
     plug = sub.add_parser("kubelet-plugin", help="run the node plugin (kubelet gRPC, slices, CDI)")
     env = os.environ.get
@@ -124,6 +134,14 @@ def _parser() -> argparse.ArgumentParser:
         help="host path of NVIDIA's nvidia-cdi-hook (or nvidia-ctk): adds an update-ldcache hook so "
         "images whose loader does not search the driver's library directory find it "
         "($NVIDIA_CDI_HOOK_PATH); default: none",
+    )
+    plug.add_argument(
+        "--dynamic-mig",
+        action="store_true",
+        default=_flag(env("DRA_GPU_DYNAMIC_MIG")),
+        help="dynamic MIG: publish each GPU in MIG mode as every (profile, placement) NVML lists and "
+        "create the instance at prepare, destroy it at unprepare ($DRA_GPU_DYNAMIC_MIG=true); "
+        "default: off (pre-made MIG instances are published as they are)",
     )
     plug.add_argument(
         "--http-address",
@@ -180,6 +198,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         sweep_interval=args.sweep_interval,
         sweep_grace=args.sweep_grace,
         memory_shares=args.memory_shares,
+        dynamic_mig=args.dynamic_mig,
     )
     try:
         cfg.health = health_config(args)
@@ -193,7 +212,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
 def cmd_inventory(args: argparse.Namespace) -> int:
     node = args.node_name or default_node_name()
     try:
-        inventory = discover_node(node, args.profile)
+        inventory = discover_node(node, args.profile, dynamic_mig=args.dynamic_mig)
     except NvmlUnavailableError as exc:
         print(
             f"dra-gpu: {exc}. No NVIDIA driver on this machine? Use a simulated node: "
@@ -216,8 +235,11 @@ def cmd_inventory(args: argparse.Namespace) -> int:
             print(yaml.safe_dump_all(slices, sort_keys=False), end="")
         else:
             for s in slices:
-                names = ", ".join(d["name"] for d in s["spec"]["devices"])
-                print(f"{s['metadata']['name']}: {len(s['spec']['devices'])} devices: {names}")
+                devices = s["spec"].get("devices") or []
+                sets = [c["name"] for c in s["spec"].get("sharedCounters") or []]
+                what = f"{len(sets)} counter sets: {', '.join(sets)}" if sets else ""
+                what = what or f"{len(devices)} devices: {', '.join(d['name'] for d in devices)}"
+                print(f"{s['metadata']['name']}: {what}")
         return EXIT_OK
     installation = (
         discover_installation(Path(args.driver_root), inventory.driver_version)

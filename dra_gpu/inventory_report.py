@@ -18,7 +18,7 @@ def device_table(inv: Inventory) -> str:
         rows.append(
             [
                 gpu.device_name,
-                "gpu (mig mode)" if gpu.mig_enabled else "gpu",
+                "gpu (dynamic mig)" if gpu.dynamic_mig else "gpu (mig mode)" if gpu.mig_enabled else "gpu",
                 str(gpu.index),
                 gpu.product_name,
                 format_quantity(gpu.memory_bytes) if gpu.memory_bytes else "-",
@@ -28,6 +28,21 @@ def device_table(inv: Inventory) -> str:
                 gpu.uuid,
             ]
         )
+        for profile in gpu.mig_profiles if gpu.dynamic_mig else []:
+            starts = ",".join(map(str, profile.placements))
+            rows.append(
+                [
+                    gpu.mig_name(profile.name, profile.placements[0]).rsplit("-", 1)[0] + f"-{{{starts}}}",
+                    "mig (dynamic)",
+                    str(gpu.index),
+                    f"  {profile.name}",
+                    format_quantity(profile.memory_bytes),
+                    str(profile.multiprocessors),
+                    gpu.pci_bus_id,
+                    "-" if gpu.numa_node is None else str(gpu.numa_node),
+                    f"made at prepare, placements {starts}",
+                ]
+            )
         for mig in gpu.mig_devices:
             rows.append(
                 [

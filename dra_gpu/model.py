@@ -42,6 +42,36 @@ class MigDevice:
 
 
 @dataclass(frozen=True)
+class MigProfile:
+    """A GPU-instance profile NVML offers on a GPU and the placements it lists (dynamic MIG)."""
+
+    name: str  # "3g.40gb"
+    profile_id: int  # nvidia-smi's profile ID (NVML's info.id)
+    compute_slices: int
+    memory_slices: int  # placement size
+    placements: tuple[int, ...]  # memory-slice starts
+    memory_bytes: int
+    multiprocessors: int
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpeg_engines: int = 0
+    ofa_engines: int = 0
+
+
+@dataclass(frozen=True)
+class MigPlacement:
+    """One (profile, placement) of a GPU: a device dynamic MIG publishes and creates on demand."""
+
+    profile: MigProfile
+    start: int
+
+    @property
+    def slices(self) -> range:
+        return range(self.start, self.start + self.profile.memory_slices)
+
+
+@dataclass(frozen=True)
 class FabricInfo:
     """Multi-node NVLink fabric membership (GB200-class systems)."""
 
@@ -67,6 +97,9 @@ class Gpu:
     pcie_root: str | None = None
     mig_enabled: bool = False
     mig_devices: list[MigDevice] = field(default_factory=list)
+    mig_profiles: list[MigProfile] = field(default_factory=list)
+    # Dynamic MIG: every placement is published and instances are made at prepare.
+    dynamic_mig: bool = False
     nvlinks: list[NvLink] = field(default_factory=list)
     fabric: FabricInfo | None = None
     # Filled by domain derivation (discovery.nvlink_domains).
@@ -79,8 +112,22 @@ class Gpu:
         return "gpu-" + self.pci_bus_id.lower().replace(":", "-").replace(".", "-")
 
     def mig_device_name(self, mig: MigDevice) -> str:
-        profile = mig.profile.replace(".", "").lower()
-        return f"{self.device_name}-mig-{profile}-{mig.placement_start}"
+        return self.mig_name(mig.profile, mig.placement_start)
+
+    def mig_name(self, profile: str, start: int) -> str:
+        """parent + profile + placement start: the same for a pre-made and a dynamic instance."""
+        return f"{self.device_name}-mig-{profile.replace('.', '').replace('+', '-').lower()}-{start}"
+
+    def mig_placements(self) -> list[MigPlacement]:
+        """Every (profile, placement) NVML lists, smallest profiles first."""
+        profiles = sorted(
+            self.mig_profiles, key=lambda p: (p.memory_slices, p.compute_slices, p.memory_bytes)
+        )
+        return [MigPlacement(p, start) for p in profiles for start in p.placements]
+
+    @property
+    def memory_slice_count(self) -> int:
+        return max((s + p.memory_slices for p in self.mig_profiles for s in p.placements), default=0)
 
 
 @dataclass

@@ -20,6 +20,16 @@ from dra_gpu.attributes import (
     cuda_version,
     normalise_version,
 )
+from dra_gpu.dynamic_mig import (
+    FAILED_CONDITION,
+    READY_CONDITION,
+    PlacementOrder,
+    consumes,
+    counter_set,
+    counter_totals,
+    placement_consumption,
+    two_ended_order,
+)
 from dra_gpu.kubernetes_values import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
@@ -29,12 +39,15 @@ from dra_gpu.kubernetes_values import (
     format_quantity,
     qualified_name_problem,
 )
-from dra_gpu.model import DEFAULT_DRIVER_NAME, Gpu, Inventory, MigDevice
+from dra_gpu.model import DEFAULT_DRIVER_NAME, Gpu, Inventory, MigDevice, MigPlacement
 
 log = logging.getLogger(__name__)
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_ADVANCED = 64  # when any device has taints or consumes counters
+MAX_COUNTER_SETS_PER_SLICE = 8
+MAX_COUNTERS_PER_SET = 32
+MAX_CONSUMES_ENTRIES = 2
 MAX_STRING_VALUE = 64
 MAX_VERSION_VALUE = 64
 INT64 = (-(2**63), 2**63 - 1)
@@ -95,13 +108,18 @@ class SliceBuilder:
     """Builds the devices and slices of one node for one driver."""
 
     def __init__(
-        self, inventory: Inventory, driver: str = DEFAULT_DRIVER_NAME, memory_shares: bool = False
+        self,
+        inventory: Inventory,
+        driver: str = DEFAULT_DRIVER_NAME,
+        memory_shares: bool = False,
+        order: PlacementOrder = two_ended_order,
     ) -> None:
         if not DNS_SUBDOMAIN.match(driver) or len(driver) > 63:
             raise SliceLimitError(f"driver name {driver!r}: must be a DNS subdomain of <= 63 chars")
         self.inv = inventory
         self.driver = driver
         self.memory_shares = memory_shares  # whole GPUs allocatable to several claims by memory
+        self.order = order
         self.node_versions = self._node_versions()
 
     def _node_versions(self) -> dict[str, dict[str, Any]]:
@@ -185,17 +203,86 @@ class SliceBuilder:
                 capacity[name] = _capacity(name, str(value))
         return {"name": gpu.mig_device_name(mig), "attributes": attrs, "capacity": capacity}
 
-    def devices(self) -> list[dict[str, Any]]:
-        """Whole GPUs first, then MIG devices; the order is the scheduler's first-fit order."""
+    def placement_device(self, gpu: Gpu, placement: MigPlacement) -> dict[str, Any]:
+        """A MIG device that does not exist yet: made at prepare, at this placement."""
+        p = placement.profile
+        attrs: dict[str, dict[str, Any]] = {
+            "type": _attribute("type", "mig"),
+            "profile": _attribute("profile", p.name),
+            "parentUUID": _attribute("parentUUID", gpu.uuid),
+            "parentIndex": _attribute("parentIndex", gpu.index),
+            "parentMinor": _attribute("parentMinor", gpu.minor),
+            **self._identity(gpu),
+        }
+        capacity = {
+            "memory": _capacity("memory", format_quantity(p.memory_bytes)),
+            "multiprocessors": _capacity("multiprocessors", str(p.multiprocessors)),
+            "copyEngines": _capacity("copyEngines", str(p.copy_engines)),
+            "decoders": _capacity("decoders", str(p.decoders)),
+            "encoders": _capacity("encoders", str(p.encoders)),
+            "jpegEngines": _capacity("jpegEngines", str(p.jpeg_engines)),
+            "ofaEngines": _capacity("ofaEngines", str(p.ofa_engines)),
+        }
+        return {
+            "name": gpu.mig_name(p.name, placement.start),
+            "attributes": attrs,
+            "capacity": capacity,
+            "consumesCounters": consumes(gpu, placement_consumption(gpu, placement)),
+            # Made between allocation and binding: a failure goes back to the scheduler.
+            "bindingConditions": [READY_CONDITION],
+            "bindingFailureConditions": [FAILED_CONDITION],
+        }
+
+    def dynamic_devices(self, gpus: list[Gpu]) -> list[dict[str, Any]]:
+        """Dynamic-MIG GPUs: each whole GPU (consuming all its counters) and every placement."""
+        out = []
+        for gpu, placement in self.order(gpus):
+            if placement is None:
+                whole = self.gpu_device(gpu)
+                whole["consumesCounters"] = consumes(gpu, counter_totals(gpu))
+                out.append(whole)
+            else:
+                out.append(self.placement_device(gpu, placement))
+        return out
+
+    def device_groups(self) -> list[list[dict[str, Any]]]:
+        """Devices in the scheduler's first-fit order, grouped so a group starts a new slice:
+        whole GPUs, pre-made MIG devices, then the dynamic-MIG devices."""
         gpus = sorted(self.inv.gpus, key=lambda g: g.index)
-        out = [self.gpu_device(g) for g in gpus if not g.mig_enabled]
-        out += [self.mig_device(g, m) for g in gpus if g.mig_enabled for m in g.mig_devices]
+        groups = [[self.gpu_device(g) for g in gpus if not g.mig_enabled]]
+        groups.append(
+            [
+                self.mig_device(g, m)
+                for g in gpus
+                if g.mig_enabled and not g.dynamic_mig
+                for m in g.mig_devices
+            ]
+        )
+        groups.append(self.dynamic_devices([g for g in gpus if g.dynamic_mig]))
+        groups = [g for g in groups if g]
         names: set[str] = set()
-        for dev in out:
-            validate_device(dev)
-            if dev["name"] in names:
-                raise SliceLimitError(f"device {dev['name']}: name is not unique in the pool")
-            names.add(dev["name"])
+        for group in groups:
+            for dev in group:
+                validate_device(dev)
+                if dev["name"] in names:
+                    raise SliceLimitError(f"device {dev['name']}: name is not unique in the pool")
+                names.add(dev["name"])
+        return groups
+
+    def devices(self) -> list[dict[str, Any]]:
+        """Every device, in the scheduler's first-fit order."""
+        return [d for group in self.device_groups() for d in group]
+
+    def counter_sets(self) -> list[dict[str, Any]]:
+        out = []
+        for gpu in sorted(self.inv.gpus, key=lambda g: g.index):
+            if gpu.dynamic_mig:
+                cs = counter_set(gpu)
+                if len(cs["counters"]) > MAX_COUNTERS_PER_SET:  # type: ignore[arg-type]
+                    raise SliceLimitError(
+                        f"counter set {cs['name']}: more than {MAX_COUNTERS_PER_SET} counters"
+                    )
+                out.append(cs)
         return out
 
     def slice_name(self, i: int) -> str:
@@ -213,13 +300,21 @@ class SliceBuilder:
             raise SliceLimitError(
                 f"node name {self.inv.node_name!r}: must be a lowercase DNS subdomain (the pool name)"
             )
-        devices = self.devices()
+        groups = self.device_groups()
+        devices = [d for g in groups for d in g]
         for dev in devices:
             if taints and taints.get(dev["name"]):
                 dev["taints"] = [dict(t) for t in taints[dev["name"]]]
         advanced = any(d.get("taints") or d.get("consumesCounters") for d in devices)
         per_slice = MAX_DEVICES_PER_SLICE_ADVANCED if advanced else MAX_DEVICES_PER_SLICE
-        chunks = [devices[i : i + per_slice] for i in range(0, len(devices), per_slice)] or [[]]
+        chunks = _pack(groups, per_slice)
+        # 1.35+: counter sets live in slices of their own, never beside devices.
+        sets = self.counter_sets()
+        bodies: list[dict[str, Any]] = [
+            {"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}
+            for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE)
+        ]
+        bodies += [{"devices": chunk} for chunk in chunks]
         return [
             {
                 "apiVersion": RESOURCE_API_VERSION,
@@ -231,13 +326,32 @@ class SliceBuilder:
                     "pool": {
                         "name": self.inv.node_name,
                         "generation": generation,
-                        "resourceSliceCount": len(chunks),
+                        "resourceSliceCount": len(bodies),
                     },
-                    "devices": chunk,
+                    **body,
                 },
             }
-            for i, chunk in enumerate(chunks)
+            for i, body in enumerate(bodies)
         ]
+
+
+def _pack(groups: list[list[dict[str, Any]]], per_slice: int) -> list[list[dict[str, Any]]]:
+    """Fill slices in order; a group that does not fit in the current slice starts the next one
+    (one larger than a slice is split)."""
+    chunks: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
+    for group in groups:
+        if current and len(current) + len(group) > per_slice:
+            chunks.append(current)
+            current = []
+        for dev in group:
+            if len(current) == per_slice:
+                chunks.append(current)
+                current = []
+            current.append(dev)
+    if current or not chunks:
+        chunks.append(current)
+    return chunks
 
 
 def build_slices(
@@ -262,6 +376,14 @@ def validate_device(dev: dict[str, Any]) -> None:
         raise SliceLimitError(
             f"device {name}: {total} attributes + capacities, the limit is {MAX_ATTRIBUTES_AND_CAPACITIES}"
         )
+    consumed = dev.get("consumesCounters") or []
+    if len(consumed) > MAX_CONSUMES_ENTRIES:
+        raise SliceLimitError(f"device {name}: consumesCounters has {len(consumed)} entries, the limit is 2")
+    for i, entry in enumerate(consumed):
+        if len(entry.get("counters") or {}) > MAX_COUNTERS_PER_SET:
+            raise SliceLimitError(
+                f"device {name}: consumesCounters[{i}]: more than {MAX_COUNTERS_PER_SET} counters"
+            )
     for key in list(attrs) + list(capacity):
         problem = qualified_name_problem(key)
         if problem:

@@ -360,7 +360,12 @@ class Cluster:
                 for cs in s["spec"].get("sharedCounters") or []:
                     for cname, c in (cs.get("counters") or {}).items():
                         p.counters[(str(cs.get("name")), str(cname))] = parse_quantity(str(c.get("value")))
-        return [pools[k] for k in sorted(pools)]
+
+        # The scheduler tries pools with binding-condition devices last.
+        def waits(p: Pool) -> bool:
+            return any(d.get("bindingConditions") for s in p.slices for d in s["spec"].get("devices") or [])
+
+        return sorted((pools[k] for k in sorted(pools)), key=waits)
 
     def devices(self, node: str) -> list[Device]:
         """The devices usable on `node`, in the allocator's order."""
@@ -396,6 +401,18 @@ class Cluster:
                         )
             self._devices[node] = out
         return self._devices[node]
+
+    def consumed_by_in_use(self, node: str) -> dict[tuple[tuple[str, str], str, str], Decimal]:
+        """Counters the allocated devices usable on `node` consume: (pool, set, counter) -> sum."""
+        out: dict[tuple[tuple[str, str], str, str], Decimal] = {}
+        for d in self.devices(node):
+            if d.key not in self.in_use:
+                continue
+            for cset, counters in d.consumes:
+                for cname, v in counters.items():
+                    k = (d.pool_key, cset, cname)
+                    out[k] = out.get(k, Decimal(0)) + v
+        return out
 
     def pool(self, key: tuple[str, str]) -> Pool | None:
         return next((p for p in self.pools if (p.driver, p.name) == key), None)
@@ -476,6 +493,7 @@ class _Search:
         constraints: list[Constraint],
         ignore_in_use: bool,
         best: bool,
+        ignore_counters: bool = False,
     ) -> None:
         self.c = cluster
         self.node = node
@@ -484,10 +502,14 @@ class _Search:
         self.in_use = set() if ignore_in_use else cluster.in_use
         self.ignore_taints = ignore_in_use  # "could it ever": taints come and go like allocations
         self.best_mode = best
+        self.ignore_counters = ignore_counters
         self.chosen: list[tuple[SubRequest, Device]] = []
         self.allocating: set[tuple[str, str, str]] = set()
         self.values: list[list[tuple[str, Any]]] = [[] for _ in constraints]  # per constraint: taken values
-        self.consumed: dict[tuple[tuple[str, str], str, str], Decimal] = {}
+        # Counters already taken by allocated devices, as the scheduler subtracts them.
+        self.consumed: dict[tuple[tuple[str, str], str, str], Decimal] = (
+            {} if ignore_in_use else cluster.consumed_by_in_use(node)
+        )
         self.steps = 0
         self.found: list[tuple[SubRequest, Device]] | None = None
         self.best_cost: int | None = None
@@ -573,7 +595,7 @@ class _Search:
         if not self.ignore_taints and blocking_taint(d, sub) is not None:
             return False
         pool = self.c.pool(d.pool_key)
-        if d.consumes and pool is not None:
+        if d.consumes and pool is not None and not self.ignore_counters:
             for cset, counters in d.consumes:
                 for cname, v in counters.items():
                     avail = pool.counters.get((cset, cname))
@@ -632,10 +654,17 @@ class _Search:
 
 
 def place(
-    cluster: Cluster, spec: Mapping[str, Any], node: str, ignore_in_use: bool = False, best: bool = False
+    cluster: Cluster,
+    spec: Mapping[str, Any],
+    node: str,
+    ignore_in_use: bool = False,
+    best: bool = False,
+    ignore_counters: bool = False,
 ) -> Placement | None:
+    """`ignore_counters`: as if devices shared no counters (the diagnosis asks whether they are
+    what stands in the way)."""
     requests, constraints = parse_requests(spec)
-    found = _Search(cluster, node, requests, constraints, ignore_in_use, best).run()
+    found = _Search(cluster, node, requests, constraints, ignore_in_use, best, ignore_counters).run()
     if found is None:
         return None
     consumed = [(d.consumption(s.capacity) or {}) if d.multi else {} for s, d in found]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from dra_gpu.controller.allocator import (
@@ -21,6 +22,7 @@ from dra_gpu.controller.allocator import (
     blocking_taint,
     describe_taint,
     parse_requests,
+    place,
 )
 from dra_gpu.kubernetes_values import format_quantity
 
@@ -58,6 +60,24 @@ def _selector_problem(cluster: Cluster, sub: SubRequest, pool: list[Device]) -> 
             if sizes:
                 extra = f"; largest {ref.group(2)}: {format_quantity(max(sizes))}"
         return f"selectors[{i}] matches none of the {len(pool)} devices of class {sub.device_class!r}{extra}"
+    for i, expr in enumerate(sub.selectors):
+        m = _CAP_COMPARE.search(expr)
+        if not m:
+            continue
+        others = [
+            d for d in pool if all(cluster.matches(e, d) for j, e in enumerate(sub.selectors) if j != i)
+        ]
+        if not others or any(cluster.matches(expr, d) for d in others):
+            continue
+        name, op, want = m.group(2), m.group(4) or ">", m.group(3) or m.group(6)
+        sizes = [c for c in (d.capacity(name) for d in others) if c is not None]
+        largest = f"; largest: {format_quantity(max(sizes))}" if sizes else ""
+        profiles = sorted({str(v[1]) for d in others if (v := d.attribute(f"{d.driver}/profile"))})
+        which = f" ({', '.join(profiles)})" if profiles else ""
+        return (
+            f"none of the {len(others)} {_noun(others, True)}{which} its other selectors pick has "
+            f"{name} {op} {want}{largest}"
+        )
     return f"no device matches all selectors together (class {sub.device_class!r} has {len(pool)} devices)"
 
 
@@ -175,10 +195,51 @@ def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = Fal
     constraint_reasons = _constraint_reasons(cluster, requests, constraints, ignore_in_use)
     if constraint_reasons or count_reasons:
         return "; ".join(constraint_reasons + count_reasons)
+    counters = _counter_reason(cluster, spec, ignore_in_use)
+    if counters:
+        return counters
     nodes = ", ".join(n for n in cluster.nodes if n) or "any node"
     if not ignore_in_use and cluster.busy:
         return f"no free combination of devices satisfies the requests and constraints on {nodes}"
     return f"no combination of devices satisfies all requests and constraints together on {nodes}"
+
+
+def _counter_reason(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> str:
+    """When the devices would fit but for the counters they share (MIG placements overlapping on
+    one GPU, a MIG device and its whole GPU), name a counter the first such choice overruns."""
+    for node in cluster.nodes:
+        free = place(cluster, spec, node, ignore_in_use, ignore_counters=True)
+        if free is None:
+            continue
+        taken = {} if ignore_in_use else cluster.consumed_by_in_use(node)
+        used: dict[tuple[tuple[str, str], str, str], Decimal] = dict(taken)
+        users: dict[tuple[tuple[str, str], str, str], list[str]] = {}
+        for _, d in free.results:
+            for cset, counters in d.consumes:
+                for cname, v in counters.items():
+                    k = (d.pool_key, cset, cname)
+                    used[k] = used.get(k, Decimal(0)) + v
+                    users.setdefault(k, []).append(d.name)
+        over = []
+        for k, total in used.items():
+            pool = cluster.pool(k[0])
+            have = pool.counters.get((k[1], k[2])) if pool is not None else None
+            if have is not None and total > have:
+                over.append((k, total, have))
+        # A placement overlap says the most: name a slice-like counter (held by one device) first.
+        over.sort(key=lambda o: (o[2] != 1, o[0][2]))
+        if over:
+            k, total, have = over[0]
+            held = taken.get(k, Decimal(0))
+            by_others = f" ({format_quantity(held)} taken by allocated devices)" if held else ""
+            where = f" on {node}" if node else ""
+            return (
+                f"the devices it needs share counters and no choice{where} fits them: e.g. "
+                f"{', '.join(users[k])} need {format_quantity(total - held)} of counter {k[2]} of "
+                f"{k[1]}, which has {format_quantity(have)}{by_others} (MIG placements that overlap, "
+                "or a MIG device and its whole GPU, exclude each other)"
+            )
+    return ""
 
 
 def _constraint_reasons(

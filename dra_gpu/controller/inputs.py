@@ -83,14 +83,18 @@ def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
     try:
         api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
         api = client.ResourceV1Api(api_client)
-        fns: tuple[tuple[Any, list[dict[str, Any]]], ...]
+        fns: tuple[tuple[Any, str, list[dict[str, Any]]], ...]
         fns = (
-            (api.list_resource_slice, inputs.slices),
-            (api.list_device_class, inputs.classes),
-            (api.list_resource_claim_for_all_namespaces, inputs.claims),
+            (api.list_resource_slice, "ResourceSlice", inputs.slices),
+            (api.list_device_class, "DeviceClass", inputs.classes),
+            (api.list_resource_claim_for_all_namespaces, "ResourceClaim", inputs.claims),
         )
-        for fn, dest in fns:
+        for fn, kind, dest in fns:
             resp: Any = fn(_preload_content=False)
-            dest.extend(json.loads(resp.data).get("items") or [])
+            for item in json.loads(resp.data).get("items") or []:
+                # A list's items carry no kind of their own.
+                item.setdefault("apiVersion", "resource.k8s.io/v1")
+                item.setdefault("kind", kind)
+                dest.append(item)
     except Exception as exc:  # config errors, connection errors, API errors: all exit 2
         raise InputError(f"cannot read the cluster with {kubeconfig}: {str(exc).splitlines()[0]}") from exc

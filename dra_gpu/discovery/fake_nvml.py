@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
+import os
 import uuid as uuidlib
 from collections.abc import Callable
 from pathlib import Path
@@ -18,14 +20,38 @@ from typing import Any, TypeVar
 
 import pynvml
 
+from dra_gpu.discovery.fake_mig import Instance, MigStateError, SimulatedMig
 from dra_gpu.discovery.fake_nvml_events import FakeNvmlEvents
-from dra_gpu.discovery.profiles import GpuSpec, MigInstanceSpec, NodeProfile
+from dra_gpu.discovery.profiles import (
+    NODE_FAILURE_ENV,
+    NVML_ERROR_CODES,
+    GpuSpec,
+    NodeProfile,
+)
 from dra_gpu.durable import atomic_write
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+log = logging.getLogger(__name__)
+
 MAX_MIG_DEVICES = 7
 HOPPER = 9
+# Full-GI compute-instance profile index by compute slices (NVML_COMPUTE_INSTANCE_PROFILE_*).
+CI_PROFILE_BY_SLICES = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
+
+
+def parse_failures(text: str) -> dict[str, int]:
+    """`nvmlFunction=ErrorName,...` (names as in a profile's nvmlErrors) -> one-shot failures."""
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        fn, _, err = item.partition("=")
+        if not fn.startswith("nvml") or err not in NVML_ERROR_CODES:
+            raise ValueError(
+                f"{NODE_FAILURE_ENV}: {item!r} is not nvmlFunction=Error "
+                f"(errors: {', '.join(sorted(NVML_ERROR_CODES))})"
+            )
+        out[fn] = NVML_ERROR_CODES[err]
+    return out
 
 
 class _GpuHandle:
@@ -34,17 +60,32 @@ class _GpuHandle:
 
 
 class _MigHandle:
-    def __init__(self, parent: _GpuHandle, instance: MigInstanceSpec) -> None:
+    def __init__(self, parent: _GpuHandle, instance: Instance) -> None:
         self.parent = parent
         self.instance = instance
         self.spec = parent.spec  # errors injected on the parent apply to its MIG devices too
 
 
 class _GpuInstanceHandle:
-    def __init__(self, parent: _GpuHandle, instance: MigInstanceSpec) -> None:
+    def __init__(self, parent: _GpuHandle, instance: Instance) -> None:
         self.parent = parent
         self.instance = instance
         self.spec = parent.spec
+
+
+class _ComputeInstanceHandle:
+    def __init__(self, gi: _GpuInstanceHandle) -> None:
+        self.gi = gi
+        self.instance = gi.instance
+        self.spec = gi.spec
+
+
+class _Process:
+    """What nvmlDeviceGetComputeRunningProcesses lists (the fields dra-gpu reads)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.usedGpuMemory = 0
 
 
 def _raise(code: int) -> None:
@@ -70,6 +111,9 @@ def _nvml_call(fn: F) -> F:
             _raise(pynvml.NVML_ERROR_UNINITIALIZED)
         handle = args[0] if args else None
         spec = getattr(handle, "spec", None)
+        code = self._fail_once.pop(fn.__name__, None)
+        if code is not None:
+            _raise(code)
         if isinstance(spec, GpuSpec):
             code = spec.nvml_errors.get(fn.__name__, spec.nvml_errors.get("*"))
             if code is not None:
@@ -78,24 +122,40 @@ def _nvml_call(fn: F) -> F:
         code = self.profile.nvml_errors.get(fn.__name__)
         if code is not None:
             _raise(code)
-        return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except MigStateError as exc:
+            log.info("simulated nvml refused call=%s reason=%s", fn.__name__, exc)
+            raise pynvml.NVMLError(exc.code) from exc
 
     return wrapper  # type: ignore[return-value]
 
 
 class FakeNvml(FakeNvmlEvents):
-    """Drop-in for the `pynvml` module, backed by a NodeProfile."""
+    """Drop-in for the `pynvml` module, backed by a NodeProfile.
 
-    def __init__(self, profile: NodeProfile, state_file: Path | None = None) -> None:
-        """`state_file`: where settings a driver keeps until reboot (compute modes) are kept, so
-        that a restarted process sees them as it would on a GPU; None keeps them in memory."""
+    `root`: the simulated node's root; its MIG state is kept there (see fake_mig) and survives
+    this object, as the kernel's does the process. Without it the state lives in memory.
+    `state_file`: where settings a driver keeps until reboot (compute modes) are kept, so that a
+    restarted process sees them as it would on a GPU; None keeps them in memory.
+    """
+
+    def __init__(
+        self, profile: NodeProfile, root: Path | None = None, state_file: Path | None = None
+    ) -> None:
         self.profile = profile
+        self.mig = SimulatedMig(profile, root)
+        self._fail_once: dict[str, int] = parse_failures(os.environ.get(NODE_FAILURE_ENV, ""))
         self._init_count = 0
         self._handles = [_GpuHandle(g) for g in profile.gpus]
         self._by_bus = {h.spec.pci_bus_id.lower(): h for h in self._handles}
         self._init_events()
         self._state_file = state_file
         self._compute_modes: dict[str, int] = {}
+
+    def fail_next(self, function: str, code: int) -> None:
+        """Make the next call of `function` raise NVMLError(code) (a failing step, for tests)."""
+        self._fail_once[function] = code
 
     @property
     def _initialised(self) -> bool:
@@ -154,9 +214,17 @@ class FakeNvml(FakeNvmlEvents):
         for h in self._handles:
             if h.spec.uuid == uuid:
                 return h
-            for instance in h.spec.mig_instances if h.spec.mig_enabled else []:
+            for instance in self._mig_devices(h) if h.spec.mig_enabled else []:
                 if instance.uuid == uuid:
                     return _MigHandle(h, instance)
+        if self.mig.root is not None:
+            # A MIG device another process made since (the node's state, as the kernel's): read
+            # afresh, without touching this object's own view.
+            fresh = SimulatedMig(self.profile, self.mig.root)
+            for h in self._handles:
+                for instance in fresh.gpus.get(h.spec.uuid, []) if h.spec.mig_enabled else []:
+                    if instance.ci_id is not None and instance.uuid == uuid:
+                        return _MigHandle(h, instance)
         _raise(pynvml.NVML_ERROR_NOT_FOUND)
         raise AssertionError("unreachable")
 
@@ -292,13 +360,18 @@ class FakeNvml(FakeNvmlEvents):
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return MAX_MIG_DEVICES if h.spec.mig_enabled else 0  # a real H200 says 0 when disabled
 
+    def _mig_devices(self, h: _GpuHandle) -> list[Instance]:
+        """Instances with a compute instance, i.e. MIG devices, in GPU-instance order."""
+        return sorted((i for i in self.mig.gpus[h.spec.uuid] if i.ci_id is not None), key=lambda i: i.gi_id)
+
     @_nvml_call
     def nvmlDeviceGetMigDeviceHandleByIndex(self, h: _GpuHandle, index: int) -> _MigHandle:
         if not 0 <= index < MAX_MIG_DEVICES:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if index >= len(h.spec.mig_instances):
+        devices = self._mig_devices(h)
+        if index >= len(devices):
             _raise(pynvml.NVML_ERROR_NOT_FOUND)
-        return _MigHandle(h, h.spec.mig_instances[index])
+        return _MigHandle(h, devices[index])
 
     @_nvml_call
     def nvmlDeviceIsMigDeviceHandle(self, h: Any) -> ctypes.c_uint:
@@ -320,22 +393,42 @@ class FakeNvml(FakeNvmlEvents):
     def nvmlDeviceGetComputeInstanceId(self, h: _MigHandle) -> int:
         if not isinstance(h, _MigHandle):
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return 0
+        return int(h.instance.ci_id or 0)
+
+    @_nvml_call
+    def nvmlDeviceGetComputeRunningProcesses(self, h: Any) -> list[_Process]:
+        if isinstance(h, _MigHandle):
+            return [_Process(pid) for pid in h.instance.processes]
+        if isinstance(h, _GpuHandle):
+            return [_Process(pid) for i in self.mig.gpus[h.spec.uuid] for pid in i.processes]
+        _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        raise AssertionError("unreachable")
 
     @_nvml_call
     def nvmlDeviceGetGpuInstanceById(self, h: _GpuHandle, gi_id: int) -> _GpuInstanceHandle:
-        for inst in h.spec.mig_instances:
+        if not h.spec.mig_capable:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        for inst in self.mig.gpus[h.spec.uuid]:
             if inst.gi_id == gi_id:
                 return _GpuInstanceHandle(h, inst)
         _raise(pynvml.NVML_ERROR_NOT_FOUND)
         raise AssertionError("unreachable")
 
+    def _live(self, gi: Any) -> Instance:
+        """The instance behind a GI/CI handle; a destroyed one is an invalid argument, as in NVML."""
+        if not isinstance(gi, _GpuInstanceHandle | _ComputeInstanceHandle):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if gi.instance not in self.mig.gpus[gi.spec.uuid]:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gi.instance  # type: ignore[no-any-return]
+
     @_nvml_call
     def nvmlGpuInstanceGetInfo(self, gi: _GpuInstanceHandle) -> Any:
-        p = self.profile.mig_profiles[gi.instance.profile]
+        inst = self._live(gi)
+        p = self.profile.mig_profiles[inst.profile]
         info = pynvml.c_nvmlGpuInstanceInfo_t()
-        info.id, info.profileId = gi.instance.gi_id, p.profile_id
-        info.placement.start, info.placement.size = gi.instance.placement, p.placement_size
+        info.id, info.profileId = inst.gi_id, p.profile_id
+        info.placement.start, info.placement.size = inst.placement, p.placement_size
         return info
 
     def _profile_info(self, h: _GpuHandle, match: Callable[[Any], bool]) -> Any:
@@ -346,7 +439,7 @@ class FakeNvml(FakeNvmlEvents):
                 info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
                 info.version = 0  # the driver leaves it zero (seen on an H200)
                 info.id, info.sliceCount = p.profile_id, p.slice_count
-                info.instanceCount = 7 // max(p.slice_count, 1)
+                info.instanceCount = p.max_instances
                 info.multiprocessorCount, info.memorySizeMB = p.multiprocessors, p.memory_mib
                 info.copyEngineCount, info.decoderCount = p.copy_engines, p.decoders
                 info.encoderCount, info.jpegCount, info.ofaCount = p.encoders, p.jpeg, p.ofa
@@ -363,6 +456,97 @@ class FakeNvml(FakeNvmlEvents):
     @_nvml_call
     def nvmlDeviceGetGpuInstanceProfileInfoById(self, h: _GpuHandle, profile_id: int) -> Any:
         return self._profile_info(h, lambda p: p.profile_id == profile_id)
+
+    @_nvml_call
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, h: _GpuHandle, profile_id: int, placements_ref: Any, count_ref: Any
+    ) -> int:
+        """Every placement of the profile, used or not (as NVML documents); the caller allocates.
+        A null `placements_ref` asks for the count only."""
+        if not h.spec.mig_capable:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        spec = self.mig.spec(profile_id)
+        count = getattr(count_ref, "_obj", count_ref)  # byref(c_uint) or the c_uint itself
+        if placements_ref is None:
+            count.value = len(spec.placements)
+            return int(pynvml.NVML_SUCCESS)
+        if count.value < len(spec.placements):
+            count.value = len(spec.placements)
+            _raise(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        for i, start in enumerate(spec.placements):
+            placements_ref[i].start, placements_ref[i].size = start, spec.placement_size
+        count.value = len(spec.placements)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml_call
+    def nvmlDeviceCreateGpuInstanceWithPlacement(
+        self, h: _GpuHandle, profile_id: int, placement: Any
+    ) -> _GpuInstanceHandle:
+        if not h.spec.mig_capable:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        p = getattr(placement, "_obj", placement)  # byref(struct) or the struct
+        inst = self.mig.create_gpu_instance(h.spec, profile_id, int(p.start), int(p.size))
+        return _GpuInstanceHandle(h, inst)
+
+    @_nvml_call
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, gi: _GpuInstanceHandle, profile: int, eng_profile: int, version: int = 2
+    ) -> Any:
+        inst = self._live(gi)
+        if version not in (1, 2):
+            _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        spec = self.profile.mig_profiles[inst.profile]
+        found = next((n for n, idx in CI_PROFILE_BY_SLICES.items() if idx == profile), None)
+        if found is None or found > spec.slice_count or eng_profile != 0:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        slices = int(found or 0)
+        info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
+        info.id, info.sliceCount = profile, slices
+        info.instanceCount = spec.slice_count // max(slices, 1)
+        info.multiprocessorCount = spec.multiprocessors * slices // max(spec.slice_count, 1)
+        info.name = f"{slices}c.{spec.name}".encode()
+        return info
+
+    @_nvml_call
+    def nvmlGpuInstanceCreateComputeInstance(self, gi: _GpuInstanceHandle, profile_id: int) -> Any:
+        inst = self._live(gi)
+        slices = next((n for n, idx in CI_PROFILE_BY_SLICES.items() if idx == profile_id), None)
+        if slices is None:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self.mig.create_compute_instance(gi.spec, inst, int(slices))  # type: ignore[arg-type]
+        return _ComputeInstanceHandle(gi)
+
+    @_nvml_call
+    def nvmlGpuInstanceGetComputeInstanceById(self, gi: _GpuInstanceHandle, ci_id: int) -> Any:
+        inst = self._live(gi)
+        if inst.ci_id is None or inst.ci_id != ci_id:
+            _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        return _ComputeInstanceHandle(gi)
+
+    @_nvml_call
+    def nvmlComputeInstanceGetInfo(self, ci: _ComputeInstanceHandle) -> Any:
+        inst = self._live(ci)
+        if inst.ci_id is None:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        spec = self.profile.mig_profiles[inst.profile]
+        info = pynvml.c_nvmlComputeInstanceInfo_t()
+        info.id, info.profileId = int(inst.ci_id or 0), CI_PROFILE_BY_SLICES.get(spec.slice_count, 0)
+        info.placement.start, info.placement.size = 0, spec.slice_count
+        return info
+
+    @_nvml_call
+    def nvmlComputeInstanceDestroy(self, ci: _ComputeInstanceHandle) -> int:
+        inst = self._live(ci)
+        if inst.ci_id is None:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self.mig.destroy_compute_instance(ci.spec, inst)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml_call
+    def nvmlGpuInstanceDestroy(self, gi: _GpuInstanceHandle) -> int:
+        inst = self._live(gi)
+        self.mig.destroy_gpu_instance(gi.spec, inst)
+        return int(pynvml.NVML_SUCCESS)
 
     # -- NVLink and topology -------------------------------------------------------------------
 

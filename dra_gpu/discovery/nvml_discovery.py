@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu.discovery.nvlink_domains import assign_domains
-from dra_gpu.model import FabricInfo, Gpu, Inventory, MigDevice, NvLink
+from dra_gpu.model import FabricInfo, Gpu, Inventory, MigDevice, MigProfile, NvLink
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ BRAND_NAMES = {
     15: "GeForceRTX",
     16: "TitanRTX",
 }
+# GPU-instance profile indices dynamic MIG offers: the plain ones and REV2 (1g with double
+# memory); the media-extension variants (+me, -me, +gfx) would need names of their own.
+DYNAMIC_PROFILE_INDICES = (0x0, 0x9, 0x1, 0x2, 0x3, 0x6, 0x4, 0x5)
 TOPOLOGY_NAMES = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 FABRIC_STATE_COMPLETED = 3
 
@@ -85,8 +88,9 @@ def sysfs_pcie_root(sysfs: str = "/sys") -> PcieRootResolver:
 
 
 class _Discovery:
-    def __init__(self, nvml: Any, node_name: str, pcie_root: PcieRootResolver) -> None:
+    def __init__(self, nvml: Any, node_name: str, pcie_root: PcieRootResolver, dynamic_mig: bool) -> None:
         self.nvml = nvml
+        self.dynamic_mig = dynamic_mig
         self.node_name = node_name
         self.pcie_root = pcie_root
 
@@ -150,6 +154,8 @@ class _Discovery:
         mode = self.optional("migMode", nv.nvmlDeviceGetMigMode, h)
         gpu.mig_enabled = bool(mode and mode[0] == nv.NVML_DEVICE_MIG_ENABLE)
         if gpu.mig_enabled:
+            gpu.mig_profiles = self.mig_profiles(gpu, h)
+            gpu.dynamic_mig = self.dynamic_mig and bool(gpu.mig_profiles)
             gpu.mig_devices = self.mig_devices(gpu, h)
         gpu.nvlinks = self.nvlinks(h)
         gpu.fabric = self.fabric(h)
@@ -170,9 +176,53 @@ class _Discovery:
                 out.append(self.mig_device(h, mig))
             except nv.NVMLError as exc:
                 log.warning("mig device skipped gpu=%s slot=%d error=%r", gpu.uuid, i, str(exc))
-        if not out:
+        if not out and not gpu.dynamic_mig:
             log.warning("mig enabled but no mig devices gpu=%s: its capacity is stranded", gpu.uuid)
         return sorted(out, key=lambda m: (m.placement_start, m.gpu_instance_id))
+
+    def mig_profiles(self, gpu: Gpu, h: Any) -> list[MigProfile]:
+        """The GPU-instance profiles NVML offers and their possible placements."""
+        nv = self.nvml
+        out = []
+        for index in DYNAMIC_PROFILE_INDICES:
+            try:
+                info = nv.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
+            except (nv.NVMLError_NotSupported, nv.NVMLError_InvalidArgument):
+                continue  # not a profile of this GPU
+            except nv.NVMLError as exc:
+                log.warning("mig profile unreadable gpu=%s index=%d error=%r", gpu.uuid, index, str(exc))
+                continue
+            try:
+                count = ctypes.c_uint(0)
+                nv.nvmlDeviceGetGpuInstancePossiblePlacements(h, info.id, None, ctypes.byref(count))
+                placements = (nv.c_nvmlGpuInstancePlacement_t * max(count.value, 1))()
+                nv.nvmlDeviceGetGpuInstancePossiblePlacements(h, info.id, placements, ctypes.byref(count))
+            except nv.NVMLError as exc:
+                log.warning(
+                    "mig placements unreadable gpu=%s profile=%d error=%r", gpu.uuid, info.id, str(exc)
+                )
+                continue
+            found = [(int(p.start), int(p.size)) for p in placements[: count.value]]
+            if not found:
+                continue
+            name = info.name.decode() if isinstance(info.name, bytes) else str(info.name)
+            out.append(
+                MigProfile(
+                    name=name.removeprefix("MIG ").strip(),
+                    profile_id=int(info.id),
+                    compute_slices=int(info.sliceCount),
+                    memory_slices=found[0][1],
+                    placements=tuple(sorted(start for start, _ in found)),
+                    memory_bytes=int(info.memorySizeMB) << 20,
+                    multiprocessors=int(info.multiprocessorCount),
+                    copy_engines=int(info.copyEngineCount),
+                    decoders=int(info.decoderCount),
+                    encoders=int(info.encoderCount),
+                    jpeg_engines=int(info.jpegCount),
+                    ofa_engines=int(info.ofaCount),
+                )
+            )
+        return out
 
     def mig_device(self, parent: Any, mig: Any) -> MigDevice:
         nv = self.nvml
@@ -257,17 +307,20 @@ class _Discovery:
                     inv.pcie_topology[(b.index, a.index)] = name
 
 
-def discover(nvml: Any, node_name: str, pcie_root: PcieRootResolver | None = None) -> Inventory:
+def discover(
+    nvml: Any, node_name: str, pcie_root: PcieRootResolver | None = None, dynamic_mig: bool = False
+) -> Inventory:
     """Build the node's Inventory through `nvml` (pynvml or FakeNvml).
 
     Initialises NVML for the duration of the call and shuts it down again (NVML's init is
     reference-counted, so a long-lived caller that holds its own init keeps its handles).
+    `dynamic_mig`: GPUs in MIG mode are published as every placement NVML lists (see slices).
     """
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
         raise NvmlUnavailableError(f"NVML is not available: {exc}") from exc
     try:
-        return _Discovery(nvml, node_name, pcie_root or sysfs_pcie_root()).run()
+        return _Discovery(nvml, node_name, pcie_root or sysfs_pcie_root(), dynamic_mig).run()
     finally:
         nvml.nvmlShutdown()

@@ -17,7 +17,8 @@ import yaml
 
 from dra_gpu.decoding import DecodeError, check_bounds, load_yaml, read_bounded
 
-BUILTIN_PROFILES = ("hgx-2x4", "dgx-h100", "dgx-a100-mig", "mixed", "pcie-pairs")
+BUILTIN_PROFILES = ("hgx-2x4", "dgx-h100", "dgx-a100-mig", "dgx-h100-mig", "mixed", "pcie-pairs")
+MEMORY_SLICES = 8  # of an A100 / H100 80GB (MIG user guide)
 
 BRANDS = {
     "unknown": 0,
@@ -59,6 +60,7 @@ NVML_ERROR_CODES = {
     "ResetRequired": 16,
     "OperatingSystem": 17,
     "InUse": 19,
+    "InsufficientResources": 23,
     "Memory": 20,
     "NoData": 21,
     "NotReady": 27,
@@ -66,6 +68,9 @@ NVML_ERROR_CODES = {
     "InvalidState": 29,
     "Unknown": 999,
 }
+
+# One-shot NVML failures for a simulated node, e.g. "nvmlGpuInstanceCreateComputeInstance=Unknown".
+NODE_FAILURE_ENV = "DRA_GPU_SIM_NVML_FAIL"
 
 _PCI_RE = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 _UUID_RE = re.compile(r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
@@ -102,6 +107,8 @@ class MigProfileSpec:
     encoders: int
     jpeg: int
     ofa: int
+    placements: tuple[int, ...] = ()  # memory-slice starts NVML lists as possible
+    max_instances: int = 0  # NVML's instanceCount
 
 
 @dataclass(frozen=True)
@@ -319,16 +326,50 @@ class _Parser:
         name = self.get(mp, "name", str, where)
         if not _MIG_NAME_RE.match(name):
             raise self.fail(where, f"name {name!r} is not a MIG profile name like 3g.40gb")
+        self.check_keys(
+            mp,
+            {
+                "name",
+                "id",
+                "index",
+                "slices",
+                "placementSize",
+                "placements",
+                "maxInstances",
+                "memoryMiB",
+                "multiprocessors",
+                "copyEngines",
+                "decoders",
+                "encoders",
+                "jpeg",
+                "ofa",
+            },
+            where,
+        )
         slices = self.positive(mp, "slices", where)
-        placement_size = self.positive(mp, "placementSize", where, slices)
-        if slices > MAX_MIG_SLICE + 1 or placement_size > MAX_MIG_SLICE + 1:
+        size = self.positive(mp, "placementSize", where, slices)
+        if slices > MAX_MIG_SLICE + 1 or size > MAX_MIG_SLICE + 1:
             raise self.fail(where, f"a MIG profile spans at most {MAX_MIG_SLICE + 1} slices")
+        # Without a list: every aligned start that fits (real GPUs list fewer, e.g. 2g.20gb).
+        default = list(range(0, MEMORY_SLICES - size + 1, size))
+        placements = self.get(mp, "placements", list, where, default)
+        for start in placements:
+            if (
+                isinstance(start, bool)
+                or not isinstance(start, int)
+                or start % size
+                or not (0 <= start <= MEMORY_SLICES - size)
+            ):
+                raise self.fail(
+                    f"{where}: placements",
+                    f"{start!r} is not a start of a {size}-slice placement within {MEMORY_SLICES} slices",
+                )
         return MigProfileSpec(
             name=name,
             profile_id=self.positive(mp, "id", where, minimum=0),
             index=self.positive(mp, "index", where, minimum=0),
             slice_count=slices,
-            placement_size=placement_size,
+            placement_size=size,
             memory_mib=self.positive(mp, "memoryMiB", where),
             multiprocessors=self.positive(mp, "multiprocessors", where),
             copy_engines=self.positive(mp, "copyEngines", where, 0, minimum=0),
@@ -336,6 +377,8 @@ class _Parser:
             encoders=self.positive(mp, "encoders", where, 0, minimum=0),
             jpeg=self.positive(mp, "jpeg", where, 0, minimum=0),
             ofa=self.positive(mp, "ofa", where, 0, minimum=0),
+            placements=tuple(placements),
+            max_instances=self.positive(mp, "maxInstances", where, len(placements), minimum=0),
         )
 
     def gpu(self, g: dict[str, Any], i: int, mig_profiles: dict[str, MigProfileSpec]) -> GpuSpec:
@@ -488,8 +531,11 @@ class _Parser:
         taken: dict[int, str] = {}
         for inst in instances:
             spec = mig_profiles[inst.profile]
-            if inst.placement % spec.placement_size:
-                raise self.fail(where, f"{inst.profile} cannot start at slice {inst.placement}")
+            if inst.placement not in spec.placements:
+                starts = ", ".join(map(str, spec.placements))
+                raise self.fail(
+                    where, f"{inst.profile} cannot start at slice {inst.placement} (possible: {starts})"
+                )
             for s in range(inst.placement, inst.placement + spec.placement_size):
                 if s > 7:
                     raise self.fail(where, f"{inst.profile} at {inst.placement} runs past slice 7")

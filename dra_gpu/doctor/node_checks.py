@@ -366,6 +366,8 @@ def check_prepared_claims(facts: NodeFacts) -> Iterable[Result]:
         for gpu in facts.inventory.gpus:
             known.add(gpu.device_name)
             known.update(gpu.mig_device_name(m) for m in gpu.mig_devices)
+            # Dynamic MIG devices: every placement NVML offers (made at prepare).
+            known.update(gpu.mig_name(p.profile.name, p.start) for p in gpu.mig_placements())
     problems = []
     for uid, entry in sorted(claims.items()):
         ref = f"{entry.get('namespace', '?')}/{entry.get('name', '?')}"

@@ -74,7 +74,7 @@ class SlicePublisher:
         self._lock = asyncio.Lock()  # sync() and refresh() never interleave their writes
 
     def device_names(self) -> list[str]:
-        return [d["name"] for s in self.desired.values() for d in s["spec"]["devices"]]
+        return [d["name"] for s in self.desired.values() for d in s["spec"].get("devices") or []]
 
     def _covers(self, stored: dict[str, Any]) -> bool:
         want = self.desired.get(stored["metadata"]["name"])

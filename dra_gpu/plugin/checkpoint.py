@@ -14,6 +14,9 @@ moved aside with a log line and the plugin starts clean instead of crash-looping
 
 Each claim goes through two phases: `started` is written before anything is created for it and
 `completed` after its CDI spec is in place, so a crash in between is rolled back at the next start.
+A claim with dynamic MIG devices also records each instance's step (`migInstances`: planned, then
+the GPU instance's ID, then the compute instance and MIG UUID), each written before the next NVML
+call, so the rollback finds and destroys exactly what was made.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STARTED, COMPLETED = "started", "completed"
+# Dynamic MIG: the claim's instances were made before its pod was bound (binding conditions);
+# prepare then only writes the CDI spec. Kept across restarts, like completed.
+BOUND = "bound"
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -72,6 +78,12 @@ class ClaimRecord:
     @property
     def device_names(self) -> set[str]:
         return {d["deviceName"] for d in self.devices if not d.get("adminAccess")}
+
+    @property
+    def mig_instances(self) -> list[dict[str, Any]]:
+        """Dynamic MIG instances made (or being made) for the claim, with the step reached."""
+        value = self.raw.get("migInstances")
+        return list(value) if isinstance(value, list) else []
 
     @property
     def cdi_spec(self) -> dict[str, Any] | None:

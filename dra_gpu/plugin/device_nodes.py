@@ -168,7 +168,8 @@ def create_simulated(inventory: Inventory, dev_root: Path) -> int:
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         _mknod(dev / f"nvidia{gpu.minor}", NVIDIA_MAJOR, gpu.minor)
         count += 1
-        for mig in gpu.mig_devices:
+        # Dynamic MIG instances get theirs from the simulated driver when it makes them.
+        for mig in [] if gpu.dynamic_mig else gpu.mig_devices:
             base = dev_root / "proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
             for access in (
                 base / f"gi{mig.gpu_instance_id}" / "access",

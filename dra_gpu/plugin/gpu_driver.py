@@ -35,7 +35,7 @@ class GpuDriver:
         self.device_names = [
             d["name"]
             for s in build_slices(inventory, driver_name, memory_shares=memory_shares)
-            for d in s["spec"]["devices"]
+            for d in s["spec"].get("devices") or []
         ]
 
     async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:

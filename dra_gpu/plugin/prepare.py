@@ -15,14 +15,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dra_gpu import failpoints
 from dra_gpu.api import ConfigError, GpuConfig, decode
 from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
-from dra_gpu.model import Gpu, Inventory, MigDevice
+from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
-from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
+from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, STARTED, Checkpoint, ClaimRecord
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
+from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError, SharingPlan
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,10 @@ log = logging.getLogger(__name__)
 
 class PrepareError(ClaimError):
     """A claim that cannot be prepared (or unprepared); the message goes back to the kubelet."""
+
+
+class BusyPrepareError(PrepareError):
+    """The device, or the memory slices of its MIG placement, are held by another instance."""
 
 
 class ClaimSource(Protocol):
@@ -70,8 +76,26 @@ class PreparedDevice:
         )
 
 
-def _config_kind_for(mig: MigDevice | None) -> str:
-    return "MigDeviceConfig" if mig is not None else "GpuConfig"
+# Steps of a dynamic MIG instance in the checkpoint ("migInstances" of a claim's entry): recorded
+# before each NVML call that makes something, so a restart knows what may exist.
+MIG_PLANNED, MIG_GPU_INSTANCE, MIG_READY = "planned", "gpu-instance", "ready"
+# Failpoint between the GPU instance and its compute instance (e2e: SIGKILL there).
+FAILPOINT_AFTER_GPU_INSTANCE = "mig-after-gpu-instance"
+
+Target = tuple[str, Gpu, MigPlacement]  # a dynamic MIG device to create: (name, parent, placement)
+
+
+def _snapshot(entry: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an entry still being built, for the checkpoint (which takes entries over and
+    never sees them change); only the MIG step records are changed in place, so they are copied."""
+    out = dict(entry)
+    if "migInstances" in entry:
+        out["migInstances"] = [dict(m) for m in entry["migInstances"]]
+    return out
+
+
+def _config_kind_for(is_mig: bool) -> str:
+    return "MigDeviceConfig" if is_mig else "GpuConfig"
 
 
 class Preparer:
@@ -86,6 +110,7 @@ class Preparer:
         claims: ClaimSource,
         driver_files: DriverFiles,
         sharing: Sharing | None = None,
+        mig: MigInstances | None = None,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
@@ -95,12 +120,21 @@ class Preparer:
         self.claims = claims
         self.driver_files = driver_files
         self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
+        self.mig = mig
         self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
+        self.placements: dict[str, tuple[Gpu, MigPlacement]] = {}
+        self.dynamic_gpus = [g for g in inventory.gpus if g.dynamic_mig]
         for gpu in inventory.gpus:
-            if not gpu.mig_enabled:
+            if not gpu.mig_enabled or gpu.dynamic_mig:
                 self.devices[gpu.device_name] = (gpu, None)
-            for mig in gpu.mig_devices:
-                self.devices[gpu.mig_device_name(mig)] = (gpu, mig)
+            if gpu.dynamic_mig:
+                for p in gpu.mig_placements():
+                    self.placements[gpu.mig_name(p.profile.name, p.start)] = (gpu, p)
+            else:
+                for made in gpu.mig_devices:
+                    self.devices[gpu.mig_device_name(made)] = (gpu, made)
+        if self.placements and mig is None:
+            raise ValueError("dynamic MIG needs NVML's MIG calls (MigInstances)")
         self._claim_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._state_lock = asyncio.Lock()
         # Group commit: concurrent claims share checkpoint writes (see _commit).
@@ -159,15 +193,17 @@ class Preparer:
                     f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
                     f"uid is {uid}, the kubelet asked for {ref.uid}"
                 )
-            devices, spec, driver_edits, sharing = self._plan(ref, claim)
-            entry = {
-                "state": STARTED,
-                "namespace": ref.namespace,
-                "name": ref.name,
-                "devices": [d.to_dict() for d in devices],
-                "cdiSpec": spec,  # the claim's own part; the file adds the driver's user space
-                "driverFiles": self.driver_files.digest,
-            }
+            if record is not None and record.state == BOUND:
+                done = await self._complete_bound(ref, claim, record)
+                if done is not None:
+                    return done
+                record = None  # rolled back: the allocation no longer matches what was made
+            devices, spec, driver_edits, targets, sharing = self._plan(
+                ref, claim, None if self.placements else {}
+            )
+            if record is not None and record.mig_instances:
+                await self._destroy_recorded(record)  # an earlier partial attempt's instances
+            entry = self._started_entry(ref, devices, spec, targets)
             if sharing.record:
                 entry["sharing"] = sharing.record
             async with self._state_lock:
@@ -175,9 +211,25 @@ class Preparer:
                     await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
                     await self._release_sharing(ref, record.raw, strict=False)
                 self._check_conflicts(ref, devices, sharing)
-                self._stage(ref.uid, entry)
+                self._stage(ref.uid, _snapshot(entry))
             applied: dict[str, Any] | None = None
             try:
+                if targets:
+                    # "planned" is durable before NVML makes anything: a restart then knows
+                    # which placement to look at.
+                    await self._commit()
+                    created = await self._create_instances(ref, entry, targets)
+                    devices, spec, driver_edits, _, sharing = self._plan(ref, claim, created)
+                    entry["cdiSpec"] = spec
+                    # The made MIG devices' sharing (their UUIDs are known only now).
+                    if sharing.record:
+                        entry["sharing"] = sharing.record
+                    else:
+                        entry.pop("sharing", None)
+                    async with self._state_lock:
+                        self._check_conflicts(ref, devices, sharing)
+                        self._stage(ref.uid, _snapshot(entry))
+                assert spec is not None
                 # "started" and the spec may land in either order: a spec without a completed
                 # record is removed by the start-up reconciliation.
                 await asyncio.gather(
@@ -188,12 +240,17 @@ class Preparer:
                     applied = await self._apply_sharing(ref, sharing.record)
                     entry["sharing"] = applied
                 async with self._state_lock:
-                    self._stage(ref.uid, {**entry, "state": COMPLETED})
+                    self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
                 await self._commit()
             except BaseException as exc:
                 if applied is not None:
                     await self._release_sharing(ref, {"sharing": applied}, strict=False)
-                await self._roll_back(ref.uid)
+                try:
+                    await self._roll_back(ref.uid)
+                except PrepareError as undo:
+                    log.error("claim could not be rolled back claim=%s error=%s", ref, undo)
+                if isinstance(exc, MigError):
+                    raise PrepareError(f"claim {ref}: {exc}; nothing was left behind") from exc
                 if isinstance(exc, OSError):
                     raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
                 raise
@@ -206,8 +263,240 @@ class Preparer:
             )
             return devices
 
+    async def bind(self, ref: ClaimRef, claim: dict[str, Any]) -> dict[str, MigDevice]:
+        """Make a claim's dynamic MIG instances before its pod is bound (the devices' binding
+        conditions), recorded as `bound`; prepare then only writes the spec. Idempotent: made
+        instances are returned as they are. Failures leave nothing behind (PrepareError)."""
+        async with self._lock(ref.uid):
+            record = self.checkpoint.view(ref.uid)
+            if record is not None and record.state in (BOUND, COMPLETED):
+                return self._made(record)
+            devices, _, _, targets, _ = self._plan(ref, claim, None)
+            if not targets:
+                return {}
+            if record is not None and record.mig_instances:
+                await self._destroy_recorded(record)  # an earlier partial attempt's instances
+            entry = self._started_entry(ref, devices, None, targets)
+            async with self._state_lock:
+                self._check_conflicts(ref, devices, SharingPlan())  # sharing is applied at prepare
+                self._stage(ref.uid, _snapshot(entry))
+            try:
+                await self._commit()
+                created = await self._create_instances(ref, entry, targets)
+                async with self._state_lock:
+                    self._stage(ref.uid, {**_snapshot(entry), "state": BOUND})
+                await self._commit()
+            except BaseException as exc:
+                try:
+                    await self._roll_back(ref.uid)
+                except PrepareError as undo:
+                    log.error("claim could not be rolled back claim=%s error=%s", ref, undo)
+                if isinstance(exc, MigError):
+                    busy = (
+                        exc.nvml_error is not None
+                        and "InsufficientResources" in type(exc.nvml_error).__name__
+                    )
+                    error = BusyPrepareError if busy else PrepareError
+                    raise error(f"claim {ref}: {exc}; nothing was left behind") from exc
+                if isinstance(exc, OSError):
+                    raise PrepareError(f"claim {ref}: cannot write its record: {exc}") from exc
+                raise
+            log.info("claim's mig instances made before binding claim=%s devices=%s", ref, ",".join(created))
+            return created
+
+    def held_by_another_claim(self, ref: ClaimRef, claim: dict[str, Any]) -> bool:
+        """Whether a placement the claim was allocated overlaps an instance another claim's record
+        holds: one being torn down (its claim is gone before the kubelet unprepared it), so the
+        scheduler already counts the slices free. Waiting a little then beats failing."""
+        try:
+            _, _, _, targets, _ = self._plan(ref, claim, None)
+        except PrepareError:
+            return False
+        for other in self.checkpoint.views():
+            if other.uid == ref.uid:
+                continue
+            for m in other.mig_instances:
+                for _, gpu, placement in targets:
+                    theirs = range(int(m["start"]), int(m["start"]) + int(m["size"]))
+                    if m.get("parentUUID") == gpu.uuid and set(theirs) & set(placement.slices):
+                        return True
+        return False
+
+    def _made(self, record: ClaimRecord) -> dict[str, MigDevice]:
+        """The MIG devices a record says were made (step ready)."""
+        out = {}
+        for m in record.mig_instances:
+            name = str(m.get("device"))
+            if m.get("step") != MIG_READY or name not in self.placements:
+                continue
+            _, placement = self.placements[name]
+            out[name] = made_device(placement, int(m["giId"]), int(m["ciId"]), str(m["uuid"]))
+        return out
+
+    async def _complete_bound(
+        self, ref: ClaimRef, claim: dict[str, Any], record: ClaimRecord
+    ) -> list[PreparedDevice] | None:
+        """Prepare a claim whose instances were made at binding: the spec, then `completed`.
+        None (after a rollback) when the allocation asks for devices that were not made."""
+        devices, spec, driver_edits, targets, sharing = self._plan(ref, claim, self._made(record))
+        if targets or spec is None:
+            log.warning("claim's allocation changed since binding, rolled back claim=%s", ref)
+            await self._roll_back(ref.uid)
+            return None
+        entry = {
+            **_snapshot(record.raw),
+            "devices": [d.to_dict() for d in devices],
+            "cdiSpec": spec,
+            "driverFiles": self.driver_files.digest,
+        }
+        entry.pop("sharing", None)
+        applied: dict[str, Any] | None = None
+        try:
+            if sharing.record:
+                async with self._state_lock:
+                    self._check_conflicts(ref, devices, sharing)
+                    # on record before any daemon starts, so a restart knows what to undo
+                    self._stage(ref.uid, {**entry, "sharing": sharing.record})
+                await self._commit()
+            await asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
+            if sharing.record:
+                applied = await self._apply_sharing(ref, sharing.record)
+                entry["sharing"] = applied
+            async with self._state_lock:
+                self._stage(ref.uid, {**entry, "state": COMPLETED})
+            await self._commit()
+        except (OSError, PrepareError) as exc:
+            if applied is not None:
+                await self._release_sharing(ref, {"sharing": applied}, strict=False)
+            await asyncio.to_thread(self.cdi.remove, ref.uid)
+            if sharing.record:  # back to the bound record: nothing of its sharing is left
+                async with self._state_lock:
+                    self._stage(ref.uid, {k: v for k, v in entry.items() if k != "sharing"})
+                with contextlib.suppress(OSError):
+                    await self._commit()
+            if isinstance(exc, PrepareError):
+                raise
+            raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
+        log.info("claim prepared claim=%s devices=%s", ref, ",".join(d.device_name for d in devices))
+        return devices
+
+    def _started_entry(
+        self, ref: ClaimRef, devices: list[PreparedDevice], spec: dict[str, Any] | None, targets: list[Target]
+    ) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "state": STARTED,
+            "namespace": ref.namespace,
+            "name": ref.name,
+            "devices": [d.to_dict() for d in devices],
+            "cdiSpec": spec,  # the claim's own part; the file adds the driver's user space
+            "driverFiles": self.driver_files.digest,
+        }
+        if targets:
+            entry["migInstances"] = [
+                {
+                    "device": name,
+                    "parentUUID": gpu.uuid,
+                    "profileId": p.profile.profile_id,
+                    "start": p.start,
+                    "size": p.profile.memory_slices,
+                    "step": MIG_PLANNED,
+                }
+                for name, gpu, p in targets
+            ]
+        return entry
+
+    async def _create_instances(
+        self, ref: ClaimRef, entry: dict[str, Any], targets: list[Target]
+    ) -> dict[str, MigDevice]:
+        """Make each target's GPU and compute instance, recording every step durably."""
+        created: dict[str, MigDevice] = {}
+        for rec, target in zip(entry["migInstances"], targets, strict=True):
+            try:
+                created[target[0]] = await self._create_instance(ref, entry, rec, target)
+            except MigError as exc:
+                raise MigError(f"device {target[0]}: {exc}", exc.nvml_error) from exc
+        return created
+
+    async def _create_instance(
+        self, ref: ClaimRef, entry: dict[str, Any], rec: dict[str, Any], target: Target
+    ) -> MigDevice:
+        """GPU instance, its ID on record, compute instance, its ID and the MIG UUID on record."""
+        assert self.mig is not None
+        name, gpu, placement = target
+        gi_id = await asyncio.to_thread(self.mig.create_gpu_instance, gpu.uuid, placement)
+        rec.update(giId=gi_id, step=MIG_GPU_INSTANCE)
+        async with self._state_lock:
+            self._stage(ref.uid, _snapshot(entry))
+        await self._commit()
+        failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
+        ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
+        mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
+        rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
+        async with self._state_lock:
+            self._stage(ref.uid, _snapshot(entry))
+        await self._commit()
+        log.info(
+            "mig instance created claim=%s device=%s gpu=%s gi=%d ci=%d uuid=%s",
+            ref,
+            name,
+            gpu.uuid,
+            gi_id,
+            ci_id,
+            mig.uuid,
+        )
+        return mig
+
+    async def _destroy_recorded(self, record: ClaimRecord) -> None:
+        try:
+            await asyncio.to_thread(self.destroy_recorded, record)
+        except MigError as exc:
+            raise PrepareError(f"claim {record.ref()}: {exc}") from exc
+
+    def destroy_recorded(self, record: ClaimRecord) -> None:
+        """Destroy the instances a claim's entry records (last made first). An instance recorded
+        as planned may exist without its ID on record: the one at that placement is it, unless
+        another claim records it."""
+        if not record.mig_instances:
+            return
+        assert self.mig is not None
+        for rec in reversed(record.mig_instances):
+            parent, profile_id, start = str(rec["parentUUID"]), int(rec["profileId"]), int(rec["start"])
+            gi_id = rec.get("giId")
+            if gi_id is None:
+                others = self._recorded_gpu_instances(exclude=record.uid)
+                live = self.mig.instances(parent)
+                found = [
+                    i
+                    for i in live
+                    if (i.profile_id, i.start) == (profile_id, start) and (parent, i.gi_id) not in others
+                ]
+                if not found:
+                    continue
+                gi_id = found[0].gi_id
+            if self.mig.destroy(parent, int(gi_id), profile_id, start):
+                log.info(
+                    "mig instance of claim destroyed claim=%s device=%s gi=%s",
+                    record.ref(),
+                    rec["device"],
+                    gi_id,
+                )
+
+    def _recorded_gpu_instances(self, exclude: str | None = None) -> set[tuple[str, int]]:
+        return {
+            (str(m["parentUUID"]), int(m["giId"]))
+            for r in self.checkpoint.views()
+            if r.uid != exclude
+            for m in r.mig_instances
+            if m.get("giId") is not None
+        }
+
     async def _roll_back(self, uid: str) -> None:
-        """Remove the claim's spec and record (either order is safe, see reconcile)."""
+        """Destroy the claim's MIG instances, then remove its spec and record (either order is
+        safe, see reconcile). If an instance cannot be destroyed the record stays, so the device
+        stays taken and a retry or the next start tries again."""
+        record = self.checkpoint.get(uid)
+        if record is not None:
+            await self._destroy_recorded(record)
         async with self._state_lock:
             self._stage(uid, None)
         await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
@@ -219,7 +508,7 @@ class Preparer:
                 continue
             clash = mine & other.device_names
             if clash:
-                raise PrepareError(
+                raise BusyPrepareError(
                     f"claim {ref}: device {sorted(clash)[0]} is already prepared for claim "
                     f"{other.ref()}; refusing to hand it to two claims"
                 )
@@ -294,9 +583,13 @@ class Preparer:
             log.error("sharing of a claim not fully undone claim=%s error=%s", ref, exc)
 
     def _plan(
-        self, ref: ClaimRef, claim: dict[str, Any]
-    ) -> tuple[list[PreparedDevice], dict[str, Any], dict[str, Any], SharingPlan]:
-        """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
+        self, ref: ClaimRef, claim: dict[str, Any], created: dict[str, MigDevice] | None
+    ) -> tuple[list[PreparedDevice], dict[str, Any] | None, dict[str, Any], list[Target], SharingPlan]:
+        """Map the allocation to devices and build the claim's CDI spec (no side effects).
+
+        Dynamic MIG devices exist only once made: with `created` None this only checks the claim
+        and returns them as targets (no spec); with the made instances it builds the spec.
+        The sharing plan covers the devices that exist (not targets still to be made)."""
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
             raise PrepareError(f"claim {ref} is not allocated")
@@ -309,6 +602,7 @@ class Preparer:
         prepared: list[PreparedDevice] = []
         cdi_devices: dict[str, CdiDevice] = {}
         shared: list[SharedDevice] = []
+        targets: dict[str, Target] = {}
         uuids: list[str] = []
         for i, result in enumerate(results):
             request, device = str(result.get("request", "")), str(result.get("device", ""))
@@ -317,14 +611,22 @@ class Preparer:
                 raise PrepareError(
                     f"{where}: device {result.get('pool')}/{device} is not on this node ({self.node_name})"
                 )
-            if device not in self.devices:
+            if device in self.placements:
+                gpu, placement = self.placements[device]
+                mig = None if created is None else created.get(device)
+                is_mig = True
+                if mig is None:
+                    targets[device] = (device, gpu, placement)
+            elif device in self.devices:
+                gpu, mig = self.devices[device]
+                is_mig = mig is not None
+            else:
                 raise PrepareError(f"{where}: device {device} is not published by this node")
-            gpu, mig = self.devices[device]
-            config = self._config_for(where, request, mig, configs)
+            config = self._config_for(where, request, is_mig, configs)
             share_id = str(result["shareID"]) if result.get("shareID") else None
             # A share of a GPU allocated to several claims is a CDI device of its own.
             cdi_name = f"{device}-{share_id}" if share_id else device
-            if cdi_name not in cdi_devices:
+            if cdi_name not in cdi_devices and device not in targets:
                 try:
                     nodes = self.nodes.mig(gpu, mig) if mig is not None else self.nodes.gpu(gpu)
                     self.nodes.verify(nodes)
@@ -365,10 +667,12 @@ class Preparer:
             driver_edits = self.driver_files.edits()
         except DriverInstallationError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from exc
+        if targets:
+            return prepared, None, driver_edits, list(targets.values()), sharing
         spec = self.cdi.build(
             ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
         )
-        return prepared, spec, driver_edits, sharing
+        return prepared, spec, driver_edits, [], sharing
 
     def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
         """This driver's configs, class configs before claim configs: (requests, config, where)."""
@@ -389,12 +693,12 @@ class Preparer:
         return out
 
     def _config_for(
-        self, where: str, request: str, mig: MigDevice | None, configs: list[tuple[list[str], GpuConfig, str]]
+        self, where: str, request: str, is_mig: bool, configs: list[tuple[list[str], GpuConfig, str]]
     ) -> GpuConfig:
         """The last config naming this request (or naming none) wins; kinds must match."""
         base = request.split("/", 1)[0]
-        kind = _config_kind_for(mig)
-        chosen = DEFAULT_MIG_CONFIG if mig is not None else DEFAULT_GPU_CONFIG
+        kind = _config_kind_for(is_mig)
+        chosen = DEFAULT_MIG_CONFIG if is_mig else DEFAULT_GPU_CONFIG
         for requests, config, cwhere in configs:
             named = request in requests or base in requests
             if requests and not named:
@@ -403,7 +707,7 @@ class Preparer:
                 if named:
                     raise PrepareError(
                         f"{where}: {cwhere}.kind: {config.kind} cannot configure "
-                        f"a {'MIG device' if mig else 'whole GPU'} (use {kind})"
+                        f"a {'MIG device' if is_mig else 'whole GPU'} (use {kind})"
                     )
                 continue
             chosen = config
@@ -429,19 +733,31 @@ class Preparer:
         """Make the CDI directory agree with the checkpoint (run before serving)."""
         counts = {"rolledBack": 0, "rebuilt": 0, "removed": 0}
         records = {r.uid: r for r in self.checkpoint.records()}
-        for rec in records.values():
-            if rec.state != COMPLETED:
+        for rec in list(records.values()):
+            if rec.state not in (COMPLETED, BOUND):
                 self._reconcile_sharing(rec, counts)
+                try:
+                    self.destroy_recorded(rec)
+                except MigError as exc:
+                    log.error(
+                        "half-prepared claim kept: its MIG instance is still there claim=%s error=%s",
+                        rec.ref(),
+                        exc,
+                    )
+                    continue
                 self.cdi.remove(rec.uid)
                 self.checkpoint.remove(rec.uid)
+                del records[rec.uid]
                 counts["rolledBack"] += 1
                 log.warning("claim left half-prepared, rolled back claim=%s", rec.ref())
             else:
                 if rec.cdi_spec is not None:
                     self._restore_spec(rec, counts)
                 self._reconcile_sharing(rec, counts)
+        if self.dynamic_gpus:
+            counts["orphansDestroyed"] = self._destroy_orphans()
         for uid in self.cdi.owned():
-            owner = records.get(uid)
+            owner = records.get(uid)  # a bound claim has no spec yet: its file is stale too
             if (owner is None or owner.state != COMPLETED) and self.cdi.remove(uid):
                 counts["removed"] += 1
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
@@ -482,6 +798,38 @@ class Preparer:
                 owned |= self.sharing.daemon_ids(rec.raw["sharing"])
         return self.sharing.stop_orphans(owned)
 
+    def _destroy_orphans(self) -> int:
+        """Destroy MIG instances on dynamic-MIG GPUs that no claim records, unless in use."""
+        if self.mig is None:
+            return 0
+        known = self._recorded_gpu_instances()
+        destroyed = 0
+        for gpu in self.dynamic_gpus:
+            try:
+                live = self.mig.instances(gpu.uuid)
+            except MigError as exc:
+                log.error("mig instances unreadable gpu=%s error=%s", gpu.uuid, exc)
+                continue
+            for inst in live:
+                if (gpu.uuid, inst.gi_id) in known:
+                    continue
+                pids = self.mig.processes(gpu.uuid, inst.gi_id)
+                if pids:
+                    log.warning(
+                        "mig instance no claim records is in use, left alone gpu=%s gi=%d pids=%s",
+                        gpu.uuid,
+                        inst.gi_id,
+                        ",".join(map(str, pids)),
+                    )
+                    continue
+                try:
+                    if self.mig.destroy(gpu.uuid, inst.gi_id, inst.profile_id, inst.start):
+                        destroyed += 1
+                        log.warning("orphaned mig instance destroyed gpu=%s %s", gpu.uuid, inst.describe())
+                except MigError as exc:
+                    log.error("orphaned mig instance not destroyed gpu=%s error=%s", gpu.uuid, exc)
+        return destroyed
+
     def _restore_spec(self, rec: ClaimRecord, counts: dict[str, int]) -> None:
         """Rewrite a completed claim's spec file unless it is what prepare wrote."""
         assert rec.cdi_spec is not None
@@ -505,14 +853,27 @@ class Preparer:
         counts["rebuilt"] += 1
         log.warning("CDI spec of a prepared claim rebuilt claim=%s", rec.ref())
 
+    def _allocates(self, claim: dict[str, Any] | None, rec: ClaimRecord) -> bool:
+        """Whether the claim's allocation still holds every device the record made."""
+        alloc = ((claim or {}).get("status") or {}).get("allocation") or {}
+        held = {
+            str(r.get("device"))
+            for r in (alloc.get("devices") or {}).get("results") or []
+            if r.get("driver") == self.driver and r.get("pool") == self.node_name
+        }
+        return all(str(m.get("device")) in held for m in rec.mig_instances)
+
     async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:
         """Unprepare claims whose ResourceClaim has been gone (or replaced) for `grace_seconds`."""
         swept = []
         for rec in self.checkpoint.records():
-            if rec.state != COMPLETED:
+            if rec.state not in (COMPLETED, BOUND):
                 continue
             claim = await self.claims.get_claim(rec.namespace, rec.name)
             gone = claim is None or claim.get("metadata", {}).get("uid") != rec.uid
+            if not gone and rec.state == BOUND:
+                # Made for an allocation that was given up (binding failed or timed out).
+                gone = not self._allocates(claim, rec)
             if not gone:
                 self._gone_since.pop(rec.uid, None)
                 await self._keep_sharing(ClaimRef(rec.namespace, rec.uid, rec.name))

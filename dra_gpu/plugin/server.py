@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dra_gpu.discovery import discover_node
+from dra_gpu.discovery import discover, open_nvml
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube
@@ -26,6 +26,8 @@ from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.gpu_driver import GpuDriver
+from dra_gpu.plugin.mig_binding import MigBinder
+from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.sharing import node_sharing
 
@@ -48,6 +50,7 @@ class PluginConfig:
     cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
+    dynamic_mig: bool = False  # publish MIG placements, create instances at prepare
     health: HealthConfig = field(default_factory=HealthConfig)
     memory_shares: bool = False  # whole GPUs shareable by memory (consumable capacity)
 
@@ -69,7 +72,16 @@ class KubeletPlugin:
     async def run(self) -> None:
         cfg = self.cfg
         cfg.check()
-        inventory = await asyncio.to_thread(discover_node, cfg.node_name, cfg.profile)
+        # A simulated node keeps its MIG state under its dev root, as the kernel keeps a GPU's.
+        nvml, pcie_root = await asyncio.to_thread(
+            open_nvml, cfg.profile, cfg.dev_root if cfg.profile else None
+        )
+        inventory = await asyncio.to_thread(discover, nvml, cfg.node_name, pcie_root, cfg.dynamic_mig)
+        mig = (
+            await asyncio.to_thread(MigInstances, nvml)
+            if any(g.dynamic_mig for g in inventory.gpus)
+            else None
+        )
         if cfg.profile is not None:
             await asyncio.to_thread(create_simulated, inventory, cfg.dev_root)
         driver_files = await asyncio.to_thread(
@@ -87,7 +99,8 @@ class KubeletPlugin:
             DeviceNodes(cfg.dev_root, modprobe=find_modprobe(cfg.driver_root)),
             kube,
             driver_files,
-            node_sharing(cfg.plugin_dir / "mps", driver_files, cfg.profile, cfg.dev_root),
+            sharing=node_sharing(cfg.plugin_dir / "mps", driver_files, cfg.profile, cfg.dev_root),
+            mig=mig,
         )
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
@@ -118,6 +131,9 @@ class KubeletPlugin:
         await health.start()
         http = await self._start_http(helper)
         sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
+        # Dynamic MIG: instances are made between allocation and binding (binding conditions).
+        binder = MigBinder(cfg.driver, cfg.node_name, preparer, kube) if mig is not None else None
+        binding = asyncio.create_task(binder.run(), name="mig-binder") if binder is not None else None
         log.info(
             "kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
             cfg.driver,
@@ -132,6 +148,11 @@ class KubeletPlugin:
             log.info("kubelet plugin stopping")
             await health.stop()
             await helper.stop()
+            if binder is not None and binding is not None:
+                binding.cancel()
+                await binder.stop()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await binding
             if claim_status is not None:
                 await claim_status.close()
             sweeper.cancel()

@@ -334,7 +334,8 @@ def node_sharing(mps_root: Path, driver_files: DriverFiles, profile: str | None,
     nvml: Any
     tool_env = {}
     if profile is not None:
-        nvml = FakeNvml(load_profile(profile), state_file=dev_root / "nvidia-state.json")
+        # root: the node's MIG state, so that MIG devices the plugin made are found by UUID.
+        nvml = FakeNvml(load_profile(profile), root=dev_root, state_file=dev_root / "nvidia-state.json")
         tool_env["DRA_GPU_SIM_DEV_DIR"] = str(dev_root / "dev")
     else:
         import pynvml

@@ -36,6 +36,7 @@ class Plugin:
         self.profile = PROFILE
         self.driver_version: str | None = None  # None: the profile's own (no mismatch)
         self.extra_args: list[str] = []  # more kubelet-plugin flags (e.g. --memory-shares)
+        self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
@@ -69,6 +70,7 @@ class Plugin:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
         )
         log.close()
         wait_for("the plugin's health endpoint", self.healthy, timeout=60)

@@ -164,6 +164,13 @@ def test_daemonset_driver_root_and_cdi_hook(render: Render) -> None:
     assert "NVIDIA_CDI_HOOK_PATH" not in env
     hooked = env_of(container(one(render("kubeletPlugin.cdiHookPath=/usr/bin/nvidia-cdi-hook"), "DaemonSet")))
     assert hooked["NVIDIA_CDI_HOOK_PATH"] == "/usr/bin/nvidia-cdi-hook"
+    assert "DRA_GPU_DYNAMIC_MIG" not in env
+    objs = render("kubeletPlugin.dynamicMig=true")
+    assert env_of(container(one(objs, "DaemonSet")))["DRA_GPU_DYNAMIC_MIG"] == "true"
+    # Its binding conditions: watch the claims, write their device status.
+    rules = [r for o in objs if o["kind"] == "ClusterRole" for r in o["rules"]]
+    assert any("resourceclaims" in r["resources"] and "watch" in r["verbs"] for r in rules)
+    assert any("resourceclaims/status" in r["resources"] and "patch" in r["verbs"] for r in rules)
     text = (CHART / "templates" / "kubeletplugin-daemonset.yaml").read_text()
     assert re.search(r"# Privileged: .*\n", text), "privileged mode must say why in a comment"
 

@@ -258,6 +258,16 @@ def _checkpoint(s: NodeSettings, claims: dict[str, object]) -> None:
     s.checkpoint.write_text(json.dumps({"version": 1, "checksum": "x", "data": {"claims": claims}}))
 
 
+def test_a_dynamic_mig_claims_device_is_known(tmp_path: Path) -> None:
+    s = settings(tmp_path, profile="dgx-h100-mig")
+    s.cdi_dir.mkdir()
+    (s.cdi_dir / f"k8s.{DRIVER}-claim_uid-1.json").write_text("{}")
+    device = {"deviceName": "gpu-0000-18-00-0-mig-3g40gb-4"}
+    _checkpoint(s, {"uid-1": {"state": "completed", "namespace": "ns", "name": "c1", "devices": [device]}})
+    (r,) = check_prepared_claims(NodeFacts(s))
+    assert r.status is Status.OK, r.detail
+
+
 def test_prepared_claims_need_their_spec_and_devices(tmp_path: Path) -> None:
     s = settings(tmp_path, profile="dgx-a100-mig")
     inv = discover_node("node-a", "dgx-a100-mig")

@@ -1,0 +1,178 @@
+"""Dynamic MIG's binding conditions: make a claim's MIG instances between allocation and binding.
+
+A MIG placement is published with the binding condition MigInstanceReady (and the failure
+condition MigInstanceFailed). When the scheduler allocates one, it writes the allocation and waits
+(in PreBind) before binding the pod. This watcher sees the allocation, makes the instances
+(Preparer.bind, checkpointed like a prepare) and reports the outcome in the claim's
+`status.devices`: Ready lets the scheduler bind the pod, Failed makes it give the allocation up and
+schedule the pod again, instead of the pod waiting in ContainerCreating on a prepare that fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from dra_gpu.dynamic_mig import FAILED_CONDITION, READY_CONDITION
+from dra_gpu.kube import RESOURCE_V1, Kube, KubeError, list_watch
+from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.model import MigDevice
+from dra_gpu.plugin.prepare import BusyPrepareError, PrepareError, Preparer
+
+log = logging.getLogger(__name__)
+
+HTTP_CONFLICT = 409
+MAX_MESSAGE = 32768  # metav1.Condition.message
+REPORT_ATTEMPTS = 5
+DEPARTING_WAIT = 60.0  # seconds to wait for an instance of a deleted claim to be unprepared
+RETRY_SECONDS = 1.0
+
+
+class MigBinder:
+    """Watches ResourceClaims for dynamic MIG devices of this node waiting on their condition."""
+
+    def __init__(self, driver: str, node: str, preparer: Preparer, kube: Kube) -> None:
+        self.driver = driver
+        self.node = node
+        self.preparer = preparer
+        self.kube = kube
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self.departing_wait = DEPARTING_WAIT
+
+    def waiting(self, claim: dict[str, Any]) -> list[str]:
+        """This node's devices of the claim that wait for their binding condition."""
+        alloc = (claim.get("status") or {}).get("allocation") or {}
+        # A condition from before this allocation (an earlier, given-up one) does not count.
+        since = str(alloc.get("allocationTimestamp") or "")
+        reported = {
+            str(d.get("device"))
+            for d in (claim.get("status") or {}).get("devices") or []
+            if d.get("driver") == self.driver
+            and d.get("pool") == self.node
+            and any(
+                c.get("type") in (READY_CONDITION, FAILED_CONDITION)
+                and c.get("status") == "True"
+                and str(c.get("lastTransitionTime") or "") >= since
+                for c in d.get("conditions") or []
+            )
+        }
+        return [
+            str(r.get("device"))
+            for r in (alloc.get("devices") or {}).get("results") or []
+            if r.get("driver") == self.driver
+            and r.get("pool") == self.node
+            and READY_CONDITION in (r.get("bindingConditions") or [])
+            and str(r.get("device")) not in reported
+        ]
+
+    async def _on_list(self, items: list[dict[str, Any]], _version: str) -> None:
+        for claim in items:
+            self._consider(claim)
+
+    async def _on_event(self, kind: str, claim: dict[str, Any]) -> bool:
+        if kind in ("ADDED", "MODIFIED"):
+            self._consider(claim)
+        return True
+
+    def _consider(self, claim: dict[str, Any]) -> None:
+        meta = claim.get("metadata") or {}
+        uid = str(meta.get("uid", ""))
+        if not self.waiting(claim) or uid in self._inflight:
+            return
+        ref = ClaimRef(str(meta.get("namespace", "")), uid, str(meta.get("name", "")))
+        task = asyncio.create_task(self._bind(ref, claim), name=f"mig-bind-{uid}")
+        self._inflight[uid] = task
+        task.add_done_callback(lambda _t: self._inflight.pop(uid, None))
+
+    async def _bind(self, ref: ClaimRef, claim: dict[str, Any]) -> None:
+        devices = self.waiting(claim)
+        try:
+            made = await self._bind_when_free(ref, claim)
+            outcome = {d: (True, f"MIG device {made[d].uuid}") for d in devices if d in made}
+            outcome.update({d: (False, "no MIG instance was made for it") for d in devices if d not in made})
+        except PrepareError as exc:
+            log.warning("mig instance for binding failed claim=%s error=%s", ref, exc)
+            outcome = {d: (False, str(exc)) for d in devices}
+        except Exception as exc:  # the claim's pod must not wait for the binding timeout
+            log.error("mig binding failed claim=%s error=%r", ref, str(exc))
+            outcome = {d: (False, f"dra-gpu: {exc}") for d in devices}
+        try:
+            await self._report(ref, outcome)
+        except Exception as exc:
+            log.error("mig binding condition not reported claim=%s error=%r", ref, str(exc))
+
+    async def _bind_when_free(self, ref: ClaimRef, claim: dict[str, Any]) -> dict[str, MigDevice]:
+        """Preparer.bind, retried while the placement is still held by a claim on its way out
+        (deleted before the kubelet unprepared it); the scheduler waits minutes for the condition."""
+        deadline = time.monotonic() + self.departing_wait
+        while True:
+            try:
+                return await self.preparer.bind(ref, claim)
+            except BusyPrepareError:
+                if time.monotonic() >= deadline or not self.preparer.held_by_another_claim(ref, claim):
+                    raise
+                log.info("mig placement still held by a departing claim, waiting claim=%s", ref)
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def _report(self, ref: ClaimRef, outcome: dict[str, tuple[bool, str]]) -> None:
+        """Set the condition of each device in status.devices (optimistic: retried on a conflict)."""
+        for _ in range(REPORT_ATTEMPTS):
+            claim = await self.kube.get_claim(ref.namespace, ref.name)
+            if claim is None or claim["metadata"].get("uid") != ref.uid:
+                return  # gone; the sweeper undoes what was made
+            still = set(self.waiting(claim)) & set(outcome)
+            if not still:
+                return
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            entries = [
+                d
+                for d in (claim.get("status") or {}).get("devices") or []
+                if not (
+                    d.get("driver") == self.driver and d.get("pool") == self.node and d.get("device") in still
+                )
+            ]
+            for device in sorted(still):
+                ok, message = outcome[device]
+                entries.append(
+                    {
+                        "driver": self.driver,
+                        "pool": self.node,
+                        "device": device,
+                        "conditions": [
+                            {
+                                "type": READY_CONDITION if ok else FAILED_CONDITION,
+                                "status": "True",
+                                "reason": "InstanceCreated" if ok else "InstanceCreationFailed",
+                                "message": message[:MAX_MESSAGE],
+                                "lastTransitionTime": now,
+                            }
+                        ],
+                    }
+                )
+            patch = {
+                "metadata": {"resourceVersion": claim["metadata"]["resourceVersion"]},
+                "status": {"devices": entries},
+            }
+            try:
+                await self.kube.patch_claim_status(ref.namespace, ref.name, patch)
+            except KubeError as exc:
+                if exc.status == HTTP_CONFLICT:
+                    continue
+                raise
+            log.info(
+                "mig binding condition reported claim=%s %s",
+                ref,
+                " ".join(f"{d}={'ready' if outcome[d][0] else 'failed'}" for d in sorted(still)),
+            )
+            return
+        raise RuntimeError(f"claim {ref}: status kept changing; condition not reported")
+
+    async def run(self) -> None:
+        """List and watch every ResourceClaim (the allocation names the node, no selector does)."""
+        await list_watch(self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event)
+
+    async def stop(self) -> None:
+        for task in list(self._inflight.values()):
+            task.cancel()
