@@ -324,9 +324,15 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
     assert checkpoint["data"]["claims"][uid]["state"] == "completed"
 
     core.delete_namespaced_pod("nvlink4", namespace, grace_period_seconds=0)
-    wait_for("the claim to be unprepared (CDI spec removed)", lambda: not spec_file.exists(), timeout=90)
-    checkpoint = json.loads((PLUGIN_DIR / "checkpoint.json").read_text())
-    assert uid not in checkpoint["data"]["claims"]
+    # Unprepare removes the spec and the record concurrently (either order is safe): wait for both.
+    wait_for(
+        "the claim to be unprepared (CDI spec and record removed)",
+        lambda: (
+            not spec_file.exists()
+            and uid not in json.loads((PLUGIN_DIR / "checkpoint.json").read_text())["data"]["claims"]
+        ),
+        timeout=90,
+    )
     # The GPUs go to the next claim.
     claim_pod(
         core,
