@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     plug.add_argument(
         "--memory-shares",
         action="store_true",
-        default=env("DRA_GPU_MEMORY_SHARES", "false").lower() in ("1", "true", "yes"),
+        default=_flag(env("DRA_GPU_MEMORY_SHARES")),
         help="publish whole GPUs as shareable by memory (consumable capacity): several claims per "
         "GPU, each enforced by its own MPS daemon ($DRA_GPU_MEMORY_SHARES)",
     )
