@@ -79,8 +79,6 @@ class PreparedDevice:
 # Steps of a dynamic MIG instance in the checkpoint ("migInstances" of a claim's entry): recorded
 # before each NVML call that makes something, so a restart knows what may exist.
 MIG_PLANNED, MIG_GPU_INSTANCE, MIG_READY = "planned", "gpu-instance", "ready"
-# Failpoint between the GPU instance and its compute instance (e2e: SIGKILL there).
-FAILPOINT_AFTER_GPU_INSTANCE = "mig-after-gpu-instance"
 
 Target = tuple[str, Gpu, MigPlacement]  # a dynamic MIG device to create: (name, parent, placement)
 
@@ -173,6 +171,10 @@ class Preparer:
             await asyncio.to_thread(self.checkpoint.write, blob)
             self._written = version
 
+    async def _commit_then(self, failpoint: str) -> None:
+        await self._commit()
+        failpoints.hit(failpoint)
+
     def prepared_device_count(self) -> int:
         return sum(len(r.devices) for r in self.checkpoint.views() if r.state == COMPLETED)
 
@@ -233,15 +235,17 @@ class Preparer:
                 # "started" and the spec may land in either order: a spec without a completed
                 # record is removed by the start-up reconciliation.
                 await asyncio.gather(
-                    self._commit(),
+                    self._commit_then(failpoints.PREPARE_AFTER_STARTED),
                     asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits)),
                 )
+                failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)
                 if sharing.record:
                     applied = await self._apply_sharing(ref, sharing.record)
                     entry["sharing"] = applied
                 async with self._state_lock:
                     self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
                 await self._commit()
+                failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
             except BaseException as exc:
                 if applied is not None:
                     await self._release_sharing(ref, {"sharing": applied}, strict=False)
@@ -428,8 +432,9 @@ class Preparer:
         async with self._state_lock:
             self._stage(ref.uid, _snapshot(entry))
         await self._commit()
-        failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
+        failpoints.hit(failpoints.MIG_AFTER_GPU_INSTANCE)
         ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
+        failpoints.hit(failpoints.MIG_AFTER_COMPUTE_INSTANCE)
         mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
         rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
         async with self._state_lock:
@@ -497,6 +502,8 @@ class Preparer:
         record = self.checkpoint.get(uid)
         if record is not None:
             await self._destroy_recorded(record)
+            if record.mig_instances:
+                failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
         async with self._state_lock:
             self._stage(uid, None)
         await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
@@ -721,6 +728,7 @@ class Preparer:
             if record is None:
                 return  # unknown claims succeed: the kubelet may repeat itself
             await self._release_sharing(ref, record.raw)
+            failpoints.hit(failpoints.UNPREPARE_AFTER_SHARING)
             try:
                 await self._roll_back(ref.uid)
             except OSError as exc:
