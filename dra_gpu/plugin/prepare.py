@@ -22,6 +22,7 @@ from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, STARTED, Checkpoint, ClaimRecord
+from dra_gpu.plugin.compute_mode import DEFAULT
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
@@ -90,6 +91,17 @@ def _snapshot(entry: dict[str, Any]) -> dict[str, Any]:
     if "migInstances" in entry:
         out["migInstances"] = [dict(m) for m in entry["migInstances"]]
     return out
+
+
+def _with_previous_modes(sharing: dict[str, Any]) -> dict[str, Any]:
+    """A half-prepared claim's sharing record is its plan: a compute mode it may have set before
+    the crash has no `previous` on record, and would stay set. DEFAULT is what a GPU has after
+    boot and what the driver leaves it in, so that is restored (unless another claim holds it)."""
+    modes = sharing.get("computeModes") or {}
+    if all("previous" in m for m in modes.values()):
+        return sharing
+    fixed = {u: m if "previous" in m else {**m, "previous": DEFAULT} for u, m in modes.items()}
+    return {**sharing, "computeModes": fixed}
 
 
 def _config_kind_for(is_mig: bool) -> str:
@@ -363,12 +375,14 @@ class Preparer:
                     self._stage(ref.uid, {**entry, "sharing": sharing.record})
                 await self._commit()
             await asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
+            failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)
             if sharing.record:
                 applied = await self._apply_sharing(ref, sharing.record)
                 entry["sharing"] = applied
             async with self._state_lock:
                 self._stage(ref.uid, {**entry, "state": COMPLETED})
             await self._commit()
+            failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
         except (OSError, PrepareError) as exc:
             if applied is not None:
                 await self._release_sharing(ref, {"sharing": applied}, strict=False)
@@ -794,7 +808,7 @@ class Preparer:
                     for o in self.checkpoint.views()
                     if o.uid != rec.uid and o.raw.get("sharing")
                 ]
-                self.sharing.release(sharing, others)
+                self.sharing.release(_with_previous_modes(sharing), others)
         except SharingError as exc:
             log.error("sharing of claim not reconciled claim=%s error=%s", rec.ref(), exc)
 
