@@ -19,6 +19,7 @@ import pytest
 from dra_gpu.exit_codes import EXIT_STATE
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.checkpoint import (
+    BOUND,
     COMPLETED,
     FORMAT_VERSION,
     Checkpoint,
@@ -28,6 +29,8 @@ from dra_gpu.plugin.checkpoint import (
 )
 from dra_gpu.plugin.rebuild import rebuild
 from plugin.conftest import NODE, PluginCore, claim, gpu_names, make_core, mig_names
+from plugin.test_dynamic_mig_prepare import GPU0, start_node
+from plugin.test_failpoints_crash import h100_root  # noqa: F401 - a fixture
 from plugin.test_sharing import alive, daemon_of, mps_config
 
 DATA = Path(__file__).parents[1] / "data"
@@ -235,3 +238,34 @@ def test_rebuild_without_the_api_removes_nothing_and_stays_pending(core: PluginC
     again = restarted.restart()  # the next start still knows it must rebuild
     assert again.checkpoint.rebuild_pending
     assert asyncio.run(rebuild(again.preparer, again.claims))["rebuiltClaims"] == len(claims)
+
+
+def test_a_corrupt_checkpoint_keeps_dynamic_mig_instances_made_and_bound(
+    tmp_path: Path,
+    h100_root: Path,  # noqa: F811 - the fixture
+) -> None:
+    node = start_node(tmp_path, h100_root)
+    prepared_ref = node.add(claim("ffffffff-0000-4000-8000-000000000001", [f"{GPU0}-mig-3g40gb-4"], name="p"))
+    bound_claim = claim("ffffffff-0000-4000-8000-000000000002", [f"{GPU0}-mig-1g10gb-0"], name="b")
+    bound_ref = node.add(bound_claim)
+    asyncio.run(node.preparer.prepare(prepared_ref))
+    asyncio.run(node.preparer.bind(bound_ref, bound_claim))  # made before the pod is bound, no spec
+    made = sorted((i.gi_id, i.uuid) for i in node.live())
+    spec = node.cdi.path(prepared_ref.uid).read_bytes()
+
+    corrupt(node.checkpoint.path, "truncated")
+    again = node.restart()
+    counts = asyncio.run(rebuild(again.preparer, again.claims))
+    assert counts == {"rebuiltClaims": 1, "rebuiltBound": 1, "specsUnconfirmed": 0, "notRebuilt": 0}
+    assert again.preparer.reconcile()["orphansDestroyed"] == 0  # both instances are claimed again
+    assert sorted((i.gi_id, i.uuid) for i in again.live()) == made
+    assert again.cdi.path(prepared_ref.uid).read_bytes() == spec
+    states = {r.name: r.state for r in again.checkpoint.records()}
+    assert states == {"p": COMPLETED, "b": BOUND}
+
+    devices = asyncio.run(again.preparer.prepare(bound_ref))  # the kubelet's prepare of the bound one
+    assert [d.device_name for d in devices] == [f"{GPU0}-mig-1g10gb-0"]
+    assert sorted((i.gi_id, i.uuid) for i in again.live()) == made  # nothing made twice
+    for ref in (prepared_ref, bound_ref):
+        asyncio.run(again.preparer.unprepare(ref))
+    assert again.live() == [] and again.cdi.owned() == {} and again.checkpoint.records() == []
