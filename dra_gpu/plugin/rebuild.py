@@ -21,6 +21,7 @@ with the rebuild still marked pending, and nothing on disk has been removed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Protocol
 
@@ -59,7 +60,7 @@ async def rebuild(preparer: Preparer, lister: ClaimLister, deadline: float = API
             f"the checkpoint was corrupt and its records cannot be rebuilt: listing ResourceClaims "
             f"failed for {deadline:.0f}s ({error}); nothing was removed, the next start tries again"
         ) from exc
-    return _rebuild_from(preparer, claims)
+    return await asyncio.to_thread(_rebuild_from, preparer, claims)  # files and NVML: blocking
 
 
 def _allocated_here(preparer: Preparer, claim: dict[str, Any]) -> bool:
