@@ -20,7 +20,7 @@ from dra_gpu.discovery.driver_install import describe as describe_installation
 from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
 from dra_gpu.doctor.command import add_doctor_command
-from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
 from dra_gpu.health.command import add_health_command, add_health_flags, cmd_health, health_config
 from dra_gpu.inventory_report import render
 from dra_gpu.model import DEFAULT_DRIVER_NAME
@@ -146,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
+    from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
     from dra_gpu.plugin.server import PluginConfig, run
 
     if not args.node_name:
@@ -175,6 +176,9 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         cfg.health = health_config(args)
         cfg.check()
         return run(cfg)
+    except (CheckpointVersionError, CheckpointRebuildError) as exc:
+        print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
+        return EXIT_STATE
     except (NvmlUnavailableError, ProfileError, ValueError) as exc:
         print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -108,6 +108,11 @@ class Kube:
             return None
         return await _json(resp, f"get resourceclaim {namespace}/{name}")
 
+    async def list_claims(self) -> list[dict[str, Any]]:
+        """Every ResourceClaim (no field selector names an allocation's node)."""
+        items, _ = await self.list_objects(f"{RESOURCE_V1}/resourceclaims")
+        return items
+
     async def apply_slice(self, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         """Server-side apply of a ResourceSlice; returns what the apiserver stored."""
         name = body["metadata"]["name"]

@@ -22,6 +22,7 @@ from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, STARTED, Checkpoint, ClaimRecord
+from dra_gpu.plugin.compute_mode import DEFAULT
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
@@ -79,8 +80,6 @@ class PreparedDevice:
 # Steps of a dynamic MIG instance in the checkpoint ("migInstances" of a claim's entry): recorded
 # before each NVML call that makes something, so a restart knows what may exist.
 MIG_PLANNED, MIG_GPU_INSTANCE, MIG_READY = "planned", "gpu-instance", "ready"
-# Failpoint between the GPU instance and its compute instance (e2e: SIGKILL there).
-FAILPOINT_AFTER_GPU_INSTANCE = "mig-after-gpu-instance"
 
 Target = tuple[str, Gpu, MigPlacement]  # a dynamic MIG device to create: (name, parent, placement)
 
@@ -92,6 +91,17 @@ def _snapshot(entry: dict[str, Any]) -> dict[str, Any]:
     if "migInstances" in entry:
         out["migInstances"] = [dict(m) for m in entry["migInstances"]]
     return out
+
+
+def _with_previous_modes(sharing: dict[str, Any]) -> dict[str, Any]:
+    """A half-prepared claim's sharing record is its plan: a compute mode it may have set before
+    the crash has no `previous` on record, and would stay set. DEFAULT is what a GPU has after
+    boot and what the driver leaves it in, so that is restored (unless another claim holds it)."""
+    modes = sharing.get("computeModes") or {}
+    if all("previous" in m for m in modes.values()):
+        return sharing
+    fixed = {u: m if "previous" in m else {**m, "previous": DEFAULT} for u, m in modes.items()}
+    return {**sharing, "computeModes": fixed}
 
 
 def _config_kind_for(is_mig: bool) -> str:
@@ -173,6 +183,10 @@ class Preparer:
             await asyncio.to_thread(self.checkpoint.write, blob)
             self._written = version
 
+    async def _commit_then(self, failpoint: str) -> None:
+        await self._commit()
+        failpoints.hit(failpoint)
+
     def prepared_device_count(self) -> int:
         return sum(len(r.devices) for r in self.checkpoint.views() if r.state == COMPLETED)
 
@@ -233,15 +247,17 @@ class Preparer:
                 # "started" and the spec may land in either order: a spec without a completed
                 # record is removed by the start-up reconciliation.
                 await asyncio.gather(
-                    self._commit(),
+                    self._commit_then(failpoints.PREPARE_AFTER_STARTED),
                     asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits)),
                 )
+                failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)
                 if sharing.record:
                     applied = await self._apply_sharing(ref, sharing.record)
                     entry["sharing"] = applied
                 async with self._state_lock:
                     self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
                 await self._commit()
+                failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
             except BaseException as exc:
                 if applied is not None:
                     await self._release_sharing(ref, {"sharing": applied}, strict=False)
@@ -359,12 +375,14 @@ class Preparer:
                     self._stage(ref.uid, {**entry, "sharing": sharing.record})
                 await self._commit()
             await asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
+            failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)
             if sharing.record:
                 applied = await self._apply_sharing(ref, sharing.record)
                 entry["sharing"] = applied
             async with self._state_lock:
                 self._stage(ref.uid, {**entry, "state": COMPLETED})
             await self._commit()
+            failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
         except (OSError, PrepareError) as exc:
             if applied is not None:
                 await self._release_sharing(ref, {"sharing": applied}, strict=False)
@@ -428,8 +446,9 @@ class Preparer:
         async with self._state_lock:
             self._stage(ref.uid, _snapshot(entry))
         await self._commit()
-        failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
+        failpoints.hit(failpoints.MIG_AFTER_GPU_INSTANCE)
         ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
+        failpoints.hit(failpoints.MIG_AFTER_COMPUTE_INSTANCE)
         mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
         rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
         async with self._state_lock:
@@ -497,6 +516,8 @@ class Preparer:
         record = self.checkpoint.get(uid)
         if record is not None:
             await self._destroy_recorded(record)
+            if record.mig_instances:
+                failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
         async with self._state_lock:
             self._stage(uid, None)
         await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
@@ -721,6 +742,7 @@ class Preparer:
             if record is None:
                 return  # unknown claims succeed: the kubelet may repeat itself
             await self._release_sharing(ref, record.raw)
+            failpoints.hit(failpoints.UNPREPARE_AFTER_SHARING)
             try:
                 await self._roll_back(ref.uid)
             except OSError as exc:
@@ -786,7 +808,7 @@ class Preparer:
                     for o in self.checkpoint.views()
                     if o.uid != rec.uid and o.raw.get("sharing")
                 ]
-                self.sharing.release(sharing, others)
+                self.sharing.release(_with_previous_modes(sharing), others)
         except SharingError as exc:
             log.error("sharing of claim not reconciled claim=%s error=%s", rec.ref(), exc)
 
