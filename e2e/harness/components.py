@@ -34,6 +34,7 @@ from .config import (
     PLUGIN_NAME,
     POD_CIDR,
     RUNTIME_CONFIG,
+    SCHEDULER_PORT,
     SERVICE_CIDR,
     STATE,
 )
@@ -211,13 +212,15 @@ def start_scheduler() -> None:
             kc,
             "--bind-address",
             "127.0.0.1",
+            "--secure-port",
+            str(SCHEDULER_PORT),
             "--leader-elect=false",
             "--feature-gates",
             FEATURE_GATES,
             "--v=1",
         ],
     )
-    wait_for("kube-scheduler", lambda: https_ok("https://127.0.0.1:10259/healthz"))
+    wait_for("kube-scheduler", lambda: https_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz"))
 
 
 def write_cni() -> None:
