@@ -593,6 +593,43 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# (column title, how to get it from one size's figures)
+SUMMARY: list[tuple[str, Any]] = [
+    ("allocated", lambda r: r["allocated"]),
+    ("claims/s", lambda r: r["throughput_per_s"]),
+    ("p50 s", lambda r: r["latency_p50_s"]),
+    ("p99 s", lambda r: r["latency_p99_s"]),
+    ("pub MiB", lambda r: r["procs"]["publishers"]["rss_mib"]),
+    (
+        "pub CPU s",
+        lambda r: r["procs"]["publishers"]["cpu_publish_s"] + r["procs"]["publishers"]["cpu_claims_s"],
+    ),
+    ("hook MiB", lambda r: r["procs"]["webhook"]["rss_mib"]),
+    ("hook CPU s", lambda r: r["procs"]["webhook"]["cpu_publish_s"] + r["procs"]["webhook"]["cpu_claims_s"]),
+    ("sched CPU s", lambda r: r["procs"]["kube-scheduler"]["cpu_claims_s"]),
+    ("api CPU s", lambda r: r["procs"]["kube-apiserver"]["cpu_claims_s"]),
+    ("req publish", lambda r: sum(r["requests_publish"].values())),
+    ("req claims", lambda r: sum(r["requests_claims"].values())),
+    ("explain %", lambda r: r["explain"]["agree_pct"]),
+]
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """One row per size, then each figure's growth from the smallest size to the largest."""
+    lines = ["nodes " + " ".join(f"{t:>11}" for t, _ in SUMMARY)]
+    for r in results:
+        lines.append(f"{r['nodes']:>5} " + " ".join(f"{get(r):>11.5g}" for _, get in SUMMARY))
+    if len(results) > 1:
+        a, b = results[0], results[-1]
+        growth = []
+        for _, get in SUMMARY:
+            x, y = float(get(a)), float(get(b))
+            growth.append(f"x{y / x:.2f}" if x else "-")
+        lines.append(f"growth from {a['nodes']} to {b['nodes']} nodes (x{b['nodes'] / a['nodes']:.1f}):")
+        lines.append("      " + " ".join(f"{g:>11}" for g in growth))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="50,100", help="comma-separated node counts")
@@ -624,6 +661,7 @@ def main() -> None:
             print(report(r), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1))
+        print(summary(results), flush=True)
     except Exception:
         for name in PROCS:
             print(f"---- last lines of {name}'s log ----\n{cp.processes.log_tail(name, 15)}", file=sys.stderr)
