@@ -148,7 +148,7 @@ def loadavg() -> str:
 class ControlPlane:
     """The harness of e2e/ pointed at a state dir and ports of this bench's own."""
 
-    def __init__(self, state: str, port_base: int) -> None:
+    def __init__(self, state: str, port_base: int, scheduler_qps: float | None = None) -> None:
         os.environ.update(
             DRA_GPU_E2E_STATE=state,
             DRA_GPU_E2E_APISERVER_PORT=str(port_base + 443),
@@ -160,6 +160,12 @@ class ControlPlane:
 
         self.certs, self.components, self.config, self.processes = certs, components, config, processes
         self.state = state
+        # kube-scheduler's client rate limit (upstream default: 50 QPS, burst 100)
+        self.scheduler_flags = (
+            [f"--kube-api-qps={scheduler_qps:g}", f"--kube-api-burst={2 * scheduler_qps:g}"]
+            if scheduler_qps
+            else []
+        )
         self.webhook_port = port_base + 843
         self.kwok_dir = os.path.join(config.CACHE, "bin", "kwok-" + config.V["KWOK_VERSION"])
         self.ip = components.node_ip()
@@ -183,7 +189,7 @@ class ControlPlane:
         shutil.rmtree(os.path.join(self.state, "etcd"), ignore_errors=True)
         self.components.start_etcd()
         self.components.start_apiserver(self.ip)
-        self.components.start_scheduler()
+        self.components.start_scheduler(self.scheduler_flags)
 
     def start_kwok(self) -> None:
         self.processes.start(
@@ -638,6 +644,11 @@ def main() -> None:
     ap.add_argument("--port-base", type=int, default=26000, help="ports used: base+10..12, +259, +443, +843")
     ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     ap.add_argument("--keep", action="store_true", help="keep the state dir (logs) at the end")
+    ap.add_argument(
+        "--scheduler-qps",
+        type=float,
+        help="kube-scheduler's client QPS (burst twice that); default: upstream's 50",
+    )
     ap.add_argument("--publishers-for", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--kubeconfig", help=argparse.SUPPRESS)
     ap.add_argument("--ready-file", help=argparse.SUPPRESS)
@@ -650,11 +661,14 @@ def main() -> None:
 
     state = tempfile.mkdtemp(prefix="dra-gpu-scale-")
     results = []
-    cp = ControlPlane(state, args.port_base)
+    cp = ControlPlane(state, args.port_base, args.scheduler_qps)
     try:
         cp.check_binaries()
         cert, key = make_cert(Path(state), "scale-bench-webhook")
-        print(f"machine: {os.cpu_count()} CPUs, load average {loadavg()}", flush=True)
+        qps = f"{args.scheduler_qps:g}" if args.scheduler_qps else "50 (default)"
+        print(
+            f"machine: {os.cpu_count()} CPUs, load average {loadavg()}; kube-scheduler QPS {qps}", flush=True
+        )
         for n in (int(x) for x in args.nodes.split(",")):
             r = asyncio.run(one_size(cp, n, args.claims, args.settle, (str(cert), str(key))))
             results.append(r)

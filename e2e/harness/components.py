@@ -10,6 +10,7 @@ import shutil
 import socket
 import sys
 import tarfile
+from collections.abc import Sequence
 
 from .config import (
     ADMIN_KUBECONFIG,
@@ -198,7 +199,8 @@ def start_controller_manager() -> None:
     wait_for("kube-controller-manager", lambda: https_ok("https://127.0.0.1:10257/healthz"))
 
 
-def start_scheduler() -> None:
+def start_scheduler(extra: Sequence[str] = ()) -> None:
+    """`extra`: more flags (the scale benchmark's client QPS)."""
     kc = os.path.join(STATE, "scheduler.kubeconfig")
     start(
         "kube-scheduler",
@@ -218,6 +220,7 @@ def start_scheduler() -> None:
             "--feature-gates",
             FEATURE_GATES,
             "--v=1",
+            *extra,
         ],
     )
     wait_for("kube-scheduler", lambda: https_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz"))
