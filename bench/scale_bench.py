@@ -12,7 +12,9 @@ runs beside the e2e cluster without its lock; no kubelet, no controller-manager,
 2. dra-gpu's slice publisher (dra_gpu.kubeletplugin.publisher.SlicePublisher, the kubelet plugin's
    code) once per node, all N in one process (`--publishers-for`), publishing the slices of the
    simulated hgx-2x4 node (8 H100, NVLink domains {0-3} {4-7}) and then watching them, as the plugin
-   does; one HTTP connection per node, like N plugins.
+   does; one HTTP connection per node, like N plugins. The slices are what the GPU driver's
+   resource_slices() builds (slices.build_slices over the node's inventory; no health taints, no
+   memory shares); the driver itself is not made, as it needs a preparer with its node's dirs.
 3. `dra-gpu controller` (the webhook) watching slices, classes and claims of the cluster.
 4. The bench creates `--claims` ResourceClaims, each followed by a Pod that uses it: claim i asks for
    1, 2, 4 or 8 GPUs (i mod 4), every other pair of four with a matchAttribute nvlinkDomain
