@@ -5,7 +5,9 @@
 
 For each node count N, a fresh control plane of its own (etcd, kube-apiserver, kube-scheduler from
 e2e/build.sh's cache, the e2e DRA feature gates) in a temporary state dir on ports of its own, so it
-runs beside the e2e cluster without its lock; no kubelet, no controller-manager, no containers:
+runs beside the e2e cluster; no kubelet, no controller-manager, no containers. (e2e/ci.sh's last
+check takes any process of the cache's programs for a cluster leftover: an e2e run that ends while
+this bench runs fails that check, so run them one after the other.)
 
 1. N nodes registered with KWOK (`kwok` controller, upstream's node-initialize, lease heartbeat and
    pod-ready stages), each with the capacity for 110 pods.
