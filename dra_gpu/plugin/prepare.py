@@ -22,6 +22,7 @@ from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, STARTED, Checkpoint, ClaimRecord
+from dra_gpu.plugin.claim_shape import status_problem
 from dra_gpu.plugin.compute_mode import DEFAULT
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
@@ -611,12 +612,14 @@ class Preparer:
         Dynamic MIG devices exist only once made: with `created` None this only checks the claim
         and returns them as targets (no spec); with the made instances it builds the spec.
         The sharing plan covers the devices that exist (not targets still to be made)."""
+        problem = status_problem(claim)
+        if problem:
+            raise PrepareError(f"claim {ref}: {problem}")
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
             raise PrepareError(f"claim {ref} is not allocated")
-        results = [
-            r for r in allocation.get("devices", {}).get("results") or [] if r.get("driver") == self.driver
-        ]
+        results = (allocation.get("devices") or {}).get("results") or []
+        results = [r for r in results if r.get("driver") == self.driver]
         if not results:
             raise PrepareError(f"claim {ref}: its allocation has no devices of driver {self.driver}")
         configs = self._configs(ref, allocation)
@@ -697,7 +700,7 @@ class Preparer:
 
     def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
         """This driver's configs, class configs before claim configs: (requests, config, where)."""
-        entries = list(enumerate(allocation.get("devices", {}).get("config") or []))
+        entries = list(enumerate((allocation.get("devices") or {}).get("config") or []))
         entries.sort(key=lambda e: 0 if e[1].get("source") == "FromClass" else 1)
         out = []
         for i, entry in entries:
