@@ -27,8 +27,9 @@ SLICES = f"{RESOURCE_V1}/resourceslices"
 # Each watch ends with a new list (a consistent read of this node's slices): every 5-10 minutes, so
 # that 500 nodes cost the apiserver ~1 list a second, not 17 (bench/scale_bench.py).
 WATCH_SECONDS = 300
-# Shorter than the webhook's: while this node's slices are gone, its devices cannot be allocated.
-BACKOFF = Backoff(initial=0.2, maximum=10.0)
+# Shorter than the webhook's: while this node's slices are gone, its devices cannot be allocated;
+# capped at 5 s so the slices are back within a few seconds of an apiserver outage's end.
+BACKOFF = Backoff(initial=0.2, maximum=5.0)
 
 
 def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
