@@ -187,6 +187,7 @@ def test_chart_env_names_are_read_by_the_cli(render: Render) -> None:
     """Every DRA_GPU_*/driver env var the chart sets is one `dra-gpu kubelet-plugin` reads."""
     cli = (ROOT / "dra_gpu" / "cli.py").read_text()
     cli += (ROOT / "dra_gpu" / "health" / "command.py").read_text()  # the health flags
+    cli += (ROOT / "dra_gpu" / "node_flags.py").read_text()  # the node's names and paths
     env = env_of(container(one(render("simulatedProfile=hgx-2x4"), "DaemonSet")))
     for name in env:
         if name.startswith(("DRA_GPU_", "NVIDIA_DRIVER", "NVIDIA_HOST", "NVIDIA_CDI")) or name in (
