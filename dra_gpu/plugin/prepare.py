@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -92,6 +92,14 @@ def _snapshot(entry: dict[str, Any]) -> dict[str, Any]:
     if "migInstances" in entry:
         out["migInstances"] = [dict(m) for m in entry["migInstances"]]
     return out
+
+
+async def _together(*steps: Awaitable[Any]) -> None:
+    """Run steps concurrently and wait for all of them, then raise the first failure (a roll-back
+    must not race a write still in flight)."""
+    for outcome in await asyncio.gather(*steps, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 def _config_kind_for(is_mig: bool) -> str:
@@ -230,18 +238,26 @@ class Preparer:
                         self._check_conflicts(ref, devices, sharing)
                         self._stage(ref.uid, _snapshot(entry))
                 assert spec is not None
-                # "started" and the spec may land in either order: a spec without a completed
-                # record is removed by the start-up reconciliation.
-                await asyncio.gather(
-                    self._commit(),
-                    asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits)),
-                )
+                write_spec = asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
                 if sharing.record:
+                    # "started" is durable before a daemon starts: only the record finds one a
+                    # crash left half made. It and the spec may land in either order: a spec
+                    # without a completed record is removed by the start-up reconciliation.
+                    await _together(self._commit(), write_spec)
                     applied = await self._apply_sharing(ref, sharing.record)
                     entry["sharing"] = applied
-                async with self._state_lock:
-                    self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
-                await self._commit()
+                    async with self._state_lock:
+                        self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
+                    await self._commit()
+                else:
+                    # Nothing but the spec is made (MIG instances are durable step by step in
+                    # _create_instances): "started" held the devices in memory, and "completed"
+                    # is written together with the spec, one durable round instead of two.
+                    # Either may land first: the start-up reconciliation removes a spec that no
+                    # completed record owns and rebuilds a completed claim's spec from its record.
+                    async with self._state_lock:
+                        self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
+                    await _together(self._commit(), write_spec)
             except BaseException as exc:
                 if applied is not None:
                     await self._release_sharing(ref, {"sharing": applied}, strict=False)
@@ -499,7 +515,7 @@ class Preparer:
             await self._destroy_recorded(record)
         async with self._state_lock:
             self._stage(uid, None)
-        await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
+        await _together(asyncio.to_thread(self.cdi.remove, uid), self._commit())
 
     def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice], sharing: SharingPlan) -> None:
         mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}
