@@ -60,6 +60,7 @@ class Device:
     consumes: list[tuple[str, dict[str, Decimal]]] = field(default_factory=list)
     _view: dict[str, Any] | None = None
     _activation: Any = None
+    _attributes: dict[str, tuple[str, Any] | None] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -67,6 +68,13 @@ class Device:
 
     def attribute(self, qualified: str) -> tuple[str, Any] | None:
         """(kind, value) of a fully qualified attribute; the driver's own may be published unqualified."""
+        try:
+            return self._attributes[qualified]
+        except KeyError:
+            found = self._attributes[qualified] = self._attribute(qualified)
+            return found
+
+    def _attribute(self, qualified: str) -> tuple[str, Any] | None:
         attrs = self.raw.get("attributes") or {}
         value = attrs.get(qualified)
         domain, _, ident = qualified.rpartition("/")
@@ -334,11 +342,15 @@ class Cluster:
         self.shared_use = {k: dict(v) for k, v in (shared_use or {}).items()}
         self.step_budget = step_budget
         self.pools = self._gather(slices)
+        self._pools = {(p.driver, p.name): p for p in self.pools}
+        # Explanations by claim spec, for a caller that explains many claims against one view.
+        self.explained: dict[tuple[str, bool], Any] | None = None
         self.nodes = sorted(
             {str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices if s["spec"].get("nodeName")}
         ) or [""]
         self._devices: dict[str, list[Device]] = {}
         self._selected: dict[tuple[str, int], bool] = {}  # (expression, id(device)) -> match
+        self._learned: list[tuple[tuple[str, int], bool]] = []  # _selected's entries, in order
         self._candidates: dict[tuple[str, str, tuple[str, ...]], list[Device]] = {}
 
     @staticmethod
@@ -415,7 +427,7 @@ class Cluster:
         return out
 
     def pool(self, key: tuple[str, str]) -> Pool | None:
-        return next((p for p in self.pools if (p.driver, p.name) == key), None)
+        return self._pools.get(key)
 
     def matches(self, expression: str, device: Device) -> bool:
         k = (expression, id(device))
@@ -441,7 +453,24 @@ class Cluster:
                     f"selector {expression!r} failed on device {device.name} ({device.pool}): {exc}"
                 ) from exc
             self._selected[k] = hit
+            self._learned.append((k, hit))
         return hit
+
+    @property
+    def learned_count(self) -> int:
+        return len(self._learned)
+
+    def learned_since(self, mark: int) -> list[tuple[tuple[str, int], bool]]:
+        """Selector results worked out since `learned_count` was `mark`: a forked child
+        (bounded.py) hands them back, so the parent and later children do not evaluate them again
+        (devices keep their identity across the fork)."""
+        return self._learned[mark:]
+
+    def learn(self, results: list[tuple[tuple[str, int], bool]]) -> None:
+        for k, hit in results:
+            if k not in self._selected:
+                self._selected[k] = hit
+                self._learned.append((k, hit))
 
     def selectable(self, sub: SubRequest, device: Device) -> bool:
         cls = self.classes.get(sub.device_class)
@@ -553,9 +582,31 @@ class _Search:
                     cands = [d for d in cands if d.key not in self.in_use]
                     if len(cands) < sub.count:
                         continue
+                cands = self._matchable(sub, cands)
+                if len(cands) < sub.count:
+                    continue
                 if self._fill(ri, sub, cands, sub.count, 0):
                     return True
         return False
+
+    def _matchable(self, sub: SubRequest, cands: list[Device]) -> list[Device]:
+        """Candidates that can be part of a solution under the match constraints: all `count`
+        devices of the request share each matched attribute's value (the one an earlier request
+        took, if any), so a device whose value fewer than `count` candidates have is never
+        chosen. Pruning them first spares the search every combination that would fail later."""
+        for i, con in enumerate(self.constraints):
+            if con.kind != "match" or not con.applies(sub):
+                continue
+            taken = self.values[i][0] if self.values[i] else None
+            groups: dict[Any, list[Device]] = {}
+            for d in cands:
+                value = d.attribute(con.attribute)
+                if value is not None and (taken is None or value == taken):
+                    groups.setdefault(value, []).append(d)
+            keep = {id(d) for g in groups.values() if len(g) >= sub.count for d in g}
+            if len(keep) < len(cands):
+                cands = [d for d in cands if id(d) in keep]
+        return cands
 
     def _fill(self, ri: int, sub: SubRequest, cands: list[Device], remaining: int, start: int) -> bool:
         if remaining == 0:

@@ -91,16 +91,16 @@ def explain_inputs(
 ) -> dict[str, Any]:
     """Each claim's simulated allocation. `bounded` (the command line): each claim in a forked
     child with a deadline and a memory cap (not from a process with threads: the doctor)."""
-    from dra_gpu.controller.allocator import Cluster, allocated_devices, shared_consumption
     from dra_gpu.controller.bounded import OverBudget, run_bounded
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
 
-    validator = Validator(driver, inputs.slices, inputs.classes)
-    classes = {str((c.get("metadata") or {}).get("name")): c for c in inputs.classes}
     allocated = [c for c in inputs.claims if _allocated(c)]
-    in_use = allocated_devices(allocated)
-    cluster = Cluster(validator.env, inputs.slices, classes, in_use, shared_use=shared_consumption(allocated))
+    # One view of the cluster for the rules and the simulation: selector results and candidate
+    # lists are worked out once, and the rules' "right now" check is the explanation itself.
+    validator = Validator(driver, inputs.slices, inputs.classes, allocated)
+    cluster = validator.cluster
+    cluster.explained = {}
     out = []
     for claim in inputs.claims:
         if _allocated(claim):
@@ -145,8 +145,14 @@ def explain_inputs(
             return entry
 
         if bounded:
+
+            def learning(one: Callable[[], dict[str, Any]] = one) -> tuple[dict[str, Any], list[Any]]:
+                mark = cluster.learned_count
+                return one(), cluster.learned_since(mark)
+
             try:
-                entry = run_bounded(one)
+                entry, learned = run_bounded(learning)
+                cluster.learn(learned)
             except OverBudget as exc:
                 entry["reason"] = f"simulation {exc}"
         else:
