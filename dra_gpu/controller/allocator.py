@@ -350,7 +350,6 @@ class Cluster:
         ) or [""]
         self._devices: dict[str, list[Device]] = {}
         self._selected: dict[tuple[str, int], bool] = {}  # (expression, id(device)) -> match
-        self._learned: list[tuple[tuple[str, int], bool]] = []  # _selected's entries, in order
         self._candidates: dict[tuple[str, str, tuple[str, ...]], list[Device]] = {}
 
     @staticmethod
@@ -453,24 +452,16 @@ class Cluster:
                     f"selector {expression!r} failed on device {device.name} ({device.pool}): {exc}"
                 ) from exc
             self._selected[k] = hit
-            self._learned.append((k, hit))
         return hit
 
-    @property
-    def learned_count(self) -> int:
-        return len(self._learned)
-
-    def learned_since(self, mark: int) -> list[tuple[tuple[str, int], bool]]:
-        """Selector results worked out since `learned_count` was `mark`: a forked child
-        (bounded.py) hands them back, so the parent and later children do not evaluate them again
-        (devices keep their identity across the fork)."""
-        return self._learned[mark:]
-
-    def learn(self, results: list[tuple[tuple[str, int], bool]]) -> None:
-        for k, hit in results:
-            if k not in self._selected:
-                self._selected[k] = hit
-                self._learned.append((k, hit))
+    def warm(self) -> None:
+        """Build every node's devices and their CEL views now (published data only, no selector
+        runs), so a forked child (bounded.py) starts with them."""
+        for node in self.nodes:
+            for d in self.devices(node):
+                if d._view is None:
+                    d._view = self.env.device_view(d.driver, d.raw)
+                    d._activation = self.env.activation(d._view)
 
     def selectable(self, sub: SubRequest, device: Device) -> bool:
         cls = self.classes.get(sub.device_class)

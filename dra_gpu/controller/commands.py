@@ -91,7 +91,7 @@ def explain_inputs(
 ) -> dict[str, Any]:
     """Each claim's simulated allocation. `bounded` (the command line): each claim in a forked
     child with a deadline and a memory cap (not from a process with threads: the doctor)."""
-    from dra_gpu.controller.bounded import OverBudget, run_bounded
+    from dra_gpu.controller.bounded import OverBudget, run_bounded_each
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
 
@@ -101,7 +101,9 @@ def explain_inputs(
     validator = Validator(driver, inputs.slices, inputs.classes, allocated)
     cluster = validator.cluster
     cluster.explained = {}
-    out = []
+    if bounded:
+        cluster.warm()
+    steps: list[tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = []
     for claim in inputs.claims:
         if _allocated(claim):
             continue
@@ -144,20 +146,15 @@ def explain_inputs(
                 entry.update(reason=e.reason, simulated=e.simulated)
             return entry
 
-        if bounded:
-
-            def learning(one: Callable[[], dict[str, Any]] = one) -> tuple[dict[str, Any], list[Any]]:
-                mark = cluster.learned_count
-                return one(), cluster.learned_since(mark)
-
-            try:
-                entry, learned = run_bounded(learning)
-                cluster.learn(learned)
-            except OverBudget as exc:
-                entry["reason"] = f"simulation {exc}"
-        else:
-            entry = one()
-        out.append(entry)
+        steps.append((entry, one))
+    if not bounded:
+        return {"claims": [one() for _, one in steps]}
+    out = []
+    for (entry, _), answer in zip(steps, run_bounded_each([one for _, one in steps]), strict=True):
+        if isinstance(answer, OverBudget):
+            entry["reason"] = f"simulation {answer}"
+            answer = entry
+        out.append(answer)
     return {"claims": out}
 
 
