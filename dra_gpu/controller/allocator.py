@@ -13,6 +13,7 @@ Besides the first-fit answer it finds the placement with the lowest NVLink link 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -454,6 +455,11 @@ class Cluster:
             self._selected[k] = hit
         return hit
 
+    @functools.cached_property
+    def tainted(self) -> bool:
+        """Some device has a taint (published data: fixed for this view)."""
+        return any(d.taints() for node in self.nodes for d in self.devices(node))
+
     def warm(self) -> None:
         """Build every node's devices and their CEL views now (published data only, no selector
         runs), so a forked child (bounded.py) starts with them."""
@@ -702,10 +708,12 @@ def place(
     ignore_in_use: bool = False,
     best: bool = False,
     ignore_counters: bool = False,
+    parsed: tuple[list[Request], list[Constraint]] | None = None,
 ) -> Placement | None:
     """`ignore_counters`: as if devices shared no counters (the diagnosis asks whether they are
-    what stands in the way)."""
-    requests, constraints = parse_requests(spec)
+    what stands in the way). `parsed`: parse_requests(spec), for a caller placing one claim on
+    many nodes (the search never changes it)."""
+    requests, constraints = parsed or parse_requests(spec)
     found = _Search(cluster, node, requests, constraints, ignore_in_use, best, ignore_counters).run()
     if found is None:
         return None

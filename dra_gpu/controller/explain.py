@@ -19,6 +19,7 @@ from dra_gpu.controller.allocator import (
     SearchLimitError,
     UnknownClassError,
     UnmodelledError,
+    parse_requests,
     place,
 )
 from dra_gpu.controller.diagnosis import why_not
@@ -69,13 +70,14 @@ def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = Fal
 
 def _explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> Explanation:
     try:
+        parsed = parse_requests(spec)
         for node in cluster.nodes:
-            p = place(cluster, spec, node, ignore_in_use)
+            p = place(cluster, spec, node, ignore_in_use, parsed=parsed)
             if p is not None:
                 b = p
                 if len(p.results) > 1:
                     try:
-                        b = place(cluster, spec, node, ignore_in_use, best=True) or p
+                        b = place(cluster, spec, node, ignore_in_use, best=True, parsed=parsed) or p
                     except SearchLimitError:
                         b = p
                 return Explanation(True, p, b if b.link_cost < p.link_cost else p)
