@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import resource
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -40,6 +41,7 @@ SLOW_AFTER_S = 0.05
 # A new worker reviews the last few objects that were answered within budget before it takes
 # real reviews, so their selectors are compiled and evaluated off the request path.
 WARM_UP_REVIEWS = 4
+WARM_UP_CPU_S = 0.2
 WARM_UP_TIMEOUT_S = 30.0
 RECYCLE_BYTES = 768 << 20  # a worker left this large by a review is replaced: its memory released
 PRELOAD = ["dra_gpu.controller.cluster_state"]
@@ -82,7 +84,10 @@ def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) ->
             state.apply(message[1], message[2], message[3])
         elif op == "ping":
             validator = state.validator()  # warm: the CEL environments, and recent reviews' selectors
+            start = time.process_time()
             for obj in message[1] if len(message) > 1 else ():
+                if time.process_time() - start > WARM_UP_CPU_S:
+                    break  # a warm-up costs at most this (plus one review, within its deadline)
                 with contextlib.suppress(Exception):
                     validator.validate(obj)
             conn.send(("pong",))
@@ -223,11 +228,12 @@ class ReviewPool:
                 f"validation took longer than {self.deadline_s:g}s (a CEL selector too costly to "
                 "evaluate?); simplify the selectors"
             ) from exc
+        if reply[0] != "error":  # answered within budget (a cold one too): worth warming with
+            self._recent = [*self._recent, obj][-WARM_UP_REVIEWS:]
         if reply[0] == "error" or reply[2] > RECYCLE_BYTES or worker.reniced:
             self._replace_worker(worker)  # per-review state released with the process
         else:
             self._idle.put_nowait(worker)
-            self._recent = [*self._recent, obj][-WARM_UP_REVIEWS:]
         if reply[0] == "error":
             raise OverBudget(f"validation failed: {reply[1]}")
         result: ReviewResult = reply[1]
