@@ -63,7 +63,7 @@ class Device:
     _activation: Any = None
     _attributes: dict[str, tuple[str, Any] | None] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, str, str]:
         return (self.driver, self.pool, self.name)
 
@@ -418,7 +418,7 @@ class Cluster:
         """Counters the allocated devices usable on `node` consume: (pool, set, counter) -> sum."""
         out: dict[tuple[tuple[str, str], str, str], Decimal] = {}
         for d in self.devices(node):
-            if d.key not in self.in_use:
+            if not d.consumes or d.key not in self.in_use:
                 continue
             for cset, counters in d.consumes:
                 for cname, v in counters.items():
