@@ -189,9 +189,10 @@ def main() -> None:
         [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
     ).stdout.split()[-1]
     # Slices an earlier run published would make the start-up time 0: start from none.
-    cluster.custom.delete_collection_cluster_custom_object(
+    for s in cluster.custom.list_cluster_custom_object(
         GROUP, VERSION, "resourceslices", field_selector=f"spec.driver={OURS}"
-    )
+    )["items"]:
+        cluster.custom.delete_cluster_custom_object(GROUP, VERSION, "resourceslices", s["metadata"]["name"])
     while cluster.devices(OURS):
         time.sleep(0.05)
     t0 = time.perf_counter()
