@@ -510,8 +510,8 @@ class Preparer:
         """Destroy the claim's MIG instances, then remove its spec and record (either order is
         safe, see reconcile). If an instance cannot be destroyed the record stays, so the device
         stays taken and a retry or the next start tries again."""
-        record = self.checkpoint.get(uid)
-        if record is not None:
+        record = self.checkpoint.view(uid)  # entries are replaced whole, never changed in place
+        if record is not None and record.mig_instances:  # else nothing to destroy: no thread hop
             await self._destroy_recorded(record)
         async with self._state_lock:
             self._stage(uid, None)
