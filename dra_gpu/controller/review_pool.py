@@ -37,7 +37,8 @@ DEFAULT_MEMORY_BYTES = 1 << 30  # beyond the worker's own ~150 MiB
 STORES = ("slices", "classes", "claims")
 WORKER_NICE = 0
 SLOW_NICE = 19  # a worker whose review used SLOW_AFTER_S of CPU: it gets only spare CPU
-SLOW_AFTER_S = 0.05
+SLOW_AFTER_S = 0.02  # of CPU: a warm review takes 0.5-1.2 ms (1,000-4,000 devices)
+SLOW_CHECK_S = 0.01  # how often a running review's CPU is looked at
 # A new worker reviews the last few objects that were answered within budget before it takes
 # real reviews, so their selectors are compiled and evaluated off the request path.
 WARM_UP_REVIEWS = 4
@@ -203,12 +204,12 @@ class ReviewPool:
             else:
                 await asyncio.to_thread(self._send_all, worker, pending)
                 await asyncio.to_thread(worker.conn.send_bytes, request)
-            # A review that has used a few tens of ms of CPU is likely costly: let it have only
+            # A review that has used 20 ms of CPU is likely costly: let it have only
             # spare CPU, so that the workers answering normal reviews keep theirs. CPU, not wall
             # time: on a busy node a cheap review can wait that long for a core, and replacing
             # its worker would only make the next review a cold one.
             worker.cpu_at_start = _cpu_ns(worker)
-            slow = loop.call_later(SLOW_AFTER_S, self._check_slow, worker, loop)
+            slow = loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
             try:
                 reply = await asyncio.wait_for(self._receive(loop, worker), self.deadline_s)
             finally:
@@ -269,7 +270,7 @@ class ReviewPool:
         if used >= SLOW_AFTER_S * 1e9 or worker.cpu_at_start == 0:
             self._renice(worker)
         else:  # waiting for a core rather than working: look again later
-            loop.call_later(SLOW_AFTER_S, self._check_slow, worker, loop)
+            loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
 
     @staticmethod
     def _renice(worker: _Worker) -> None:
@@ -282,7 +283,9 @@ class ReviewPool:
         process = self._ctx.Process(
             target=_worker_main, args=(child, self.driver, self.memory_bytes, nice), daemon=True
         )
-        process.start()
+        # Off the loop: the fork server forks and answers with the pid, milliseconds that every
+        # review waiting on the loop would otherwise wait too (a hostile review costs a worker).
+        await asyncio.to_thread(process.start)
         child.close()
         worker = _Worker(process, parent, [e for s in STORES for e in self.stores[s]])
         self._workers.append(worker)
