@@ -20,10 +20,11 @@ from dra_gpu.discovery.driver_install import describe as describe_installation
 from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.profiles import BUILTIN_PROFILES
 from dra_gpu.doctor.command import add_doctor_command
-from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
 from dra_gpu.health.command import add_health_command, add_health_flags, cmd_health, health_config
 from dra_gpu.inventory_report import render
 from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.node_flags import add_node_flags
 from dra_gpu.slices import SliceLimitError, build_slices
 
 
@@ -87,39 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plug = sub.add_parser("kubelet-plugin", help="run the node plugin (kubelet gRPC, slices, CDI)")
     env = os.environ.get
-    plug.add_argument(
-        "--node-name",
-        default=env("NODE_NAME"),
-        help="this node's name (required; $NODE_NAME, from the downward API in a pod)",
-    )
-    plug.add_argument("--driver-name", default=env("DRIVER_NAME", DEFAULT_DRIVER_NAME))
-    plug.add_argument(
-        "--profile",
-        default=env("DRA_GPU_PROFILE"),
-        metavar="NAME|PATH",
-        help="serve a simulated node instead of NVML ($DRA_GPU_PROFILE)",
-    )
+    add_node_flags(plug)
     plug.add_argument(
         "--kubeconfig", default=env("KUBECONFIG"), help="kubeconfig file; default: in-cluster config"
-    )
-    plug.add_argument(
-        "--plugin-dir", default=env("DRA_GPU_PLUGIN_DIR"), help="default: /var/lib/kubelet/plugins/<driver>"
-    )
-    plug.add_argument(
-        "--registry-dir", default=env("DRA_GPU_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry")
-    )
-    plug.add_argument("--cdi-dir", default=env("DRA_GPU_CDI_DIR", "/var/run/cdi"))
-    plug.add_argument(
-        "--dev-root",
-        default=env("DRA_GPU_DEV_ROOT"),
-        help="root of dev/ and proc/ for device nodes; default: / (with --profile: "
-        "<plugin-dir>/simulated-root, where the simulated nodes are made)",
-    )
-    plug.add_argument(
-        "--driver-root",
-        default=env("NVIDIA_DRIVER_ROOT", "/"),
-        help="where the NVIDIA driver's files are installed, as this process sees it "
-        "($NVIDIA_DRIVER_ROOT; GPU operator: /run/nvidia/driver); default: /",
     )
     plug.add_argument(
         "--host-driver-root",
@@ -175,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
+    from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
     from dra_gpu.plugin.server import PluginConfig, run
 
     if not args.node_name:
@@ -204,6 +176,9 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         cfg.health = health_config(args)
         cfg.check()
         return run(cfg)
+    except (CheckpointVersionError, CheckpointRebuildError) as exc:
+        print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
+        return EXIT_STATE
     except (NvmlUnavailableError, ProfileError, ValueError) as exc:
         print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
         return EXIT_USAGE

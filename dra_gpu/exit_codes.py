@@ -3,4 +3,7 @@
 EXIT_OK = 0
 EXIT_INVALID = 1  # the input was read and is invalid (validate), or a result cannot be built
 EXIT_USAGE = 2  # bad arguments, unreadable files or cluster, nothing to do
+# kubelet-plugin: its checkpoint is of a newer format (left unchanged), or a corrupt one's records
+# could not be rebuilt (retried at the next start)
+EXIT_STATE = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it

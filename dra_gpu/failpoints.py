@@ -1,7 +1,11 @@
 """Named points where a test can make the process fail: `DRA_GPU_FAILPOINTS=name=action,...`.
 
 Actions: `kill` (SIGKILL to the process itself: no clean-up at all, as a crash or an OOM kill)
-and `error` (raise FailpointError). Unset, a failpoint costs one environment lookup.
+and `error` (raise FailpointError). Unset, a failpoint costs one environment lookup. Tests only:
+nothing sets the variable in the chart or the image.
+
+The kubelet plugin's failpoints are the constants below, in the order a claim meets them (`ALL`),
+each with what exists when it is hit. e2e/tests/test_faults.py kills the plugin at each in turn.
 """
 
 from __future__ import annotations
@@ -14,6 +18,38 @@ log = logging.getLogger(__name__)
 
 ENV = "DRA_GPU_FAILPOINTS"
 ACTIONS = ("kill", "error")
+
+# prepare: the `started` record is durable (its CDI spec may or may not be written yet)
+PREPARE_AFTER_STARTED = "prepare-after-started"
+# prepare: `started` record and CDI spec both written, sharing not applied, not `completed`
+PREPARE_AFTER_CDI_SPEC = "prepare-after-cdi-spec"
+# prepare: `completed` is durable, the kubelet has not had the answer
+PREPARE_AFTER_COMPLETED = "prepare-after-completed"
+# MPS: the claim's GPUs are in their compute mode, its daemon not started
+MPS_AFTER_COMPUTE_MODE = "mps-after-compute-mode"
+# MPS: a control daemon answers with its limits, its start not yet reported to prepare
+MPS_AFTER_DAEMON_START = "mps-after-daemon-start"
+# dynamic MIG: the GPU instance exists and its ID is on record, no compute instance yet
+MIG_AFTER_GPU_INSTANCE = "mig-after-gpu-instance"
+# dynamic MIG: the compute instance exists, not yet on record
+MIG_AFTER_COMPUTE_INSTANCE = "mig-after-compute-instance"
+# unprepare: the claim's sharing (MPS daemons, compute modes) undone, its instances, spec and
+# record still there
+UNPREPARE_AFTER_SHARING = "unprepare-after-sharing"
+# unprepare (and a failed prepare's roll-back): the MIG instances destroyed, spec and record not
+UNPREPARE_AFTER_INSTANCES = "unprepare-after-instances"
+
+ALL = (
+    PREPARE_AFTER_STARTED,
+    PREPARE_AFTER_CDI_SPEC,
+    PREPARE_AFTER_COMPLETED,
+    MPS_AFTER_COMPUTE_MODE,
+    MPS_AFTER_DAEMON_START,
+    MIG_AFTER_GPU_INSTANCE,
+    MIG_AFTER_COMPUTE_INSTANCE,
+    UNPREPARE_AFTER_SHARING,
+    UNPREPARE_AFTER_INSTANCES,
+)
 
 
 class FailpointError(RuntimeError):
@@ -32,6 +68,8 @@ def _actions() -> dict[str, str]:
 
 def hit(name: str) -> None:
     """Fail here if the environment asks for it."""
+    if ENV not in os.environ:
+        return
     action = _actions().get(name)
     if action is None:
         return

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,11 @@ class Kube:
             resp.release()
             return None
         return await _json(resp, f"get resourceclaim {namespace}/{name}")
+
+    async def list_claims(self) -> list[dict[str, Any]]:
+        """Every ResourceClaim (no field selector names an allocation's node)."""
+        items, _ = await self.list_objects(f"{RESOURCE_V1}/resourceclaims")
+        return items
 
     async def apply_slice(self, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         """Server-side apply of a ResourceSlice; returns what the apiserver stored."""
@@ -270,10 +276,13 @@ async def _list_then_watch(
 ) -> None:
     items, version = await kube.list_objects(path, field_selector)
     await on_list(items, version)
+    # Each watch (and so each list after it) lasts between one and two `watch_seconds`, like
+    # client-go's reflectors: a fleet started together does not list again in step.
+    seconds = random.randint(watch_seconds, 2 * watch_seconds)
     try:
         async with (
-            asyncio.timeout(watch_seconds + REQUEST_TIMEOUT),
-            contextlib.aclosing(kube.watch_objects(path, version, watch_seconds, field_selector)) as events,
+            asyncio.timeout(seconds + REQUEST_TIMEOUT),
+            contextlib.aclosing(kube.watch_objects(path, version, seconds, field_selector)) as events,
         ):
             async for kind, obj in events:
                 if kind == "BOOKMARK":

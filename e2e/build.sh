@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (once) and cache the upstream programs the e2e cluster runs.
 #
-#   e2e/build.sh [all|kubernetes|etcd|containerd|debs|image]
+#   e2e/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok]
 #
 # Binaries land under ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/,
 # keyed by the pinned version below; a component is rebuilt only when its pin changes
@@ -139,6 +139,31 @@ build_containerd() {
   touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
+# ---------------------------------------------------------------------------- kwok
+# Only the `kwok` controller (fake kubelets for many nodes in one process); the scale benchmark
+# runs it against its own apiserver. Not part of `all`: the e2e tier does not need it.
+build_kwok() {
+  local out="$CACHE/bin/kwok-$KWOK_VERSION"
+  if done_marker "$out"; then log "kwok $KWOK_VERSION cached in $out"; return; fi
+  local ws="$CACHE/src/kwok-$KWOK_VERSION"
+  new_workspace "$ws" e2e.local/kwokbuild
+  cd "$ws"
+  go mod edit -require="sigs.k8s.io/kwok@$KWOK_VERSION"
+  printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kwok/cmd/kwok"\n' >tools.go
+  go mod tidy >tidy.log 2>&1 || { tail -30 tidy.log >&2; return 1; }
+  mkdir -p "$out.tmp"
+  local ld="-s -w -X 'sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION'"
+  timed kwok go build -p "$GO_P" -trimpath -ldflags="$ld" -o "$out.tmp/kwok" sigs.k8s.io/kwok/cmd/kwok
+  # The `kwok` controller has no built-in stages: take upstream's node-initialize, lease heartbeat
+  # and pod lifecycle stages from the module, one multi-document file for --config.
+  local kdir f; kdir="$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage"
+  for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+           pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+    printf -- '---\n'; cat "$kdir/$f"
+  done >"$out.tmp/stages.yaml"
+  touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
 main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
@@ -149,7 +174,8 @@ main() {
     containerd) (build_containerd) ;;
     debs) debs ;;
     image) bash "$HERE/image_build.sh" ;;
-    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image]" >&2; exit 2 ;;
+    kwok) (build_kwok) ;;
+    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok]" >&2; exit 2 ;;
   esac
   log "done ($what) in $((SECONDS - t0)) s; binaries under $CACHE/bin"
 }

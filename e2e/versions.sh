@@ -3,6 +3,9 @@
 K8S_VERSION=v1.37.2
 ETCD_VERSION=v3.6.16
 CONTAINERD_VERSION=v2.2.9
+# KWOK simulates nodes without kubelets for bench/scale_bench.py; built only on request
+# (`build.sh kwok`), not by `all`, as CI's e2e does not use it.
+KWOK_VERSION=v0.8.0
 
 # Programs built from the k8s.io/kubernetes module in one `go build` (packages shared).
 # test/e2e/dra/test-driver is upstream's own DRA test driver (kubelet plugin + CDI), used as the

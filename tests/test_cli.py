@@ -125,3 +125,31 @@ def test_version_names_the_installed_package() -> None:
     r = run("--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"dra-gpu {version('dra-gpu')}"
+
+
+def test_node_commands_read_the_same_paths_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # doctor and health inspect what a running plugin made: with the DaemonSet's environment they
+    # must look in the same places as kubelet-plugin.
+    from dra_gpu.cli import _parser
+
+    environment = {
+        "NODE_NAME": "node-a",
+        "DRIVER_NAME": "gpu.example.com",
+        "DRA_GPU_PROFILE": "hgx-2x4",
+        "DRA_GPU_PLUGIN_DIR": "/x/plugin",
+        "DRA_GPU_REGISTRY_DIR": "/x/registry",
+        "DRA_GPU_CDI_DIR": "/x/cdi",
+        "DRA_GPU_DEV_ROOT": "/x/dev-root",
+        "NVIDIA_DRIVER_ROOT": "/x/driver",
+    }
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    parser = _parser()
+    plugin = vars(parser.parse_args(["kubelet-plugin"]))
+    doctor = vars(parser.parse_args(["doctor"]))
+    health = vars(parser.parse_args(["health", "status"]))
+    flags = ("node_name", "driver_name", "profile", "plugin_dir", "registry_dir", "cdi_dir", "dev_root")
+    assert {f: plugin[f] for f in flags} == {f: doctor[f] for f in flags}
+    assert plugin["driver_root"] == doctor["driver_root"] == "/x/driver"
+    assert plugin["plugin_dir"] == health["plugin_dir"] == "/x/plugin"
+    assert plugin["driver_name"] == health["driver_name"] == "gpu.example.com"

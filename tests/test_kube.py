@@ -142,6 +142,24 @@ def test_relists_when_the_handler_asks_and_after_each_watch() -> None:
     asyncio.run(body())
 
 
+def test_watch_lengths_are_spread_between_one_and_two_watch_seconds() -> None:
+    # A fleet of plugins started together must not list again in step.
+    async def body() -> None:
+        api = FakeApiServer()
+        rec = Recorder()
+
+        for n in range(1, 41):
+
+            async def test(n: int = n) -> None:
+                await until(lambda: api.count("GET", "deviceclasses", watch=True) >= n)
+
+            await running(api, rec, test, watch_seconds=100)
+        asked = {int(r.query["timeoutSeconds"]) for r in api.requests if r.watch}
+        assert min(asked) >= 100 and max(asked) <= 200 and len(asked) > 10, sorted(asked)
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("how", ["error-event", "http-status"])
 def test_relists_at_once_on_410_gone(how: str) -> None:
     async def body() -> None:

@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu.doctor.settings import (
-    DEFAULT_CDI_DIR,
     DEFAULT_CONTAINERD_CONFIG,
     DEFAULT_NODE_SELECTOR,
-    DEFAULT_REGISTRY_DIR,
     ClusterSettings,
     NodeSettings,
     default_plugin_dir,
 )
-from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.node_flags import add_node_flags
 
 
 def add_doctor_command(sub: Any) -> None:
@@ -36,29 +34,7 @@ def add_doctor_command(sub: Any) -> None:
     )
     d.add_argument("--only", choices=("node", "cluster"), help="run only the node or only the cluster checks")
     d.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    d.add_argument("--node-name", default=env("NODE_NAME"), help="this node ($NODE_NAME; default: host name)")
-    d.add_argument("--driver-name", default=env("DRIVER_NAME", DEFAULT_DRIVER_NAME))
-    d.add_argument(
-        "--profile",
-        default=env("DRA_GPU_PROFILE"),
-        metavar="NAME|PATH",
-        help="a simulated node ($DRA_GPU_PROFILE)",
-    )
-    d.add_argument(
-        "--plugin-dir", default=env("DRA_GPU_PLUGIN_DIR"), help="default: /var/lib/kubelet/plugins/<driver>"
-    )
-    d.add_argument("--registry-dir", default=env("DRA_GPU_REGISTRY_DIR", DEFAULT_REGISTRY_DIR))
-    d.add_argument("--cdi-dir", default=env("DRA_GPU_CDI_DIR", DEFAULT_CDI_DIR))
-    d.add_argument(
-        "--dev-root",
-        default=env("DRA_GPU_DEV_ROOT"),
-        help="root of dev/ and proc/; default: / (with --profile: <plugin-dir>/simulated-root)",
-    )
-    d.add_argument(
-        "--driver-root",
-        default=env("NVIDIA_DRIVER_ROOT", "/"),
-        help="the driver's files ($NVIDIA_DRIVER_ROOT)",
-    )
+    add_node_flags(d)
     d.add_argument(
         "--containerd-config",
         default=env("DRA_GPU_CONTAINERD_CONFIG", DEFAULT_CONTAINERD_CONFIG),

@@ -355,7 +355,10 @@ def check_prepared_claims(facts: NodeFacts) -> Iterable[Result]:
         claims = _checkpoint_claims(s.checkpoint)
     except ValueError as exc:
         yield warn(
-            name, f"checkpoint unreadable: {exc}", "the plugin moves a corrupt checkpoint aside at start"
+            name,
+            f"checkpoint unreadable: {exc}",
+            "restart the plugin: it moves a corrupt checkpoint aside and rebuilds it from the CDI specs "
+            "and the claims allocated to this node",
         )
         return
     if claims is None:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 DEFAULT_NODE_SELECTOR = "nvidia.com/gpu.present=true"  # the chart's DaemonSet nodeSelector
 DEFAULT_CONTAINERD_CONFIG = "/etc/containerd/config.toml"
-DEFAULT_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
-DEFAULT_CDI_DIR = "/var/run/cdi"
 
 
 def default_plugin_dir(driver: str) -> Path:

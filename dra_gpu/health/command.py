@@ -15,7 +15,7 @@ from dra_gpu.health.classification import Classifier, parse_xids
 from dra_gpu.health.control import SIMULATED_EVENTS, SOCKET_NAME, request
 from dra_gpu.health.node import HealthConfig
 from dra_gpu.health.taint_book import HoldDown
-from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.node_flags import add_node_flags
 
 
 def add_health_flags(plug: argparse.ArgumentParser) -> None:
@@ -96,12 +96,7 @@ def add_health_command(sub: Any) -> None:
         "health",
         help="a running kubelet plugin's device health: status, operator taint/clear, simulated events",
     )
-    h.add_argument("--driver-name", default=os.environ.get("DRIVER_NAME", DEFAULT_DRIVER_NAME))
-    h.add_argument(
-        "--plugin-dir",
-        default=os.environ.get("DRA_GPU_PLUGIN_DIR"),
-        help="the plugin's --plugin-dir; default: /var/lib/kubelet/plugins/<driver>",
-    )
+    add_node_flags(h, "driver-name", "plugin-dir")
     h.add_argument("-o", "--output", choices=("table", "json"), default="table")
     ops = h.add_subparsers(dest="health_op", required=True)
     ops.add_parser("status", help="each device's health and taint")

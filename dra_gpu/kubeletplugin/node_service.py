@@ -51,9 +51,11 @@ class NodeService:
             self.metrics.prepared_devices.set(self.driver.prepared_device_count())
 
     async def prepare(self, request: Any, pb: Any) -> Any:
-        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+        refs, ambiguous = _distinct(request.claims)
         outcomes = await asyncio.gather(*(self._one("prepare", r, self.driver.prepare) for r in refs))
         response = pb.NodePrepareResourcesResponse()
+        for uid, error in ambiguous.items():
+            response.claims[uid].error = error
         for ref, (devices, error) in zip(refs, outcomes, strict=True):
             entry = response.claims[ref.uid]
             if error:
@@ -64,12 +66,30 @@ class NodeService:
         return response
 
     async def unprepare(self, request: Any, pb: Any) -> Any:
-        refs = [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+        refs, ambiguous = _distinct(request.claims)
         outcomes = await asyncio.gather(*(self._one("unprepare", r, self.driver.unprepare) for r in refs))
         response = pb.NodeUnprepareResourcesResponse()
+        for uid, error in ambiguous.items():
+            response.claims[uid].error = error
         for ref, (_, error) in zip(refs, outcomes, strict=True):
             response.claims[ref.uid].error = error
         return response
+
+
+def _distinct(claims: Any) -> tuple[list[ClaimRef], dict[str, str]]:
+    """The batch's claims, each UID once, and an error for each UID named with two different
+    claims: the answer is keyed by UID, so one claim's devices and another's error would mix."""
+    seen: dict[str, ClaimRef] = {}
+    ambiguous: dict[str, str] = {}
+    for c in claims:
+        ref = ClaimRef(c.namespace, c.uid, c.name)
+        first = seen.setdefault(ref.uid, ref)
+        if first != ref and ref.uid not in ambiguous:
+            ambiguous[ref.uid] = (
+                f"claim uid {ref.uid} is named twice in one request, as {first.namespace}/{first.name} "
+                f"and as {ref.namespace}/{ref.name}; nothing was done for it"
+            )
+    return [r for uid, r in seen.items() if uid not in ambiguous], ambiguous
 
 
 def _device(pb: Any, d: Device) -> Any:

@@ -24,9 +24,12 @@ from dra_gpu.kubeletplugin.metrics import PluginMetrics
 log = logging.getLogger(__name__)
 
 SLICES = f"{RESOURCE_V1}/resourceslices"
-WATCH_SECONDS = 60
-# Shorter than the webhook's: while this node's slices are gone, its devices cannot be allocated.
-BACKOFF = Backoff(initial=0.2, maximum=10.0)
+# Each watch ends with a new list (a consistent read of this node's slices): every 5-10 minutes, so
+# that 500 nodes cost the apiserver ~1 list a second, not 17 (bench/scale_bench.py).
+WATCH_SECONDS = 300
+# Shorter than the webhook's: while this node's slices are gone, its devices cannot be allocated;
+# capped at 5 s so the slices are back within a few seconds of an apiserver outage's end.
+BACKOFF = Backoff(initial=0.2, maximum=5.0)
 
 
 def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
@@ -153,7 +156,7 @@ class SlicePublisher:
                         self._check_dropped(new[name], await self.kube.apply_slice(new[name], self.driver))
                     for name in old.keys() - new.keys():
                         await self.kube.delete_slice(name)
-            # What failed for longer than `timeout` the next list (at the latest WATCH_SECONDS) restores.
+            # What failed for longer than `timeout` the next list (at the latest 2 x WATCH_SECONDS) restores.
             self.metrics.published_devices.set(len(self.device_names()))
             return len(changed)
 

@@ -16,6 +16,7 @@ prepare latency is the same (bench/RESULTS.md).
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from dataclasses import dataclass, field
@@ -27,6 +28,18 @@ from dra_gpu.durable import atomic_write, remove_durably
 CLASS = "claim"
 _VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*[A-Za-z0-9]$|^[A-Za-z0-9]$")
+
+
+class CdiWriteError(OSError):
+    """A spec that could not be written (directory full, read-only, ...); says which file."""
+
+    def __init__(self, errno_: int | None, strerror: str | None, path: Path) -> None:
+        super().__init__(errno_, strerror)
+        self.path = path
+
+    def __str__(self) -> str:
+        name = errno.errorcode.get(self.errno or 0, "")
+        return f"CDI spec {self.path}: {self.strerror}" + (f" ({name})" if name else "")
 
 
 @dataclass(frozen=True)
@@ -140,7 +153,11 @@ class CdiSpecs:
     def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
         # Compact: the C encoder (indent= falls back to the pure-Python one, ~4x slower).
         data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
-        atomic_write(self.path(claim_uid), data, mode=0o644)
+        path = self.path(claim_uid)
+        try:
+            atomic_write(path, data, mode=0o644)
+        except OSError as exc:
+            raise CdiWriteError(exc.errno, exc.strerror, path) from exc
 
     def read(self, claim_uid: str) -> dict[str, Any] | None:
         try:
@@ -150,7 +167,10 @@ class CdiSpecs:
             return None
 
     def remove(self, claim_uid: str) -> bool:
-        return remove_durably(self.path(claim_uid))
+        path = self.path(claim_uid)
+        if not path.is_symlink() and not path.exists():
+            return False  # nothing to do, also on a read-only directory (unlink says EROFS there)
+        return remove_durably(path)
 
     def owned(self) -> dict[str, Path]:
         """Claim UID -> spec file, for every spec file of this driver in the directory."""

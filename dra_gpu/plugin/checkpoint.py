@@ -9,8 +9,15 @@ File layout (JSON), versioned so that an older reader never chokes on a newer wr
 Readers keep fields they do not know (they stay in the dicts and are written back), and the
 checksum is over canonical JSON of whatever is there, so adding a field never makes an old file
 "corrupt". A checkpoint written during another boot is discarded: CDI specs under /var/run and
-device state do not survive a reboot, and the kubelet prepares the claims again. A corrupt file is
-moved aside with a log line and the plugin starts clean instead of crash-looping.
+device state do not survive a reboot, and the kubelet prepares the claims again.
+
+A corrupt file (truncated, bytes flipped, not JSON) is moved aside with a log line and replaced by
+an empty checkpoint marked `rebuildPending`: the plugin then rebuilds the records from what
+survives (the claims' CDI specs and the claims allocated to this node in the API, see
+Preparer.rebuild) before it serves, and the mark stays until that succeeded, so a crash or an
+unreachable apiserver meanwhile never makes a later start take the empty file for the truth.
+A file of a newer format version is refused (CheckpointVersionError) and left as it is: a newer
+plugin may have recorded what this one cannot undo, and a downgrade must not lose it.
 
 Each claim goes through two phases: `started` is written before anything is created for it and
 `completed` after its CDI spec is in place, so a crash in between is rolled back at the next start.
@@ -35,6 +42,7 @@ from dra_gpu.durable import atomic_write
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+REBUILD_PENDING = "rebuildPending"
 STARTED, COMPLETED = "started", "completed"
 # Dynamic MIG: the claim's instances were made before its pod was bound (binding conditions);
 # prepare then only writes the CDI spec. Kept across restarts, like completed.
@@ -52,6 +60,15 @@ def current_boot_id(path: Path = BOOT_ID_FILE) -> str:
 def _checksum(data: dict[str, Any]) -> str:
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()
+
+
+class CheckpointVersionError(RuntimeError):
+    """The checkpoint was written by a newer format version; nothing was read or changed."""
+
+
+class CheckpointRebuildError(RuntimeError):
+    """A corrupt checkpoint's records could not be rebuilt (the API did not answer); the mark
+    stays, so the next start tries again."""
 
 
 @dataclass
@@ -111,26 +128,32 @@ class Checkpoint:
             return
         try:
             doc = json.loads(raw)
+            version = doc.get("version", 0)
+            # Checked before anything else: a newer format may have another layout.
+            if isinstance(version, int) and version > FORMAT_VERSION:
+                raise CheckpointVersionError(
+                    f"checkpoint {self.path} has format version {version}, newer than this plugin's "
+                    f"{FORMAT_VERSION}: it was written by a newer dra-gpu, whose records this one cannot "
+                    "read; run that version (or move the file away, losing its records), the file is "
+                    "left unchanged"
+                )
             data = doc["data"]
             if not isinstance(data, dict) or not isinstance(data.get("claims"), dict):
                 raise ValueError("no claims map")
             if doc.get("checksum") != _checksum(data):
                 raise ValueError("checksum mismatch")
-            if int(doc.get("version", 0)) > FORMAT_VERSION:
-                log.warning(
-                    "checkpoint written by a newer version=%s path=%s; reading the fields this version knows",
-                    doc.get("version"),
-                    self.path,
-                )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             self.path.rename(aside)
             log.error(
-                "checkpoint corrupt, moved aside and starting clean path=%s moved_to=%s error=%r",
+                "checkpoint corrupt, moved aside; rebuilding its records from the CDI specs and the "
+                "API path=%s moved_to=%s error=%r",
                 self.path,
                 aside,
                 str(exc),
             )
+            self._data[REBUILD_PENDING] = True
+            self._save()  # the mark is durable before anything relies on the empty state
             return
         if data.get("bootId") != self.boot_id:
             log.warning(
@@ -139,6 +162,16 @@ class Checkpoint:
             self._save()
             return
         self._data = data
+
+    @property
+    def rebuild_pending(self) -> bool:
+        """The file was corrupt: its records must be rebuilt before the plugin serves."""
+        return bool(self._data.get(REBUILD_PENDING))
+
+    def rebuilt(self) -> None:
+        """Clear the rebuild mark and write the rebuilt records, in one atomic write."""
+        self._data.pop(REBUILD_PENDING, None)
+        self._save()
 
     def _save(self) -> None:
         self.write(self.encode())

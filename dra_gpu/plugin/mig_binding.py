@@ -18,6 +18,7 @@ from typing import Any
 from dra_gpu.dynamic_mig import FAILED_CONDITION, READY_CONDITION
 from dra_gpu.kube import RESOURCE_V1, Kube, KubeError, list_watch
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.kubeletplugin.publisher import BACKOFF
 from dra_gpu.model import MigDevice
 from dra_gpu.plugin.prepare import BusyPrepareError, PrepareError, Preparer
 
@@ -171,7 +172,10 @@ class MigBinder:
 
     async def run(self) -> None:
         """List and watch every ResourceClaim (the allocation names the node, no selector does)."""
-        await list_watch(self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event)
+        # The publisher's backoff: after an apiserver outage, bindings waiting on us resume in seconds.
+        await list_watch(
+            self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event, backoff=BACKOFF
+        )
 
     async def stop(self) -> None:
         for task in list(self._inflight.values()):

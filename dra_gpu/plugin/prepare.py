@@ -22,6 +22,8 @@ from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, STARTED, Checkpoint, ClaimRecord
+from dra_gpu.plugin.claim_shape import status_problem
+from dra_gpu.plugin.compute_mode import DEFAULT
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
@@ -79,8 +81,6 @@ class PreparedDevice:
 # Steps of a dynamic MIG instance in the checkpoint ("migInstances" of a claim's entry): recorded
 # before each NVML call that makes something, so a restart knows what may exist.
 MIG_PLANNED, MIG_GPU_INSTANCE, MIG_READY = "planned", "gpu-instance", "ready"
-# Failpoint between the GPU instance and its compute instance (e2e: SIGKILL there).
-FAILPOINT_AFTER_GPU_INSTANCE = "mig-after-gpu-instance"
 
 Target = tuple[str, Gpu, MigPlacement]  # a dynamic MIG device to create: (name, parent, placement)
 
@@ -100,6 +100,17 @@ async def _together(*steps: Awaitable[Any]) -> None:
     for outcome in await asyncio.gather(*steps, return_exceptions=True):
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+def _with_previous_modes(sharing: dict[str, Any]) -> dict[str, Any]:
+    """A half-prepared claim's sharing record is its plan: a compute mode it may have set before
+    the crash has no `previous` on record, and would stay set. DEFAULT is what a GPU has after
+    boot and what the driver leaves it in, so that is restored (unless another claim holds it)."""
+    modes = sharing.get("computeModes") or {}
+    if all("previous" in m for m in modes.values()):
+        return sharing
+    fixed = {u: m if "previous" in m else {**m, "previous": DEFAULT} for u, m in modes.items()}
+    return {**sharing, "computeModes": fixed}
 
 
 def _config_kind_for(is_mig: bool) -> str:
@@ -181,6 +192,14 @@ class Preparer:
             await asyncio.to_thread(self.checkpoint.write, blob)
             self._written = version
 
+    def _write_spec(self, uid: str, spec: dict[str, Any]) -> None:
+        self.cdi.write(uid, spec)
+        failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)  # the spec is written, its record maybe not
+
+    async def _commit_then(self, failpoint: str) -> None:
+        await self._commit()
+        failpoints.hit(failpoint)
+
     def prepared_device_count(self) -> int:
         return sum(len(r.devices) for r in self.checkpoint.views() if r.state == COMPLETED)
 
@@ -238,12 +257,15 @@ class Preparer:
                         self._check_conflicts(ref, devices, sharing)
                         self._stage(ref.uid, _snapshot(entry))
                 assert spec is not None
-                write_spec = asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
+                composed = self.cdi.compose(spec, driver_edits)
                 if sharing.record:
                     # "started" is durable before a daemon starts: only the record finds one a
                     # crash left half made. It and the spec may land in either order: a spec
                     # without a completed record is removed by the start-up reconciliation.
-                    await _together(self._commit(), write_spec)
+                    await _together(
+                        self._commit_then(failpoints.PREPARE_AFTER_STARTED),
+                        asyncio.to_thread(self._write_spec, ref.uid, composed),
+                    )
                     applied = await self._apply_sharing(ref, sharing.record)
                     entry["sharing"] = applied
                     async with self._state_lock:
@@ -255,9 +277,11 @@ class Preparer:
                     # is written together with the spec, one durable round instead of two.
                     # Either may land first: the start-up reconciliation removes a spec that no
                     # completed record owns and rebuilds a completed claim's spec from its record.
+                    failpoints.hit(failpoints.PREPARE_AFTER_STARTED)
                     async with self._state_lock:
                         self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
-                    await _together(self._commit(), write_spec)
+                    await _together(self._commit(), asyncio.to_thread(self._write_spec, ref.uid, composed))
+                failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
             except BaseException as exc:
                 if applied is not None:
                     await self._release_sharing(ref, {"sharing": applied}, strict=False)
@@ -375,12 +399,14 @@ class Preparer:
                     self._stage(ref.uid, {**entry, "sharing": sharing.record})
                 await self._commit()
             await asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
+            failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)
             if sharing.record:
                 applied = await self._apply_sharing(ref, sharing.record)
                 entry["sharing"] = applied
             async with self._state_lock:
                 self._stage(ref.uid, {**entry, "state": COMPLETED})
             await self._commit()
+            failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
         except (OSError, PrepareError) as exc:
             if applied is not None:
                 await self._release_sharing(ref, {"sharing": applied}, strict=False)
@@ -444,8 +470,9 @@ class Preparer:
         async with self._state_lock:
             self._stage(ref.uid, _snapshot(entry))
         await self._commit()
-        failpoints.hit(FAILPOINT_AFTER_GPU_INSTANCE)
+        failpoints.hit(failpoints.MIG_AFTER_GPU_INSTANCE)
         ci_id = await asyncio.to_thread(self.mig.create_compute_instance, gpu.uuid, gi_id, placement)
+        failpoints.hit(failpoints.MIG_AFTER_COMPUTE_INSTANCE)
         mig = await asyncio.to_thread(self.mig.mig_device, gpu.uuid, gi_id, ci_id, placement)
         rec.update(ciId=ci_id, uuid=mig.uuid, step=MIG_READY)
         async with self._state_lock:
@@ -513,6 +540,7 @@ class Preparer:
         record = self.checkpoint.view(uid)  # entries are replaced whole, never changed in place
         if record is not None and record.mig_instances:  # else nothing to destroy: no thread hop
             await self._destroy_recorded(record)
+            failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
         async with self._state_lock:
             self._stage(uid, None)
         await _together(asyncio.to_thread(self.cdi.remove, uid), self._commit())
@@ -606,12 +634,14 @@ class Preparer:
         Dynamic MIG devices exist only once made: with `created` None this only checks the claim
         and returns them as targets (no spec); with the made instances it builds the spec.
         The sharing plan covers the devices that exist (not targets still to be made)."""
+        problem = status_problem(claim)
+        if problem:
+            raise PrepareError(f"claim {ref}: {problem}")
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
             raise PrepareError(f"claim {ref} is not allocated")
-        results = [
-            r for r in allocation.get("devices", {}).get("results") or [] if r.get("driver") == self.driver
-        ]
+        results = (allocation.get("devices") or {}).get("results") or []
+        results = [r for r in results if r.get("driver") == self.driver]
         if not results:
             raise PrepareError(f"claim {ref}: its allocation has no devices of driver {self.driver}")
         configs = self._configs(ref, allocation)
@@ -692,7 +722,7 @@ class Preparer:
 
     def _configs(self, ref: ClaimRef, allocation: dict[str, Any]) -> list[tuple[list[str], GpuConfig, str]]:
         """This driver's configs, class configs before claim configs: (requests, config, where)."""
-        entries = list(enumerate(allocation.get("devices", {}).get("config") or []))
+        entries = list(enumerate((allocation.get("devices") or {}).get("config") or []))
         entries.sort(key=lambda e: 0 if e[1].get("source") == "FromClass" else 1)
         out = []
         for i, entry in entries:
@@ -737,6 +767,7 @@ class Preparer:
             if record is None:
                 return  # unknown claims succeed: the kubelet may repeat itself
             await self._release_sharing(ref, record.raw)
+            failpoints.hit(failpoints.UNPREPARE_AFTER_SHARING)
             try:
                 await self._roll_back(ref.uid)
             except OSError as exc:
@@ -802,7 +833,7 @@ class Preparer:
                     for o in self.checkpoint.views()
                     if o.uid != rec.uid and o.raw.get("sharing")
                 ]
-                self.sharing.release(sharing, others)
+                self.sharing.release(_with_previous_modes(sharing), others)
         except SharingError as exc:
             log.error("sharing of claim not reconciled claim=%s error=%s", rec.ref(), exc)
 

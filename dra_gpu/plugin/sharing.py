@@ -26,6 +26,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from dra_gpu import failpoints
 from dra_gpu.api import GpuConfig
 from dra_gpu.discovery.fake_nvml import FakeNvml
 from dra_gpu.discovery.profiles import load_profile
@@ -235,8 +236,11 @@ class Sharing:
             for uuid, ts in _slices(record).items():
                 if not any(uuid in _slices(o) for o in others):
                     self._timeslices().set(uuid, ts["level"])
+            if _daemons(record):
+                failpoints.hit(failpoints.MPS_AFTER_COMPUTE_MODE)
             for daemon in _daemons(record):
                 self.mps.start(daemon)
+                failpoints.hit(failpoints.MPS_AFTER_DAEMON_START)
         except _ERRORS as exc:
             self._undo(done, others)
             raise SharingError(str(exc)) from exc

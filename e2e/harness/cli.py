@@ -1,6 +1,7 @@
 """A single-node Kubernetes cluster from upstream programs, for dra-gpu's e2e tests.
 
     e2e/cluster build | up | down | status | env | images | peer-driver start|stop | restart-kubelet
+                | apiserver stop|start | restart-containerd
 
 Everything (certs, kubeconfigs, configs, data, logs, pids) lives under the state dir
 $DRA_GPU_E2E_STATE (default /var/lib/dra-gpu-e2e). Binaries come from e2e/build.sh's cache
@@ -158,6 +159,33 @@ def cmd_restart_kubelet() -> None:
     say("kubelet restarted")
 
 
+def cmd_apiserver(action: str) -> None:
+    """Stop the kube-apiserver alone (an outage: etcd, the kubelet and the rest keep running),
+    or start it again with the same configuration and wait until it is ready."""
+    pid = read_pid("kube-apiserver")
+    if action == "stop":
+        if not pid:
+            raise Fail("the kube-apiserver is not running")
+        stop_pid("kube-apiserver", pid)
+        say("kube-apiserver stopped")
+        return
+    if pid:
+        say("kube-apiserver already running")
+        return
+    components.start_apiserver(components.node_ip())
+    say("kube-apiserver started")
+
+
+def cmd_restart_containerd() -> None:
+    """Stop containerd and start it again; running containers keep running (their shims do)."""
+    pid = read_pid("containerd")
+    if not pid:
+        raise Fail("containerd is not running")
+    stop_pid("containerd", pid)
+    components.start_containerd()
+    say("containerd restarted")
+
+
 _LOCK: IO[str] | None = None
 
 
@@ -183,10 +211,12 @@ COMMANDS: dict[str, Callable[[], int | None]] = {
     "down": cmd_down,
     "status": cmd_status,
     "restart-kubelet": cmd_restart_kubelet,
+    "restart-containerd": cmd_restart_containerd,
     "env": cmd_env,
     "images": cmd_images,
 }
-LOCKED = ("up", "down", "peer-driver", "restart-kubelet")  # commands that hold the state lock
+# commands that hold the state lock
+LOCKED = ("up", "down", "peer-driver", "restart-kubelet", "restart-containerd", "apiserver")
 
 
 def main(argv: list[str]) -> int:
@@ -194,6 +224,8 @@ def main(argv: list[str]) -> int:
     fn: Callable[[], int | None]
     if len(argv) == 3 and argv[1] == "peer-driver" and argv[2] in ("start", "stop"):
         fn = functools.partial(cmd_peer_driver, argv[2])
+    elif len(argv) == 3 and argv[1] == "apiserver" and argv[2] in ("start", "stop"):
+        fn = functools.partial(cmd_apiserver, argv[2])
     elif len(argv) == 2 and argv[1] in COMMANDS:
         fn = COMMANDS[argv[1]]
     else:

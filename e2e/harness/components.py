@@ -10,6 +10,7 @@ import shutil
 import socket
 import sys
 import tarfile
+from collections.abc import Sequence
 
 from .config import (
     ADMIN_KUBECONFIG,
@@ -34,6 +35,7 @@ from .config import (
     PLUGIN_NAME,
     POD_CIDR,
     RUNTIME_CONFIG,
+    SCHEDULER_PORT,
     SERVICE_CIDR,
     STATE,
 )
@@ -197,7 +199,8 @@ def start_controller_manager() -> None:
     wait_for("kube-controller-manager", lambda: https_ok("https://127.0.0.1:10257/healthz"))
 
 
-def start_scheduler() -> None:
+def start_scheduler(extra: Sequence[str] = ()) -> None:
+    """`extra`: more flags (the scale benchmark's client QPS)."""
     kc = os.path.join(STATE, "scheduler.kubeconfig")
     start(
         "kube-scheduler",
@@ -211,13 +214,16 @@ def start_scheduler() -> None:
             kc,
             "--bind-address",
             "127.0.0.1",
+            "--secure-port",
+            str(SCHEDULER_PORT),
             "--leader-elect=false",
             "--feature-gates",
             FEATURE_GATES,
             "--v=1",
+            *extra,
         ],
     )
-    wait_for("kube-scheduler", lambda: https_ok("https://127.0.0.1:10259/healthz"))
+    wait_for("kube-scheduler", lambda: https_ok(f"https://127.0.0.1:{SCHEDULER_PORT}/healthz"))
 
 
 def write_cni() -> None:

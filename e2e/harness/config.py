@@ -33,6 +33,8 @@ CDI_DIRS = [d for d in os.environ.get("DRA_GPU_E2E_CDI_DIRS", "/etc/cdi:/var/run
 NODE_NAME = os.environ.get("DRA_GPU_E2E_NODE_NAME") or socket.gethostname().split(".")[0].lower()
 APISERVER_PORT = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
 ETCD_PORT = int(os.environ.get("DRA_GPU_E2E_ETCD_PORT", "23790"))
+# kube-scheduler's secure port (/healthz); another control plane beside this one sets its own.
+SCHEDULER_PORT = int(os.environ.get("DRA_GPU_E2E_SCHEDULER_PORT", "10259"))
 POD_CIDR = os.environ.get("DRA_GPU_E2E_POD_CIDR", "10.88.0.0/16")
 SERVICE_CIDR = os.environ.get("DRA_GPU_E2E_SERVICE_CIDR", "10.96.0.0/16")
 BRIDGE = os.environ.get("DRA_GPU_E2E_BRIDGE", "dragpu0")

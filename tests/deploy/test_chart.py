@@ -334,6 +334,8 @@ def test_rbac_is_least_privilege(render: Render) -> None:
     assert rules_of(objs, "kubelet-plugin") == {
         *(("resource.k8s.io", "resourceslices", v, "") for v in slice_verbs),
         ("resource.k8s.io", "resourceclaims", "get", ""),
+        # a corrupt checkpoint is rebuilt from the claims allocated to the node
+        ("resource.k8s.io", "resourceclaims", "list", ""),
         # status.devices of the claims it prepared: patch (server-side apply), nothing more.
         ("resource.k8s.io", "resourceclaims/status", "patch", ""),
         ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),

@@ -44,6 +44,9 @@ class ClaimStore(dict[tuple[str, str], dict[str, Any]]):
         claim = self.get((namespace, name))
         return json.loads(json.dumps(claim)) if claim is not None else None
 
+    async def list_claims(self) -> list[dict[str, Any]]:
+        return [json.loads(json.dumps(c)) for c in self.values()]
+
 
 def claim(
     uid: str,

@@ -1,0 +1,700 @@
+"""Scale on the real control plane: KWOK nodes, dra-gpu's publishers and webhook, the real scheduler.
+
+    bash e2e/build.sh kubernetes && bash e2e/build.sh etcd && bash e2e/build.sh kwok   # cached
+    .venv/bin/python bench/scale_bench.py --nodes 50,100,250,500 [--claims 1000] [--json FILE]
+
+For each node count N, a fresh control plane of its own (etcd, kube-apiserver, kube-scheduler from
+e2e/build.sh's cache, the e2e DRA feature gates) in a temporary state dir on ports of its own, so it
+runs beside the e2e cluster; no kubelet, no controller-manager, no containers. (e2e/ci.sh's last
+check takes any process of the cache's programs for a cluster leftover: an e2e run that ends while
+this bench runs fails that check, so run them one after the other.)
+
+1. N nodes registered with KWOK (`kwok` controller, upstream's node-initialize, lease heartbeat and
+   pod-ready stages), each with the capacity for 110 pods.
+2. dra-gpu's slice publisher (dra_gpu.kubeletplugin.publisher.SlicePublisher, the kubelet plugin's
+   code) once per node, all N in one process (`--publishers-for`), publishing the slices of the
+   simulated hgx-2x4 node (8 H100, NVLink domains {0-3} {4-7}) and then watching them, as the plugin
+   does; one HTTP connection per node, like N plugins. The slices are what the GPU driver's
+   resource_slices() builds (slices.build_slices over the node's inventory; no health taints, no
+   memory shares); the driver itself is not made, as it needs a preparer with its node's dirs.
+3. `dra-gpu controller` (the webhook) watching slices, classes and claims of the cluster.
+4. The bench creates `--claims` ResourceClaims, each followed by a Pod that uses it: claim i asks for
+   1, 2, 4 or 8 GPUs (i mod 4), every other pair of four with a matchAttribute nvlinkDomain
+   constraint, so an eighth of the claims (8 NVLink GPUs; hgx-2x4's domains have 4) can never be
+   allocated. The real kube-scheduler allocates; a watch in the bench times each allocation.
+5. When no allocation came for `--settle` seconds (or all are allocated): scheduling throughput,
+   claim-created-to-allocated p50/p99, RSS and CPU of every process (from /proc), the apiserver's
+   request counts (`apiserver_request_total` from /metrics) while publishing and while scheduling.
+6. `explain` agreement, in-process against the final cluster state (see bench/RESULTS.md): an
+   allocated claim agrees when dra-gpu's allocator accepts exactly the scheduler's devices (on its
+   node, with every other device of that node taken); a pending claim agrees when explain finds no
+   placement anywhere with every allocated device in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import ssl
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dra_gpu.kube import RESOURCE_V1, Kube, list_watch  # noqa: E402
+
+DRIVER = "gpu.dra-gpu.io"
+PROFILE = "hgx-2x4"
+NS = "default"
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+COUNTS = (1, 2, 4, 8)
+NVLINK = [{"matchAttribute": f"{DRIVER}/nvlinkDomain"}]
+GPU_SELECTOR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
+GPU_CLASS = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": DRIVER},
+    "spec": {"selectors": [{"cel": {"expression": GPU_SELECTOR}}]},
+}
+# Components of each run, as (pid file name, program); all are stopped after each size.
+PROCS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok", "publishers", "webhook")
+
+
+def node_name(i: int) -> str:
+    return f"gpu-{i:03d}"
+
+
+def claim_body(i: int) -> dict[str, Any]:
+    count = COUNTS[i % 4]
+    devices: dict[str, Any] = {
+        "requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]
+    }
+    if (i // 4) % 2 == 0:
+        devices["constraints"] = NVLINK
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": f"claim-{i:04d}", "namespace": NS},
+        "spec": {"devices": devices},
+    }
+
+
+def pod_body(i: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"job-{i:04d}", "namespace": NS},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "main", "image": "fake", "resources": {"claims": [{"name": "gpus"}]}}],
+            "resourceClaims": [{"name": "gpus", "resourceClaimName": f"claim-{i:04d}"}],
+        },
+    }
+
+
+def node_body(i: int) -> dict[str, Any]:
+    name = node_name(i)
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {KWOK_ANNOTATION: "fake"},
+            "labels": {"kubernetes.io/hostname": name, "type": "kwok"},
+        },
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] if s else float("nan")
+
+
+# ---------------------------------------------------------------- /proc and /metrics
+
+
+def proc_stats(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) so far, current and peak RSS in MiB; zeros for no process."""
+    if pid is None:
+        return {"cpu_s": 0.0, "rss_mib": 0.0, "hwm_mib": 0.0}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {"cpu_s": 0.0, "rss_mib": 0.0, "hwm_mib": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    return {
+        "cpu_s": (int(fields[11]) + int(fields[12])) / tick,
+        "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+        "hwm_mib": int(status["VmHWM"].split()[0]) / 1024,
+    }
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+class ControlPlane:
+    """The harness of e2e/ pointed at a state dir and ports of this bench's own."""
+
+    def __init__(self, state: str, port_base: int, scheduler_qps: float | None = None) -> None:
+        os.environ.update(
+            DRA_GPU_E2E_STATE=state,
+            DRA_GPU_E2E_APISERVER_PORT=str(port_base + 443),
+            DRA_GPU_E2E_ETCD_PORT=str(port_base + 10),
+            DRA_GPU_E2E_SCHEDULER_PORT=str(port_base + 259),
+        )
+        # The harness reads its settings from the environment at import.
+        from e2e.harness import certs, components, config, processes
+
+        self.certs, self.components, self.config, self.processes = certs, components, config, processes
+        self.state = state
+        # kube-scheduler's client rate limit (upstream default: 50 QPS, burst 100)
+        self.scheduler_flags = (
+            [f"--kube-api-qps={scheduler_qps:g}", f"--kube-api-burst={2 * scheduler_qps:g}"]
+            if scheduler_qps
+            else []
+        )
+        self.webhook_port = port_base + 843
+        self.kwok_dir = os.path.join(config.CACHE, "bin", "kwok-" + config.V["KWOK_VERSION"])
+        self.ip = components.node_ip()
+        certs.make_pki(self.ip)
+        for user in ("admin", "scheduler"):
+            certs.kubeconfig(os.path.join(state, user + ".kubeconfig"), user)
+        self.admin = config.ADMIN_KUBECONFIG
+
+    def check_binaries(self) -> None:
+        need = [
+            os.path.join(self.config.BIN_K8S, "kube-apiserver"),
+            os.path.join(self.config.BIN_K8S, "kube-scheduler"),
+            os.path.join(self.config.BIN_ETCD, "etcd"),
+            os.path.join(self.kwok_dir, "kwok"),
+        ]
+        missing = [b for b in need if not os.access(b, os.X_OK)]
+        if missing:
+            sys.exit(f"missing {', '.join(missing)}: run e2e/build.sh kubernetes, etcd and kwok first")
+
+    def up(self) -> None:
+        shutil.rmtree(os.path.join(self.state, "etcd"), ignore_errors=True)
+        self.components.start_etcd()
+        self.components.start_apiserver(self.ip)
+        self.components.start_scheduler(self.scheduler_flags)
+
+    def start_kwok(self) -> None:
+        self.processes.start(
+            "kwok",
+            [
+                os.path.join(self.kwok_dir, "kwok"),
+                "--kubeconfig",
+                self.admin,
+                "--config",
+                os.path.join(self.kwok_dir, "stages.yaml"),
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
+                "--node-lease-duration-seconds=40",
+                "--cidr=10.0.0.0/16",
+                "--node-ip=10.254.0.1",
+            ],
+        )
+
+    def start_publishers(self, nodes: int, ready: str) -> None:
+        self.processes.start(
+            "publishers",
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--publishers-for",
+                str(nodes),
+                "--kubeconfig",
+                self.admin,
+                "--ready-file",
+                ready,
+            ],
+        )
+
+    def start_webhook(self, cert: str, key: str) -> None:
+        # `dra-gpu controller`, started through the interpreter: the harness knows a process by
+        # its program (/proc/PID/exe), which for the console script is Python
+        self.processes.start(
+            "webhook",
+            [
+                sys.executable,
+                "-m",
+                "dra_gpu.cli",
+                "controller",
+                "--cert",
+                cert,
+                "--key",
+                key,
+                "--address",
+                "127.0.0.1",
+                "--port",
+                str(self.webhook_port),
+                "--kubeconfig",
+                self.admin,
+            ],
+        )
+
+        def ready() -> bool:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            url = f"https://127.0.0.1:{self.webhook_port}/readyz"
+            with urllib.request.urlopen(url, context=ctx, timeout=3) as r:
+                return bool(r.status == 200)
+
+        self.processes.wait_for("webhook", ready, timeout=120, what="ready (caches listed)")
+
+    def pid(self, name: str) -> int | None:
+        return self.processes.read_pid(name)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {name: proc_stats(self.pid(name)) for name in PROCS}
+
+    def down(self) -> None:
+        for name in reversed(PROCS):
+            pid = self.pid(name)
+            if pid is not None:
+                self.processes.stop_pid(name, pid)
+
+    def request_counts(self) -> dict[str, float]:
+        """apiserver_request_total summed per "resource[/subresource] VERB"."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        pki = self.config.PKI
+        ctx = ssl.create_default_context(cafile=os.path.join(pki, "ca.crt"))
+        ctx.load_cert_chain(os.path.join(pki, "admin.crt"), os.path.join(pki, "admin.key"))
+        url = f"https://127.0.0.1:{self.config.APISERVER_PORT}/metrics"
+        with urllib.request.urlopen(url, context=ctx, timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "apiserver_request":
+                continue
+            for s in family.samples:
+                if not s.name.endswith("_total"):
+                    continue
+                res = s.labels.get("resource", "")
+                if s.labels.get("subresource"):
+                    res += "/" + s.labels["subresource"]
+                k = f"{res} {s.labels.get('verb', '')}"
+                out[k] = out.get(k, 0.0) + s.value
+        return out
+
+
+def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: v for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+# ---------------------------------------------------------------- the publishers' process
+
+
+async def run_publishers(nodes: int, kubeconfig: str, ready_file: str) -> None:
+    """dra-gpu's SlicePublisher for each simulated node, all in this process, until killed."""
+    from kubernetes.aio import client as kclient
+    from kubernetes.aio import config as kconfig
+
+    from dra_gpu.discovery import discover_node
+    from dra_gpu.durable import atomic_write
+    from dra_gpu.kubeletplugin.metrics import PluginMetrics
+    from dra_gpu.kubeletplugin.publisher import SlicePublisher
+    from dra_gpu.slices import build_slices
+
+    configuration = kclient.Configuration()
+    await kconfig.load_kube_config(  # type: ignore[no-untyped-call]
+        config_file=kubeconfig, client_configuration=configuration
+    )
+    # One connection per node, as N plugins would hold (each keeps a watch open).
+    configuration.connection_pool_maxsize = nodes + 16
+    kube = Kube(kclient.ApiClient(configuration))
+    publishers = []
+    for i in range(nodes):
+        inventory = discover_node(node_name(i), PROFILE)
+
+        def build(generation: int, inventory: Any = inventory) -> list[dict[str, Any]]:
+            return build_slices(inventory, DRIVER, generation)
+
+        publishers.append(SlicePublisher(kube, DRIVER, node_name(i), build, PluginMetrics()))
+    t0 = time.monotonic()
+    await asyncio.gather(*(p.start() for p in publishers))
+    atomic_write(Path(ready_file), json.dumps({"publish_s": time.monotonic() - t0}).encode())
+    await asyncio.gather(*(p.run() for p in publishers))
+
+
+# ---------------------------------------------------------------- one size
+
+
+async def wait_until(what: str, check: Any, timeout: float, interval: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(interval)
+    raise TimeoutError(f"{what}: not after {timeout:.0f} s")
+
+
+async def untaint(kube: Kube, nodes: int, sem: asyncio.Semaphore) -> None:
+    """Lift the node.kubernetes.io/not-ready taint the apiserver puts on a new node: the node
+    lifecycle controller's job once the node is Ready (no controller-manager runs here)."""
+    from kubernetes.aio import client as kclient
+
+    core = kclient.CoreV1Api(kube.api_client)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await core.patch_node(node_name(i), {"spec": {"taints": None}})
+
+    await asyncio.gather(*(one(i) for i in range(nodes)))
+
+
+class Tracker:
+    """Creation and first-seen-allocated times of the claims, from a watch."""
+
+    def __init__(self) -> None:
+        self.created: dict[str, float] = {}
+        self.allocated: dict[str, float] = {}
+        self.objects: dict[str, dict[str, Any]] = {}
+
+    def see(self, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        self.objects[name] = obj
+        if (obj.get("status") or {}).get("allocation") and name not in self.allocated:
+            self.allocated[name] = time.monotonic()
+
+    async def on_list(self, items: list[dict[str, Any]], _version: str) -> None:
+        for o in items:
+            self.see(o)
+
+    async def on_event(self, kind: str, obj: dict[str, Any]) -> bool:
+        if kind in ("ADDED", "MODIFIED"):
+            self.see(obj)
+        return True
+
+
+async def one_size(
+    cp: ControlPlane, nodes: int, claims: int, settle: float, cert: tuple[str, str]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"nodes": nodes, "claims": claims, "devices": nodes * 8}
+    t_up = time.monotonic()
+    cp.up()
+    out["control_plane_up_s"] = time.monotonic() - t_up
+    kube = await Kube.connect(cp.admin)
+    try:
+        await kube.create(f"{RESOURCE_V1}/deviceclasses", GPU_CLASS)
+        await kube.create(f"/api/v1/namespaces/{NS}/serviceaccounts", {"metadata": {"name": "default"}})
+        cp.start_kwok()
+        sem = asyncio.Semaphore(16)
+
+        async def create(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            async with sem:
+                return await kube.create(path, body)
+
+        await asyncio.gather(*(create("/api/v1/nodes", node_body(i)) for i in range(nodes)))
+
+        async def all_ready() -> bool:
+            items, _ = await kube.list_objects("/api/v1/nodes", None)
+            ready = [
+                n
+                for n in items
+                if any(
+                    c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (n.get("status") or {}).get("conditions") or []
+                )
+            ]
+            return len(ready) >= nodes
+
+        await wait_until("nodes Ready (kwok)", all_ready, 180)
+        await untaint(kube, nodes, sem)
+        before_publish = cp.request_counts()
+        ready_file = os.path.join(cp.state, "publishers.ready")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ready_file)
+        t_pub = time.monotonic()
+        cp.start_publishers(nodes, ready_file)
+        cp.processes.wait_for("publishers", lambda: os.path.exists(ready_file), timeout=300, what="published")
+        out["publish_wall_s"] = time.monotonic() - t_pub
+        with open(ready_file) as f:
+            out["publish_s"] = json.load(f)["publish_s"]
+        slices, _ = await kube.list_slices(f"spec.driver={DRIVER}")
+        out["slices"] = len(slices)
+        out["published_devices"] = sum(len(s["spec"].get("devices") or []) for s in slices)
+        cp.start_webhook(*cert)
+        # let the publishers' watches settle before the scheduling phase is measured
+        await asyncio.sleep(2)
+        out["requests_publish"] = diff(cp.request_counts(), before_publish)
+        stats0 = cp.stats()
+        before_claims = cp.request_counts()
+        out["load_before"] = loadavg()
+
+        tracker = Tracker()
+        watch = asyncio.create_task(
+            list_watch(
+                kube, f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", tracker.on_list, tracker.on_event
+            )
+        )
+
+        async def claim_and_pod(i: int) -> None:
+            async with sem:
+                c = await kube.create(f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", claim_body(i))
+                tracker.created[c["metadata"]["name"]] = time.monotonic()
+                await kube.create(f"/api/v1/namespaces/{NS}/pods", pod_body(i))
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(claim_and_pod(i) for i in range(claims)))
+        out["create_s"] = time.monotonic() - t0
+        # settled: all allocated, or no new allocation for `settle` seconds (capped at 15 min)
+        last, seen = time.monotonic(), -1
+        while len(tracker.allocated) < claims and time.monotonic() - t0 < 900:
+            if len(tracker.allocated) != seen:
+                last, seen = time.monotonic(), len(tracker.allocated)
+            elif time.monotonic() - last > settle:
+                break
+            await asyncio.sleep(0.5)
+        out["load_after"] = loadavg()
+        stats1 = cp.stats()
+        out["requests_claims"] = diff(cp.request_counts(), before_claims)
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+        lat = [tracker.allocated[n] - tracker.created[n] for n in tracker.allocated if n in tracker.created]
+        last_alloc = max(tracker.allocated.values(), default=t0)
+        out["allocated"] = len(tracker.allocated)
+        out["alloc_span_s"] = last_alloc - t0
+        out["throughput_per_s"] = len(tracker.allocated) / (last_alloc - t0) if tracker.allocated else 0.0
+        out["latency_p50_s"] = pct(lat, 50)
+        out["latency_p99_s"] = pct(lat, 99)
+        out["procs"] = {
+            name: {
+                "cpu_publish_s": stats0[name]["cpu_s"],
+                "cpu_claims_s": stats1[name]["cpu_s"] - stats0[name]["cpu_s"],
+                "rss_mib": stats1[name]["rss_mib"],
+                "hwm_mib": stats1[name]["hwm_mib"],
+            }
+            for name in PROCS
+        }
+        final_claims, _ = await kube.list_objects(f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", None)
+        slices, _ = await kube.list_slices(f"spec.driver={DRIVER}")
+        t_ex = time.monotonic()
+        out["explain"] = agreement(slices, final_claims)
+        out["explain"]["seconds"] = time.monotonic() - t_ex
+        return out
+    finally:
+        await kube.close()
+        cp.down()
+
+
+# ---------------------------------------------------------------- explain agreement
+
+
+def agreement(slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> dict[str, Any]:
+    """Compare each claim's outcome in the scheduler with dra-gpu's explain (module docstring)."""
+    from dra_gpu.controller.allocator import Cluster, allocated_devices, place
+    from dra_gpu.controller.explain import explain
+    from dra_gpu.controller.rules import Validator
+
+    validator = Validator(DRIVER, slices, [GPU_CLASS])
+    allocated = [c for c in claims if (c.get("status") or {}).get("allocation")]
+    cluster = Cluster(validator.env, slices, {DRIVER: GPU_CLASS}, allocated_devices(allocated))
+    domain = {
+        (s["spec"]["pool"]["name"], d["name"]): (d.get("attributes") or {})
+        .get("nvlinkDomain", {})
+        .get("string")
+        for s in slices
+        for d in s["spec"].get("devices") or []
+    }
+    res: dict[str, Any] = {
+        "allocated": len(allocated),
+        "allocated_agree": 0,
+        "pending": len(claims) - len(allocated),
+        "pending_agree": 0,
+        "same_domain_count": 0,
+        "disagreements": [],
+    }
+    for c in claims:
+        name = c["metadata"]["name"]
+        results = (((c.get("status") or {}).get("allocation") or {}).get("devices") or {}).get(
+            "results"
+        ) or []
+        if results:
+            node = str(results[0]["pool"])  # dra-gpu's pool is named after its node
+            mine = allocated_devices([c])
+            others = cluster.in_use - mine
+            try:
+                # explain's own choice on that node, every other allocation in use
+                cluster.in_use = others
+                free_choice = place(cluster, c["spec"], node)
+                # the scheduler's exact devices: every other device of the node taken
+                cluster.in_use = others | ({d.key for d in cluster.devices(node)} - mine)
+                exact = place(cluster, c["spec"], node)
+            finally:
+                cluster.in_use = others | mine
+            if exact is None:
+                res["disagreements"].append(
+                    f"{name}: scheduler allocated {sorted(d for _, _, d in mine)} on {node}, "
+                    "explain finds no placement there with exactly those devices"
+                )
+                continue
+            res["allocated_agree"] += 1
+            theirs = {domain.get((node, d)) for _, _, d in mine}
+            ours = {domain.get((node, d)) for d in (free_choice or exact).devices}
+            res["same_domain_count"] += len(theirs) == len(ours)
+        else:
+            e = explain(cluster, c["spec"])
+            if e.allocatable and e.placement is not None:
+                res["disagreements"].append(f"{name}: pending, explain places it on {e.placement.node}")
+            else:
+                res["pending_agree"] += 1
+    total = len(claims)
+    res["agree_pct"] = 100.0 * (res["allocated_agree"] + res["pending_agree"]) / total if total else 100.0
+    res["disagreements"] = res["disagreements"][:20]
+    return res
+
+
+# ---------------------------------------------------------------- report
+
+
+def report(r: dict[str, Any]) -> str:
+    p = r["procs"]
+    ex = r["explain"]
+    lines = [
+        f"== {r['nodes']} nodes, {r['devices']} GPUs published in {r['slices']} slices "
+        f"({r['published_devices']} devices), {r['claims']} claims",
+        f"  control plane up {r['control_plane_up_s']:.1f} s; publishers: all {r['nodes']} synced in "
+        f"{r['publish_s']:.2f} s (process start to ready {r['publish_wall_s']:.2f} s)",
+        f"  claims+pods created in {r['create_s']:.1f} s; allocated {r['allocated']}/{r['claims']} in "
+        f"{r['alloc_span_s']:.1f} s: {r['throughput_per_s']:.1f} claims/s; created->allocated "
+        f"p50 {r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s",
+        f"  load average before/after: {r['load_before']} / {r['load_after']}",
+        "  process          RSS MiB  peak MiB  CPU s (publish+setup)  CPU s (claims phase)",
+    ]
+    for name, s in p.items():
+        lines.append(
+            f"  {name:<15} {s['rss_mib']:8.1f} {s['hwm_mib']:9.1f} "
+            f"{s['cpu_publish_s']:22.1f} {s['cpu_claims_s']:21.1f}"
+        )
+    for phase in ("publish", "claims"):
+        req = r[f"requests_{phase}"]
+        top = ", ".join(f"{k} {v:.0f}" for k, v in list(req.items())[:8])
+        lines.append(f"  apiserver requests ({phase} phase): {sum(req.values()):.0f}: {top}")
+    lines.append(
+        f"  explain agrees on {ex['allocated_agree']}/{ex['allocated']} allocated and "
+        f"{ex['pending_agree']}/{ex['pending']} pending claims: {ex['agree_pct']:.1f} % "
+        f"(same NVLink-domain count as the scheduler's devices: {ex['same_domain_count']}/{ex['allocated']}; "
+        f"{ex['seconds']:.1f} s)"
+    )
+    for d in ex["disagreements"]:
+        lines.append(f"    disagrees: {d}")
+    return "\n".join(lines)
+
+
+# (column title, how to get it from one size's figures)
+SUMMARY: list[tuple[str, Any]] = [
+    ("allocated", lambda r: r["allocated"]),
+    ("claims/s", lambda r: r["throughput_per_s"]),
+    ("p50 s", lambda r: r["latency_p50_s"]),
+    ("p99 s", lambda r: r["latency_p99_s"]),
+    ("pub MiB", lambda r: r["procs"]["publishers"]["rss_mib"]),
+    (
+        "pub CPU s",
+        lambda r: r["procs"]["publishers"]["cpu_publish_s"] + r["procs"]["publishers"]["cpu_claims_s"],
+    ),
+    ("hook MiB", lambda r: r["procs"]["webhook"]["rss_mib"]),
+    ("hook CPU s", lambda r: r["procs"]["webhook"]["cpu_publish_s"] + r["procs"]["webhook"]["cpu_claims_s"]),
+    ("sched CPU s", lambda r: r["procs"]["kube-scheduler"]["cpu_claims_s"]),
+    ("api CPU s", lambda r: r["procs"]["kube-apiserver"]["cpu_claims_s"]),
+    ("slice req", lambda r: slice_requests(r["requests_publish"])),
+    ("req claims", lambda r: sum(r["requests_claims"].values())),
+    ("explain %", lambda r: r["explain"]["agree_pct"]),
+]
+
+
+def slice_requests(counts: dict[str, float]) -> float:
+    """Requests on ResourceSlices: the publishers' (and one list each of the webhook and the bench)."""
+    return sum(v for k, v in counts.items() if k.startswith("resourceslices "))
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """One row per size, then each figure's growth from the smallest size to the largest."""
+    lines = ["nodes " + " ".join(f"{t:>11}" for t, _ in SUMMARY)]
+    for r in results:
+        lines.append(f"{r['nodes']:>5} " + " ".join(f"{get(r):>11.5g}" for _, get in SUMMARY))
+    if len(results) > 1:
+        a, b = results[0], results[-1]
+        growth = []
+        for _, get in SUMMARY:
+            x, y = float(get(a)), float(get(b))
+            growth.append(f"x{y / x:.2f}" if x else "-")
+        lines.append(f"growth from {a['nodes']} to {b['nodes']} nodes (x{b['nodes'] / a['nodes']:.1f}):")
+        lines.append("      " + " ".join(f"{g:>11}" for g in growth))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="50,100", help="comma-separated node counts")
+    ap.add_argument("--claims", type=int, default=1000)
+    ap.add_argument("--settle", type=float, default=30.0, help="seconds without an allocation that end a run")
+    ap.add_argument("--port-base", type=int, default=26000, help="ports used: base+10..12, +259, +443, +843")
+    ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    ap.add_argument("--keep", action="store_true", help="keep the state dir (logs) at the end")
+    ap.add_argument(
+        "--scheduler-qps",
+        type=float,
+        help="kube-scheduler's client QPS (burst twice that); default: upstream's 50",
+    )
+    ap.add_argument("--publishers-for", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--kubeconfig", help=argparse.SUPPRESS)
+    ap.add_argument("--ready-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.publishers_for:
+        asyncio.run(run_publishers(args.publishers_for, args.kubeconfig, args.ready_file))
+        return
+
+    from tests.controller.test_webhook import make_cert
+
+    state = tempfile.mkdtemp(prefix="dra-gpu-scale-")
+    results = []
+    cp = ControlPlane(state, args.port_base, args.scheduler_qps)
+    try:
+        cp.check_binaries()
+        cert, key = make_cert(Path(state), "scale-bench-webhook")
+        qps = f"{args.scheduler_qps:g}" if args.scheduler_qps else "50 (default)"
+        print(
+            f"machine: {os.cpu_count()} CPUs, load average {loadavg()}; kube-scheduler QPS {qps}", flush=True
+        )
+        for n in (int(x) for x in args.nodes.split(",")):
+            r = asyncio.run(one_size(cp, n, args.claims, args.settle, (str(cert), str(key))))
+            results.append(r)
+            print(report(r), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+        print(summary(results), flush=True)
+    except Exception:
+        for name in PROCS:
+            print(f"---- last lines of {name}'s log ----\n{cp.processes.log_tail(name, 15)}", file=sys.stderr)
+        raise
+    finally:
+        if args.keep:
+            print(f"state, logs: {state}", file=sys.stderr)
+        else:
+            shutil.rmtree(state, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
