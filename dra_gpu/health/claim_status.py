@@ -4,8 +4,10 @@ UUID, product, index, minor, MIG profile) and two conditions, `Ready` (prepared)
 and whether it is still healthy.
 
 Written with server-side apply to the status subresource (field manager = the driver name), which
-owns exactly this driver's entries. Best effort: a failure is logged, never fails a prepare; a
-missing permission (the chart's `kubeletPlugin.claimStatusWrites`) is logged once.
+owns exactly this driver's entries. Best effort, in the background: a failure is logged, never fails
+or delays a prepare; a write that falls in an apiserver outage is retried with backoff for up to
+STATUS_RETRY_SECONDS, and a newer write for the same claim replaces it; a missing permission (the
+chart's `kubeletPlugin.claimStatusWrites`) is logged once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.kube import Kube, KubeError
@@ -26,6 +28,9 @@ from dra_gpu.model import Gpu, Inventory, MigDevice
 log = logging.getLogger(__name__)
 
 HTTP_FORBIDDEN, HTTP_NOT_FOUND, HTTP_CONFLICT = 403, 404, 409
+STATUS_RETRY_SECONDS = 300.0
+# A health change waits this long for the statuses it causes, then lets them finish on their own.
+SYNC_WAIT_SECONDS = 2.0
 
 
 def _transient(exc: BaseException) -> bool:
@@ -46,6 +51,7 @@ class ClaimStatusWriter:
         inventory: Inventory,
         health: HealthManager | None,
         prepared_claims: Callable[[], list[tuple[str, str, str, list[dict[str, Any]]]]],
+        retry_initial: float = 0.2,
     ) -> None:
         """`prepared_claims`: (namespace, name, uid, devices as the checkpoint stores them)."""
         self.kube = kube
@@ -61,7 +67,8 @@ class ClaimStatusWriter:
         self._written: dict[str, str] = {}  # claim uid -> the status last applied (JSON)
         self._since: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # condition status, since
         self._forbidden_said = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._retry_initial = retry_initial
+        self._pending: dict[str, asyncio.Task[None]] = {}  # claim uid -> its write in flight
 
     def data(self, device: str) -> dict[str, Any]:
         gpu, mig = self.devices[device]
@@ -133,8 +140,9 @@ class ClaimStatusWriter:
             return
         try:
             async for attempt in AsyncRetrying(
-                wait=wait_exponential(multiplier=0.2, max=2),
-                stop=stop_after_attempt(4),
+                wait=wait_exponential(multiplier=self._retry_initial, max=10)
+                + wait_random(0, self._retry_initial),
+                stop=stop_after_delay(STATUS_RETRY_SECONDS),
                 retry=retry_if_exception(_transient),
                 reraise=True,
             ):
@@ -159,21 +167,41 @@ class ClaimStatusWriter:
 
     def prepared(self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]) -> None:
         """In the background: a prepare does not wait for its status."""
+        self._schedule(namespace, name, uid, devices)
+
+    def _schedule(
+        self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]
+    ) -> asyncio.Task[None]:
+        old = self._pending.pop(uid, None)
+        if old is not None:
+            old.cancel()  # what it would write is out of date
         task = asyncio.create_task(self.write(namespace, name, uid, devices), name=f"claim-status-{uid}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._pending[uid] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._pending.get(uid) is done:
+                del self._pending[uid]
+
+        task.add_done_callback(forget)
+        return task
 
     def unprepared(self, uid: str) -> None:
+        task = self._pending.pop(uid, None)
+        if task is not None:
+            task.cancel()
         self._written.pop(uid, None)
         for key in [k for k in self._since if k[0] == uid]:
             del self._since[key]
 
     async def sync(self) -> None:
         """Every prepared claim's status as it should be now (after a health change, at start)."""
-        for namespace, name, uid, devices in self.prepared_claims():
-            await self.write(namespace, name, uid, devices)
+        tasks = [self._schedule(*claim) for claim in self.prepared_claims()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=SYNC_WAIT_SECONDS)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        tasks = list(self._pending.values())
+        self._pending.clear()
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -84,3 +84,27 @@ def test_status_follows_prepare_and_health(tmp_path: Path) -> None:
         await writer.close()
 
     asyncio.run(body())
+
+
+def test_a_status_write_that_falls_in_an_outage_lands_after_it() -> None:
+    async def body() -> None:
+        inv = discover_node("node-a", "hgx-2x4")
+        devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
+        kube = RecordingKube(fail=[503] * 8)  # the apiserver answers 503 for a while
+        writer = ClaimStatusWriter(
+            kube,  # type: ignore[arg-type]
+            DRIVER,
+            inv,
+            None,
+            lambda: [("ns", "c", "uid-1", devices)],
+            retry_initial=0.01,
+        )
+        writer.prepared("ns", "c", "uid-1", devices)
+        for _ in range(500):
+            if kube.applied:
+                break
+            await asyncio.sleep(0.01)
+        assert not kube.fail and [name for _, name, _ in kube.applied] == ["c"]
+        await writer.close()
+
+    asyncio.run(body())
