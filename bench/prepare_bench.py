@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +130,24 @@ class Cluster:
         return name, claim["metadata"]["uid"]
 
 
+def prepare_seconds(port: int) -> tuple[float, float]:
+    """(sum, count) of the plugin's own prepare latency histogram: the time inside the plugin."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        for key in ("_sum", "_count"):
+            if line.startswith(f'dra_gpu_node_request_duration_seconds{key}{{operation="prepare"}}'):
+                values[key] = float(line.split()[-1])
+    return values["_sum"], values["_count"]
+
+
 async def measure(
-    sock: Path, ns: str, claims: list[tuple[str, str]], rounds: int, inflight: int
+    sock: Path,
+    ns: str,
+    claims: list[tuple[str, str]],
+    rounds: int,
+    inflight: int,
+    inside: Callable[[], tuple[float, float]] | None = None,
 ) -> dict[str, float]:
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
         stub = pb_grpc.DRAPluginStub(ch)
@@ -152,17 +171,22 @@ async def measure(
             await prepare(c)
             await unprepare(c)
         lat = []
+        before = inside() if inside else (0.0, 0.0)
         for i in range(rounds):
             c = claims[i % len(claims)]
             lat.append(await prepare(c))
             await unprepare(c)
+        after = inside() if inside else (0.0, 0.0)
         lat.sort()
         batch = claims[:inflight]
         t = time.perf_counter()
         await asyncio.gather(*(prepare(c) for c in batch))
         wall = time.perf_counter() - t
         await asyncio.gather(*(unprepare(c) for c in batch))
+        inside_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
         return {
+            "mean_ms": statistics.mean(lat) * 1e3,
+            "inside_mean_ms": inside_ms if inside else float("nan"),
             "p50_ms": statistics.median(lat) * 1e3,
             "p99_ms": lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3,
             "throughput": len(batch) / wall,
@@ -188,6 +212,16 @@ def main() -> None:
     driver_root = subprocess.run(
         [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
     ).stdout.split()[-1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
+    # Slices an earlier run published would make the start-up time 0: start from none.
+    for s in cluster.custom.list_cluster_custom_object(
+        GROUP, VERSION, "resourceslices", field_selector=f"spec.driver={OURS}"
+    )["items"]:
+        cluster.custom.delete_cluster_custom_object(GROUP, VERSION, "resourceslices", s["metadata"]["name"])
+    while cluster.devices(OURS):
+        time.sleep(0.05)
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [
@@ -204,7 +238,7 @@ def main() -> None:
             "--plugin-dir",
             str(plugin_dir),
             "--http-address",
-            "",
+            f"127.0.0.1:{metrics_port}",
             "--registry-dir",
             str(KUBELET_ROOT / "plugins_registry"),
         ],
@@ -217,15 +251,24 @@ def main() -> None:
                 raise SystemExit((tmp / "plugin.log").read_text())
             time.sleep(0.05)
         startup = time.perf_counter() - t0
+        rss_at_start = rss_mb(proc.pid)  # imports, inventory and slices: the floor before any claim
         while not (plugin_dir / "dra.sock").exists():
             time.sleep(0.05)
         results = {}
         ours = [cluster.allocated_claim(ns, OURS, d, cluster.node) for d in cluster.devices(OURS)]
         results["dra-gpu"] = asyncio.run(
-            measure(plugin_dir / "dra.sock", ns, ours, args.rounds, args.inflight)
+            measure(
+                plugin_dir / "dra.sock",
+                ns,
+                ours,
+                args.rounds,
+                args.inflight,
+                lambda: prepare_seconds(metrics_port),
+            )
         )
         results["dra-gpu"]["rss_mb"] = rss_mb(proc.pid)
         results["dra-gpu"]["startup_s"] = startup
+        results["dra-gpu"]["rss_start_mb"] = rss_at_start
         subprocess.run(
             [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "start"],
             check=True,
@@ -255,6 +298,12 @@ def main() -> None:
             f"{r['rss_mb']:>7.1f} {start:>8}"
         )
     o, p = results["dra-gpu"], results["peer"]
+    print(f"dra-gpu RSS once its slices were published (before any claim): {o['rss_start_mb']:.1f} MB")
+    print(
+        f"one-claim prepare, mean: {o['mean_ms']:.2f} ms at the client, {o['inside_mean_ms']:.2f} ms inside "
+        f"the plugin (claim GET, plan, durable writes; its latency histogram), the rest gRPC and "
+        f"scheduling; peer at the client {p['mean_ms']:.2f} ms"
+    )
     print(
         f"ratios dra-gpu/peer: p50 {o['p50_ms'] / p['p50_ms']:.2f}, p99 {o['p99_ms'] / p['p99_ms']:.2f}, "
         f"throughput {o['throughput'] / p['throughput']:.2f}, RSS {o['rss_mb'] / p['rss_mb']:.2f}"

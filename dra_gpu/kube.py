@@ -30,6 +30,8 @@ from tenacity.wait import wait_base
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 10.0
+MAX_CONNECTIONS = 16
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 HTTP_GONE = 410
 
@@ -72,6 +74,13 @@ class Kube:
             )
         else:
             kconfig.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        # A burst of prepares queues on a few warm connections instead of opening (and TLS
+        # handshaking) one per request; the long watches hold one each.
+        configuration.connection_pool_maxsize = MAX_CONNECTIONS
+        if not any(os.environ.get(v) for v in PROXY_VARIABLES):
+            # Without a proxy to take from the environment, trust_env only makes aiohttp read
+            # ~/.netrc in a worker thread before every request (not a Kubernetes credential).
+            configuration.client_session_kwargs = {"trust_env": False}
         return cls(kclient.ApiClient(configuration))
 
     async def close(self) -> None:

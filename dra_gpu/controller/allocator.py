@@ -13,6 +13,7 @@ Besides the first-fit answer it finds the placement with the lowest NVLink link 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -60,13 +61,21 @@ class Device:
     consumes: list[tuple[str, dict[str, Decimal]]] = field(default_factory=list)
     _view: dict[str, Any] | None = None
     _activation: Any = None
+    _attributes: dict[str, tuple[str, Any] | None] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, str, str]:
         return (self.driver, self.pool, self.name)
 
     def attribute(self, qualified: str) -> tuple[str, Any] | None:
         """(kind, value) of a fully qualified attribute; the driver's own may be published unqualified."""
+        try:
+            return self._attributes[qualified]
+        except KeyError:
+            found = self._attributes[qualified] = self._attribute(qualified)
+            return found
+
+    def _attribute(self, qualified: str) -> tuple[str, Any] | None:
         attrs = self.raw.get("attributes") or {}
         value = attrs.get(qualified)
         domain, _, ident = qualified.rpartition("/")
@@ -334,6 +343,9 @@ class Cluster:
         self.shared_use = {k: dict(v) for k, v in (shared_use or {}).items()}
         self.step_budget = step_budget
         self.pools = self._gather(slices)
+        self._pools = {(p.driver, p.name): p for p in self.pools}
+        # Explanations by claim spec, for a caller that explains many claims against one view.
+        self.explained: dict[tuple[str, bool], Any] | None = None
         self.nodes = sorted(
             {str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices if s["spec"].get("nodeName")}
         ) or [""]
@@ -406,7 +418,7 @@ class Cluster:
         """Counters the allocated devices usable on `node` consume: (pool, set, counter) -> sum."""
         out: dict[tuple[tuple[str, str], str, str], Decimal] = {}
         for d in self.devices(node):
-            if d.key not in self.in_use:
+            if not d.consumes or d.key not in self.in_use:
                 continue
             for cset, counters in d.consumes:
                 for cname, v in counters.items():
@@ -415,7 +427,7 @@ class Cluster:
         return out
 
     def pool(self, key: tuple[str, str]) -> Pool | None:
-        return next((p for p in self.pools if (p.driver, p.name) == key), None)
+        return self._pools.get(key)
 
     def matches(self, expression: str, device: Device) -> bool:
         k = (expression, id(device))
@@ -442,6 +454,20 @@ class Cluster:
                 ) from exc
             self._selected[k] = hit
         return hit
+
+    @functools.cached_property
+    def tainted(self) -> bool:
+        """Some device has a taint (published data: fixed for this view)."""
+        return any(d.taints() for node in self.nodes for d in self.devices(node))
+
+    def warm(self) -> None:
+        """Build every node's devices and their CEL views now (published data only, no selector
+        runs), so a forked child (bounded.py) starts with them."""
+        for node in self.nodes:
+            for d in self.devices(node):
+                if d._view is None:
+                    d._view = self.env.device_view(d.driver, d.raw)
+                    d._activation = self.env.activation(d._view)
 
     def selectable(self, sub: SubRequest, device: Device) -> bool:
         cls = self.classes.get(sub.device_class)
@@ -553,9 +579,31 @@ class _Search:
                     cands = [d for d in cands if d.key not in self.in_use]
                     if len(cands) < sub.count:
                         continue
+                cands = self._matchable(sub, cands)
+                if len(cands) < sub.count:
+                    continue
                 if self._fill(ri, sub, cands, sub.count, 0):
                     return True
         return False
+
+    def _matchable(self, sub: SubRequest, cands: list[Device]) -> list[Device]:
+        """Candidates that can be part of a solution under the match constraints: all `count`
+        devices of the request share each matched attribute's value (the one an earlier request
+        took, if any), so a device whose value fewer than `count` candidates have is never
+        chosen. Pruning them first spares the search every combination that would fail later."""
+        for i, con in enumerate(self.constraints):
+            if con.kind != "match" or not con.applies(sub):
+                continue
+            taken = self.values[i][0] if self.values[i] else None
+            groups: dict[Any, list[Device]] = {}
+            for d in cands:
+                value = d.attribute(con.attribute)
+                if value is not None and (taken is None or value == taken):
+                    groups.setdefault(value, []).append(d)
+            keep = {id(d) for g in groups.values() if len(g) >= sub.count for d in g}
+            if len(keep) < len(cands):
+                cands = [d for d in cands if id(d) in keep]
+        return cands
 
     def _fill(self, ri: int, sub: SubRequest, cands: list[Device], remaining: int, start: int) -> bool:
         if remaining == 0:
@@ -660,10 +708,12 @@ def place(
     ignore_in_use: bool = False,
     best: bool = False,
     ignore_counters: bool = False,
+    parsed: tuple[list[Request], list[Constraint]] | None = None,
 ) -> Placement | None:
     """`ignore_counters`: as if devices shared no counters (the diagnosis asks whether they are
-    what stands in the way)."""
-    requests, constraints = parse_requests(spec)
+    what stands in the way). `parsed`: parse_requests(spec), for a caller placing one claim on
+    many nodes (the search never changes it)."""
+    requests, constraints = parsed or parse_requests(spec)
     found = _Search(cluster, node, requests, constraints, ignore_in_use, best, ignore_counters).run()
     if found is None:
         return None

@@ -91,17 +91,19 @@ def explain_inputs(
 ) -> dict[str, Any]:
     """Each claim's simulated allocation. `bounded` (the command line): each claim in a forked
     child with a deadline and a memory cap (not from a process with threads: the doctor)."""
-    from dra_gpu.controller.allocator import Cluster, allocated_devices, shared_consumption
-    from dra_gpu.controller.bounded import OverBudget, run_bounded
+    from dra_gpu.controller.bounded import OverBudget, run_bounded_each
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
 
-    validator = Validator(driver, inputs.slices, inputs.classes)
-    classes = {str((c.get("metadata") or {}).get("name")): c for c in inputs.classes}
     allocated = [c for c in inputs.claims if _allocated(c)]
-    in_use = allocated_devices(allocated)
-    cluster = Cluster(validator.env, inputs.slices, classes, in_use, shared_use=shared_consumption(allocated))
-    out = []
+    # One view of the cluster for the rules and the simulation: selector results and candidate
+    # lists are worked out once, and the rules' "right now" check is the explanation itself.
+    validator = Validator(driver, inputs.slices, inputs.classes, allocated)
+    cluster = validator.cluster
+    cluster.explained = {}
+    if bounded:
+        cluster.warm()
+    steps: list[tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = []
     for claim in inputs.claims:
         if _allocated(claim):
             continue
@@ -144,14 +146,15 @@ def explain_inputs(
                 entry.update(reason=e.reason, simulated=e.simulated)
             return entry
 
-        if bounded:
-            try:
-                entry = run_bounded(one)
-            except OverBudget as exc:
-                entry["reason"] = f"simulation {exc}"
-        else:
-            entry = one()
-        out.append(entry)
+        steps.append((entry, one))
+    if not bounded:
+        return {"claims": [one() for _, one in steps]}
+    out = []
+    for (entry, _), answer in zip(steps, run_bounded_each([one for _, one in steps]), strict=True):
+        if isinstance(answer, OverBudget):
+            entry["reason"] = f"simulation {answer}"
+            answer = entry
+        out.append(answer)
     return {"claims": out}
 
 

@@ -6,6 +6,7 @@ built on the allocator) depend on each other in one direction only.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -18,6 +19,7 @@ from dra_gpu.controller.allocator import (
     SearchLimitError,
     UnknownClassError,
     UnmodelledError,
+    parse_requests,
     place,
 )
 from dra_gpu.controller.diagnosis import why_not
@@ -55,15 +57,27 @@ def _failure(exc: AllocationError) -> Failure:
 
 
 def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> Explanation:
-    """First-fit placement on the first node (by name) where the claim fits, and the cheapest there."""
+    """First-fit placement on the first node (by name) where the claim fits, and the cheapest there.
+    Kept in `cluster.explained` when the caller gave it one (the cluster does not change)."""
+    if cluster.explained is None:
+        return _explain(cluster, spec, ignore_in_use)
+    key = (json.dumps(spec, sort_keys=True, default=str), ignore_in_use)
+    found = cluster.explained.get(key)
+    if found is None:
+        found = cluster.explained[key] = _explain(cluster, spec, ignore_in_use)
+    return found
+
+
+def _explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> Explanation:
     try:
+        parsed = parse_requests(spec)
         for node in cluster.nodes:
-            p = place(cluster, spec, node, ignore_in_use)
+            p = place(cluster, spec, node, ignore_in_use, parsed=parsed)
             if p is not None:
                 b = p
                 if len(p.results) > 1:
                     try:
-                        b = place(cluster, spec, node, ignore_in_use, best=True) or p
+                        b = place(cluster, spec, node, ignore_in_use, best=True, parsed=parsed) or p
                     except SearchLimitError:
                         b = p
                 return Explanation(True, p, b if b.link_cost < p.link_cost else p)

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import resource
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -35,8 +36,14 @@ DEFAULT_DEADLINE_S = 1.0  # the scheduler stops a selector at ~0.1 s (runtime co
 DEFAULT_MEMORY_BYTES = 1 << 30  # beyond the worker's own ~150 MiB
 STORES = ("slices", "classes", "claims")
 WORKER_NICE = 0
-SLOW_NICE = 19  # a worker whose review runs past SLOW_AFTER_S: it gets only spare CPU
-SLOW_AFTER_S = 0.05
+SLOW_NICE = 19  # a worker whose review used SLOW_AFTER_S of CPU: it gets only spare CPU
+SLOW_AFTER_S = 0.02  # of CPU: a warm review takes 0.5-1.2 ms (1,000-4,000 devices)
+SLOW_CHECK_S = 0.01  # how often a running review's CPU is looked at
+# A new worker reviews the last few objects that were answered within budget before it takes
+# real reviews, so their selectors are compiled and evaluated off the request path.
+WARM_UP_REVIEWS = 4
+WARM_UP_CPU_S = 0.2
+WARM_UP_TIMEOUT_S = 30.0
 RECYCLE_BYTES = 768 << 20  # a worker left this large by a review is replaced: its memory released
 PRELOAD = ["dra_gpu.controller.cluster_state"]
 DIRECT_SEND_BYTES = 16 * 1024
@@ -77,7 +84,13 @@ def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) ->
         elif op == "apply":
             state.apply(message[1], message[2], message[3])
         elif op == "ping":
-            state.validator()  # warm: the CEL environments are built before the first review
+            validator = state.validator()  # warm: the CEL environments, and recent reviews' selectors
+            start = time.process_time()
+            for obj in message[1] if len(message) > 1 else ():
+                if time.process_time() - start > WARM_UP_CPU_S:
+                    break  # a warm-up costs at most this (plus one review, within its deadline)
+                with contextlib.suppress(Exception):
+                    validator.validate(obj)
             conn.send(("pong",))
         elif op == "validate":
             try:
@@ -102,6 +115,16 @@ class _Worker:
     conn: Connection
     pending: list[tuple[Any, ...]] = field(default_factory=list)  # events to send before the next review
     reniced: bool = False  # its review was slow; it is replaced rather than kept at low priority
+    cpu_at_start: int = 0  # its CPU time (ns) when the current review was sent
+
+
+def _cpu_ns(worker: _Worker) -> int:
+    """CPU time the worker has used, in ns (/proc/<pid>/schedstat); 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{worker.process.pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class ReviewPool:
@@ -128,6 +151,7 @@ class ReviewPool:
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
         self._respawns: set[asyncio.Task[None]] = set()  # replacements being started, kills being reaped
+        self._recent: list[Any] = []  # the last objects answered within budget (warm-up of new workers)
 
     async def start(self) -> None:
         for _ in range(self.size):
@@ -180,12 +204,16 @@ class ReviewPool:
             else:
                 await asyncio.to_thread(self._send_all, worker, pending)
                 await asyncio.to_thread(worker.conn.send_bytes, request)
-            # A review still running after a few ms is likely costly: let it have only spare CPU,
-            # so that the workers answering normal reviews keep theirs.
-            slow = loop.call_later(SLOW_AFTER_S, self._renice, worker)
+            # A review that has used 20 ms of CPU is likely costly: let it have only
+            # spare CPU, so that the workers answering normal reviews keep theirs. CPU, not wall
+            # time: on a busy node a cheap review can wait that long for a core, and replacing
+            # its worker would only make the next review a cold one.
+            worker.cpu_at_start = _cpu_ns(worker)
+            slow = loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
             try:
                 reply = await asyncio.wait_for(self._receive(loop, worker), self.deadline_s)
             finally:
+                worker.cpu_at_start = -1
                 slow.cancel()
         except asyncio.CancelledError:  # the client went away: the worker may still be busy
             self._replace_worker(worker)
@@ -201,6 +229,8 @@ class ReviewPool:
                 f"validation took longer than {self.deadline_s:g}s (a CEL selector too costly to "
                 "evaluate?); simplify the selectors"
             ) from exc
+        if reply[0] != "error":  # answered within budget (a cold one too): worth warming with
+            self._recent = [*self._recent, obj][-WARM_UP_REVIEWS:]
         if reply[0] == "error" or reply[2] > RECYCLE_BYTES or worker.reniced:
             self._replace_worker(worker)  # per-review state released with the process
         else:
@@ -233,24 +263,46 @@ class ReviewPool:
 
     # -- workers
 
+    def _check_slow(self, worker: _Worker, loop: asyncio.AbstractEventLoop) -> None:
+        if worker.cpu_at_start < 0:
+            return  # answered meanwhile
+        used = _cpu_ns(worker) - worker.cpu_at_start
+        if used >= SLOW_AFTER_S * 1e9 or worker.cpu_at_start == 0:
+            self._renice(worker)
+        else:  # waiting for a core rather than working: look again later
+            loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
+
     @staticmethod
     def _renice(worker: _Worker) -> None:
         worker.reniced = True
         with contextlib.suppress(OSError, TypeError):
             os.setpriority(os.PRIO_PROCESS, worker.process.pid or 0, SLOW_NICE)
 
-    async def _add_worker(self, nice: int = WORKER_NICE) -> None:
+    async def _add_worker(self, nice: int = WORKER_NICE, warm: bool = True) -> None:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(
             target=_worker_main, args=(child, self.driver, self.memory_bytes, nice), daemon=True
         )
-        process.start()
+        # Off the loop: the fork server forks and answers with the pid, milliseconds that every
+        # review waiting on the loop would otherwise wait too (a hostile review costs a worker).
+        await asyncio.to_thread(process.start)
         child.close()
         worker = _Worker(process, parent, [e for s in STORES for e in self.stores[s]])
         self._workers.append(worker)
         pending, worker.pending = worker.pending, []
-        await asyncio.to_thread(self._send_all, worker, [*pending, ("ping",)])
-        await asyncio.to_thread(worker.conn.recv)  # the worker has imported and applied the view
+        warm_up = list(self._recent) if warm else []
+        await asyncio.to_thread(self._send_all, worker, [*pending, ("ping", warm_up)])
+        # The worker has imported, applied the view and reviewed the warm-up objects.
+        if not await asyncio.to_thread(worker.conn.poll, WARM_UP_TIMEOUT_S):
+            log.warning("event=review_worker_not_ready pid=%s", worker.process.pid)
+            self._kill(worker, wait=False)
+            with contextlib.suppress(ValueError):
+                self._workers.remove(worker)
+            if not warm:
+                raise TimeoutError(f"a review worker was not ready within {WARM_UP_TIMEOUT_S:g}s")
+            await self._add_worker(nice, warm=False)  # without the objects that may have held it up
+            return
+        worker.conn.recv()
         self._idle.put_nowait(worker)
 
     def _replace_worker(self, worker: _Worker) -> None:

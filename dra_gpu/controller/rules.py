@@ -426,7 +426,7 @@ class Validator:
                     )
                 )
             return
-        tainted = any(d.taints() for node in self.cluster.nodes for d in self.cluster.devices(node))
+        tainted = self.cluster.tainted
         if not self.cluster.busy and not tainted:
             return
         now = explain(self.cluster, spec)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -92,6 +92,14 @@ def _snapshot(entry: dict[str, Any]) -> dict[str, Any]:
     if "migInstances" in entry:
         out["migInstances"] = [dict(m) for m in entry["migInstances"]]
     return out
+
+
+async def _together(*steps: Awaitable[Any]) -> None:
+    """Run steps concurrently and wait for all of them, then raise the first failure (a roll-back
+    must not race a write still in flight)."""
+    for outcome in await asyncio.gather(*steps, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 def _with_previous_modes(sharing: dict[str, Any]) -> dict[str, Any]:
@@ -184,6 +192,10 @@ class Preparer:
             await asyncio.to_thread(self.checkpoint.write, blob)
             self._written = version
 
+    def _write_spec(self, uid: str, spec: dict[str, Any]) -> None:
+        self.cdi.write(uid, spec)
+        failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)  # the spec is written, its record maybe not
+
     async def _commit_then(self, failpoint: str) -> None:
         await self._commit()
         failpoints.hit(failpoint)
@@ -245,19 +257,30 @@ class Preparer:
                         self._check_conflicts(ref, devices, sharing)
                         self._stage(ref.uid, _snapshot(entry))
                 assert spec is not None
-                # "started" and the spec may land in either order: a spec without a completed
-                # record is removed by the start-up reconciliation.
-                await asyncio.gather(
-                    self._commit_then(failpoints.PREPARE_AFTER_STARTED),
-                    asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits)),
-                )
-                failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)
+                composed = self.cdi.compose(spec, driver_edits)
                 if sharing.record:
+                    # "started" is durable before a daemon starts: only the record finds one a
+                    # crash left half made. It and the spec may land in either order: a spec
+                    # without a completed record is removed by the start-up reconciliation.
+                    await _together(
+                        self._commit_then(failpoints.PREPARE_AFTER_STARTED),
+                        asyncio.to_thread(self._write_spec, ref.uid, composed),
+                    )
                     applied = await self._apply_sharing(ref, sharing.record)
                     entry["sharing"] = applied
-                async with self._state_lock:
-                    self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
-                await self._commit()
+                    async with self._state_lock:
+                        self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
+                    await self._commit()
+                else:
+                    # Nothing but the spec is made (MIG instances are durable step by step in
+                    # _create_instances): "started" held the devices in memory, and "completed"
+                    # is written together with the spec, one durable round instead of two.
+                    # Either may land first: the start-up reconciliation removes a spec that no
+                    # completed record owns and rebuilds a completed claim's spec from its record.
+                    failpoints.hit(failpoints.PREPARE_AFTER_STARTED)
+                    async with self._state_lock:
+                        self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
+                    await _together(self._commit(), asyncio.to_thread(self._write_spec, ref.uid, composed))
                 failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
             except BaseException as exc:
                 if applied is not None:
@@ -514,14 +537,13 @@ class Preparer:
         """Destroy the claim's MIG instances, then remove its spec and record (either order is
         safe, see reconcile). If an instance cannot be destroyed the record stays, so the device
         stays taken and a retry or the next start tries again."""
-        record = self.checkpoint.get(uid)
-        if record is not None:
+        record = self.checkpoint.view(uid)  # entries are replaced whole, never changed in place
+        if record is not None and record.mig_instances:  # else nothing to destroy: no thread hop
             await self._destroy_recorded(record)
-            if record.mig_instances:
-                failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
+            failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
         async with self._state_lock:
             self._stage(uid, None)
-        await asyncio.gather(asyncio.to_thread(self.cdi.remove, uid), self._commit())
+        await _together(asyncio.to_thread(self.cdi.remove, uid), self._commit())
 
     def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice], sharing: SharingPlan) -> None:
         mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}

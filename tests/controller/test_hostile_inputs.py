@@ -178,3 +178,20 @@ def test_costly_selector_is_bounded(tmp_path: Path) -> None:
     assert out.returncode == 1 and ("memory budget" in out.stdout or "took longer" in out.stdout), out.stdout
     out = run("explain", "-f", str(p), timeout=30)
     assert "memory budget" in out.stdout or "took longer" in out.stdout, out.stdout
+
+
+def test_a_costly_claim_between_others_costs_only_its_own_answer(tmp_path: Path) -> None:
+    """explain runs the claims in one bounded child while they stay within budget: the claims
+    before and after a hostile one are explained as if it were not there."""
+    import json
+
+    from bench.webhook_hostile_bench import doubling_selector
+
+    claims = [claim("before", 2), claim("hostile", selectors=[doubling_selector(26)]), claim("after", 2)]
+    p = tmp_path / "in.yaml"
+    p.write_text(yaml.safe_dump_all([*node_slices(), GPU_CLASS, *claims]))
+    out = run("explain", "-f", str(p), "-o", "json", timeout=30)
+    answers = {c["name"]: c for c in json.loads(out.stdout)["claims"]}
+    assert answers["before"]["allocatable"] and answers["after"]["allocatable"], answers
+    assert not answers["hostile"]["allocatable"]
+    assert "memory budget" in answers["hostile"]["reason"] or "took longer" in answers["hostile"]["reason"]

@@ -1,0 +1,98 @@
+"""A plugin killed (SIGKILL) at any moment of prepare and unprepare: after the restart's
+reconciliation every CDI spec belongs to a completed record and every completed record has its
+spec, no device is held twice, and every claim can be prepared and unprepared again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from dra_gpu.plugin.checkpoint import COMPLETED
+from plugin.conftest import ClaimStore, PluginCore, claim, gpu_names, make_core, mig_names
+from plugin.test_prepare import ref_of
+
+TESTS = Path(__file__).resolve().parents[1]
+
+# The plugin's prepare/unprepare loop in a process of its own, over the test's directories.
+CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from pathlib import Path
+    from plugin.conftest import ClaimStore, make_core
+    from dra_gpu.discovery import discover_node
+    from dra_gpu.kubeletplugin.driver import ClaimRef
+
+    root, driver_root, claims = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+    store = ClaimStore()
+    for c in claims:
+        store[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
+    core = make_core(root, discover_node("node-a", "dgx-a100-mig"), store, driver_root)
+    core.preparer.reconcile()
+    refs = [ClaimRef(c["metadata"]["namespace"], c["metadata"]["uid"], c["metadata"]["name"]) for c in claims]
+
+    async def main():
+        print("ready", flush=True)
+        while True:
+            await asyncio.gather(*(core.preparer.prepare(r) for r in refs))
+            await asyncio.gather(*(core.preparer.unprepare(r) for r in refs[::2]))
+            await asyncio.gather(*(core.preparer.prepare(r) for r in refs[::2]))
+            await asyncio.gather(*(core.preparer.unprepare(r) for r in refs))
+
+    asyncio.run(main())
+    """
+)
+
+
+def check_consistent(core: PluginCore) -> None:
+    records = core.checkpoint.records()
+    assert {r.state for r in records} <= {COMPLETED}
+    assert set(core.cdi.owned()) == {r.uid for r in records}
+    edits = core.preparer.driver_files.edits()
+    for r in records:
+        assert r.cdi_spec is not None
+        assert core.cdi.read(r.uid) == core.cdi.compose(r.cdi_spec, edits)
+    held = [d for r in records for d in r.device_names]
+    assert len(held) == len(set(held))
+
+
+def test_sigkill_at_any_point_leaves_a_consistent_node(core: PluginCore) -> None:
+    devices = gpu_names(core)[:2] + mig_names(core)[:6]
+    claims = [claim(f"{i:08d}-0000-4000-8000-000000000000", [d]) for i, d in enumerate(devices)]
+    rng = random.Random(7)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    for _ in range(8):
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(core.root), str(core.driver_root), json.dumps(claims)],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            time.sleep(rng.uniform(0.01, 0.25))
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+        restarted = make_core(core.root, core.inventory, ClaimStore(), core.driver_root)
+        restarted.preparer.reconcile()
+        check_consistent(restarted)
+    store = ClaimStore()
+    for c in claims:
+        store[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
+    last = make_core(core.root, core.inventory, store, core.driver_root)
+    last.preparer.reconcile()
+
+    async def round_trip() -> None:
+        await asyncio.gather(*(last.preparer.prepare(ref_of(c)) for c in claims))
+        check_consistent(last)
+        await asyncio.gather(*(last.preparer.unprepare(ref_of(c)) for c in claims))
+
+    asyncio.run(round_trip())
+    assert last.checkpoint.records() == [] and last.cdi.owned() == {}
