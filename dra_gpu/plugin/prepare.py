@@ -534,16 +534,18 @@ class Preparer:
         }
 
     async def _roll_back(self, uid: str) -> None:
-        """Destroy the claim's MIG instances, then remove its spec and record (either order is
-        safe, see reconcile). If an instance cannot be destroyed the record stays, so the device
-        stays taken and a retry or the next start tries again."""
+        """Destroy the claim's MIG instances, then remove its spec, then its record. If an instance
+        or the spec cannot be removed (a read-only CDI directory) the record stays, so the device
+        stays taken and the kubelet's retry or the next start tries again; never the other way
+        round, which would leave a spec that no record owns while the retry says done."""
         record = self.checkpoint.view(uid)  # entries are replaced whole, never changed in place
         if record is not None and record.mig_instances:  # else nothing to destroy: no thread hop
             await self._destroy_recorded(record)
             failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
+        await asyncio.to_thread(self.cdi.remove, uid)
         async with self._state_lock:
             self._stage(uid, None)
-        await _together(asyncio.to_thread(self.cdi.remove, uid), self._commit())
+        await self._commit()
 
     def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice], sharing: SharingPlan) -> None:
         mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}

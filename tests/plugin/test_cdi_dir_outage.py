@@ -89,3 +89,25 @@ def test_prepare_fails_cleanly_then_succeeds_when_the_dir_recovers(
 
     assert [d.device_name for d in asyncio.run(kubelet())] == gpu_names(core)[:2]
     assert core.cdi.owned() == {} and core.checkpoint.records() == []
+
+
+def test_unprepare_on_a_read_only_dir_keeps_the_claim_until_its_spec_is_gone(
+    core: PluginCore, tmpfs_cdi: Path
+) -> None:
+    c = claim(str(uuid.uuid4()), gpu_names(core)[:1])
+    core.add(c)
+    ref = ClaimRef("default", c["metadata"]["uid"], c["metadata"]["name"])
+
+    async def kubelet() -> None:
+        await core.preparer.prepare(ref)
+        subprocess.run(["mount", "-o", "remount,ro", str(tmpfs_cdi)], check=True)
+        for _ in range(2):  # each retry fails the same way, and the claim stays recorded
+            with pytest.raises(PrepareError, match=os.strerror(errno.EROFS)):
+                await core.preparer.unprepare(ref)
+            assert core.checkpoint.view(ref.uid) is not None
+            assert set(core.cdi.owned()) == {ref.uid}
+        subprocess.run(["mount", "-o", "remount,rw", str(tmpfs_cdi)], check=True)
+        await core.preparer.unprepare(ref)
+
+    asyncio.run(kubelet())
+    assert core.cdi.owned() == {} and core.checkpoint.records() == []
