@@ -318,12 +318,18 @@ def _install_base(root: str, kind_files: str) -> None:
     # kind's files of its base image (entrypoint, units, containerd config, sysctls, scripts).
     shutil.copytree(kind_files, root, dirs_exist_ok=True, symlinks=True)
     shutil.rmtree(os.path.join(root, "LICENSES"), ignore_errors=True)
-    for d in ("kind", "kind/bin"):
-        os.chmod(os.path.join(root, d), 0o755)
-    for script in ("usr/local/bin/entrypoint", "usr/local/bin/clean-install"):
-        os.chmod(os.path.join(root, script), 0o755)
-    for script in os.listdir(os.path.join(root, "kind/bin")):
-        os.chmod(os.path.join(root, "kind/bin", script), 0o755)
+    # Go's module cache is read-only: give the copies the modes of kind's Dockerfile (its
+    # scripts executable), not the cache's.
+    for dirpath, dirnames, filenames in os.walk(kind_files):
+        rel = os.path.relpath(dirpath, kind_files)
+        for d in dirnames:
+            if os.path.isdir(os.path.join(root, rel, d)):
+                os.chmod(os.path.join(root, rel, d), 0o755)
+        for name in filenames:
+            target = os.path.join(root, rel, name)
+            if os.path.exists(target) and not os.path.islink(target):
+                executable = os.stat(os.path.join(dirpath, name)).st_mode & 0o111 or rel.endswith("bin")
+                os.chmod(target, 0o755 if executable else 0o644)
     # systemd as in a container: no tmpfiles setup at boot, none of the default wants.
     sysd = os.path.join(root, "usr/lib/systemd/system")
     with_globs: list[tuple[str, Callable[[str], bool]]] = [
