@@ -95,8 +95,14 @@ def engine():
 def cluster(engine):
     image = timed("node image (build or cache)", kind_node.ensure_image)
     sim = sim_driver_root(PROFILE)
-    kubeconfig = timed("kind create cluster", kind_cluster.create, image, extra_mounts=[sim])
     try:
+        # --retain: a failed create leaves its node for the logs below; deleted in any case.
+        try:
+            kubeconfig = timed("kind create cluster", kind_cluster.create, image, extra_mounts=[sim])
+        except RuntimeError as exc:
+            node = f"{kind_cluster.NAME}-control-plane"
+            logs = kind_engine.docker("exec", node, "journalctl", "--no-pager", "-n", "80", check=False)
+            pytest.fail(f"{exc}\nthe node's journal:\n{logs.stdout[-6000:]}")
         yield Kind(kubeconfig), sim
     finally:
         timed("kind delete cluster", kind_cluster.delete)
