@@ -9,6 +9,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 E2E="$(dirname "$HERE")"
 ROOT="$(dirname "$E2E")"
 PYTHON="${PYTHON:-python3}"
+# Absolute (a venv's python keeps its path: no symlinks resolved), as the steps below cd.
+case "$PYTHON" in */*) PYTHON="$(realpath -s "$PYTHON")" ;; esac
 
 t0=$SECONDS
 bash "$E2E/build.sh" all
