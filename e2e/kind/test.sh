@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The kind tier: build (cached) what it needs, run e2e/tests/test_kind.py (a private Docker
 # daemon, a kind cluster from e2e/kind/ on a node image built here, the user's path with the
-# chart), then make sure the daemon is gone and left nothing. Root; hold the e2e lock:
+# chart), then make sure the daemon is gone and left nothing. Root; hold the e2e lock as
+# scripts/test does (the daemon adds a bridge beside the local cluster's):
 #
-#   PYTHON=.venv/bin/python flock /tmp/dra-gpu-e2e.lock bash e2e/kind/test.sh [pytest args]
+#   PYTHON=.venv/bin/python bash e2e/kind/test.sh [pytest args]
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 E2E="$(dirname "$HERE")"
