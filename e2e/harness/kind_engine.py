@@ -64,9 +64,21 @@ def install() -> None:
     say("apt-get install docker.io")
     apt_env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", "docker.io"]
-    if subprocess.run(cmd, env=apt_env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=apt_env, capture_output=True, check=True)
-        subprocess.run(cmd, env=apt_env, capture_output=True, check=True)
+    # The package's own docker.service must not start (it would add docker0 and iptables chains
+    # for good): a policy-rc.d that denies every start, only for the install, unless one exists.
+    policy = "/usr/sbin/policy-rc.d"
+    ours = not os.path.exists(policy)
+    if ours:
+        with open(policy, "w") as f:
+            f.write("#!/bin/sh\nexit 101\n")
+        os.chmod(policy, 0o755)
+    try:
+        if subprocess.run(cmd, env=apt_env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=apt_env, capture_output=True, check=True)
+            subprocess.run(cmd, env=apt_env, capture_output=True, check=True)
+    finally:
+        if ours:
+            os.unlink(policy)
 
 
 def bridges() -> list[str]:
