@@ -18,3 +18,9 @@ K8S_PKGS=(
   k8s.io/kubernetes/cmd/kubectl
   k8s.io/kubernetes/test/e2e/dra/test-driver
 )
+
+# The kind path (e2e/kind/): kind itself, and what its node image holds besides Kubernetes.
+KIND_VERSION=v0.33.0
+CRICTL_VERSION=v1.37.0
+# The CoreDNS that kubeadm of K8S_VERSION deploys (cmd/kubeadm/app/constants: CoreDNSVersion).
+COREDNS_VERSION=v1.14.6

@@ -41,6 +41,7 @@ PEER_DRIVER = os.environ.get("DRA_GPU_E2E_PEER_DRIVER_NAME", "gpu.example.com")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "e2e: end-to-end test against a real Kubernetes cluster")
+    config.addinivalue_line("markers", "kind: the kind cluster of e2e/kind/ on a private Docker daemon")
 
 
 def _cluster(*args, check=True):
