@@ -54,64 +54,10 @@ def run_bounded(
 ) -> T:
     """fn() in a forked child; its result (picklable), or OverBudget. Exceptions of fn come back
     as OverBudget naming them, so nothing escapes as a traceback."""
-    read_fd, write_fd = os.pipe()
-    limit = address_space() + memory_bytes
-    # The child's garbage collector would otherwise walk (and so copy) every page of the
-    # parent's objects: a fork then cost ~80 ms with a 100-node cluster loaded, not ~5.
-    gc.freeze()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 0
-        try:
-            os.close(read_fd)
-            with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            try:
-                payload = pickle.dumps(("ok", fn()))
-            except MemoryError:
-                payload = pickle.dumps(("error", f"ran out of its memory budget ({memory_bytes >> 20} MiB)"))
-            except Exception as exc:
-                payload = pickle.dumps(("error", f"internal error: {type(exc).__name__}: {exc}"[:500]))
-            with os.fdopen(write_fd, "wb") as out:
-                out.write(payload)
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    gc.unfreeze()
-    os.close(write_fd)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + deadline_s
-    timed_out = False
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            ready, _, _ = select.select([read_fd], [], [], left)
-            if not ready:
-                continue
-            chunk = os.read(read_fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(read_fd)
-        if timed_out:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    if timed_out:
-        raise OverBudget(_too_long(deadline_s))
-    try:
-        status, value = pickle.loads(b"".join(chunks))
-    except Exception as exc:  # the child died without answering: killed for memory
-        raise OverBudget(f"ran out of its memory budget ({memory_bytes >> 20} MiB)") from exc
-    if status != "ok":
-        raise OverBudget(str(value))
-    result: T = value
-    return result
+    (answer,) = _run_from([fn], 0, deadline_s, memory_bytes)
+    if isinstance(answer, OverBudget):
+        raise answer
+    return answer
 
 
 def run_bounded_each(
@@ -136,6 +82,8 @@ def _run_from(
     """Answers for fns[start:], until the first step that went over its budget (included)."""
     read_fd, write_fd = os.pipe()
     limit = address_space() + memory_bytes
+    # The child's garbage collector would otherwise walk (and so copy) every page of the
+    # parent's objects: a fork then cost ~80 ms with a 100-node cluster loaded, not ~5.
     gc.freeze()
     pid = os.fork()
     if pid == 0:  # the child: one length-prefixed pickle per step; stops after a failed one
@@ -186,9 +134,7 @@ def _run_from(
                 break
             left = deadline - time.monotonic()
             if left <= 0:
-                over = OverBudget(
-                    f"took longer than {deadline_s:g}s (a CEL selector too costly to evaluate?)"
-                )
+                over = OverBudget(_too_long(deadline_s))
                 break
             ready, _, _ = select.select([read_fd], [], [], left)
             if not ready:
