@@ -49,21 +49,23 @@ DEBIAN_MIRROR = os.environ.get("E2E_DEBIAN_MIRROR", "http://deb.debian.org/debia
 DEBIAN_SUITE = "bookworm"
 DEBIAN_LAYER_FORMAT = 1  # bump when the filtering of mmdebstrap's output changes: a new cache key
 # The merged-usr hook sets up /bin -> usr/bin without the usrmerge package (which pulls in perl).
+# No docs, man pages or locales in an image (the copyrights and locale.alias stay).
+MMDEBSTRAP_PATH_FILTERS = [
+    f"--dpkgopt=path-{kind}=/usr/share/{path}"
+    for kind, path in (
+        ("exclude", "doc/*"),
+        ("include", "doc/*/copyright"),
+        ("exclude", "man/*"),
+        ("exclude", "info/*"),
+        ("exclude", "locale/*"),
+        ("include", "locale/locale.alias"),
+    )
+]
 MMDEBSTRAP_ARGS = [
     "--variant=minbase",
     "--include=python3",
     "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",
-    *(
-        f"--dpkgopt=path-{kind}=/usr/share/{path}"
-        for kind, path in (
-            ("exclude", "doc/*"),
-            ("include", "doc/*/copyright"),
-            ("exclude", "man/*"),
-            ("exclude", "info/*"),
-            ("exclude", "locale/*"),
-            ("include", "locale/locale.alias"),
-        )
-    ),
+    *MMDEBSTRAP_PATH_FILTERS,
 ]
 DEBIAN_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # NVIDIA's CUDA base images (nvidia/cuda .../base/Dockerfile): the GKE-style /usr/local/nvidia first.

@@ -74,17 +74,7 @@ KUBE_PROXY_PACKAGES = ["iptables", "conntrack", "nftables"]
 MMDEBSTRAP_COMMON = [
     "--variant=minbase",
     "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",
-    *(
-        f"--dpkgopt=path-{kind}=/usr/share/{path}"
-        for kind, path in (
-            ("exclude", "doc/*"),
-            ("include", "doc/*/copyright"),
-            ("exclude", "man/*"),
-            ("exclude", "info/*"),
-            ("exclude", "locale/*"),
-            ("include", "locale/locale.alias"),
-        )
-    ),
+    *images.MMDEBSTRAP_PATH_FILTERS,
 ]
 CNI_PLUGINS = ["host-local", "loopback", "ptp", "portmap", "bridge"]
 # kind's default pod subnet; the static CNI config that stands in for kindnetd uses it.
