@@ -295,7 +295,15 @@ def test_plugin_writes_only_its_own_nodes_slices(api_client, core, dyn, plugin_i
         )[0]
         == 403
     )
-    assert status_of(lambda: plugin.list_resource_claim_for_all_namespaces())[0] == 403
+    # Claims: read only (listed to rebuild a corrupt checkpoint), never written.
+    assert status_of(lambda: plugin.list_resource_claim_for_all_namespaces())[0] == 200
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": f"x-{node_a}"},
+        "spec": {"devices": {"requests": []}},
+    }
+    assert status_of(lambda: plugin.create_namespaced_resource_claim(ident["namespace"], claim))[0] == 403
 
 
 def test_token_without_node_is_denied(api_client, core, plugin_identity):
