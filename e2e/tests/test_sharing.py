@@ -122,7 +122,12 @@ def test_mps_daemon_answers_the_claims_limits_survives_a_sigkilled_plugin_and_is
     assert daemons().get(pipe) == pid and alive(pid)  # the same daemon, not a new one
 
     core.delete_namespaced_pod("mps", namespace, grace_period_seconds=0)
-    wait_for("the daemon to stop", lambda: not alive(pid) and pipe not in daemons(), timeout=90)
+    # Unprepare stops the daemon first, then restores the compute mode: wait for both.
+    wait_for(
+        "the daemon to stop and the compute mode to be restored",
+        lambda: not alive(pid) and pipe not in daemons() and compute_mode(uuid) == DEFAULT,
+        timeout=90,
+    )
     print(f"[e2e] MPS daemon {pid} on {device} stopped after the pod; compute mode {compute_mode(uuid)}")
     assert compute_mode(uuid) == DEFAULT
     assert set(daemons()) <= before  # nothing orphaned
