@@ -42,6 +42,7 @@ import yaml  # noqa: E402
 from tests.controller.objects import GPU_CLASS, claim, node_slices  # noqa: E402
 from tests.controller.test_hostile_inputs import BAD_PROFILES, HOSTILE, gpu, profile  # noqa: E402
 from tests.controller.test_webhook import make_cert  # noqa: E402
+from tests.mutation import paths  # noqa: E402
 
 BOUND_S = 3.0  # per in-process input (after the hardening, each takes milliseconds)
 SCALARS: list[Any] = [
@@ -57,17 +58,6 @@ def value(rng: random.Random, depth: int = 0) -> Any:
     if r < 0.8:
         return [value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
     return {rng.choice(["a", "spec", "devices", "requests", "name"]): value(rng, depth + 1) for _ in range(2)}
-
-
-def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += paths(v, (*prefix, i))
-    return out
 
 
 def mutate(base: Any, rng: random.Random) -> Any:

@@ -30,6 +30,7 @@ from dra_gpu.decoding import check_bounds, load_yaml_all
 from dra_gpu.decoding import decode as decode_shape
 from dra_gpu.discovery.profiles import ProfileError, parse_profile
 from dra_gpu.kubernetes_values import parse_quantity
+from tests.mutation import paths
 
 from .objects import GPU_CLASS, claim, node_slices
 
@@ -65,17 +66,6 @@ BASES: list[dict[str, Any]] = [
      "spec": {"spec": claim("c")["spec"]}},
     SLICES[0],
 ]  # fmt: skip
-
-
-def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += paths(v, (*prefix, i))
-    return out
 
 
 @st.composite

@@ -40,6 +40,7 @@ from dra_gpu.kubeletplugin.node_service import DraV1beta1Service, DraV1Service, 
 from dra_gpu.plugin.checkpoint import COMPLETED
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names
+from tests.mutation import paths
 
 EXAMPLES = int(os.environ.get("DRA_GPU_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
@@ -64,17 +65,6 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=10,
 )
-
-
-def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += paths(v, (*prefix, i))
-    return out
 
 
 class Fuzz:
