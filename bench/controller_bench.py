@@ -64,6 +64,21 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
+def connect_when_healthy(port: int, ctx: ssl.SSLContext, timeout: float) -> http.client.HTTPSConnection:
+    """A keep-alive connection to the webhook on 127.0.0.1:port once its /healthz answers (60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=timeout)
+            conn.request("GET", "/healthz")
+            conn.getresponse().read()
+            return conn
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
     tmp = Path(tempfile.mkdtemp())
     cert, key = make_cert(tmp, "bench")
@@ -94,17 +109,7 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
     )
     try:
         ctx = ssl.create_default_context(cafile=str(cert))
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
-                conn.request("GET", "/healthz")
-                conn.getresponse().read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        conn = connect_when_healthy(port, ctx, timeout=10)
         obj = claim("bench", 2, selectors=SELECTORS, constraints=NVLINK)
         body = json.dumps(
             {

@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.controller_bench import SELECTORS, cluster, pct  # noqa: E402
+from bench.controller_bench import SELECTORS, cluster, connect_when_healthy, pct  # noqa: E402
 from tests.controller.objects import NVLINK, claim  # noqa: E402
 from tests.controller.test_webhook import make_cert  # noqa: E402
 
@@ -77,17 +77,7 @@ def main() -> None:
     stop = threading.Event()
     hostile: list[tuple[float, str]] = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
-                conn.request("GET", "/healthz")
-                conn.getresponse().read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        conn = connect_when_healthy(port, ctx, timeout=30)
         normal = review(claim("normal", 2, selectors=SELECTORS, constraints=NVLINK), "normal")
         bad = review(claim("hostile", selectors=[doubling_selector(26)]), "hostile")
 
