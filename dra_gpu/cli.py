@@ -127,6 +127,14 @@ def _parser() -> argparse.ArgumentParser:
         "GPU, each enforced by its own MPS daemon ($DRA_GPU_MEMORY_SHARES)",
     )
     plug.add_argument(
+        "--claim-watch",
+        action=argparse.BooleanOptionalAction,
+        default=_flag(env("DRA_GPU_CLAIM_WATCH", "true")),
+        help="read the claims of this node's prepares from one watch of the ResourceClaims instead "
+        "of a GET on each prepare ($DRA_GPU_CLAIM_WATCH, default true); every node then receives "
+        "every claim change of the cluster (dynamic MIG watches them anyway)",
+    )
+    plug.add_argument(
         "--sweep-interval",
         type=float,
         default=float(env("DRA_GPU_SWEEP_INTERVAL", "600")),
@@ -170,6 +178,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         sweep_interval=args.sweep_interval,
         sweep_grace=args.sweep_grace,
         memory_shares=args.memory_shares,
+        claim_watch=args.claim_watch,
         dynamic_mig=args.dynamic_mig,
     )
     try:

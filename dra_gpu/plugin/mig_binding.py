@@ -16,9 +16,8 @@ import time
 from typing import Any
 
 from dra_gpu.dynamic_mig import FAILED_CONDITION, READY_CONDITION
-from dra_gpu.kube import RESOURCE_V1, Kube, KubeError, list_watch
+from dra_gpu.kube import Kube, KubeError
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.kubeletplugin.publisher import BACKOFF
 from dra_gpu.model import MigDevice
 from dra_gpu.plugin.prepare import BusyPrepareError, PrepareError, Preparer
 
@@ -32,7 +31,8 @@ RETRY_SECONDS = 1.0
 
 
 class MigBinder:
-    """Watches ResourceClaims for dynamic MIG devices of this node waiting on their condition."""
+    """Looks at every ResourceClaim event (`on_list` / `on_event`, subscribed to the plugin's claim
+    watch, claim_cache.ClaimCache) for dynamic MIG devices of this node waiting on their condition."""
 
     def __init__(self, driver: str, node: str, preparer: Preparer, kube: Kube) -> None:
         self.driver = driver
@@ -68,11 +68,11 @@ class MigBinder:
             and str(r.get("device")) not in reported
         ]
 
-    async def _on_list(self, items: list[dict[str, Any]], _version: str) -> None:
+    async def on_list(self, items: list[dict[str, Any]], _version: str) -> None:
         for claim in items:
             self._consider(claim)
 
-    async def _on_event(self, kind: str, claim: dict[str, Any]) -> bool:
+    async def on_event(self, kind: str, claim: dict[str, Any]) -> bool:
         if kind in ("ADDED", "MODIFIED"):
             self._consider(claim)
         return True
@@ -169,13 +169,6 @@ class MigBinder:
             )
             return
         raise RuntimeError(f"claim {ref}: status kept changing; condition not reported")
-
-    async def run(self) -> None:
-        """List and watch every ResourceClaim (the allocation names the node, no selector does)."""
-        # The publisher's backoff: after an apiserver outage, bindings waiting on us resume in seconds.
-        await list_watch(
-            self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event, backoff=BACKOFF
-        )
 
     async def stop(self) -> None:
         for task in list(self._inflight.values()):

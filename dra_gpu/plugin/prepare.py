@@ -44,6 +44,12 @@ class ClaimSource(Protocol):
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 
 
+class ClaimLookup(Protocol):
+    """Claims kept current by a watch (claim_cache.ClaimCache); None means: ask the apiserver."""
+
+    def lookup(self, ref: ClaimRef) -> dict[str, Any] | None: ...
+
+
 @dataclass(frozen=True)
 class PreparedDevice:
     request_names: list[str]
@@ -130,6 +136,7 @@ class Preparer:
         driver_files: DriverFiles,
         sharing: Sharing | None = None,
         mig: MigInstances | None = None,
+        cache: ClaimLookup | None = None,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
@@ -137,6 +144,7 @@ class Preparer:
         self.cdi = cdi
         self.nodes = nodes
         self.claims = claims
+        self.cache = cache  # the prepare path's claims; the sweeper always asks the apiserver
         self.driver_files = driver_files
         self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
         self.mig = mig
@@ -211,7 +219,9 @@ class Preparer:
             if record is not None and record.state == COMPLETED:
                 await self._ensure_sharing(ref, record)
                 return [PreparedDevice.from_dict(d) for d in record.devices]  # idempotent: no writes
-            claim = await self.claims.get_claim(ref.namespace, ref.name)
+            claim = self.cache.lookup(ref) if self.cache is not None else None
+            if claim is None:
+                claim = await self.claims.get_claim(ref.namespace, ref.name)
             if claim is None:
                 raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
             uid = claim.get("metadata", {}).get("uid")

@@ -21,8 +21,10 @@ from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
+from dra_gpu.kubeletplugin.publisher import BACKOFF
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
+from dra_gpu.plugin.claim_cache import ClaimCache
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.gpu_driver import GpuDriver
@@ -54,6 +56,7 @@ class PluginConfig:
     dynamic_mig: bool = False  # publish MIG placements, create instances at prepare
     health: HealthConfig = field(default_factory=HealthConfig)
     memory_shares: bool = False  # whole GPUs shareable by memory (consumable capacity)
+    claim_watch: bool = True  # prepare reads claims from a watch (dynamic MIG watches anyway)
 
     @property
     def sockets(self) -> Sockets:
@@ -91,6 +94,12 @@ class KubeletPlugin:
         kube = await Kube.connect(cfg.kubeconfig)
         cfg.plugin_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = await asyncio.to_thread(Checkpoint, cfg.plugin_dir / "checkpoint.json")
+        # One watch of the claims serves the prepare path and dynamic MIG's binding conditions.
+        claims = (
+            ClaimCache(kube, cfg.driver, cfg.node_name, backoff=BACKOFF)
+            if cfg.claim_watch or mig is not None
+            else None
+        )
         preparer = Preparer(
             cfg.driver,
             cfg.node_name,
@@ -102,6 +111,7 @@ class KubeletPlugin:
             driver_files,
             sharing=node_sharing(cfg.plugin_dir / "mps", driver_files, cfg.profile, cfg.dev_root),
             mig=mig,
+            cache=claims,
         )
         if checkpoint.rebuild_pending:  # the file was corrupt: records from the specs and the API
             await rebuild(preparer, kube)
@@ -136,7 +146,9 @@ class KubeletPlugin:
         sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
         # Dynamic MIG: instances are made between allocation and binding (binding conditions).
         binder = MigBinder(cfg.driver, cfg.node_name, preparer, kube) if mig is not None else None
-        binding = asyncio.create_task(binder.run(), name="mig-binder") if binder is not None else None
+        if binder is not None and claims is not None:
+            claims.subscribe(binder.on_list, binder.on_event)
+        watching = asyncio.create_task(claims.run(), name="claim-watch") if claims is not None else None
         log.info(
             "kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
             cfg.driver,
@@ -151,11 +163,12 @@ class KubeletPlugin:
             log.info("kubelet plugin stopping")
             await health.stop()
             await helper.stop()
-            if binder is not None and binding is not None:
-                binding.cancel()
-                await binder.stop()
+            if watching is not None:
+                watching.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await binding
+                    await watching
+            if binder is not None:
+                await binder.stop()
             if claim_status is not None:
                 await claim_status.close()
             sweeper.cancel()

@@ -337,6 +337,8 @@ def test_rbac_is_least_privilege(render: Render) -> None:
         ("resource.k8s.io", "resourceclaims", "get", ""),
         # a corrupt checkpoint is rebuilt from the claims allocated to the node
         ("resource.k8s.io", "resourceclaims", "list", ""),
+        # prepare reads its claim from a watch of the claims (kubeletPlugin.claimWatch)
+        ("resource.k8s.io", "resourceclaims", "watch", ""),
         # status.devices of the claims it prepared: patch (server-side apply), nothing more.
         ("resource.k8s.io", "resourceclaims/status", "patch", ""),
         ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
@@ -351,6 +353,24 @@ def test_rbac_is_least_privilege(render: Render) -> None:
         for r in role["rules"]:
             assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], role["metadata"]["name"]
     assert not by_kind(objs, "Role") and not by_kind(objs, "RoleBinding")
+
+
+def test_claim_watch_can_be_turned_off(render: Render) -> None:
+    from dra_gpu.cli import _parser
+
+    objs = render("kubeletPlugin.claimWatch=false")
+    assert ("resource.k8s.io", "resourceclaims", "watch", "") not in rules_of(objs, "kubelet-plugin")
+    env = env_of(container(one(objs, "DaemonSet")))
+    assert env["DRA_GPU_CLAIM_WATCH"] == "false"
+    os.environ["DRA_GPU_CLAIM_WATCH"] = env["DRA_GPU_CLAIM_WATCH"]
+    try:
+        args = _parser().parse_args(["kubelet-plugin"])
+    finally:
+        del os.environ["DRA_GPU_CLAIM_WATCH"]
+    assert args.claim_watch is False
+    # Dynamic MIG watches the claims whatever the value says.
+    mig = render("kubeletPlugin.claimWatch=false", "kubeletPlugin.dynamicMig=true")
+    assert ("resource.k8s.io", "resourceclaims", "watch", "") in rules_of(mig, "kubelet-plugin")
 
 
 def test_claim_status_writes_can_be_turned_off(render: Render) -> None:

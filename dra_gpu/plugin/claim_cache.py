@@ -1,0 +1,109 @@
+"""The ResourceClaims allocated to this node, from one list+watch, so that a prepare reads its claim
+from memory instead of a GET on the kubelet's call path.
+
+Only claims with a device of this driver and node in their allocation are kept (the watch sees
+every claim in the cluster: no field selector names an allocation's node). A claim the cache does
+not answer for (not seen yet, not listed yet, another UID, not reserved) is read from the
+apiserver, as is every read of the stale-claim sweeper, which must see a deletion as it is.
+
+Why a cached claim can be trusted for a prepare: its UID is the kubelet's, and a claim keeps its
+allocation until it is deallocated, which needs its `reservedFor` emptied first; the kubelet
+prepares a claim only after the scheduler allocated and reserved it and bound the pod, writes the
+watch delivers in practice before the kubelet sees the pod.
+
+Other parts that need every claim event (dynamic MIG's binding conditions) subscribe to the same
+watch instead of opening their own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
+from dra_gpu.kubeletplugin.driver import ClaimRef
+
+log = logging.getLogger(__name__)
+
+ListHandler = Callable[[list[dict[str, Any]], str], Awaitable[None]]
+EventHandler = Callable[[str, dict[str, Any]], Awaitable[bool]]
+
+
+class ClaimCache:
+    """`lookup` for the prepare path; `run` keeps it current (cancel to stop)."""
+
+    def __init__(self, kube: Kube, driver: str, node: str, backoff: Backoff | None = None) -> None:
+        self.kube = kube
+        self.driver = driver
+        self.node = node
+        self.backoff = backoff or Backoff()
+        self.listed = False
+        self._claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self._subscribers: list[tuple[ListHandler, EventHandler]] = []
+        self.hits = 0
+        self.misses = 0
+
+    def subscribe(self, on_list: ListHandler, on_event: EventHandler) -> None:
+        """Have every list and event of the claims passed on (call before `run`)."""
+        self._subscribers.append((on_list, on_event))
+
+    def __len__(self) -> int:
+        return len(self._claims)
+
+    def lookup(self, ref: ClaimRef) -> dict[str, Any] | None:
+        """The claim, when the cache holds it with the kubelet's UID, reserved and allocated here;
+        None means: ask the apiserver."""
+        claim = self._claims.get((ref.namespace, ref.name))
+        if (
+            claim is not None
+            and (claim.get("metadata") or {}).get("uid") == ref.uid
+            and (claim.get("status") or {}).get("reservedFor")
+        ):
+            self.hits += 1
+            return claim
+        self.misses += 1
+        return None
+
+    def _allocated_here(self, claim: dict[str, Any]) -> bool:
+        alloc = (claim.get("status") or {}).get("allocation") or {}
+        return any(
+            r.get("driver") == self.driver and r.get("pool") == self.node
+            for r in (alloc.get("devices") or {}).get("results") or []
+        )
+
+    @staticmethod
+    def _key(claim: dict[str, Any]) -> tuple[str, str]:
+        meta = claim.get("metadata") or {}
+        return str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+    def _keep(self, claim: dict[str, Any]) -> None:
+        key = self._key(claim)
+        if self._allocated_here(claim):
+            self._claims[key] = claim
+        else:
+            self._claims.pop(key, None)
+
+    async def _on_list(self, items: list[dict[str, Any]], version: str) -> None:
+        self._claims = {}
+        for claim in items:
+            self._keep(claim)
+        self.listed = True
+        log.info("claims listed allocated_here=%d of=%d", len(self._claims), len(items))
+        for on_list, _ in self._subscribers:
+            await on_list(items, version)
+
+    async def _on_event(self, kind: str, claim: dict[str, Any]) -> bool:
+        if kind == "DELETED":
+            self._claims.pop(self._key(claim), None)
+        elif kind in ("ADDED", "MODIFIED"):
+            self._keep(claim)
+        relist = False
+        for _, on_event in self._subscribers:
+            relist = not await on_event(kind, claim) or relist
+        return not relist
+
+    async def run(self) -> None:
+        await list_watch(
+            self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event, backoff=self.backoff
+        )

@@ -1,0 +1,132 @@
+"""The claim watch on the prepare path: a prepare of a claim the watch delivered makes no GET, and
+every case the cache cannot vouch for (another node, another UID, not reserved, deleted, not
+listed yet) is read from the apiserver."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fake_kube import FakeApiServer, until
+
+from dra_gpu.kube import Backoff
+from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.plugin.claim_cache import ClaimCache
+
+from .conftest import DRIVER, NODE, PluginCore, claim, gpu_names
+
+CLAIMS = "resourceclaims"
+
+
+def reserved(c: dict[str, Any]) -> dict[str, Any]:
+    c = copy.deepcopy(c)
+    c["status"]["reservedFor"] = [{"resource": "pods", "name": "pod-1", "uid": "pod-uid-1"}]
+    return c
+
+
+def ref_of(stored: dict[str, Any]) -> ClaimRef:
+    meta = stored["metadata"]
+    return ClaimRef(meta["namespace"], meta["uid"], meta["name"])
+
+
+async def watching(api: FakeApiServer, cache: ClaimCache, test: Callable[[], Awaitable[None]]) -> None:
+    task = asyncio.create_task(cache.run())
+    try:
+        await until(lambda: cache.listed)
+        await test()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def test_a_prepare_of_a_watched_claim_makes_no_get(core: PluginCore) -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        cache = ClaimCache(api.kube(), DRIVER, NODE)
+        core.preparer.claims = api.kube()
+        core.preparer.cache = cache
+        gpu = gpu_names(core)[0]
+        stored = api.put(CLAIMS, reserved(claim("ignored", [gpu], name="one")))
+
+        async def test() -> None:
+            await until(lambda: len(cache) == 1)
+            devices = await core.preparer.prepare(ref_of(stored))
+            assert [d.device_name for d in devices] == [gpu]
+            assert api.count("GET", CLAIMS) == 1  # the list; no GET of the claim
+            assert cache.hits == 1
+            # The CDI spec is the claim's, as after a GET.
+            assert core.cdi.path(stored["metadata"]["uid"]).exists()
+
+        await watching(api, cache, test)
+
+    asyncio.run(body())
+
+
+def test_what_the_cache_cannot_vouch_for_is_read_from_the_apiserver(core: PluginCore) -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        cache = ClaimCache(api.kube(), DRIVER, NODE, backoff=Backoff(initial=0.01, maximum=0.05))
+        core.preparer.claims = api.kube()
+        core.preparer.cache = cache
+        a, b, c = gpu_names(core)[:3]
+        elsewhere = api.put(CLAIMS, reserved(claim("x", [a], name="elsewhere", node="node-b")))
+        unreserved = api.put(CLAIMS, claim("x", [b], name="unreserved"))
+        replaced = api.put(CLAIMS, reserved(claim("x", [c], name="replaced")))
+
+        async def test() -> None:
+            await until(lambda: len(cache) == 2)  # elsewhere is another node's: not kept
+            assert cache.lookup(ref_of(elsewhere)) is None
+            assert cache.lookup(ref_of(unreserved)) is None
+            # The kubelet names a newer claim of the same name: its UID is not the cached one.
+            newer = ClaimRef("default", "uid-newer", "replaced")
+            assert cache.lookup(newer) is None
+            assert cache.lookup(ref_of(replaced)) is not None
+            gets = api.count("GET", CLAIMS)
+            devices = await core.preparer.prepare(ref_of(unreserved))  # read from the apiserver
+            assert [d.device_name for d in devices] == [b]
+            assert api.count("GET", CLAIMS) == gets + 1
+            # Deallocated, then deleted: dropped at once.
+            api.put(CLAIMS, {**replaced, "status": {}})
+            await until(lambda: len(cache) == 1)
+            api.remove(CLAIMS, "unreserved", "default")
+            await until(lambda: len(cache) == 0)
+            # A watch that ends (apiserver restart) is listed again, and the cache with it.
+            again = api.put(CLAIMS, reserved(claim("x", [a], name="again")))
+            api.end_watches()
+            await until(lambda: cache.lookup(ref_of(again)) is not None)
+
+        await watching(api, cache, test)
+
+    asyncio.run(body())
+
+
+def test_subscribers_see_every_claim_of_the_one_watch() -> None:
+    async def body() -> None:
+        api = FakeApiServer()
+        cache = ClaimCache(api.kube(), DRIVER, NODE)
+        lists: list[int] = []
+        events: list[tuple[str, str]] = []
+
+        async def on_list(items: list[dict[str, Any]], _version: str) -> None:
+            lists.append(len(items))
+
+        async def on_event(kind: str, obj: dict[str, Any]) -> bool:
+            events.append((kind, obj["metadata"]["name"]))
+            return True
+
+        cache.subscribe(on_list, on_event)
+        api.put(CLAIMS, claim("x", ["gpu-0"], name="first", node="node-b"))
+
+        async def test() -> None:
+            api.put(CLAIMS, claim("x", ["gpu-1"], name="second", node="node-c"))
+            await until(lambda: len(events) == 1)
+            assert lists == [1] and events == [("ADDED", "second")]
+            assert api.count("GET", CLAIMS, watch=True) == 1  # one watch for all
+
+        await watching(api, cache, test)
+
+    asyncio.run(body())
