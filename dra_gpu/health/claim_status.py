@@ -5,9 +5,11 @@ and whether it is still healthy.
 
 Written with server-side apply to the status subresource (field manager = the driver name), which
 owns exactly this driver's entries. Best effort, in the background: a failure is logged, never fails
-or delays a prepare; a write that falls in an apiserver outage is retried with backoff for up to
-STATUS_RETRY_SECONDS, and a newer write for the same claim replaces it; a missing permission (the
-chart's `kubeletPlugin.claimStatusWrites`) is logged once.
+or delays a prepare. A prepare's status is written PREPARED_DELAY_S after it, so that the write (and
+the apiserver's and etcd's work for it) does not compete with the prepares of the same pod start
+or burst, and a claim unprepared before then writes nothing. A write that falls in an apiserver
+outage is retried with backoff for up to STATUS_RETRY_SECONDS, and a newer write for the same claim
+replaces it; a missing permission (the chart's `kubeletPlugin.claimStatusWrites`) is logged once.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ HTTP_FORBIDDEN, HTTP_NOT_FOUND, HTTP_CONFLICT = 403, 404, 409
 STATUS_RETRY_SECONDS = 300.0
 # A health change waits this long for the statuses it causes, then lets them finish on their own.
 SYNC_WAIT_SECONDS = 2.0
+PREPARED_DELAY_S = 0.2
 
 
 def _transient(exc: BaseException) -> bool:
@@ -52,6 +55,7 @@ class ClaimStatusWriter:
         health: HealthManager | None,
         prepared_claims: Callable[[], list[tuple[str, str, str, list[dict[str, Any]]]]],
         retry_initial: float = 0.2,
+        prepared_delay: float = PREPARED_DELAY_S,
     ) -> None:
         """`prepared_claims`: (namespace, name, uid, devices as the checkpoint stores them)."""
         self.kube = kube
@@ -68,6 +72,7 @@ class ClaimStatusWriter:
         self._since: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # condition status, since
         self._forbidden_said = False
         self._retry_initial = retry_initial
+        self._prepared_delay = prepared_delay
         self._pending: dict[str, asyncio.Task[None]] = {}  # claim uid -> its write in flight
 
     def data(self, device: str) -> dict[str, Any]:
@@ -166,16 +171,27 @@ class ClaimStatusWriter:
             log.warning("claim status not written claim=%s/%s error=%r", namespace, name, str(exc))
 
     def prepared(self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]) -> None:
-        """In the background: a prepare does not wait for its status."""
-        self._schedule(namespace, name, uid, devices)
+        """In the background, a moment later: a prepare does not wait for its status."""
+        self._schedule(namespace, name, uid, devices, self._prepared_delay)
+
+    async def _write_later(
+        self, delay: float, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]
+    ) -> None:
+        await asyncio.sleep(delay)
+        await self.write(namespace, name, uid, devices)
 
     def _schedule(
-        self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]
+        self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]], delay: float = 0.0
     ) -> asyncio.Task[None]:
         old = self._pending.pop(uid, None)
         if old is not None:
             old.cancel()  # what it would write is out of date
-        task = asyncio.create_task(self.write(namespace, name, uid, devices), name=f"claim-status-{uid}")
+        write = (
+            self._write_later(delay, namespace, name, uid, devices)
+            if delay
+            else self.write(namespace, name, uid, devices)
+        )
+        task = asyncio.create_task(write, name=f"claim-status-{uid}")
         self._pending[uid] = task
 
         def forget(done: asyncio.Task[None]) -> None:

@@ -86,6 +86,31 @@ def test_status_follows_prepare_and_health(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
+def test_a_claim_unprepared_before_its_status_is_due_writes_nothing() -> None:
+    async def body() -> None:
+        inv = discover_node("node-a", "hgx-2x4")
+        devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
+        kube = RecordingKube(fail=[])
+        writer = ClaimStatusWriter(
+            kube,  # type: ignore[arg-type]
+            DRIVER,
+            inv,
+            None,
+            lambda: [],
+            prepared_delay=0.2,
+        )
+        writer.prepared("ns", "brief", "uid-1", devices)
+        writer.prepared("ns", "stays", "uid-2", devices)
+        await asyncio.sleep(0.05)
+        assert not kube.applied  # not yet: the prepares of a burst go first
+        writer.unprepared("uid-1")
+        await asyncio.sleep(0.4)
+        assert [name for _, name, _ in kube.applied] == ["stays"]
+        await writer.close()
+
+    asyncio.run(body())
+
+
 def test_a_status_write_that_falls_in_an_outage_lands_after_it() -> None:
     async def body() -> None:
         inv = discover_node("node-a", "hgx-2x4")
