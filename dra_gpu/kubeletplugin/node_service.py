@@ -29,6 +29,9 @@ class NodeService:
     def __init__(self, driver: Driver, metrics: PluginMetrics) -> None:
         self.driver = driver
         self.metrics = metrics
+        # Counted when scraped, not after every call: a count over all claims per call was
+        # quadratic in a burst.
+        metrics.prepared_devices.set_function(driver.prepared_device_count)
 
     async def _one(
         self, operation: str, ref: ClaimRef, call: Callable[[ClaimRef], Awaitable[T]]
@@ -48,7 +51,6 @@ class NodeService:
             return None, f"internal error: {exc}"
         finally:
             self.metrics.latency.labels(operation).observe(time.perf_counter() - start)
-            self.metrics.prepared_devices.set(self.driver.prepared_device_count())
 
     async def prepare(self, request: Any, pb: Any) -> Any:
         refs, ambiguous = _distinct(request.claims)

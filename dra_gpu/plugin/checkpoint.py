@@ -57,9 +57,12 @@ def current_boot_id(path: Path = BOOT_ID_FILE) -> str:
         return "unknown"
 
 
+def _compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 def _checksum(data: dict[str, Any]) -> str:
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(canonical).hexdigest()
+    return hashlib.sha256(_compact(data).encode()).hexdigest()
 
 
 class CheckpointVersionError(RuntimeError):
@@ -119,6 +122,9 @@ class Checkpoint:
         self.path = path
         self.boot_id = boot_id or current_boot_id()
         self._data: dict[str, Any] = {"bootId": self.boot_id, "claims": {}}
+        # uid -> (the entry, its canonical JSON): entries are replaced whole, never changed in
+        # place, so an unchanged entry is not serialised again on every write.
+        self._encoded: dict[str, tuple[dict[str, Any], str]] = {}
         self._load()
 
     def _load(self) -> None:
@@ -178,9 +184,29 @@ class Checkpoint:
 
     def encode(self) -> bytes:
         """The file content for the current state (data serialised once, checksummed as is)."""
-        canonical = json.dumps(self._data, sort_keys=True, separators=(",", ":"))
+        canonical = self._canonical()
         checksum = hashlib.sha256(canonical.encode()).hexdigest()
         return (f'{{"version":{FORMAT_VERSION},"checksum":"{checksum}","data":{canonical}}}\n').encode()
+
+    def _canonical(self) -> str:
+        """`json.dumps(self._data, sort_keys=True, separators=(",", ":"))`, built from each claim's
+        cached encoding (the only part that grows with the node's claims)."""
+        claims: dict[str, dict[str, Any]] = self._data["claims"]
+        parts = []
+        encoded = {}
+        for uid in sorted(claims):
+            entry = claims[uid]
+            cached = self._encoded.get(uid)
+            if cached is None or cached[0] is not entry:
+                cached = (entry, json.dumps(entry, sort_keys=True, separators=(",", ":")))
+            encoded[uid] = cached
+            parts.append(f"{json.dumps(uid)}:{cached[1]}")
+        self._encoded = encoded
+        top = []
+        for key in sorted(self._data):
+            value = "{" + ",".join(parts) + "}" if key == "claims" else _compact(self._data[key])
+            top.append(f"{json.dumps(key)}:{value}")
+        return "{" + ",".join(top) + "}"
 
     def write(self, blob: bytes) -> None:
         atomic_write(self.path, blob)

@@ -117,7 +117,6 @@ class KubeletPlugin:
             await rebuild(preparer, kube)
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
-        self.metrics.prepared_devices.set(preparer.prepared_device_count())
         health = HealthNode(
             cfg.health, cfg.driver, inventory, cfg.plugin_dir, self.metrics.registry, cfg.profile
         )
@@ -183,7 +182,6 @@ class KubeletPlugin:
             await asyncio.sleep(self.cfg.sweep_interval)
             try:
                 await preparer.sweep(self.cfg.sweep_grace)
-                self.metrics.prepared_devices.set(preparer.prepared_device_count())
             except Exception as exc:
                 log.warning("stale-claim sweep failed error=%r", str(exc))
 

@@ -117,7 +117,7 @@ def test_prepare_and_unprepare_answer_each_claim(tmp_path: Path, version: str) -
         assert resp.claims["uid-bug-1"].error == "internal error: 'allocation'"
         assert p.metrics.requests.labels("prepare", "success")._value.get() == 2
         assert p.metrics.requests.labels("prepare", "error")._value.get() == 2
-        assert p.metrics.prepared_devices._value.get() == 4
+        assert p.metrics.registry.get_sample_value("dra_gpu_prepared_devices") == 4
         assert p.metrics.latency.labels("prepare")._sum.get() > 0
         assert len((await stub.NodePrepareResources(pb.NodePrepareResourcesRequest(), timeout=5)).claims) == 0
 
@@ -128,7 +128,9 @@ def test_prepare_and_unprepare_answer_each_claim(tmp_path: Path, version: str) -
             "uid-bad-2": "claim ns/bad-2 (uid uid-bad-2): not allocated",
             "uid-never-prepared": "",
         }
-        assert p.metrics.prepared_devices._value.get() == 2  # `other` is still prepared
+        assert (
+            p.metrics.registry.get_sample_value("dra_gpu_prepared_devices") == 2
+        )  # `other` is still prepared
         assert p.metrics.requests.labels("unprepare", "error")._value.get() == 1
 
     run_plugin(tmp_path, test)

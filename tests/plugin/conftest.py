@@ -147,6 +147,14 @@ def core(tmp_path: Path, driver_root: Path) -> Iterator[PluginCore]:
     c = make_core(tmp_path, inventory, ClaimStore(), driver_root)
     yield c
     stop_daemons(c.mps_root)
+    # The checkpoint encodes each unchanged entry once: no test's flow may have changed an entry
+    # in place behind it.
+    assert_encoding_is_current(c.checkpoint)
+
+
+def assert_encoding_is_current(checkpoint: Checkpoint) -> None:
+    full = json.dumps(checkpoint._data, sort_keys=True, separators=(",", ":"))
+    assert checkpoint._canonical() == full
 
 
 def gpu_names(core: PluginCore) -> list[str]:

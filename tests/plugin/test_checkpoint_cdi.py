@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dra_gpu.plugin.cdi import minimum_version
 from dra_gpu.plugin.checkpoint import Checkpoint, _checksum
@@ -94,3 +97,42 @@ def test_spec_with_the_driver_user_space_and_a_hook_is_schema_valid(
     assert spec["cdiVersion"] == minimum_version(own) == "0.3.0"
     assert own["containerEdits"].keys() == {"env", "deviceNodes"}  # the claim's part is untouched
     assert spec["containerEdits"]["hooks"][0]["args"][1] == "update-ldcache"
+
+
+_ENTRY = st.fixed_dictionaries(
+    {"state": st.sampled_from(["started", "completed"]), "name": st.text(max_size=8)},
+    optional={"devices": st.lists(st.dictionaries(st.text(max_size=4), st.integers(), max_size=3))},
+)
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["stage", "drop", "put", "remove", "write"]), st.sampled_from('abcdé"\\'), _ENTRY
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_the_incremental_encoding_is_the_full_one_and_reloads(tmp_path: Path, ops: list[Any]) -> None:
+    """Each entry is serialised once and reused while unchanged: the file must be byte-for-byte what
+    serialising the whole state gives, and load back with its checksum, after any sequence."""
+    path = tmp_path / "cp.json"
+    path.unlink(missing_ok=True)
+    cp = Checkpoint(path, boot_id="b")
+    for op, uid, entry in ops:
+        if op == "stage":
+            cp.stage(uid, dict(entry))
+        elif op == "drop":
+            cp.stage(uid, None)
+        elif op == "put":
+            cp.put(uid, entry)
+        elif op == "remove":
+            cp.remove(uid)
+        else:
+            cp.write(cp.encode())
+        full = json.dumps(cp._data, sort_keys=True, separators=(",", ":"))
+        assert json.loads(cp.encode())["data"] == json.loads(full)
+        assert cp._canonical() == full
+    cp.write(cp.encode())
+    again = Checkpoint(path, boot_id="b")
+    assert {r.uid: r.raw for r in again.records()} == {r.uid: r.raw for r in cp.records()}

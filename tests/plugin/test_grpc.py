@@ -132,7 +132,9 @@ def test_prepare_and_unprepare_over_v1_and_v1beta1(core: PluginCore) -> None:
         assert all(e.error == "" for e in un.claims.values())
         assert metrics.requests.labels("prepare", "success")._value.get() == 2
         assert metrics.requests.labels("prepare", "error")._value.get() == 1
-        assert metrics.prepared_devices._value.get() == 1  # only `beta` is still prepared
+        assert (
+            metrics.registry.get_sample_value("dra_gpu_prepared_devices") == 1
+        )  # only `beta` is still prepared
 
     asyncio.run(with_servers(core, body))
     assert set(core.cdi.owned()) == {beta["metadata"]["uid"]}
