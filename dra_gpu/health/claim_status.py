@@ -5,9 +5,10 @@ and whether it is still healthy.
 
 Written with server-side apply to the status subresource (field manager = the driver name), which
 owns exactly this driver's entries. Best effort, in the background: a failure is logged, never fails
-or delays a prepare. A prepare's status is written PREPARED_DELAY_S after it, so that the write (and
-the apiserver's and etcd's work for it) does not compete with the prepares of the same pod start
-or burst, and a claim unprepared before then writes nothing. A write that falls in an apiserver
+or delays a prepare. A prepare's status is written PREPARED_DELAY_S after it, and once no prepare
+is in flight (at most QUIET_WAIT_S later), so that the write (and the apiserver's and etcd's work
+for it) does not compete with the prepares of the same pod start or burst; a claim unprepared
+before then writes nothing. A write that falls in an apiserver
 outage is retried with backoff for up to STATUS_RETRY_SECONDS, and a newer write for the same claim
 replaces it; a missing permission (the chart's `kubeletPlugin.claimStatusWrites`) is logged once.
 """
@@ -15,10 +16,11 @@ replaces it; a missing permission (the chart's `kubeletPlugin.claimStatusWrites`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
@@ -34,6 +36,7 @@ STATUS_RETRY_SECONDS = 300.0
 # A health change waits this long for the statuses it causes, then lets them finish on their own.
 SYNC_WAIT_SECONDS = 2.0
 PREPARED_DELAY_S = 0.2
+QUIET_WAIT_S = 5.0  # a node that never stops preparing still gets its statuses
 
 
 def _transient(exc: BaseException) -> bool:
@@ -73,6 +76,9 @@ class ClaimStatusWriter:
         self._forbidden_said = False
         self._retry_initial = retry_initial
         self._prepared_delay = prepared_delay
+        self._in_flight = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
         self._pending: dict[str, asyncio.Task[None]] = {}  # claim uid -> its write in flight
 
     def data(self, device: str) -> dict[str, Any]:
@@ -174,10 +180,24 @@ class ClaimStatusWriter:
         """In the background, a moment later: a prepare does not wait for its status."""
         self._schedule(namespace, name, uid, devices, self._prepared_delay)
 
+    @contextlib.contextmanager
+    def preparing(self) -> Iterator[None]:
+        """Around each prepare and unprepare: statuses wait while any is in flight."""
+        self._in_flight += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._quiet.set()
+
     async def _write_later(
         self, delay: float, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]
     ) -> None:
         await asyncio.sleep(delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._quiet.wait(), QUIET_WAIT_S)
         await self.write(namespace, name, uid, devices)
 
     def _schedule(

@@ -39,15 +39,19 @@ class GpuDriver:
         ]
 
     async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
-        devices = await self.preparer.prepare(claim)
-        if self.claim_status is not None:
-            self.claim_status.prepared(claim.namespace, claim.name, claim.uid, [d.to_dict() for d in devices])
+        if self.claim_status is None:
+            return await self.preparer.prepare(claim)
+        with self.claim_status.preparing():
+            devices = await self.preparer.prepare(claim)
+        self.claim_status.prepared(claim.namespace, claim.name, claim.uid, [d.to_dict() for d in devices])
         return devices
 
     async def unprepare(self, claim: ClaimRef) -> None:
-        await self.preparer.unprepare(claim)
-        if self.claim_status is not None:
-            self.claim_status.unprepared(claim.uid)
+        if self.claim_status is None:
+            return await self.preparer.unprepare(claim)
+        with self.claim_status.preparing():
+            await self.preparer.unprepare(claim)
+        self.claim_status.unprepared(claim.uid)
 
     def prepared_device_count(self) -> int:
         return self.preparer.prepared_device_count()

@@ -104,7 +104,10 @@ def test_a_claim_unprepared_before_its_status_is_due_writes_nothing() -> None:
         await asyncio.sleep(0.05)
         assert not kube.applied  # not yet: the prepares of a burst go first
         writer.unprepared("uid-1")
-        await asyncio.sleep(0.4)
+        with writer.preparing():  # another prepare in flight past the delay: still waiting
+            await asyncio.sleep(0.4)
+            assert not kube.applied
+        await asyncio.sleep(0.1)
         assert [name for _, name, _ in kube.applied] == ["stays"]
         await writer.close()
 
