@@ -77,6 +77,8 @@ class ClaimStatusWriter:
         self._retry_initial = retry_initial
         self._prepared_delay = prepared_delay
         self._in_flight = 0
+        self._sending: set[asyncio.Future[Any]] = set()  # writes on the wire
+        self._draining: set[asyncio.Future[Any]] = set()  # those of claims since unprepared
         self._quiet = asyncio.Event()
         self._quiet.set()
         self._pending: dict[str, asyncio.Task[None]] = {}  # claim uid -> its write in flight
@@ -149,6 +151,9 @@ class ClaimStatusWriter:
         encoded = json.dumps(body, sort_keys=True)
         if self._written.get(uid) == encoded:
             return
+        task = asyncio.current_task()
+        if task is not None:
+            self._sending.add(task)
         try:
             async for attempt in AsyncRetrying(
                 wait=wait_exponential(multiplier=self._retry_initial, max=10)
@@ -175,6 +180,9 @@ class ClaimStatusWriter:
                 log.warning("claim status not written claim=%s/%s error=%r", namespace, name, str(exc))
         except (TimeoutError, OSError) as exc:
             log.warning("claim status not written claim=%s/%s error=%r", namespace, name, str(exc))
+        finally:
+            if task is not None:
+                self._sending.discard(task)
 
     def prepared(self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]) -> None:
         """In the background, a moment later: a prepare does not wait for its status."""
@@ -223,8 +231,21 @@ class ClaimStatusWriter:
 
     def unprepared(self, uid: str) -> None:
         task = self._pending.pop(uid, None)
-        if task is not None:
+        if task is not None and task in self._sending:
+            # Already on the wire: cancelling it would close its (TLS) connection, and the next
+            # write would pay for a new one. It lands, then is forgotten.
+            self._draining.add(task)
+
+            def landed(done: asyncio.Future[Any]) -> None:
+                self._draining.discard(done)
+                self._forget(uid)
+
+            task.add_done_callback(landed)
+        elif task is not None:
             task.cancel()
+        self._forget(uid)
+
+    def _forget(self, uid: str) -> None:
         self._written.pop(uid, None)
         for key in [k for k in self._since if k[0] == uid]:
             del self._since[key]
@@ -236,7 +257,7 @@ class ClaimStatusWriter:
             await asyncio.wait(tasks, timeout=SYNC_WAIT_SECONDS)
 
     async def close(self) -> None:
-        tasks = list(self._pending.values())
+        tasks = [*self._pending.values(), *self._draining]
         self._pending.clear()
         for task in tasks:
             task.cancel()

@@ -23,11 +23,16 @@ class RecordingKube:
     def __init__(self, fail: list[int] | None = None) -> None:
         self.applied: list[tuple[str, str, dict[str, Any]]] = []
         self.fail = fail or []
+        self.sent = 0
+        self.gate: asyncio.Event | None = None  # set: answers wait for it (a slow apiserver)
 
     async def apply_claim_status(
         self, namespace: str, name: str, body: dict[str, Any], field_manager: str
     ) -> dict[str, Any]:
         assert field_manager == DRIVER
+        self.sent += 1
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail:
             raise KubeError(self.fail.pop(0), "injected")
         self.applied.append((namespace, name, body))
@@ -109,6 +114,37 @@ def test_a_claim_unprepared_before_its_status_is_due_writes_nothing() -> None:
             assert not kube.applied
         await asyncio.sleep(0.1)
         assert [name for _, name, _ in kube.applied] == ["stays"]
+        await writer.close()
+
+    asyncio.run(body())
+
+
+def test_a_write_on_the_wire_is_not_cut_off_by_the_unprepare() -> None:
+    """Cancelling a request in flight closes its connection (a TLS handshake for the next one)."""
+
+    async def body() -> None:
+        inv = discover_node("node-a", "hgx-2x4")
+        devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
+        kube = RecordingKube()
+        kube.gate = asyncio.Event()
+        writer = ClaimStatusWriter(
+            kube,  # type: ignore[arg-type]
+            DRIVER,
+            inv,
+            None,
+            lambda: [],
+            prepared_delay=0.0,
+        )
+        writer.prepared("ns", "c", "uid-1", devices)
+        for _ in range(100):
+            if kube.sent:
+                break
+            await asyncio.sleep(0.01)
+        writer.unprepared("uid-1")  # while its status write waits for the apiserver
+        kube.gate.set()
+        await asyncio.sleep(0.05)
+        assert [name for _, name, _ in kube.applied] == ["c"]  # it landed, not cancelled
+        assert not writer._written and not writer._since  # and the claim is forgotten
         await writer.close()
 
     asyncio.run(body())
