@@ -212,7 +212,7 @@ class ControlPlane:
             ],
         )
 
-    def start_publishers(self, nodes: int, ready: str) -> None:
+    def start_publishers(self, nodes: int, ready: str, claim_watch: bool) -> None:
         self.processes.start(
             "publishers",
             [
@@ -224,6 +224,7 @@ class ControlPlane:
                 self.admin,
                 "--ready-file",
                 ready,
+                *(["--claim-watch"] if claim_watch else []),
             ],
         )
 
@@ -304,8 +305,9 @@ def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 # ---------------------------------------------------------------- the publishers' process
 
 
-async def run_publishers(nodes: int, kubeconfig: str, ready_file: str) -> None:
-    """dra-gpu's SlicePublisher for each simulated node, all in this process, until killed."""
+async def run_publishers(nodes: int, kubeconfig: str, ready_file: str, claim_watch: bool) -> None:
+    """dra-gpu's SlicePublisher for each simulated node, all in this process, until killed; with
+    `claim_watch`, each node's claim watch too (the prepare path's, dra_gpu.plugin.claim_cache)."""
     from kubernetes.aio import client as kclient
     from kubernetes.aio import config as kconfig
 
@@ -313,14 +315,15 @@ async def run_publishers(nodes: int, kubeconfig: str, ready_file: str) -> None:
     from dra_gpu.durable import atomic_write
     from dra_gpu.kubeletplugin.metrics import PluginMetrics
     from dra_gpu.kubeletplugin.publisher import SlicePublisher
+    from dra_gpu.plugin.claim_cache import ClaimCache
     from dra_gpu.slices import build_slices
 
     configuration = kclient.Configuration()
     await kconfig.load_kube_config(  # type: ignore[no-untyped-call]
         config_file=kubeconfig, client_configuration=configuration
     )
-    # One connection per node, as N plugins would hold (each keeps a watch open).
-    configuration.connection_pool_maxsize = nodes + 16
+    # One connection per node and watch, as N plugins would hold.
+    configuration.connection_pool_maxsize = nodes * (2 if claim_watch else 1) + 16
     kube = Kube(kclient.ApiClient(configuration))
     publishers = []
     for i in range(nodes):
@@ -332,8 +335,15 @@ async def run_publishers(nodes: int, kubeconfig: str, ready_file: str) -> None:
         publishers.append(SlicePublisher(kube, DRIVER, node_name(i), build, PluginMetrics()))
     t0 = time.monotonic()
     await asyncio.gather(*(p.start() for p in publishers))
+    caches = [ClaimCache(kube, DRIVER, node_name(i)) for i in range(nodes)] if claim_watch else []
+    watching = [asyncio.create_task(c.run()) for c in caches]
+
+    async def listed() -> bool:
+        return all(c.listed for c in caches)
+
+    await wait_until("claim watches listed", listed, timeout=300)
     atomic_write(Path(ready_file), json.dumps({"publish_s": time.monotonic() - t0}).encode())
-    await asyncio.gather(*(p.run() for p in publishers))
+    await asyncio.gather(*(p.run() for p in publishers), *watching)
 
 
 # ---------------------------------------------------------------- one size
@@ -387,9 +397,9 @@ class Tracker:
 
 
 async def one_size(
-    cp: ControlPlane, nodes: int, claims: int, settle: float, cert: tuple[str, str]
+    cp: ControlPlane, nodes: int, claims: int, settle: float, cert: tuple[str, str], claim_watch: bool = False
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"nodes": nodes, "claims": claims, "devices": nodes * 8}
+    out: dict[str, Any] = {"nodes": nodes, "claims": claims, "devices": nodes * 8, "claim_watch": claim_watch}
     t_up = time.monotonic()
     cp.up()
     out["control_plane_up_s"] = time.monotonic() - t_up
@@ -425,7 +435,7 @@ async def one_size(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready_file)
         t_pub = time.monotonic()
-        cp.start_publishers(nodes, ready_file)
+        cp.start_publishers(nodes, ready_file, claim_watch)
         cp.processes.wait_for("publishers", lambda: os.path.exists(ready_file), timeout=300, what="published")
         out["publish_wall_s"] = time.monotonic() - t_pub
         with open(ready_file) as f:
@@ -574,7 +584,8 @@ def report(r: dict[str, Any]) -> str:
     ex = r["explain"]
     lines = [
         f"== {r['nodes']} nodes, {r['devices']} GPUs published in {r['slices']} slices "
-        f"({r['published_devices']} devices), {r['claims']} claims",
+        f"({r['published_devices']} devices), {r['claims']} claims"
+        + (", every node with its claim watch" if r.get("claim_watch") else ""),
         f"  control plane up {r['control_plane_up_s']:.1f} s; publishers: all {r['nodes']} synced in "
         f"{r['publish_s']:.2f} s (process start to ready {r['publish_wall_s']:.2f} s)",
         f"  claims+pods created in {r['create_s']:.1f} s; allocated {r['allocated']}/{r['claims']} in "
@@ -658,12 +669,17 @@ def main() -> None:
         type=float,
         help="kube-scheduler's client QPS (burst twice that); default: upstream's 50",
     )
+    ap.add_argument(
+        "--claim-watch",
+        action="store_true",
+        help="each node also keeps the kubelet plugin's claim watch (every claim event to every node)",
+    )
     ap.add_argument("--publishers-for", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--kubeconfig", help=argparse.SUPPRESS)
     ap.add_argument("--ready-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.publishers_for:
-        asyncio.run(run_publishers(args.publishers_for, args.kubeconfig, args.ready_file))
+        asyncio.run(run_publishers(args.publishers_for, args.kubeconfig, args.ready_file, args.claim_watch))
         return
 
     from tests.controller.test_webhook import make_cert
@@ -679,7 +695,9 @@ def main() -> None:
             f"machine: {os.cpu_count()} CPUs, load average {loadavg()}; kube-scheduler QPS {qps}", flush=True
         )
         for n in (int(x) for x in args.nodes.split(",")):
-            r = asyncio.run(one_size(cp, n, args.claims, args.settle, (str(cert), str(key))))
+            r = asyncio.run(
+                one_size(cp, n, args.claims, args.settle, (str(cert), str(key)), args.claim_watch)
+            )
             results.append(r)
             print(report(r), flush=True)
             if args.json:
