@@ -22,6 +22,7 @@ from decimal import Decimal
 from typing import Any
 
 from dra_gpu.controller.cel import CelEnvironment, CelError, SelectorEvalError
+from dra_gpu.controller.cel.environment import Selector, device_value
 from dra_gpu.kubernetes_values import parse_quantity
 
 SAME_DOMAIN_COST = 1
@@ -61,6 +62,7 @@ class Device:
     consumes: list[tuple[str, dict[str, Decimal]]] = field(default_factory=list)
     _view: dict[str, Any] | None = None
     _activation: Any = None
+    _values: dict[tuple[str, str, str], Any] = field(default_factory=dict)  # read -> cel.device_value
     _attributes: dict[str, tuple[str, Any] | None] = field(default_factory=dict)
 
     @functools.cached_property
@@ -351,6 +353,10 @@ class Cluster:
         ) or [""]
         self._devices: dict[str, list[Device]] = {}
         self._selected: dict[tuple[str, int], bool] = {}  # (expression, id(device)) -> match
+        # (expression, the device's values it reads) -> match, or the text of its runtime error:
+        # most devices share the values a selector reads (product, memory, driver version), so a
+        # selector runs once per distinct set of them instead of once per device.
+        self._outcomes: dict[tuple[str, Any], bool | str] = {}
         self._candidates: dict[tuple[str, str, tuple[str, ...]], list[Device]] = {}
 
     @staticmethod
@@ -433,9 +439,6 @@ class Cluster:
         k = (expression, id(device))
         hit = self._selected.get(k)
         if hit is None:
-            if device._view is None:
-                device._view = self.env.device_view(device.driver, device.raw)
-                device._activation = self.env.activation(device._view)
             try:
                 selector = self.env.compile(expression)
             except CelError as exc:
@@ -446,14 +449,41 @@ class Cluster:
                         "which dra-gpu does not model: the allocation cannot be simulated"
                     ) from exc
                 raise AllocationError(f"selector {expression!r} {exc}") from exc
-            try:
-                hit = self.env.evaluate(selector, device._view, device._activation)
-            except SelectorEvalError as exc:
+            shared = self._shared_key(selector, device)
+            outcome = self._outcomes.get(shared) if shared is not None else None
+            if outcome is None:
+                outcome = self._evaluate(selector, device)
+                if shared is not None:
+                    self._outcomes[shared] = outcome
+            if isinstance(outcome, str):
                 raise AllocationError(
-                    f"selector {expression!r} failed on device {device.name} ({device.pool}): {exc}"
-                ) from exc
-            self._selected[k] = hit
+                    f"selector {expression!r} failed on device {device.name} ({device.pool}): {outcome}"
+                )
+            hit = self._selected[k] = outcome
         return hit
+
+    def _shared_key(self, selector: Selector, device: Device) -> tuple[str, Any] | None:
+        """The key under which devices share the selector's outcome, or None (evaluate this one)."""
+        if selector.reads is None:
+            return None
+        values = device._values
+        key: list[Any] = [device.driver, bool(device.raw.get("allowMultipleAllocations", False))]
+        for read in selector.reads:
+            try:
+                key.append(values[read])
+            except KeyError:
+                value = values[read] = device_value(device.driver, device.raw, read)
+                key.append(value)
+        return (selector.expression, tuple(key))
+
+    def _evaluate(self, selector: Selector, device: Device) -> bool | str:
+        if device._view is None:
+            device._view = self.env.device_view(device.driver, device.raw)
+            device._activation = self.env.activation(device._view)
+        try:
+            return self.env.evaluate(selector, device._view, device._activation)
+        except SelectorEvalError as exc:
+            return str(exc)
 
     @functools.cached_property
     def tainted(self) -> bool:
@@ -461,13 +491,11 @@ class Cluster:
         return any(d.taints() for node in self.nodes for d in self.devices(node))
 
     def warm(self) -> None:
-        """Build every node's devices and their CEL views now (published data only, no selector
-        runs), so a forked child (bounded.py) starts with them."""
+        """Build every node's devices now (published data only, no selector runs), so a forked
+        child (bounded.py) starts with them. CEL views are made only for the devices a selector
+        is evaluated on: most share their outcome with an equal device (`_shared_key`)."""
         for node in self.nodes:
-            for d in self.devices(node):
-                if d._view is None:
-                    d._view = self.env.device_view(d.driver, d.raw)
-                    d._activation = self.env.activation(d._view)
+            self.devices(node)
 
     def selectable(self, sub: SubRequest, device: Device) -> bool:
         cls = self.classes.get(sub.device_class)

@@ -51,6 +51,20 @@ from dra_gpu.controller.cel.schema import (
 # to C++ (a lone surrogate, which JSON can carry).
 COMPILE_ERRORS = (RuntimeError, TypeError)
 _DOMAIN_REF = re.compile(r"device\s*\.\s*(?:attributes|capacity)\s*\[\s*([\"'])([^\"']+)\1\s*\]")
+_DEVICE = re.compile(r"\bdevice\b")
+# One read of the `device` variable whose answer is a single value: a literal domain, then a literal
+# field (`.name`, not a method call such as `.size()`) or literal index (`["name"]`); or
+# `device.driver` / `device.allowMultipleAllocations`. String literals with escapes, quotes or a
+# prefix (r"", b"") do not match, so what they spell never has to be decoded here.
+_READ = re.compile(
+    r"device\s*\.\s*(?:"
+    r"(attributes|capacity)\s*\[\s*([\"'])([^\"'\\]+)\2\s*\]"
+    r"(?:\s*\.\s*([A-Za-z_][A-Za-z0-9_]*)(?![A-Za-z0-9_])(?!\s*\()|\s*\[\s*([\"'])([^\"'\\]+)\5\s*\])"
+    r"|(?:driver|allowMultipleAllocations)(?![A-Za-z0-9_])(?!\s*\())"
+)
+
+# One value of the `device` variable: ("attributes" | "capacity", domain, name).
+Read = tuple[str, str, str]
 
 
 class CelError(ValueError):
@@ -64,6 +78,10 @@ class Selector:
     expression: str
     program: Any  # cel.Expression
     domains: tuple[str, ...]  # literal attribute/capacity domains it indexes
+    # Every value of `device` its result can depend on (besides `driver` and
+    # `allowMultipleAllocations`), or None when it reads the device otherwise (a whole map, a
+    # computed key, a comprehension): two devices equal in these values get the same answer.
+    reads: tuple[Read, ...] | None = None
 
 
 class SelectorEvalError(RuntimeError):
@@ -192,7 +210,7 @@ class CelEnvironment:
             except COMPILE_ERRORS as exc:
                 raise CelError(f"does not compile: {self._format_error(str(exc))}") from exc
             domains = tuple(sorted({m.group(2) for m in _DOMAIN_REF.finditer(expression)}))
-            sel = Selector(expression, program, domains)
+            sel = Selector(expression, program, domains, selector_reads(expression))
             if len(self._compiled) > 10_000:
                 self._compiled.clear()
             self._compiled[expression] = sel
@@ -203,19 +221,12 @@ class CelEnvironment:
     def device_view(self, driver: str, device: Mapping[str, Any]) -> dict[str, Any]:
         """The `device` variable for a published device (attributes under their domains)."""
         attrs: dict[str, dict[str, Any]] = {driver: {}, STANDARD_DOMAIN: {}}
-        for key, value in (device.get("attributes") or {}).items():
-            domain, _, name = key.rpartition("/")
-            if not isinstance(value, dict) or not value:
-                continue
-            kind, v = next(iter(value.items()))
-            if kind == "version":
-                v = self.Semver(value=str(v))
-            attrs.setdefault(domain or driver, {})[name] = v
         caps: dict[str, dict[str, Any]] = {driver: {}}
-        for key, value in (device.get("capacity") or {}).items():
-            domain, _, name = key.rpartition("/")
-            raw = value.get("value") if isinstance(value, dict) else value
-            caps.setdefault(domain or driver, {})[name] = self.Quantity(value=str(raw))
+        for section, domain, name, kind, v in _entries(driver, device):
+            if section == "capacity":
+                caps.setdefault(domain, {})[name] = self.Quantity(value=str(v))
+            else:
+                attrs.setdefault(domain, {})[name] = self.Semver(value=str(v)) if kind == "version" else v
         return {
             "driver": driver,
             "attributes": attrs,
@@ -245,3 +256,73 @@ class CelEnvironment:
         if result.type() == cel.Type.ERROR:
             raise SelectorEvalError(self._format_error(str(result.value())))
         raise SelectorEvalError(f"evaluated to {result.type().name().lower()}, not bool")
+
+
+def _entries(driver: str, device: Mapping[str, Any]) -> Any:
+    """(section, domain, name, kind, value) of each attribute and capacity of a published device, in
+    order (a later one for the same name wins): what device_view and device_values are built from."""
+    for key, value in (device.get("attributes") or {}).items():
+        domain, _, name = key.rpartition("/")
+        if not isinstance(value, dict) or not value:
+            continue
+        kind, v = next(iter(value.items()))
+        yield "attributes", domain or driver, name, kind, v
+    for key, value in (device.get("capacity") or {}).items():
+        domain, _, name = key.rpartition("/")
+        yield "capacity", domain or driver, name, "", value.get("value") if isinstance(value, dict) else value
+
+
+def device_value(driver: str, device: Mapping[str, Any], read: Read) -> Any:
+    """One value of the device as a selector reads it, hashable; None when it has none. Equal
+    values make equal `device` variables for this read (device_view takes the same entry); a value
+    that is not a plain scalar is never equal to another device's."""
+    section, domain, name = read
+    if "/" in name:
+        return None  # device_view files "a/b" under domain "a": no entry is ever named so
+    entries = device.get(section) or {}
+    spellings = (f"{domain}/{name}", name, f"/{name}") if domain == driver else (f"{domain}/{name}",)
+    keys = [k for k in spellings if k in entries]
+    if len(keys) > 1:  # several spellings of one name: the last valid one wins, as in device_view
+        found = None
+        for sec, dom, nm, kind, v in _entries(driver, device):
+            if sec == section and dom == domain and nm == name:
+                found = (kind, _hashable(v))
+        return found
+    if not keys:
+        return None
+    value = entries[keys[0]]
+    if section == "capacity":
+        return ("", _hashable(value.get("value") if isinstance(value, dict) else value))
+    if not isinstance(value, dict) or not value:
+        return None
+    kind, v = next(iter(value.items()))
+    return (kind, _hashable(v))
+
+
+def _hashable(v: Any) -> Any:
+    t = type(v)
+    if t is str or t is int or t is bool:
+        return (t.__name__, v)  # the type too: True == 1, but they are different CEL values
+    if t is float:
+        return ("float", repr(v))  # -0.0 == 0.0; NaN != NaN
+    return object()  # a list, a map, null: not shared with any other device
+
+
+def selector_reads(expression: str) -> tuple[Read, ...] | None:
+    """What of `device` the selector reads (see Selector.reads), or None when that is not plain
+    from its text. Every occurrence of the name `device` must be one literal read; one that is
+    not (a comprehension over a map, a computed key, `device` bound to another name, the word in a
+    string literal) makes the answer None, which is always safe: the device is then evaluated on
+    its own. A `//` comment could hide a call's parenthesis from the pattern: None as well."""
+    if "//" in expression:
+        return None
+    reads: dict[Read, None] = {}
+    for m in _DEVICE.finditer(expression):
+        read = _READ.match(expression, m.start())
+        if read is None:
+            return None
+        section = read.group(1)
+        if section:
+            name = read.group(4) or read.group(6)
+            reads[(section, read.group(3), name)] = None
+    return tuple(reads)
