@@ -1,9 +1,12 @@
-"""The `dra-gpu` command line."""
+"""The `dra-gpu` command line.
+
+The node side (discovery, NVML, the plugin, health, doctor) is imported where its commands are
+built or run: `dra-gpu validate` and `dra-gpu explain` start without it (~0.15 s of imports).
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import os
@@ -11,21 +14,13 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import yaml
+from typing import Any
 
 from dra_gpu.controller.commands import add_commands
-from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
-from dra_gpu.discovery.driver_install import describe as describe_installation
-from dra_gpu.discovery.driver_install import discover_installation
-from dra_gpu.discovery.profiles import BUILTIN_PROFILES
-from dra_gpu.doctor.command import add_doctor_command
 from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
-from dra_gpu.health.command import add_health_command, add_health_flags, cmd_health, health_config
-from dra_gpu.inventory_report import render
 from dra_gpu.model import DEFAULT_DRIVER_NAME
-from dra_gpu.node_flags import add_node_flags
-from dra_gpu.slices import SliceLimitError, build_slices
+
+CONTROLLER_COMMANDS = ("validate", "explain", "controller")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,17 +39,44 @@ def _flag(value: str | None) -> bool:
 
 
 def _version() -> str:
+    import importlib.metadata  # ~40 ms of imports, for --version only
+
     try:
         return importlib.metadata.version("dra-gpu")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
         return "unknown"
 
 
-def _parser() -> argparse.ArgumentParser:
+class _VersionAction(argparse.Action):
+    """--version: the installed version, looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
+
+
+def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
+    """The command line; `controller_only`: just the CONTROLLER_COMMANDS, for an argv that names one
+    of them (their parsing, help and errors are the same either way)."""
     p = _Parser(prog="dra-gpu", description="Kubernetes DRA driver for NVIDIA GPUs")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--version", action=_VersionAction, help="show program's version number and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    if not controller_only:
+        _add_node_commands(sub)
+    p.set_defaults(extra_commands=add_commands(sub))
+    return p
+
+
+def _add_node_commands(sub: Any) -> None:
+    from dra_gpu.discovery.profiles import BUILTIN_PROFILES
+    from dra_gpu.doctor.command import add_doctor_command
+    from dra_gpu.health.command import add_health_command, add_health_flags
+    from dra_gpu.node_flags import add_node_flags
+
     inv = sub.add_parser("inventory", help="discover this node's GPUs (or a simulated node's)")
     inv.add_argument(
         "--profile",
@@ -149,11 +171,11 @@ def _parser() -> argparse.ArgumentParser:
     add_health_flags(plug)
     add_health_command(sub)
     add_doctor_command(sub)
-    p.set_defaults(extra_commands=add_commands(sub))
-    return p
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
+    from dra_gpu.discovery import NvmlUnavailableError, ProfileError
+    from dra_gpu.health.command import health_config
     from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
     from dra_gpu.plugin.server import PluginConfig, run
 
@@ -194,6 +216,15 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
 
 
 def cmd_inventory(args: argparse.Namespace) -> int:
+    import yaml
+
+    from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
+    from dra_gpu.discovery.driver_install import describe as describe_installation
+    from dra_gpu.discovery.driver_install import discover_installation
+    from dra_gpu.discovery.profiles import BUILTIN_PROFILES
+    from dra_gpu.inventory_report import render
+    from dra_gpu.slices import SliceLimitError, build_slices
+
     node = args.node_name or default_node_name()
     try:
         inventory = discover_node(node, args.profile, dynamic_mig=args.dynamic_mig)
@@ -250,8 +281,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor(args)
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from dra_gpu.health.command import cmd_health as run_health
+
+    return run_health(args)
+
+
+def _command_word(argv: Sequence[str]) -> str | None:
+    """The subcommand argv names (global flags take no values), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser(controller_only=_command_word(argv) in CONTROLLER_COMMANDS).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         stream=sys.stderr,
