@@ -50,6 +50,35 @@ def test_yaml_refuses_aliases_and_deep_nesting(monkeypatch: pytest.MonkeyPatch, 
         list(load_yaml_all("a: " + "[" * 2000 + "]" * 2000))
 
 
+@pytest.mark.parametrize("star", ["", "# a * in a comment: the event scan\n"])
+def test_nesting_is_refused_at_the_collection_past_the_limit(star: str) -> None:
+    """libyaml (both ways: bounded while composing, or the event scan when the text has a `*`)."""
+    ok = "[" * MAX_DEPTH + "1" + "]" * MAX_DEPTH
+    assert list(load_yaml_all(f"{star}a: 1\n---\n{ok}\n")) == [{"a": 1}, yaml.safe_load(ok)]
+    # Block style, so that the line of the collection past the limit tells where it was found.
+    deep = "".join(f"{'  ' * i}k{i}:\n" for i in range(MAX_DEPTH + 1)) + "  " * (MAX_DEPTH + 1) + "x: 1\n"
+    with pytest.raises(yaml.YAMLError, match=f"nested more than {MAX_DEPTH} levels deep") as exc:
+        list(load_yaml_all(f"{star}a: 1\n---\n" + deep))
+    mark = getattr(exc.value, "problem_mark", None)
+    assert mark is not None and mark.line == star.count("\n") + 2 + MAX_DEPTH  # the 65th mapping
+
+
+def test_fast_loader_reads_what_libyaml_reads() -> None:
+    """Without a `*` in the text the bounded libyaml loader is used: the same documents as
+    libyaml's own loader, scalars typed by their text and style (a tag is cached per both)."""
+    text = 'a: 1\nb: "1"\nc: 1\nd: \'1\'\ne: [true, "true", null, ~, 1.5, 0x10, 2026-01-01]\n---\n- {x: y}\n'
+    assert "*" not in text
+    assert list(load_yaml_all(text)) == list(yaml.load_all(text, Loader=yaml.SafeLoader))
+
+
+def test_a_stream_that_is_not_yaml_further_on_gives_no_documents() -> None:
+    got: list[object] = []
+    with pytest.raises(yaml.YAMLError):
+        for doc in load_yaml_all("a: 1\n---\nb: [1\n"):
+            got.append(doc)
+    assert got == []
+
+
 def test_no_alias_loader_directly() -> None:
     with pytest.raises(yaml.YAMLError, match="aliases"):
         yaml.load("a: &x 1\nb: *x\n", Loader=NoAliasSafeLoader)
@@ -64,6 +93,9 @@ def test_bounds() -> None:
         deep = [deep]
     assert "nested more than" in check_bounds(deep)[0][1]
     assert "must be a string" in check_bounds({1: "x"})[0][1]
+    where = check_bounds({"spec": {"devices": [{}, {"capacity": {"gpu.dra-gpu.io/memory": float("inf")}}]}})
+    assert where[0][0] == 'spec.devices[1].capacity["gpu.dra-gpu.io/memory"]'
+    assert check_bounds({"a": {"b": [1, {"c": 2**64}]}}, "obj")[0][0] == "obj.a.b[1].c"
 
 
 def test_shapes_name_the_field() -> None:

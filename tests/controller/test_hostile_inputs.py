@@ -165,14 +165,22 @@ def test_exponential_clique_graph_is_bounded(tmp_path: Path) -> None:
     run("inventory", "--profile", str(p), timeout=60)
 
 
+# Doublings of a string for a selector over its budget: it reads only `device.driver`, so it is
+# evaluated once for all devices (they share the outcome), and 26 doublings (1.9 GB) fit the 2 GiB
+# memory budget once; 27 (3.8 GB) do not.
+DOUBLINGS = 27
+
+
 def test_costly_selector_is_bounded(tmp_path: Path) -> None:
-    """A selector that doubles a string 26 times (a gigabyte per device) is stopped by the memory
+    """A selector that doubles a string 27 times (gigabytes for one device) is stopped by the memory
     cap or the deadline, with a message; the command does not take minutes or the machine's memory."""
     from bench.webhook_hostile_bench import doubling_selector
 
     p = tmp_path / "in.yaml"
     p.write_text(
-        yaml.safe_dump_all([*node_slices(), GPU_CLASS, claim("hostile", selectors=[doubling_selector(26)])])
+        yaml.safe_dump_all(
+            [*node_slices(), GPU_CLASS, claim("hostile", selectors=[doubling_selector(DOUBLINGS)])]
+        )
     )
     out = run("validate", "-f", str(p), timeout=30)
     assert out.returncode == 1 and ("memory budget" in out.stdout or "took longer" in out.stdout), out.stdout
@@ -187,7 +195,11 @@ def test_a_costly_claim_between_others_costs_only_its_own_answer(tmp_path: Path)
 
     from bench.webhook_hostile_bench import doubling_selector
 
-    claims = [claim("before", 2), claim("hostile", selectors=[doubling_selector(26)]), claim("after", 2)]
+    claims = [
+        claim("before", 2),
+        claim("hostile", selectors=[doubling_selector(DOUBLINGS)]),
+        claim("after", 2),
+    ]
     p = tmp_path / "in.yaml"
     p.write_text(yaml.safe_dump_all([*node_slices(), GPU_CLASS, *claims]))
     out = run("explain", "-f", str(p), "-o", "json", timeout=30)
