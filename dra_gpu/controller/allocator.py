@@ -352,6 +352,7 @@ class Cluster:
             {str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices if s["spec"].get("nodeName")}
         ) or [""]
         self._devices: dict[str, list[Device]] = {}
+        self._pools_by_node: tuple[dict[str, set[int]], set[int]] | None = None
         self._selected: dict[tuple[str, int], bool] = {}  # (expression, id(device)) -> match
         # (expression, the device's values it reads) -> match, or the text of its runtime error:
         # most devices share the values a selector reads (product, memory, driver version), so a
@@ -385,11 +386,30 @@ class Cluster:
 
         return sorted((pools[k] for k in sorted(pools)), key=waits)
 
+    def _pools_on(self, node: str) -> list[Pool]:
+        """The pools with a slice for `node` or for all nodes, in order (one pass over all pools
+        for all nodes, not one per node)."""
+        if node == "":
+            return self.pools
+        if self._pools_by_node is None:
+            by_node: dict[str, set[int]] = {}
+            everywhere: set[int] = set()
+            for i, p in enumerate(self.pools):
+                for s in p.slices:
+                    spec = s["spec"]
+                    if spec.get("allNodes"):
+                        everywhere.add(i)
+                    elif isinstance(spec.get("nodeName"), str):
+                        by_node.setdefault(spec["nodeName"], set()).add(i)
+            self._pools_by_node = (by_node, everywhere)
+        by_node, everywhere = self._pools_by_node
+        return [self.pools[i] for i in sorted(by_node.get(node, set()) | everywhere)]
+
     def devices(self, node: str) -> list[Device]:
         """The devices usable on `node`, in the allocator's order."""
         if node not in self._devices:
             out: list[Device] = []
-            for p in self.pools:
+            for p in self._pools_on(node):
                 if not p.complete:
                     continue
                 names: set[str] = set()
