@@ -71,6 +71,37 @@ def test_fast_loader_reads_what_libyaml_reads() -> None:
     assert list(load_yaml_all(text)) == list(yaml.load_all(text, Loader=yaml.SafeLoader))
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "d: {<<: {x: 1, y: 1}, y: 2}\n",  # a merge key
+        "v: {=: 1}\n",  # a value key
+        "s: !!set {a, b}\n",
+        "t: 2026-01-01\n",
+        "b: !!binary aGVsbG8=\n",
+        "k: {1: a, true: b, null: c, 1.5: d, !!str 2: e}\n",
+        "o: !!omap [a: 1]\n",
+        "!!str [1]\n",  # errors from here on: the same error
+        "!!map x\n",
+        "!foo x\n",
+        "[1, 2]: x\n",
+        "{a: 1}: x\n",
+    ],
+)
+def test_fast_loader_leaves_the_unusual_to_safe_constructor(text: str) -> None:
+    try:
+        expected: object = list(yaml.load_all(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        expected = type(exc)
+    try:
+        got: object = list(load_yaml_all(text))
+    except yaml.YAMLError as exc:
+        got = type(exc)
+    assert got == expected
+    if not isinstance(expected, type):
+        assert decoding.load_yaml(text) == expected[0]  # type: ignore[index]
+
+
 def test_a_stream_that_is_not_yaml_further_on_gives_no_documents() -> None:
     got: list[object] = []
     with pytest.raises(yaml.YAMLError):
