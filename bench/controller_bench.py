@@ -158,11 +158,8 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def bench_explain(nodes: int) -> None:
-    from dra_gpu.controller.commands import explain_inputs
-    from dra_gpu.controller.inputs import Inputs
-
-    docs = cluster(nodes, nodes // 2)
+def explain_claims() -> list[dict[str, Any]]:
+    """The 20 claims of the explain bench: 4 kinds, the fourth never fits."""
     claims = []
     for i in range(20):
         kind = i % 4
@@ -174,6 +171,15 @@ def bench_explain(nodes: int) -> None:
             claims.append(claim(f"c{i}", 2, selectors=SELECTORS, constraints=NVLINK))
         else:
             claims.append(claim(f"c{i}", 5, constraints=NVLINK))  # never fits: scans every node
+    return claims
+
+
+def bench_explain(nodes: int) -> None:
+    from dra_gpu.controller.commands import explain_inputs
+    from dra_gpu.controller.inputs import Inputs
+
+    docs = cluster(nodes, nodes // 2)
+    claims = explain_claims()
     inputs = Inputs()
     for d in [*docs, *claims]:
         inputs.add(d, "bench")
