@@ -1,11 +1,13 @@
 """Where `dra-gpu explain`'s CPU goes, stage by stage, on controller_bench.py's explain input.
 
-    .venv/bin/python bench/explain_split.py [--nodes 100] [--runs 3]
+    .venv/bin/python bench/explain_split.py [--nodes 100] [--runs 3] [--tree OTHER_CHECKOUT]
 
 Each run is a fresh interpreter doing what the command does (`dra_gpu.cli.main` for explain), with
 the CPU time (process_time) of each stage: importing the command line, importing the controller
 (CEL engine), loading the file (read, YAML, bounds and shapes), and explaining in this process
 (the rules' view, the devices) and in the bounded child (the claims; its CPU from RUSAGE_CHILDREN).
+`--tree` runs the stages in another checkout (its .venv), alternating with this one: before/after
+pairs in the same minutes.
 """
 
 from __future__ import annotations
@@ -48,15 +50,19 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--nodes", type=int, default=100)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tree", type=Path, help="another checkout to alternate with (e.g. main)")
     args = p.parse_args()
+    trees = [ROOT, *([args.tree.resolve()] if args.tree else [])]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "all.yaml"
         path.write_text(yaml.safe_dump_all([*cluster(args.nodes, args.nodes // 2), *explain_claims()]))
         print(f"explain input: {args.nodes} nodes x 8 GPUs, 20 claims, {path.stat().st_size} bytes of YAML")
         for _ in range(args.runs):
-            cmd = [sys.executable, "-c", STAGES, str(path)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-            print(out.stdout.strip())
+            for tree in trees:
+                python = sys.executable if tree == ROOT else str(tree / ".venv" / "bin" / "python")
+                cmd = [python, "-c", STAGES, str(path)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=tree)
+                print(f"{tree.name}: {out.stdout.strip()}" if len(trees) > 1 else out.stdout.strip())
 
 
 if __name__ == "__main__":
