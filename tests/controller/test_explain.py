@@ -132,3 +132,30 @@ def test_unmodelled_selector_is_reported_as_not_simulated(hgx: list[dict[str, An
     (r,) = run(hgx, claim("k8s-lib", 1, selectors=[sel]))
     assert not r["allocatable"] and not r["simulated"]
     assert "uses find of the Kubernetes CEL libraries" in r["reason"]
+
+
+def test_the_heap_is_frozen_only_while_claims_are_explained(hgx: list[dict[str, Any]]) -> None:
+    """explain_inputs keeps the inputs out of the collector's passes and then undoes it; a heap the
+    caller froze stays frozen."""
+    import gc
+
+    seen: list[int] = []
+
+    class Spy(dict[str, Any]):  # a claim spec read while explaining: notes the freeze count then
+        def get(self, key: str, default: Any = None) -> Any:
+            seen.append(gc.get_freeze_count())
+            return super().get(key, default)
+
+    c = claim("spy", 1)
+    c["spec"] = Spy(c["spec"])
+    gc.unfreeze()
+    (r,) = run(hgx, c)
+    assert r["allocatable"] and max(seen) > 0  # read while explaining (and before, unfrozen)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        run(hgx, claim("again", 1))
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
