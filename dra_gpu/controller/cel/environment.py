@@ -17,6 +17,7 @@ Two environments share one function library (functions.py):
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -280,8 +281,7 @@ def device_value(driver: str, device: Mapping[str, Any], read: Read) -> Any:
     if "/" in name:
         return None  # device_view files "a/b" under domain "a": no entry is ever named so
     entries = device.get(section) or {}
-    spellings = (f"{domain}/{name}", name, f"/{name}") if domain == driver else (f"{domain}/{name}",)
-    keys = [k for k in spellings if k in entries]
+    keys = [k for k in _spellings(driver, domain, name) if k in entries]
     if len(keys) > 1:  # several spellings of one name: the last valid one wins, as in device_view
         found = None
         for sec, dom, nm, kind, v in _entries(driver, device):
@@ -297,6 +297,12 @@ def device_value(driver: str, device: Mapping[str, Any], read: Read) -> Any:
         return None
     kind, v = next(iter(value.items()))
     return (kind, _hashable(v))
+
+
+@functools.lru_cache(maxsize=1024)
+def _spellings(driver: str, domain: str, name: str) -> tuple[str, ...]:
+    """The keys a device may publish `domain`/`name` under (the driver's own also unqualified)."""
+    return (f"{domain}/{name}", name, f"/{name}") if domain == driver else (f"{domain}/{name}",)
 
 
 def _hashable(v: Any) -> Any:
