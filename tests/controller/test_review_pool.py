@@ -30,7 +30,7 @@ def test_a_review_that_waited_for_a_core_keeps_its_worker(caplog: pytest.LogCapt
         pool = await _pool()
         try:
             assert not (await pool.validate(claim("first", 2))).errors
-            (pid,) = [w.process.pid for w in pool._workers]
+            (pid,) = [w.pid for w in pool._workers]
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)  # as if every core were busy: no CPU for the worker
             review = asyncio.create_task(pool.validate(claim("waited", 2)))
