@@ -228,6 +228,14 @@ def _cpu_ns(worker: _Worker) -> int:
         return 0
 
 
+def _reap(worker: _Worker) -> None:
+    """Its exit status collected, where it has become this process's child: the template reaps its
+    workers, but once a template has died they belong to init, which is this process when it is
+    a container's first process (no zombie left behind in either case)."""
+    with contextlib.suppress(OSError):
+        os.waitid(os.P_PIDFD, worker.pidfd, os.WEXITED | os.WNOHANG)
+
+
 def _exited(worker: _Worker, timeout: float = 0) -> bool:
     with contextlib.suppress(OSError, ValueError):
         return bool(select.select([worker.pidfd], [], [], timeout)[0])
@@ -495,6 +503,7 @@ class ReviewPool:
             worker.conn.close()
         if wait:
             _exited(worker, timeout=1)
+            _reap(worker)
             os.close(worker.pidfd)
         else:  # its pidfd closed once it has gone
             self._background(self._close_when_exited(worker))
@@ -514,6 +523,7 @@ class ReviewPool:
                 await asyncio.wait_for(gone, 10)
         finally:
             loop.remove_reader(worker.pidfd)
+            _reap(worker)
             os.close(worker.pidfd)
 
     # -- the template
