@@ -53,7 +53,7 @@ async def run(nodes: int, rounds: int) -> None:
                 await asyncio.sleep(0.0005)
             wall.append((time.perf_counter() - t0) * 1000)
             main_cpu.append((time.process_time() - c0) * 1000)
-            (new,) = [w for w in pool._workers if _pid(w) not in before]
+            new = [w for w in pool._workers if _pid(w) not in before][-1]  # the last one started
             worker_cpu.append(_cpu_ms(_pid(new)))
             # The new worker answers the next review: the others go to the back of the queue.
             idle = [pool._idle.get_nowait() for _ in range(pool._idle.qsize())]
