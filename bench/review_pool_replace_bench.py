@@ -40,19 +40,22 @@ async def run(nodes: int, rounds: int) -> None:
     pool.replace("classes", [d for d in docs if d.get("kind") == "DeviceClass"])
     normal = claim("normal", 2, selectors=SELECTORS, constraints=NVLINK)
     await pool.start()
-    wall, main_cpu, worker_cpu, first = [], [], [], []
+    wall, main_cpu, worker_cpu, template_cpu, first = [], [], [], [], []
     try:
         for _ in range(2 * pool.size):  # every worker (and the template, if any) warm
             await pool.validate(normal)
         for _ in range(rounds):
             victim = await pool._idle.get()
             before = {_pid(w) for w in pool._workers}
+            template = getattr(pool, "_template", None)  # none before the template existed
             t0, c0 = time.perf_counter(), time.process_time()
+            tc0 = _cpu_ms(template.process.pid) if template else 0.0
             pool._replace_worker(victim)
             while pool._idle.qsize() < pool.size:
                 await asyncio.sleep(0.0005)
             wall.append((time.perf_counter() - t0) * 1000)
             main_cpu.append((time.process_time() - c0) * 1000)
+            template_cpu.append(_cpu_ms(template.process.pid) - tc0 if template else 0.0)
             new = [w for w in pool._workers if _pid(w) not in before][-1]  # the last one started
             worker_cpu.append(_cpu_ms(_pid(new)))
             # The new worker answers the next review: the others go to the back of the queue.
@@ -71,6 +74,7 @@ async def run(nodes: int, rounds: int) -> None:
         ("taken out -> replacement ready", wall),
         ("main process CPU", main_cpu),
         ("new worker's CPU before ready", worker_cpu),
+        ("template's CPU (fork)", template_cpu),
         ("its first review", first),
     ]:
         print(f"  {label:32s} {statistics.median(values):8.2f} ms {max(values):8.2f} ms")
