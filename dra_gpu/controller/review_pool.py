@@ -54,8 +54,9 @@ WORKER_NICE = 0
 SLOW_NICE = 19  # a worker whose review used SLOW_AFTER_S of CPU: it gets only spare CPU
 SLOW_AFTER_S = 0.02  # of CPU: a warm review takes 0.5-1.2 ms (1,000-4,000 devices)
 SLOW_CHECK_S = 0.01  # how often a running review's CPU is looked at
-# A new worker reviews the last few objects that were answered within budget before it takes
-# real reviews, so their selectors are compiled and evaluated off the request path.
+# The template reviews the last few objects that were answered within budget, so that their
+# selectors are compiled and evaluated off the request path, and each new worker reviews them
+# again (cached, but touching the pages it inherited) before it takes real reviews.
 WARM_UP_REVIEWS = 4
 WARM_UP_CPU_S = 0.2
 WARM_UP_TIMEOUT_S = 30.0
