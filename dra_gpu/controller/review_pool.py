@@ -474,7 +474,7 @@ class ReviewPool:
             parent.close()
             raise OSError(f"the template could not fork a worker: {reply[1]}")
         pid: int = reply[1]
-        pidfd = os.pidfd_open(pid)  # the child is waiting on its pipe: it is still there
+        pidfd = os.pidfd_open(pid)  # it goes only when its pipe closes (or its warm-up fails)
         return _Worker(pid, pidfd, parent, starting.pending)
 
     @staticmethod
