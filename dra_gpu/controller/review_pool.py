@@ -8,24 +8,39 @@ Each worker keeps its own copy of the cluster view (the loop forwards every list
 answers one review at a time and runs under RLIMIT_AS. A review that passes the deadline, or a
 worker that dies (out of memory), gets a clear deny; the worker is killed, which releases all its
 memory, and a fresh one takes its place while the others keep answering.
+
+Fresh workers are forked from a template process that gets every cluster event and the recent
+reviews like a worker but never answers one: a hostile review costs a worker, and a child of the
+template starts with the view applied and the selectors compiled and evaluated (copy-on-write),
+so replacing it costs neither a transfer of the view nor a warm-up next to the workers that are
+answering. The template is itself replaced, from the view the loop keeps, when it dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
 import pickle
 import resource
+import select
+import signal
 import time
 from dataclasses import dataclass, field
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from dra_gpu.controller.bounded import OverBudget, address_space, resident_bytes
+
+if TYPE_CHECKING:
+    from dra_gpu.controller.cluster_state import ClusterState
 
 __all__ = ["OverBudget", "ReviewPool", "ReviewResult"]
 
@@ -39,11 +54,15 @@ WORKER_NICE = 0
 SLOW_NICE = 19  # a worker whose review used SLOW_AFTER_S of CPU: it gets only spare CPU
 SLOW_AFTER_S = 0.02  # of CPU: a warm review takes 0.5-1.2 ms (1,000-4,000 devices)
 SLOW_CHECK_S = 0.01  # how often a running review's CPU is looked at
-# A new worker reviews the last few objects that were answered within budget before it takes
-# real reviews, so their selectors are compiled and evaluated off the request path.
+# The template reviews the last few objects that were answered within budget, so that their
+# selectors are compiled and evaluated off the request path, and each new worker reviews them
+# again (cached, but touching the pages it inherited) before it takes real reviews.
 WARM_UP_REVIEWS = 4
 WARM_UP_CPU_S = 0.2
 WARM_UP_TIMEOUT_S = 30.0
+# How often the template is sent the events and recent reviews it has not had (the ones left are
+# sent before a fork): at most a few warm-up reviews a second, whatever the rate of reviews.
+TEMPLATE_FEED_EVERY_S = 1.0
 RECYCLE_BYTES = 768 << 20  # a worker left this large by a review is replaced: its memory released
 PRELOAD = ["dra_gpu.controller.cluster_state"]
 DIRECT_SEND_BYTES = 16 * 1024
@@ -59,40 +78,16 @@ class ReviewResult:
     warnings: list[tuple[str, str]]
 
 
-def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) -> None:
+def _serve(conn: Connection, state: ClusterState) -> None:
     """A worker: apply cluster events, answer reviews, until the pipe closes."""
-    with contextlib.suppress(OSError):
-        os.nice(nice)  # below the event loop: /healthz and the loop's own work come first
-    # Imported by the fork server already (PRELOAD): a new worker is ready in milliseconds, so
-    # replacing one does not take a core away from the others for a second.
-    from dra_gpu.controller.cluster_state import ClusterState
-
-    if memory_bytes > 0:
-        limit = address_space() + memory_bytes
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    state = ClusterState(driver)
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             return
-        op = message[0]
-        if op == "replace":
-            state.replace(message[1], message[2])
-        elif op == "apply":
-            state.apply(message[1], message[2], message[3])
-        elif op == "ping":
-            validator = state.validator()  # warm: the CEL environments, and recent reviews' selectors
-            start = time.process_time()
-            for obj in message[1] if len(message) > 1 else ():
-                if time.process_time() - start > WARM_UP_CPU_S:
-                    break  # a warm-up costs at most this (plus one review, within its deadline)
-                with contextlib.suppress(Exception):
-                    validator.validate(obj)
-            conn.send(("pong",))
-        elif op == "validate":
+        if _apply_event(state, message):
+            continue
+        if message[0] == "validate":
             try:
                 v = state.validator().validate(message[1])
                 result = ReviewResult(
@@ -109,22 +104,143 @@ def _worker_main(conn: Connection, driver: str, memory_bytes: int, nice: int) ->
                 conn.send(("error", f"internal error: {type(exc).__name__}", 0))
 
 
+def _apply_event(state: ClusterState, message: tuple[Any, ...]) -> bool:
+    if message[0] == "replace":
+        state.replace(message[1], message[2])
+    elif message[0] == "apply":
+        state.apply(message[1], message[2], message[3])
+    else:
+        return False
+    return True
+
+
+def _warm(state: ClusterState, objects: list[Any]) -> None:
+    """Compile and evaluate what these reviews need, so that a worker forked afterwards has it."""
+    validator = state.validator()  # the CEL environments, the devices' attributes
+    start = time.process_time()
+    for obj in objects:
+        if time.process_time() - start > WARM_UP_CPU_S:
+            break  # a warm-up costs at most this (plus one review that was answered within budget)
+        with contextlib.suppress(Exception):
+            validator.validate(obj)
+
+
+def _limit_memory(memory_bytes: int) -> None:
+    if memory_bytes > 0:
+        limit = address_space() + memory_bytes
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _template_main(conn: Connection, driver: str, memory_bytes: int, nice: int) -> None:
+    """The template: apply cluster events and warm-ups, and fork a worker on each request."""
+    with contextlib.suppress(OSError):
+        os.nice(nice)  # inherited by the workers: below the event loop, which answers /healthz
+    # Its workers are reaped by the kernel as they exit: a killed worker leaves no zombie.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    # Imported by the fork server already (PRELOAD). No RLIMIT_AS here: each worker sets its own
+    # after the fork, above what it inherits; the template runs no review, only warm-ups of
+    # reviews that were answered within budget.
+    from dra_gpu.controller.cluster_state import ClusterState
+
+    state = ClusterState(driver)
+    warmed_with: list[Any] = []
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if _apply_event(state, message):
+            continue
+        if message[0] == "warm":
+            _warm(state, message[1])
+            warmed_with = [*warmed_with, *message[1]][-WARM_UP_REVIEWS:]
+        elif message[0] == "ping":
+            state.validator()
+            conn.send(("pong",))
+        elif message[0] == "fork":
+            fd = reduction.recv_handle(conn)  # the worker's end of its pipe to the loop
+            try:
+                conn.send(("forked", _fork_worker(conn, fd, state, memory_bytes, warmed_with)))
+            except OSError as exc:  # no process to be had (a limit on processes): the loop says so
+                os.close(fd)
+                conn.send(("error", str(exc)))
+
+
+def _fork_worker(
+    template_conn: Connection, fd: int, state: ClusterState, memory_bytes: int, warm_up: list[Any]
+) -> int:
+    """A worker that inherits the template's state; its pid. Called in the template only. The
+    worker reviews `warm_up` again before it says it is ready: the results are cached, but a
+    review touches the inherited objects, whose pages the kernel copies on that first touch (a
+    few ms over 1,000 devices), and that is better done before a real review waits on it."""
+    state.validator()  # built once here rather than in every child
+    gc.freeze()  # what the child inherits stays out of its collections: those pages stay shared
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            template_conn.close()  # the template's death must be seen by the loop, not hidden
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _limit_memory(memory_bytes)
+            conn = Connection(fd)
+            _warm(state, warm_up)
+            conn.send(("ready",))
+            _serve(conn, state)
+            code = 0
+        finally:
+            os._exit(code)  # never back into the template's loop
+    gc.unfreeze()
+    os.close(fd)
+    return pid
+
+
 @dataclass
 class _Worker:
-    process: BaseProcess
+    pid: int
+    pidfd: int  # a handle that cannot name another process once this one has gone
     conn: Connection
     pending: list[tuple[Any, ...]] = field(default_factory=list)  # events to send before the next review
     reniced: bool = False  # its review was slow; it is replaced rather than kept at low priority
     cpu_at_start: int = 0  # its CPU time (ns) when the current review was sent
 
 
+@dataclass
+class _Template:
+    process: BaseProcess
+    conn: Connection
+    pending: list[tuple[Any, ...]] = field(default_factory=list)  # events not sent to it yet
+    warmed: int = 0  # the reviews (counted by ReviewPool._recent_count) it has been warmed with
+
+
+@dataclass
+class _Starting:
+    """A worker asked of the template: it collects the events the template will not have had."""
+
+    pending: list[tuple[Any, ...]] = field(default_factory=list)
+
+
 def _cpu_ns(worker: _Worker) -> int:
     """CPU time the worker has used, in ns (/proc/<pid>/schedstat); 0 when it cannot be read."""
     try:
-        with open(f"/proc/{worker.process.pid}/schedstat") as f:
+        with open(f"/proc/{worker.pid}/schedstat") as f:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _reap(worker: _Worker) -> None:
+    """Its exit status collected, where it has become this process's child: the template reaps its
+    workers, but once a template has died they belong to init, which is this process when it is
+    a container's first process (no zombie left behind in either case)."""
+    with contextlib.suppress(OSError):
+        os.waitid(os.P_PIDFD, worker.pidfd, os.WEXITED | os.WNOHANG)
+
+
+def _exited(worker: _Worker, timeout: float = 0) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        return bool(select.select([worker.pidfd], [], [], timeout)[0])
+    return True  # its pidfd is closed: it was killed and reaped
 
 
 class ReviewPool:
@@ -143,41 +259,60 @@ class ReviewPool:
         self.memory_bytes = memory_bytes
         self.stores: dict[str, list[tuple[Any, ...]]] = {
             s: [] for s in STORES
-        }  # events since the last replace
+        }  # events since the last replace: what a new template is sent
         self._workers: list[_Worker] = []
+        self._starting: list[_Starting] = []
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._template: _Template | None = None
+        self._template_lock = asyncio.Lock()  # one conversation with the template at a time
         # Not fork (this process has threads and a loop): a fork server, started clean, that has
-        # imported the rules and the CEL engine once.
+        # imported the rules and the CEL engine once, starts the template.
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
         self._respawns: set[asyncio.Task[None]] = set()  # replacements being started, kills being reaped
-        self._recent: list[Any] = []  # the last objects answered within budget (warm-up of new workers)
+        self._recent: list[Any] = []  # the last objects answered within budget (warm-up of the template)
+        self._recent_count = 0  # how many objects have entered _recent
+        self._feeder: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def start(self) -> None:
+        async with self._template_lock:
+            await self._start_template()
         for _ in range(self.size):
             await self._add_worker()
+        self._feeder = asyncio.get_running_loop().create_task(self._feed_template_regularly())
 
     async def close(self) -> None:
-        for task in self._respawns:
+        self._closed = True
+        for task in [*self._respawns, *([self._feeder] if self._feeder else [])]:
             task.cancel()
         for w in self._workers:
-            self._kill(w)
+            self._kill(w, wait=True)
         self._workers.clear()
+        if self._template is not None:  # after its workers: it reaps them
+            self._kill_template(self._template, wait=True)
+            self._template = None
 
-    # -- the cluster view, forwarded to every worker
+    # -- the cluster view, forwarded to every worker and the template
 
     def replace(self, store: str, items: list[dict[str, Any]]) -> None:
         self.stores[store] = [("replace", store, list(items))]
-        for w in self._workers:
-            w.pending.append(("replace", store, list(items)))
+        self._forward(("replace", store, list(items)))
 
     def apply(self, store: str, event_type: str, obj: dict[str, Any]) -> None:
         event = ("apply", store, event_type, obj)
         self.stores[store].append(event)
-        if len(self.stores[store]) > 10_000:  # compact: a new worker gets one replace
+        if len(self.stores[store]) > 10_000:  # compact: a new template gets one replace
             self.stores[store] = self._compacted(store)
+        self._forward(event)
+
+    def _forward(self, event: tuple[Any, ...]) -> None:
         for w in self._workers:
             w.pending.append(event)
+        for s in self._starting:
+            s.pending.append(event)
+        if self._template is not None:
+            self._template.pending.append(event)
 
     def _compacted(self, store: str) -> list[tuple[Any, ...]]:
         from dra_gpu.controller.cluster_state import ClusterState
@@ -202,7 +337,7 @@ class ReviewPool:
             if not pending and len(request) < DIRECT_SEND_BYTES:
                 worker.conn.send_bytes(request)  # fits the pipe's buffer of an idle worker: no wait
             else:
-                await asyncio.to_thread(self._send_all, worker, pending)
+                await asyncio.to_thread(self._send_all, worker.conn, pending)
                 await asyncio.to_thread(worker.conn.send_bytes, request)
             # A review that has used 20 ms of CPU is likely costly: let it have only
             # spare CPU, so that the workers answering normal reviews keep theirs. CPU, not wall
@@ -211,7 +346,7 @@ class ReviewPool:
             worker.cpu_at_start = _cpu_ns(worker)
             slow = loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
             try:
-                reply = await asyncio.wait_for(self._receive(loop, worker), self.deadline_s)
+                reply = await asyncio.wait_for(self._receive(loop, worker.conn), self.deadline_s)
             finally:
                 worker.cpu_at_start = -1
                 slow.cancel()
@@ -219,7 +354,7 @@ class ReviewPool:
             self._replace_worker(worker)
             raise
         except (TimeoutError, EOFError, OSError, BrokenPipeError) as exc:
-            dead = worker.process.exitcode is not None or isinstance(exc, EOFError | OSError)
+            dead = _exited(worker) or isinstance(exc, EOFError | OSError)
             self._replace_worker(worker)
             if dead and not isinstance(exc, TimeoutError):
                 raise OverBudget(
@@ -229,8 +364,9 @@ class ReviewPool:
                 f"validation took longer than {self.deadline_s:g}s (a CEL selector too costly to "
                 "evaluate?); simplify the selectors"
             ) from exc
-        if reply[0] != "error":  # answered within budget (a cold one too): worth warming with
+        if reply[0] != "error" and obj not in self._recent:  # within budget: worth warming with
             self._recent = [*self._recent, obj][-WARM_UP_REVIEWS:]
+            self._recent_count += 1
         if reply[0] == "error" or reply[2] > RECYCLE_BYTES or worker.reniced:
             self._replace_worker(worker)  # per-review state released with the process
         else:
@@ -241,14 +377,14 @@ class ReviewPool:
         return result
 
     @staticmethod
-    def _send_all(worker: _Worker, messages: list[tuple[Any, ...]]) -> None:
+    def _send_all(conn: Connection, messages: list[tuple[Any, ...]]) -> None:
         for m in messages:
-            worker.conn.send(m)
+            conn.send(m)
 
     @staticmethod
-    async def _receive(loop: asyncio.AbstractEventLoop, worker: _Worker) -> Any:
+    async def _receive(loop: asyncio.AbstractEventLoop, conn: Connection) -> Any:
         ready: asyncio.Future[None] = loop.create_future()
-        fd = worker.conn.fileno()
+        fd = conn.fileno()
 
         def readable() -> None:
             if not ready.done():
@@ -259,7 +395,7 @@ class ReviewPool:
             await ready
         finally:
             loop.remove_reader(fd)
-        return worker.conn.recv()  # a whole message is there or the pipe is closed (EOFError)
+        return conn.recv()  # a whole message is there or the pipe is closed (EOFError)
 
     # -- workers
 
@@ -275,53 +411,197 @@ class ReviewPool:
     @staticmethod
     def _renice(worker: _Worker) -> None:
         worker.reniced = True
-        with contextlib.suppress(OSError, TypeError):
-            os.setpriority(os.PRIO_PROCESS, worker.process.pid or 0, SLOW_NICE)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, worker.pid, SLOW_NICE)
 
-    async def _add_worker(self, nice: int = WORKER_NICE, warm: bool = True) -> None:
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(
-            target=_worker_main, args=(child, self.driver, self.memory_bytes, nice), daemon=True
-        )
-        # Off the loop: the fork server forks and answers with the pid, milliseconds that every
-        # review waiting on the loop would otherwise wait too (a hostile review costs a worker).
-        await asyncio.to_thread(process.start)
-        child.close()
-        worker = _Worker(process, parent, [e for s in STORES for e in self.stores[s]])
-        self._workers.append(worker)
-        pending, worker.pending = worker.pending, []
-        warm_up = list(self._recent) if warm else []
-        await asyncio.to_thread(self._send_all, worker, [*pending, ("ping", warm_up)])
-        # The worker has imported, applied the view and reviewed the warm-up objects.
-        if not await asyncio.to_thread(worker.conn.poll, WARM_UP_TIMEOUT_S):
-            log.warning("event=review_worker_not_ready pid=%s", worker.process.pid)
-            self._kill(worker, wait=False)
-            with contextlib.suppress(ValueError):
-                self._workers.remove(worker)
-            if not warm:
-                raise TimeoutError(f"a review worker was not ready within {WARM_UP_TIMEOUT_S:g}s")
-            await self._add_worker(nice, warm=False)  # without the objects that may have held it up
-            return
-        worker.conn.recv()
+    async def _add_worker(self) -> None:
+        """A worker forked from the template (a fresh template first, if it has gone), once ready."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((EOFError, OSError, TimeoutError)),
+            stop=stop_after_attempt(3),
+            wait=wait_exponential(multiplier=0.1, max=1),
+            reraise=True,
+        ):
+            with attempt:
+                worker = await self._forked_worker()
+                await self._until_ready(worker)
         self._idle.put_nowait(worker)
 
+    async def _forked_worker(self) -> _Worker:
+        async with self._template_lock:
+            try:
+                template = self._template or await self._start_template()
+                worker = await self._fork(template)
+            except (EOFError, OSError, TimeoutError) as exc:
+                log.warning("event=review_template_failed error=%r", exc)
+                if self._template is not None:
+                    self._kill_template(self._template)
+                raise
+            self._workers.append(worker)  # forwarded events from now on; killed by close()
+            return worker
+
+    async def _until_ready(self, worker: _Worker) -> None:
+        """Outside the template's lock: another replacement can be forked while this one warms up."""
+        try:
+            reply = await asyncio.wait_for(
+                self._receive(asyncio.get_running_loop(), worker.conn), WARM_UP_TIMEOUT_S
+            )
+            if reply != ("ready",):
+                raise OSError(f"unexpected first message {reply!r}")
+        except (EOFError, OSError, TimeoutError) as exc:
+            log.warning("event=review_worker_not_ready pid=%s error=%r", worker.pid, exc)
+            self._kill(worker)
+            with contextlib.suppress(ValueError):
+                self._workers.remove(worker)
+            raise
+
+    async def _fork(self, template: _Template) -> _Worker:
+        # Taken at one instant on the loop: the events sent to the template before the fork are
+        # in the child's state; the ones after go to the child's own pipe, in order (FIFO).
+        messages = self._template_messages(template)
+        starting = _Starting()
+        self._starting.append(starting)
+        parent, child = multiprocessing.Pipe()  # a socket pair: the worker's end travels as an fd
+        try:
+            reply = await asyncio.to_thread(self._request_fork, template, messages, child)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+            self._starting.remove(starting)
+        if reply[0] != "forked":
+            parent.close()
+            raise OSError(f"the template could not fork a worker: {reply[1]}")
+        pid: int = reply[1]
+        pidfd = os.pidfd_open(pid)  # it goes only when its pipe closes (or its warm-up fails)
+        return _Worker(pid, pidfd, parent, starting.pending)
+
+    @staticmethod
+    def _request_fork(template: _Template, messages: list[tuple[Any, ...]], child: Connection) -> Any:
+        ReviewPool._send_all(template.conn, [*messages, ("fork",)])
+        reduction.send_handle(template.conn, child.fileno(), template.process.pid or 0)
+        if not template.conn.poll(WARM_UP_TIMEOUT_S):
+            raise TimeoutError(f"the review template did not fork within {WARM_UP_TIMEOUT_S:g}s")
+        return template.conn.recv()
+
     def _replace_worker(self, worker: _Worker) -> None:
-        self._kill(worker, wait=False)  # a process of gigabytes takes a while to go: not on the loop
+        self._kill(worker)  # a process of gigabytes takes a while to go: not on the loop
         with contextlib.suppress(ValueError):
             self._workers.remove(worker)
-        log.warning("event=review_worker_replaced pid=%s", worker.process.pid)
-        task = asyncio.get_running_loop().create_task(self._add_worker())
+        log.warning("event=review_worker_replaced pid=%s", worker.pid)
+        self._background(self._add_worker())
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._respawns.add(task)
         task.add_done_callback(self._respawns.discard)
 
-    def _kill(self, worker: _Worker, wait: bool = True) -> None:
-        with contextlib.suppress(Exception):
-            worker.process.kill()
-            if wait:
-                worker.process.join(1)
-            else:
-                reap = asyncio.get_running_loop().create_task(asyncio.to_thread(worker.process.join, 10))
-                self._respawns.add(reap)
-                reap.add_done_callback(self._respawns.discard)
-        with contextlib.suppress(Exception):
+    def _kill(self, worker: _Worker, wait: bool = False) -> None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(worker.pidfd, signal.SIGKILL)
+        with contextlib.suppress(OSError):
             worker.conn.close()
+        if wait:
+            _exited(worker, timeout=1)
+            _reap(worker)
+            os.close(worker.pidfd)
+        else:  # its pidfd closed once it has gone
+            self._background(self._close_when_exited(worker))
+
+    @staticmethod
+    async def _close_when_exited(worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(worker.pidfd, readable)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(gone, 10)
+        finally:
+            loop.remove_reader(worker.pidfd)
+            _reap(worker)
+            os.close(worker.pidfd)
+
+    # -- the template
+
+    async def _start_template(self, warm: bool = True) -> _Template:
+        """A template with the whole view, warmed with the recent reviews; called under the lock."""
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=_template_main, args=(child, self.driver, self.memory_bytes, WORKER_NICE), daemon=True
+        )
+        # Off the loop: the fork server forks and answers with the pid, milliseconds that every
+        # review waiting on the loop would otherwise wait too.
+        await asyncio.to_thread(process.start)
+        child.close()
+        template = _Template(process, parent, [e for s in STORES for e in self.stores[s]])
+        self._template = template  # from now on it is forwarded every event
+        asyncio.get_running_loop().add_reader(process.sentinel, self._template_exited, template)
+        messages = self._template_messages(template, warm)
+        try:
+            await asyncio.to_thread(self._send_all, parent, [*messages, ("ping",)])
+            if not await asyncio.to_thread(parent.poll, WARM_UP_TIMEOUT_S):
+                raise TimeoutError(f"the review template was not ready within {WARM_UP_TIMEOUT_S:g}s")
+            parent.recv()
+        except (EOFError, OSError, TimeoutError) as exc:
+            self._kill_template(template)
+            if not warm:
+                raise
+            log.warning("event=review_template_not_ready pid=%s error=%r", process.pid, exc)
+            return await self._start_template(warm=False)  # without the objects that may have held it up
+        log.info("event=review_template_started pid=%s", process.pid)
+        return template
+
+    def _template_messages(self, template: _Template, warm: bool = True) -> list[tuple[Any, ...]]:
+        """What the template has not had: events, then the recent reviews it was not warmed with
+        (all of them after an event, which drops what the selectors' results were cached on)."""
+        messages, template.pending = template.pending, []
+        new = len(self._recent) if messages else self._recent_count - template.warmed
+        if warm and new > 0 and self._recent:
+            messages.append(("warm", self._recent[-new:]))
+        template.warmed = self._recent_count
+        return messages
+
+    async def _feed_template_regularly(self) -> None:
+        while True:
+            await asyncio.sleep(TEMPLATE_FEED_EVERY_S)
+            async with self._template_lock:
+                template = self._template
+                if template is None:
+                    continue
+                messages = self._template_messages(template)
+                if messages:
+                    with contextlib.suppress(OSError):  # it has died: _template_exited replaces it
+                        await asyncio.to_thread(self._send_all, template.conn, messages)
+
+    def _template_exited(self, template: _Template) -> None:
+        asyncio.get_running_loop().remove_reader(template.process.sentinel)
+        if self._template is not template or self._closed:
+            return
+        log.warning("event=review_template_exited pid=%s", template.process.pid)
+        self._kill_template(template)
+        self._background(self._restart_template())
+
+    async def _restart_template(self) -> None:
+        async with self._template_lock:
+            if self._template is None and not self._closed:
+                await self._start_template()
+
+    def _kill_template(self, template: _Template, wait: bool = False) -> None:
+        if self._template is template:
+            self._template = None
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(template.process.sentinel)
+        with contextlib.suppress(Exception):
+            template.process.kill()
+        with contextlib.suppress(Exception):
+            template.conn.close()
+        if wait:
+            template.process.join(1)
+        else:
+            self._background(asyncio.to_thread(template.process.join, 10))
