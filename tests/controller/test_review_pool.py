@@ -17,21 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.webhook_hostile_bench import doubling_selector
 from dra_gpu.controller.review_pool import SLOW_AFTER_S, OverBudget, ReviewPool
 
 from .objects import GPU_CLASS, claim, node_slices
 
 DRIVER = "gpu.dra-gpu.io"
 PRODUCT = f'device.attributes["{DRIVER}"].productName'
-
-
-def doubling_selector(levels: int) -> str:
-    """A string doubled `levels` times with `cel.bind`: gigabytes if evaluated to the end."""
-    body = f"v{levels - 1}.size() > 0"
-    for i in reversed(range(levels)):
-        prev = "device.driver" if i == 0 else f"v{i - 1}"
-        body = f"cel.bind(v{i}, {prev} + {prev}, {body})"
-    return body
 
 
 async def _pool(workers: int = 1, memory_bytes: int = 1 << 30) -> ReviewPool:

@@ -39,6 +39,14 @@ class RecordingKube:
         return body
 
 
+def one_gpu_writer(kube: RecordingKube, **kwargs: Any) -> tuple[ClaimStatusWriter, list[dict[str, Any]]]:
+    """A writer for hgx-2x4 without a health monitor, and the devices of a one-GPU claim."""
+    inv = discover_node("node-a", "hgx-2x4")
+    devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
+    writer = ClaimStatusWriter(kube, DRIVER, inv, None, lambda: [("ns", "c", "uid-1", devices)], **kwargs)  # type: ignore[arg-type]
+    return writer, devices
+
+
 def test_status_follows_prepare_and_health(tmp_path: Path) -> None:
     async def body() -> None:
         inv = discover_node("node-a", "dgx-a100-mig")
@@ -93,17 +101,8 @@ def test_status_follows_prepare_and_health(tmp_path: Path) -> None:
 
 def test_a_claim_unprepared_before_its_status_is_due_writes_nothing() -> None:
     async def body() -> None:
-        inv = discover_node("node-a", "hgx-2x4")
-        devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
-        kube = RecordingKube(fail=[])
-        writer = ClaimStatusWriter(
-            kube,  # type: ignore[arg-type]
-            DRIVER,
-            inv,
-            None,
-            lambda: [],
-            prepared_delay=0.2,
-        )
+        kube = RecordingKube()
+        writer, devices = one_gpu_writer(kube, prepared_delay=0.2)
         writer.prepared("ns", "brief", "uid-1", devices)
         writer.prepared("ns", "stays", "uid-2", devices)
         await asyncio.sleep(0.05)
@@ -123,18 +122,9 @@ def test_a_write_on_the_wire_is_not_cut_off_by_the_unprepare() -> None:
     """Cancelling a request in flight closes its connection (a TLS handshake for the next one)."""
 
     async def body() -> None:
-        inv = discover_node("node-a", "hgx-2x4")
-        devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
         kube = RecordingKube()
         kube.gate = asyncio.Event()
-        writer = ClaimStatusWriter(
-            kube,  # type: ignore[arg-type]
-            DRIVER,
-            inv,
-            None,
-            lambda: [],
-            prepared_delay=0.0,
-        )
+        writer, devices = one_gpu_writer(kube, prepared_delay=0.0)
         writer.prepared("ns", "c", "uid-1", devices)
         for _ in range(100):
             if kube.sent:
@@ -152,17 +142,8 @@ def test_a_write_on_the_wire_is_not_cut_off_by_the_unprepare() -> None:
 
 def test_a_status_write_that_falls_in_an_outage_lands_after_it() -> None:
     async def body() -> None:
-        inv = discover_node("node-a", "hgx-2x4")
-        devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
         kube = RecordingKube(fail=[503] * 8)  # the apiserver answers 503 for a while
-        writer = ClaimStatusWriter(
-            kube,  # type: ignore[arg-type]
-            DRIVER,
-            inv,
-            None,
-            lambda: [("ns", "c", "uid-1", devices)],
-            retry_initial=0.01,
-        )
+        writer, devices = one_gpu_writer(kube, retry_initial=0.01)
         writer.prepared("ns", "c", "uid-1", devices)
         for _ in range(500):
             if kube.applied:
