@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from fake_kube import until
 from prometheus_client import CollectorRegistry
 
 from dra_gpu.discovery import discover_node
@@ -67,7 +68,7 @@ def test_status_follows_prepare_and_health(tmp_path: Path) -> None:
             lambda: [("ns", "c", "uid-1", devices)],
         )
         writer.prepared("ns", "c", "uid-1", devices)
-        await asyncio.sleep(0.5)
+        await until(lambda: bool(kube.applied))  # after its delay and one retry
         ((ns, name, applied),) = kube.applied
         (entry,) = applied["status"]["devices"]
         assert (ns, name, applied["metadata"]["uid"]) == ("ns", "c", "uid-1")
@@ -126,10 +127,7 @@ def test_a_write_on_the_wire_is_not_cut_off_by_the_unprepare() -> None:
         kube.gate = asyncio.Event()
         writer, devices = one_gpu_writer(kube, prepared_delay=0.0)
         writer.prepared("ns", "c", "uid-1", devices)
-        for _ in range(100):
-            if kube.sent:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: kube.sent > 0)
         writer.unprepared("uid-1")  # while its status write waits for the apiserver
         kube.gate.set()
         await asyncio.sleep(0.05)
@@ -145,10 +143,7 @@ def test_a_status_write_that_falls_in_an_outage_lands_after_it() -> None:
         kube = RecordingKube(fail=[503] * 8)  # the apiserver answers 503 for a while
         writer, devices = one_gpu_writer(kube, retry_initial=0.01)
         writer.prepared("ns", "c", "uid-1", devices)
-        for _ in range(500):
-            if kube.applied:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: bool(kube.applied))
         assert not kube.fail and [name for _, name, _ in kube.applied] == ["c"]
         await writer.close()
 
