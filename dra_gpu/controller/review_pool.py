@@ -29,6 +29,7 @@ import resource
 import select
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -78,15 +79,20 @@ class ReviewResult:
     warnings: list[tuple[str, str]]
 
 
-def _serve(conn: Connection, state: ClusterState) -> None:
-    """A worker: apply cluster events, answer reviews, until the pipe closes."""
+def _commands(conn: Connection, state: ClusterState) -> Iterator[tuple[Any, ...]]:
+    """What the loop sends, with the cluster events applied on the way; ends when the pipe closes."""
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             return
-        if _apply_event(state, message):
-            continue
+        if not _apply_event(state, message):
+            yield message
+
+
+def _serve(conn: Connection, state: ClusterState) -> None:
+    """A worker: apply cluster events, answer reviews, until the pipe closes."""
+    for message in _commands(conn, state):
         if message[0] == "validate":
             try:
                 v = state.validator().validate(message[1])
@@ -145,13 +151,7 @@ def _template_main(conn: Connection, driver: str, memory_bytes: int, nice: int) 
 
     state = ClusterState(driver)
     warmed_with: list[Any] = []
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if _apply_event(state, message):
-            continue
+    for message in _commands(conn, state):
         if message[0] == "warm":
             _warm(state, message[1])
             warmed_with = [*warmed_with, *message[1]][-WARM_UP_REVIEWS:]
