@@ -256,7 +256,10 @@ class Webhook:
             if verdict.warnings:
                 result = "warned" if result == "allowed" else result
                 response["warnings"] = [f"{path}: {message}"[:1000] for path, message in verdict.warnings]
-            log.info(
+            # Denials and warnings at info; an allowed review at debug (`-v`): every claim of
+            # every pod passes here, and the reviews counter has them all.
+            log.log(
+                logging.DEBUG if result == "allowed" else logging.INFO,
                 "event=admission kind=%s name=%s namespace=%s operation=%s result=%s uid=%s",
                 kind,
                 verdict.name,
@@ -414,7 +417,8 @@ async def serve(
 
 
 def run(config: WebhookConfig) -> int:
-    logging.getLogger().setLevel(logging.INFO)
+    root = logging.getLogger()
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))  # at least info; -v keeps debug
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -148,6 +149,20 @@ def test_admits_valid_and_denies_invalid(server: Server) -> None:
     assert "largest NVLink domain: 4 GPUs (node-a)" in bad["status"]["message"]
     typo = server.review(claim("typo", selectors=['device.attributes["gpu.dra-gpu.io"].prodName == "x"']))
     assert not typo["allowed"] and "did you mean 'productName'?" in typo["status"]["message"]
+
+
+def test_denials_are_logged_at_info_and_allowed_reviews_at_debug(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="dra_gpu.controller.webhook"):
+        server.review(claim("two", 2, constraints=NVLINK))
+        server.review(claim("sixteen", 16, constraints=NVLINK))
+    levels = {
+        r.getMessage().split("name=")[1].split()[0]: r.levelname
+        for r in caplog.records
+        if "event=admission" in r.getMessage()
+    }
+    assert levels == {"two": "DEBUG", "sixteen": "INFO"}
 
 
 def test_warns_when_temporarily_unsatisfiable(server: Server) -> None:
