@@ -22,10 +22,10 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.aio import client as kclient
-from kubernetes.aio import config as kconfig
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
+
+from dra_gpu.kube_client import ApiClient, Configuration, load_incluster_config, load_kube_config
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,14 @@ class Kube:
 
     @classmethod
     async def connect(cls, kubeconfig: str | None = None) -> Kube:
-        configuration = kclient.Configuration()
+        configuration = Configuration()
         if kubeconfig or os.environ.get("KUBECONFIG"):
-            await kconfig.load_kube_config(
-                config_file=kubeconfig or os.environ["KUBECONFIG"],  # type: ignore[no-untyped-call]
+            await load_kube_config(
+                config_file=kubeconfig or os.environ["KUBECONFIG"],
                 client_configuration=configuration,
             )
         else:
-            kconfig.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            load_incluster_config(client_configuration=configuration)
         # A burst of prepares queues on a few warm connections instead of opening (and TLS
         # handshaking) one per request; the long watches hold one each.
         configuration.connection_pool_maxsize = MAX_CONNECTIONS
@@ -81,7 +81,7 @@ class Kube:
             # Without a proxy to take from the environment, trust_env only makes aiohttp read
             # ~/.netrc in a worker thread before every request (not a Kubernetes credential).
             configuration.client_session_kwargs = {"trust_env": False}
-        return cls(kclient.ApiClient(configuration))
+        return cls(ApiClient(configuration))
 
     async def close(self) -> None:
         await self.api_client.close()

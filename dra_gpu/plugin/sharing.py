@@ -24,12 +24,11 @@ from decimal import InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
-
 from dra_gpu import failpoints
 from dra_gpu.api import GpuConfig
 from dra_gpu.discovery.fake_nvml import FakeNvml
 from dra_gpu.discovery.profiles import load_profile
+from dra_gpu.kube_client import parse_quantity
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, ComputeModes, mode_name
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
@@ -79,7 +78,7 @@ def _modes(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _quantity(value: str, where: str) -> int:
     try:
-        q = parse_quantity(value)  # type: ignore[no-untyped-call]
+        q = parse_quantity(value)
     except (ValueError, InvalidOperation) as exc:
         raise SharingError(f"{where}: {value!r} is not a quantity") from exc
     return int(q)
