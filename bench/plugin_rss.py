@@ -4,8 +4,11 @@ before any claim (prepare_bench.py's RSS0).
 
 Its apiserver is a stand-in on 127.0.0.1 (plain HTTP, aiohttp.web, in this process) that answers
 what the plugin asks at start: lists are empty, watches stay open and quiet, applies are echoed
-back with a resourceVersion. Prints VmRSS, its anonymous and file-backed parts (/proc/PID/smaps),
-the biggest mappings and the plugin's thread count; repeat it as often as you like.
+back with a resourceVersion. Prints VmRSS, its anonymous and file-backed parts (/proc/PID/smaps,
+see bench/process_memory.py), the largest mappings and the plugin's thread count.
+
+The plugin runs from the current directory's `dra_gpu` (`python -m`), so the same script and
+.venv measure another checkout: `cd ../other && /path/to/.venv/bin/python /path/to/bench/plugin_rss.py`.
 
 Run: .venv/bin/python bench/plugin_rss.py [--runs 3] [--settle 2] [--top 8]
 """
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
 import re
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.prepare_bench import bench_profile  # noqa: E402
+from bench.process_memory import Memory, memory  # noqa: E402
 
 
 class StandInApiServer:
@@ -61,33 +64,7 @@ class StandInApiServer:
         return web.json_response({"kind": "Status", "status": "Success"})
 
 
-def memory(pid: int, top: int) -> dict[str, Any]:
-    """VmRSS and its parts from smaps: anonymous (heap, arenas, stacks, copy-on-write data) and
-    file-backed (the mapped code of CPython and the extension modules, page cache)."""
-    by_mapping: collections.Counter[str] = collections.Counter()
-    anonymous = 0
-    mapping = ""
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-            fields = line.split()
-            mapping = Path(fields[5]).name if len(fields) > 5 else "[anon]"
-        elif line.startswith("Rss:"):
-            by_mapping[mapping] += int(line.split()[1])
-        elif line.startswith("Anonymous:"):
-            anonymous += int(line.split()[1])
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-    threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-    return {
-        "rss": rss / 1024,
-        "anonymous": anonymous / 1024,
-        "file": (rss - anonymous) / 1024,
-        "threads": threads,
-        "top": [(name, kb / 1024) for name, kb in by_mapping.most_common(top)],
-    }
-
-
-async def one_run(tmp: Path, driver_root: str, profile: Path, settle: float, top: int) -> dict[str, Any]:
+async def one_run(tmp: Path, driver_root: str, profile: Path, settle: float, top: int) -> Memory:
     api = StandInApiServer()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", api.handle)
@@ -165,12 +142,9 @@ def main() -> None:
     ).stdout.split()[-1]
     runs = [asyncio.run(one_run(tmp, driver_root, profile, args.settle, args.top)) for _ in range(args.runs)]
     for r in runs:
-        print(
-            f"plugin RSS once its slices were published: {r['rss']:.1f} MB "
-            f"(anonymous {r['anonymous']:.1f} MB, file-backed {r['file']:.1f} MB), {r['threads']} threads"
-        )
-    print(f"median {statistics.median(r['rss'] for r in runs):.1f} MB; largest mappings of the last run:")
-    for name, mb in runs[-1]["top"]:
+        print(f"plugin RSS once its slices were published: {r}, {r.threads} threads")
+    print(f"median {statistics.median(r.rss_mb for r in runs):.1f} MB; largest mappings of the last run:")
+    for name, mb in runs[-1].by_mapping:
         print(f"  {mb:6.1f} MB  {name}")
 
 

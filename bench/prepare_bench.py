@@ -37,6 +37,10 @@ from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.process_memory import memory  # noqa: E402
+
 KUBELET_ROOT = Path(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet"))
 OURS, PEER = "gpu.dra-gpu.io", "gpu.example.com"
 GROUP, VERSION = "resource.k8s.io", "v1"
@@ -281,7 +285,7 @@ def main() -> None:
                 raise SystemExit((tmp / "plugin.log").read_text())
             time.sleep(0.05)
         startup = time.perf_counter() - t0
-        rss_at_start = rss_mb(proc.pid)  # imports, inventory and slices: the floor before any claim
+        memory_at_start = memory(proc.pid)  # imports, inventory and slices: the floor before any claim
         while not (plugin_dir / "dra.sock").exists():
             time.sleep(0.05)
         results = {}
@@ -297,9 +301,10 @@ def main() -> None:
                 args.bursts,
             )
         )
-        results["dra-gpu"]["rss_mb"] = rss_mb(proc.pid)
+        memory_after = memory(proc.pid)
+        results["dra-gpu"]["rss_mb"] = memory_after.rss_mb
         results["dra-gpu"]["startup_s"] = startup
-        results["dra-gpu"]["rss_start_mb"] = rss_at_start
+        results["dra-gpu"]["rss_start_mb"] = memory_at_start.rss_mb
         subprocess.run(
             [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "start"],
             check=True,
@@ -336,7 +341,8 @@ def main() -> None:
             f"{r['rss_mb']:>7.1f} {start:>8}"
         )
     o, p = results["dra-gpu"], results["peer"]
-    print(f"dra-gpu RSS once its slices were published (before any claim): {o['rss_start_mb']:.1f} MB")
+    print(f"dra-gpu RSS once its slices were published (before any claim): {memory_at_start}")
+    print(f"dra-gpu RSS after the run: {memory_after}, {memory_after.threads} threads")
     print(
         f"one-claim prepare, mean: {o['mean_ms']:.2f} ms at the client, {o['inside_mean_ms']:.2f} ms inside "
         f"the plugin (claim read, plan, durable writes; its latency histogram), the rest gRPC and "
