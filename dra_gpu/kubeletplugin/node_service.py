@@ -18,6 +18,7 @@ from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef, Device, Driver
+from dra_gpu.kubeletplugin.heap_trim import HeapTrimmer
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
 log = logging.getLogger(__name__)
@@ -26,9 +27,10 @@ T = TypeVar("T")
 
 
 class NodeService:
-    def __init__(self, driver: Driver, metrics: PluginMetrics) -> None:
+    def __init__(self, driver: Driver, metrics: PluginMetrics, heap: HeapTrimmer | None = None) -> None:
         self.driver = driver
         self.metrics = metrics
+        self.heap = heap or HeapTrimmer()
         # Counted when scraped, not after every call: a count over all claims per call was
         # quadratic in a burst.
         metrics.prepared_devices.set_function(driver.prepared_device_count)
@@ -37,6 +39,7 @@ class NodeService:
         self, operation: str, ref: ClaimRef, call: Callable[[ClaimRef], Awaitable[T]]
     ) -> tuple[T | None, str]:
         start = time.perf_counter()
+        self.heap.started()
         try:
             result = await call(ref)
             self.metrics.requests.labels(operation, "success").inc()
@@ -50,6 +53,7 @@ class NodeService:
             log.exception("%s failed unexpectedly claim=%s", operation, ref)
             return None, f"internal error: {exc}"
         finally:
+            self.heap.finished()
             self.metrics.latency.labels(operation).observe(time.perf_counter() - start)
 
     async def prepare(self, request: Any, pb: Any) -> Any:

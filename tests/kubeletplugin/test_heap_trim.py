@@ -1,0 +1,61 @@
+"""HeapTrimmer: after a burst of requests, once idle, the C heap's free memory goes back to the kernel."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from dra_gpu.kubeletplugin.heap_trim import HeapTrimmer
+
+pytestmark = pytest.mark.skipif(not HeapTrimmer().available, reason="the C library has no malloc_trim")
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_burst_is_trimmed_once_after_it_has_been_idle() -> None:
+    async def body() -> None:
+        heap = HeapTrimmer(idle_seconds=0.05)
+        for _ in range(3):
+            heap.started()
+        heap.finished()
+        heap.finished()
+        await asyncio.sleep(0.15)
+        assert heap.trims == 0  # one request still in flight
+        heap.finished()
+        heap.started()  # a new request within the idle time: no trim yet
+        await asyncio.sleep(0.01)
+        heap.finished()
+        await asyncio.sleep(0.15)
+        await heap.wait_idle()
+        assert heap.trims == 1
+        await asyncio.sleep(0.15)
+        assert heap.trims == 1  # nothing ran since: nothing to trim
+
+    asyncio.run(body())
+
+
+def test_the_trim_returns_freed_malloc_memory() -> None:
+    async def body() -> None:
+        heap = HeapTrimmer(idle_seconds=0.01)
+        # 2,000-byte objects come from malloc (pymalloc takes up to 512); the last one stays,
+        # so free() cannot give the heap's top back on its own.
+        blocks = [bytes(2000) + bytes([i % 256]) for i in range(30_000)]
+        keep = blocks[-1]
+        del blocks
+        before = rss_mb()
+        heap.started()
+        heap.finished()
+        await asyncio.sleep(0.1)
+        await heap.wait_idle()
+        assert heap.trims == 1
+        assert before - rss_mb() > 20, (before, rss_mb())
+        assert keep
+
+    asyncio.run(body())
