@@ -1,20 +1,27 @@
-"""Give the C heap's free memory back to the kernel once a burst of node requests has ended.
+"""Give the memory a burst of node requests used back to the kernel once the burst has ended.
 
 A burst (the kubelet preparing a hundred claims at once) grows glibc's heaps: every Python object
-over 512 bytes, the claims' JSON, the CDI specs, the protobuf messages come from malloc. Freed,
-that memory stays in the process: glibc gives back only the top of a heap by itself, and the
-free chunks in the middle only on malloc_trim(). In the prepare bench (bench/RESULTS.md) a trim
-after the run returned ~12 MB of the ~16 MB the burst had added, in 1-3 ms.
+over 512 bytes, the claims' JSON, the CDI specs, the protobuf messages, each TLS connection's
+buffers come from malloc. Two things keep that memory after the burst:
+- reference cycles: a cancelled API request (a claim's status write, cancelled when the claim is
+  unprepared before it is done) leaves its exception, traceback and frames in a cycle with the
+  aiohttp connection it closed, TLS buffers included; they wait for a full garbage collection;
+- glibc gives back only the top of a heap by itself, the free chunks in the middle only on
+  malloc_trim().
+In the prepare bench (bench/RESULTS.md) the trim alone returned ~6 MB of the ~18 MB the run had
+added, a full collection first (7,000-10,000 objects in cycles) then the trim ~15 MB.
 
-So once no request has been in flight for `idle_seconds` and some ran since the last trim,
-malloc_trim(0) runs in a worker thread (the event loop keeps serving; a malloc in another thread
-may wait for the arena it is trimming). Where the C library has no malloc_trim (musl), nothing runs.
+So once no request has been in flight for `idle_seconds` and some ran since the last trim, a full
+collection then malloc_trim(0) run in a worker thread. The collection holds the GIL: it stalls the
+event loop for its duration (30-60 ms on the bench's node, busy 2-core VM), once per burst and
+only after a second without requests. Where the C library has no malloc_trim (musl), nothing runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -72,9 +79,17 @@ class HeapTrimmer:
     def _trim_now(self) -> None:
         assert self._trim is not None
         start = time.perf_counter()
+        collected = gc.collect()
+        collected_at = time.perf_counter()
         released = self._trim(0)
         self.trims += 1
-        log.debug("heap trimmed released=%s seconds=%.4f", bool(released), time.perf_counter() - start)
+        log.debug(
+            "heap trimmed collected=%d gc_seconds=%.4f released=%s trim_seconds=%.4f",
+            collected,
+            collected_at - start,
+            bool(released),
+            time.perf_counter() - collected_at,
+        )
 
     async def wait_idle(self) -> None:
         """Until a trim that has started has ended (tests, shutdown)."""

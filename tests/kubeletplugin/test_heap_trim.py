@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,32 @@ def test_the_trim_returns_freed_malloc_memory() -> None:
         await asyncio.sleep(0.1)
         await heap.wait_idle()
         assert heap.trims == 1
+        assert before - rss_mb() > 20, (before, rss_mb())
+        assert keep
+
+    asyncio.run(body())
+
+
+def test_memory_held_by_reference_cycles_is_returned_too() -> None:
+    class Node:
+        def __init__(self) -> None:
+            self.payload = bytes(4000)
+            self.me = self  # a cycle: only the garbage collector frees it
+
+    async def body() -> None:
+        heap = HeapTrimmer(idle_seconds=0.01)
+        gc.disable()  # as between two automatic full collections
+        try:
+            nodes = [Node() for _ in range(8_000)]
+            keep = bytes(2000)  # above them in the heap
+            del nodes
+            before = rss_mb()
+            heap.started()
+            heap.finished()
+            await asyncio.sleep(0.1)
+            await heap.wait_idle()
+        finally:
+            gc.enable()
         assert before - rss_mb() > 20, (before, rss_mb())
         assert keep
 
