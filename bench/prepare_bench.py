@@ -4,7 +4,8 @@ Needs the local e2e cluster (`e2e/cluster up`, root). For dra-gpu and for the pe
 (upstream's DRA test driver, `e2e/cluster peer-driver start`) in the same run:
   - p50/p99 of NodePrepareResources for one claim (each followed by its unprepare),
   - throughput with 100 claims in flight (100 concurrent one-claim calls),
-  - plugin RSS after the run, and (dra-gpu) start-up to slices published.
+  - plugin RSS after the run (right after it, and for dra-gpu also after 3 s without requests),
+    and (dra-gpu) start-up to slices published.
 Claims are real ResourceClaims in the apiserver, pre-allocated and reserved for a (never
 scheduled) pod through their status, as the scheduler leaves them, so both plugins do their real
 claim read (a GET, or dra-gpu's claim watch) and prepare work.
@@ -43,6 +44,7 @@ from bench.process_memory import memory  # noqa: E402
 
 KUBELET_ROOT = Path(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet"))
 OURS, PEER = "gpu.dra-gpu.io", "gpu.example.com"
+IDLE_SECONDS = 3.0
 GROUP, VERSION = "resource.k8s.io", "v1"
 
 
@@ -303,6 +305,9 @@ def main() -> None:
         )
         memory_after = memory(proc.pid)
         results["dra-gpu"]["rss_mb"] = memory_after.rss_mb
+        # The plugin gives a burst's memory back after a second without requests (heap_trim.py).
+        time.sleep(IDLE_SECONDS)
+        memory_idle = memory(proc.pid)
         results["dra-gpu"]["startup_s"] = startup
         results["dra-gpu"]["rss_start_mb"] = memory_at_start.rss_mb
         subprocess.run(
@@ -342,7 +347,8 @@ def main() -> None:
         )
     o, p = results["dra-gpu"], results["peer"]
     print(f"dra-gpu RSS once its slices were published (before any claim): {memory_at_start}")
-    print(f"dra-gpu RSS after the run: {memory_after}, {memory_after.threads} threads")
+    print(f"dra-gpu RSS right after the run: {memory_after}, {memory_after.threads} threads")
+    print(f"dra-gpu RSS after the run and {IDLE_SECONDS:.0f} s without requests: {memory_idle}")
     print(
         f"one-claim prepare, mean: {o['mean_ms']:.2f} ms at the client, {o['inside_mean_ms']:.2f} ms inside "
         f"the plugin (claim read, plan, durable writes; its latency histogram), the rest gRPC and "
