@@ -2,16 +2,16 @@
 
 `import kubernetes.aio.client` first runs the `kubernetes` package's `__init__`, which imports the
 whole synchronous client (every API class, requests, urllib3, oauthlib, websocket-client), then
-`kubernetes.aio`'s (dynamic client, stream, watch, leader election): ~230 modules and ~8 MB of the
-kubelet plugin's resident memory, none of which `dra_gpu.kube` calls. It needs `Configuration`,
-`ApiClient` (its generic request path; no generated API class or model), and the kubeconfig and
-in-cluster loaders; `dra_gpu.plugin.sharing` needs `parse_quantity`.
+`kubernetes.aio`'s (dynamic client, stream, watch, leader election): ~260 modules and ~9 MB of
+the kubelet plugin's resident memory (bench/RESULTS.md), none of which `dra_gpu.kube` calls. It
+needs `Configuration`, `ApiClient` (its generic request path; no generated API class or model),
+and the kubeconfig and in-cluster loaders; `dra_gpu.plugin.sharing` needs `parse_quantity`.
 
 So the packages on the way to those modules are registered without running their `__init__`, and
 only the modules named here are imported. A deferred package keeps its real spec and `__path__`;
 the first attribute it lacks runs its real `__init__` there and then, so any other code in the
-process (tests, the e2e helpers, `dra-gpu doctor`'s synchronous client) still gets the whole
-package when it asks for something outside this set. Import this module before anything else
+process (tests, the e2e helpers, the synchronous client `dra_gpu.controller.inputs` uses) still
+gets the whole package when it asks for something outside this set. Import this module before anything else
 imports `kubernetes`: a package already imported is left as it is.
 """
 
