@@ -556,7 +556,8 @@ def test_bad_opaque_config_fails_prepare_with_the_field_and_writes_nothing(
     message = wait_for("FailedPrepareDynamicResources", failed_event, timeout=90)
     assert "sharing.mps.defaultActiveThreadPercentage" in message, message
     assert core.read_namespaced_pod("bad", namespace).status.phase == "Pending"
-    assert set(CDI_DIR.glob(f"k8s.{DRIVER}-claim_*")) == before
+    # Nothing written for the bad claim; an earlier test's pods may still be unprepared meanwhile.
+    assert set(CDI_DIR.glob(f"k8s.{DRIVER}-claim_*")) <= before
     core.delete_namespaced_pod("bad", namespace, grace_period_seconds=0)
 
 
