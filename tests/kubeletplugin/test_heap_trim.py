@@ -42,6 +42,14 @@ def test_a_burst_is_trimmed_once_after_it_has_been_idle() -> None:
     asyncio.run(body())
 
 
+async def one_request_then_idle(heap: HeapTrimmer) -> None:
+    """A request starts and ends, then the node stays idle until the trim has run."""
+    heap.started()
+    heap.finished()
+    await asyncio.sleep(0.1)
+    await heap.wait_idle()
+
+
 def test_the_trim_returns_freed_malloc_memory() -> None:
     async def body() -> None:
         heap = HeapTrimmer(idle_seconds=0.01)
@@ -51,10 +59,7 @@ def test_the_trim_returns_freed_malloc_memory() -> None:
         keep = blocks[-1]
         del blocks
         before = rss_mb()
-        heap.started()
-        heap.finished()
-        await asyncio.sleep(0.1)
-        await heap.wait_idle()
+        await one_request_then_idle(heap)
         assert heap.trims == 1
         assert before - rss_mb() > 20, (before, rss_mb())
         assert keep
@@ -76,10 +81,7 @@ def test_memory_held_by_reference_cycles_is_returned_too() -> None:
             keep = bytes(2000)  # above them in the heap
             del nodes
             before = rss_mb()
-            heap.started()
-            heap.finished()
-            await asyncio.sleep(0.1)
-            await heap.wait_idle()
+            await one_request_then_idle(heap)
         finally:
             gc.enable()
         assert before - rss_mb() > 20, (before, rss_mb())
