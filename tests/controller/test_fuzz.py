@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dra_gpu.api import ConfigError, decode
@@ -30,18 +29,11 @@ from dra_gpu.decoding import check_bounds, load_yaml_all
 from dra_gpu.decoding import decode as decode_shape
 from dra_gpu.discovery.profiles import ProfileError, parse_profile
 from dra_gpu.kubernetes_values import parse_quantity
-from tests.mutation import paths
+from tests.mutation import fuzz_settings, paths
 
 from .objects import GPU_CLASS, claim, node_slices
 
-EXAMPLES = int(os.environ.get("DRA_GPU_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    derandomize=not os.environ.get("DRA_GPU_FUZZ_EXAMPLES"),
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    database=None,
-)
+EXAMPLES, FUZZ = fuzz_settings(60)
 BOUND_S = 5.0  # per input
 
 scalars = (

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
 import random
 import shutil
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
@@ -40,16 +39,9 @@ from dra_gpu.kubeletplugin.node_service import DraV1beta1Service, DraV1Service, 
 from dra_gpu.plugin.checkpoint import COMPLETED
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names
-from tests.mutation import paths
+from tests.mutation import fuzz_settings, paths
 
-EXAMPLES = int(os.environ.get("DRA_GPU_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    derandomize=not os.environ.get("DRA_GPU_FUZZ_EXAMPLES"),
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    database=None,
-)
+EXAMPLES, FUZZ = fuzz_settings(40)
 BOUND_S = 10.0  # per call, a batch of up to a few hundred claims included
 PB = {"v1": (v1_pb, v1_grpc), "v1beta1": (v1beta1_pb, v1beta1_grpc)}
 
