@@ -41,8 +41,7 @@ class ClaimCache:
         self.listed = False
         self._claims: dict[tuple[str, str], dict[str, Any]] = {}
         self._subscribers: list[tuple[ListHandler, EventHandler]] = []
-        self.hits = 0
-        self.misses = 0
+        self.hits = 0  # prepares answered from the watch
 
     def subscribe(self, on_list: ListHandler, on_event: EventHandler) -> None:
         """Have every list and event of the claims passed on (call before `run`)."""
@@ -62,7 +61,6 @@ class ClaimCache:
         ):
             self.hits += 1
             return claim
-        self.misses += 1
         return None
 
     def _allocated_here(self, claim: dict[str, Any]) -> bool:

@@ -4,6 +4,7 @@ taints go into the slices and its verdicts into the kubelet's health stream)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from dra_gpu.health.claim_status import ClaimStatusWriter
@@ -38,20 +39,22 @@ class GpuDriver:
             for d in s["spec"].get("devices") or []
         ]
 
+    def _in_flight(self) -> contextlib.AbstractContextManager[None]:
+        """Claim statuses wait while a prepare or unprepare is in flight."""
+        return self.claim_status.preparing() if self.claim_status is not None else contextlib.nullcontext()
+
     async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
-        if self.claim_status is None:
-            return await self.preparer.prepare(claim)
-        with self.claim_status.preparing():
+        with self._in_flight():
             devices = await self.preparer.prepare(claim)
-        self.claim_status.prepared(claim.namespace, claim.name, claim.uid, [d.to_dict() for d in devices])
+        if self.claim_status is not None:
+            self.claim_status.prepared(claim.namespace, claim.name, claim.uid, [d.to_dict() for d in devices])
         return devices
 
     async def unprepare(self, claim: ClaimRef) -> None:
-        if self.claim_status is None:
-            return await self.preparer.unprepare(claim)
-        with self.claim_status.preparing():
+        with self._in_flight():
             await self.preparer.unprepare(claim)
-        self.claim_status.unprepared(claim.uid)
+        if self.claim_status is not None:
+            self.claim_status.unprepared(claim.uid)
 
     def prepared_device_count(self) -> int:
         return self.preparer.prepared_device_count()
