@@ -6,9 +6,10 @@ and whether it is still healthy.
 Written with server-side apply to the status subresource (field manager = the driver name), which
 owns exactly this driver's entries. Best effort, in the background: a failure is logged, never fails
 or delays a prepare. A prepare's status is written PREPARED_DELAY_S after it, and once no prepare
-is in flight (at most QUIET_WAIT_S later), so that the write (and the apiserver's and etcd's work
-for it) does not compete with the prepares of the same pod start or burst; a claim unprepared
-before then writes nothing. A write that falls in an apiserver
+has been in flight for QUIET_AFTER_S (at most QUIET_WAIT_S later), so that the write (and the
+apiserver's and etcd's work for it) does not compete with the prepares of the same pod start or
+burst, whose calls follow each other with gaps of a millisecond; a claim unprepared before then
+writes nothing. A write that falls in an apiserver
 outage is retried with backoff for up to STATUS_RETRY_SECONDS, and a newer write for the same claim
 replaces it; a missing permission (the chart's `kubeletPlugin.claimStatusWrites`) is logged once.
 """
@@ -37,6 +38,7 @@ STATUS_RETRY_SECONDS = 300.0
 SYNC_WAIT_SECONDS = 2.0
 PREPARED_DELAY_S = 0.2
 QUIET_WAIT_S = 5.0  # a node that never stops preparing still gets its statuses
+QUIET_AFTER_S = 0.1  # "quiet": no prepare or unprepare for this long, not just between two calls
 
 
 def _transient(exc: BaseException) -> bool:
@@ -72,11 +74,13 @@ class ClaimStatusWriter:
             for mig in gpu.mig_devices:
                 self.devices[gpu.mig_device_name(mig)] = (gpu, mig)
         self._written: dict[str, str] = {}  # claim uid -> the status last applied (JSON)
-        self._since: dict[tuple[str, str, str, str], tuple[str, float]] = {}  # condition status, since
+        # claim uid -> (device, condition type) -> (its status, since when)
+        self._since: dict[str, dict[tuple[str, str], tuple[str, float]]] = {}
         self._forbidden_said = False
         self._retry_initial = retry_initial
         self._prepared_delay = prepared_delay
         self._in_flight = 0
+        self._calls = 0  # prepares and unprepares started: a quiet timer is stale once it moved
         self._sending: set[asyncio.Future[Any]] = set()  # writes on the wire
         self._draining: set[asyncio.Future[Any]] = set()  # those of claims since unprepared
         self._quiet = asyncio.Event()
@@ -99,10 +103,10 @@ class ClaimStatusWriter:
         self, uid: str, device: str, ctype: str, ok: bool, reason: str, message: str
     ) -> dict[str, Any]:
         status = "True" if ok else "False"
-        key = (uid, device, ctype, "")
-        last = self._since.get(key)
+        since = self._since.setdefault(uid, {})
+        last = since.get((device, ctype))
         if last is None or last[0] != status:
-            last = self._since[key] = (status, time.time())
+            last = since[(device, ctype)] = (status, time.time())
         return {
             "type": ctype,
             "status": status,
@@ -192,13 +196,18 @@ class ClaimStatusWriter:
     def preparing(self) -> Iterator[None]:
         """Around each prepare and unprepare: statuses wait while any is in flight."""
         self._in_flight += 1
+        self._calls += 1
         self._quiet.clear()
         try:
             yield
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
-                self._quiet.set()
+                asyncio.get_running_loop().call_later(QUIET_AFTER_S, self._quiet_if_still_idle, self._calls)
+
+    def _quiet_if_still_idle(self, calls: int) -> None:
+        if self._in_flight == 0 and self._calls == calls:
+            self._quiet.set()
 
     async def _write_later(
         self, delay: float, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]
@@ -247,8 +256,7 @@ class ClaimStatusWriter:
 
     def _forget(self, uid: str) -> None:
         self._written.pop(uid, None)
-        for key in [k for k in self._since if k[0] == uid]:
-            del self._since[key]
+        self._since.pop(uid, None)
 
     async def sync(self) -> None:
         """Every prepared claim's status as it should be now (after a health change, at start)."""

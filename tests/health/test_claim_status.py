@@ -112,8 +112,27 @@ def test_a_claim_unprepared_before_its_status_is_due_writes_nothing() -> None:
         with writer.preparing():  # another prepare in flight past the delay: still waiting
             await asyncio.sleep(0.4)
             assert not kube.applied
-        await asyncio.sleep(0.1)
+        await until(lambda: bool(kube.applied))
         assert [name for _, name, _ in kube.applied] == ["stays"]
+        await writer.close()
+
+    asyncio.run(body())
+
+
+def test_statuses_wait_for_a_quiet_moment_not_a_gap_between_two_calls() -> None:
+    """A burst's calls follow each other with gaps of a millisecond: no write lands in one."""
+
+    async def body() -> None:
+        kube = RecordingKube()
+        writer, devices = one_gpu_writer(kube, prepared_delay=0.01)
+        writer.prepared("ns", "c", "uid-1", devices)
+        for _ in range(30):  # 0.3 s of calls, each 5 ms, 5 ms apart
+            with writer.preparing():
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)
+        assert not kube.sent
+        await until(lambda: kube.sent > 0, timeout=2)  # once nothing was in flight for a while
+        assert [name for _, name, _ in kube.applied] == ["c"]
         await writer.close()
 
     asyncio.run(body())
