@@ -58,7 +58,7 @@ class NodeService:
 
     async def prepare(self, request: Any, pb: Any) -> Any:
         refs, ambiguous = _distinct(request.claims)
-        outcomes = await asyncio.gather(*(self._one("prepare", r, self.driver.prepare) for r in refs))
+        outcomes = await _each(refs, lambda r: self._one("prepare", r, self.driver.prepare))
         response = pb.NodePrepareResourcesResponse()
         for uid, error in ambiguous.items():
             response.claims[uid].error = error
@@ -73,13 +73,21 @@ class NodeService:
 
     async def unprepare(self, request: Any, pb: Any) -> Any:
         refs, ambiguous = _distinct(request.claims)
-        outcomes = await asyncio.gather(*(self._one("unprepare", r, self.driver.unprepare) for r in refs))
+        outcomes = await _each(refs, lambda r: self._one("unprepare", r, self.driver.unprepare))
         response = pb.NodeUnprepareResourcesResponse()
         for uid, error in ambiguous.items():
             response.claims[uid].error = error
         for ref, (_, error) in zip(refs, outcomes, strict=True):
             response.claims[ref.uid].error = error
         return response
+
+
+async def _each(refs: list[ClaimRef], call: Callable[[ClaimRef], Awaitable[T]]) -> list[T]:
+    """`call` for every claim, concurrently; the usual one-claim batch (one pod, one claim)
+    without a task of its own."""
+    if len(refs) == 1:
+        return [await call(refs[0])]
+    return list(await asyncio.gather(*(call(r) for r in refs)))
 
 
 def _distinct(claims: Any) -> tuple[list[ClaimRef], dict[str, str]]:
