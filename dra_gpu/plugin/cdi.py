@@ -26,6 +26,7 @@ from typing import Any
 from dra_gpu.durable import atomic_write, remove_durably
 
 CLASS = "claim"
+SPEC_MODE = 0o644  # containerd reads the specs; nothing in them is secret
 _VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*[A-Za-z0-9]$|^[A-Za-z0-9]$")
 
@@ -150,12 +151,15 @@ class CdiSpecs:
         spec["cdiVersion"] = minimum_version(spec)
         return spec
 
-    def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
+    @staticmethod
+    def encode(spec: dict[str, Any]) -> bytes:
         # Compact: the C encoder (indent= falls back to the pure-Python one, ~4x slower).
-        data = json.dumps(spec, separators=(",", ":")).encode() + b"\n"
+        return json.dumps(spec, separators=(",", ":")).encode() + b"\n"
+
+    def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
         path = self.path(claim_uid)
         try:
-            atomic_write(path, data, mode=0o644)
+            atomic_write(path, self.encode(spec), mode=SPEC_MODE)
         except OSError as exc:
             raise CdiWriteError(exc.errno, exc.strerror, path) from exc
 

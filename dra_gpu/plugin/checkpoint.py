@@ -125,6 +125,9 @@ class Checkpoint:
         # uid -> (the entry, its canonical JSON): entries are replaced whole, never changed in
         # place, so an unchanged entry is not serialised again on every write.
         self._encoded: dict[str, tuple[dict[str, Any], str]] = {}
+        # uid -> (the entry, the devices it holds): a prepare checks its devices against every
+        # other claim's, and rebuilding each claim's set every time was quadratic in a burst.
+        self._held: dict[str, tuple[dict[str, Any], frozenset[str]]] = {}
         self._load()
 
     def _load(self) -> None:
@@ -220,9 +223,26 @@ class Checkpoint:
         old = claims.get(uid)
         if entry is None:
             claims.pop(uid, None)
+            self._held.pop(uid, None)
         else:
             claims[uid] = entry
         return old
+
+    def holder(self, names: set[str], other_than: str) -> tuple[str, ClaimRecord] | None:
+        """The first claim but `other_than` whose record holds one of `names` (devices held for
+        admin access excepted), with that device; None when they are all free."""
+        if not names:
+            return None
+        for uid, entry in self._data["claims"].items():
+            if uid == other_than:
+                continue
+            held = self._held.get(uid)
+            if held is None or held[0] is not entry:
+                held = self._held[uid] = (entry, frozenset(ClaimRecord(uid, entry).device_names))
+            clash = names & held[1]
+            if clash:
+                return min(clash), ClaimRecord(uid, entry)
+        return None
 
     def has(self, uid: str) -> bool:
         return uid in self._data["claims"]
@@ -259,6 +279,7 @@ class Checkpoint:
         old = self._data["claims"].pop(uid, None)
         if old is None:
             return False
+        self._held.pop(uid, None)
         try:
             self._save()
         except BaseException:

@@ -49,30 +49,35 @@ class DeviceNodes:
         self.root = dev_root
         # nvidia-modprobe makes nodes in the real /dev only, so only a plugin that sees it uses it.
         self.modprobe = modprobe if str(dev_root) == "/" else None
+        # Paths as strings, joined once: every prepare maps its devices again.
+        self._root = str(dev_root)
+        self._caps = os.path.join(self._root, "proc/driver/nvidia/capabilities")
+        self._hosts: dict[str, str] = {}
 
     def host(self, container_path: str) -> str:
-        return str(self.root / container_path.lstrip("/"))
+        host = self._hosts.get(container_path)
+        if host is None:
+            host = self._hosts[container_path] = os.path.join(self._root, container_path.lstrip("/"))
+        return host
 
     def node(self, container_path: str) -> DeviceNode:
         return DeviceNode(path=container_path, host_path=self.host(container_path))
 
     def control(self) -> list[DeviceNode]:
         nodes = [self.node(p) for p in CONTROL_NODES]
-        return nodes + [n for p in OPTIONAL_CONTROL_NODES if _is_char(Path((n := self.node(p)).host_path))]
+        return nodes + [n for p in OPTIONAL_CONTROL_NODES if _is_char((n := self.node(p)).host_path)]
 
     def gpu(self, gpu: Gpu) -> list[DeviceNode]:
         return [self.node(f"/dev/nvidia{gpu.minor}")]
 
     def mig(self, gpu: Gpu, mig: MigDevice) -> list[DeviceNode]:
         """The parent's node plus the GI and CI capability nodes the driver lists in /proc."""
-        caps = self.root / "proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
+        gi = f"{self._caps}/gpu{gpu.minor}/mig/gi{mig.gpu_instance_id}"
         nodes = self.gpu(gpu)
-        for access in (
-            caps / f"gi{mig.gpu_instance_id}" / "access",
-            caps / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access",
-        ):
+        for access in (f"{gi}/access", f"{gi}/ci{mig.compute_instance_id}/access"):
             try:
-                match = _MINOR_LINE.search(access.read_text())
+                with open(access, encoding="utf-8") as f:
+                    match = _MINOR_LINE.search(f.read())
             except OSError as exc:
                 raise DeviceNodeError(f"MIG device {mig.uuid}: cannot read {access}: {exc}") from exc
             if not match:
@@ -82,11 +87,11 @@ class DeviceNodes:
 
     def verify(self, nodes: list[DeviceNode]) -> None:
         """Fail unless every host node is a character device (never hand out an empty spec)."""
-        missing = [n for n in nodes if not _is_char(Path(n.host_path))]
+        missing = [n for n in nodes if not _is_char(n.host_path)]
         if missing and self.modprobe is not None:
             for n in missing:
                 self._create(n.path)
-            missing = [n for n in missing if not _is_char(Path(n.host_path))]
+            missing = [n for n in missing if not _is_char(n.host_path)]
         for n in missing:
             try:
                 os.stat(n.host_path)
@@ -118,7 +123,7 @@ def find_modprobe(driver_root: Path) -> str | None:
     return shutil.which("nvidia-modprobe")
 
 
-def _is_char(path: Path) -> bool:
+def _is_char(path: str) -> bool:
     try:
         return stat.S_ISCHR(os.stat(path).st_mode)
     except OSError:

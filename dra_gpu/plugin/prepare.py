@@ -20,7 +20,7 @@ from dra_gpu.api import ConfigError, GpuConfig, decode
 from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
-from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
+from dra_gpu.plugin.cdi import SPEC_MODE, CdiDevice, CdiSpecs, CdiWriteError
 from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, STARTED, Checkpoint, ClaimRecord
 from dra_gpu.plugin.claim_shape import status_problem
 from dra_gpu.plugin.compute_mode import DEFAULT
@@ -28,6 +28,7 @@ from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError, SharingPlan
+from dra_gpu.plugin.write_rounds import WriteRounds
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,9 @@ class Preparer:
         self._state_lock = asyncio.Lock()
         # Group commit: concurrent claims share checkpoint writes (see _commit).
         self._commit_lock = asyncio.Lock()
+        # The specs of concurrent claims are written and removed together (one worker-thread job
+        # and one fsync of the CDI directory per round); the checkpoint's writes run beside them.
+        self.spec_rounds = WriteRounds()
         self._staged = 0
         self._written = 0
         self._gone_since: dict[str, float] = {}
@@ -200,9 +204,16 @@ class Preparer:
             await asyncio.to_thread(self.checkpoint.write, blob)
             self._written = version
 
-    def _write_spec(self, uid: str, spec: dict[str, Any]) -> None:
-        self.cdi.write(uid, spec)
+    async def _write_spec(self, uid: str, spec: dict[str, Any]) -> None:
+        path = self.cdi.path(uid)
+        try:
+            await self.spec_rounds.write(path, self.cdi.encode(spec), SPEC_MODE)
+        except OSError as exc:
+            raise CdiWriteError(exc.errno, exc.strerror, path) from exc
         failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)  # the spec is written, its record maybe not
+
+    async def _remove_spec(self, uid: str) -> bool:
+        return await self.spec_rounds.remove(self.cdi.path(uid))
 
     async def _commit_then(self, failpoint: str) -> None:
         await self._commit()
@@ -245,7 +256,7 @@ class Preparer:
                 entry["sharing"] = sharing.record
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
-                    await asyncio.to_thread(self.cdi.remove, ref.uid)  # an earlier partial attempt
+                    await self._remove_spec(ref.uid)  # an earlier partial attempt
                     await self._release_sharing(ref, record.raw, strict=False)
                 self._check_conflicts(ref, devices, sharing)
                 self._stage(ref.uid, _snapshot(entry))
@@ -274,7 +285,7 @@ class Preparer:
                     # without a completed record is removed by the start-up reconciliation.
                     await _together(
                         self._commit_then(failpoints.PREPARE_AFTER_STARTED),
-                        asyncio.to_thread(self._write_spec, ref.uid, composed),
+                        self._write_spec(ref.uid, composed),
                     )
                     applied = await self._apply_sharing(ref, sharing.record)
                     entry["sharing"] = applied
@@ -290,7 +301,7 @@ class Preparer:
                     failpoints.hit(failpoints.PREPARE_AFTER_STARTED)
                     async with self._state_lock:
                         self._stage(ref.uid, {**_snapshot(entry), "state": COMPLETED})
-                    await _together(self._commit(), asyncio.to_thread(self._write_spec, ref.uid, composed))
+                    await _together(self._commit(), self._write_spec(ref.uid, composed))
                 failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
             except BaseException as exc:
                 if applied is not None:
@@ -408,8 +419,7 @@ class Preparer:
                     # on record before any daemon starts, so a restart knows what to undo
                     self._stage(ref.uid, {**entry, "sharing": sharing.record})
                 await self._commit()
-            await asyncio.to_thread(self.cdi.write, ref.uid, self.cdi.compose(spec, driver_edits))
-            failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)
+            await self._write_spec(ref.uid, self.cdi.compose(spec, driver_edits))
             if sharing.record:
                 applied = await self._apply_sharing(ref, sharing.record)
                 entry["sharing"] = applied
@@ -420,7 +430,7 @@ class Preparer:
         except (OSError, PrepareError) as exc:
             if applied is not None:
                 await self._release_sharing(ref, {"sharing": applied}, strict=False)
-            await asyncio.to_thread(self.cdi.remove, ref.uid)
+            await self._remove_spec(ref.uid)
             if sharing.record:  # back to the bound record: nothing of its sharing is left
                 async with self._state_lock:
                     self._stage(ref.uid, {k: v for k, v in entry.items() if k != "sharing"})
@@ -552,22 +562,20 @@ class Preparer:
         if record is not None and record.mig_instances:  # else nothing to destroy: no thread hop
             await self._destroy_recorded(record)
             failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
-        await asyncio.to_thread(self.cdi.remove, uid)
+        await self._remove_spec(uid)
         async with self._state_lock:
             self._stage(uid, None)
         await self._commit()
 
     def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice], sharing: SharingPlan) -> None:
         mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}
-        for other in self.checkpoint.views():
-            if other.uid == ref.uid:
-                continue
-            clash = mine & other.device_names
-            if clash:
-                raise BusyPrepareError(
-                    f"claim {ref}: device {sorted(clash)[0]} is already prepared for claim "
-                    f"{other.ref()}; refusing to hand it to two claims"
-                )
+        held = self.checkpoint.holder(mine, other_than=ref.uid)
+        if held is not None:
+            device, other = held
+            raise BusyPrepareError(
+                f"claim {ref}: device {device} is already prepared for claim "
+                f"{other.ref()}; refusing to hand it to two claims"
+            )
         if sharing.record:
             others = [
                 (o.ref(), o.raw["sharing"])

@@ -1,0 +1,147 @@
+"""Durable file changes of concurrent prepares, made together in rounds.
+
+Each change is what `dra_gpu.durable` does one file at a time (a temp file, fsync, rename over
+the target or unlink it, fsync of the directory), but every change queued while a round runs goes
+into the next round: one worker-thread job per round, and one fsync per directory per round
+instead of one per file. A caller's change is durable when its await returns, and fails alone:
+its file's error is raised to it, the other changes of the round stand.
+
+Changes to one path are applied in the order they were queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dra_gpu.durable import fsync_dir
+
+
+@dataclass
+class _Change:
+    path: Path
+    data: bytes | None  # None: remove the file
+    mode: int
+    done: asyncio.Future[bool]
+    tmp: str | None = None
+    error: BaseException | None = None
+    removed: bool = False
+    touched: bool = False  # renamed or unlinked: its directory needs its fsync
+
+
+class WriteRounds:
+    def __init__(self) -> None:
+        self._queue: list[_Change] = []
+        self._round: asyncio.Task[None] | None = None
+        self._names = itertools.count()
+
+    async def write(self, path: Path, data: bytes, mode: int = 0o600) -> None:
+        """Replace `path` with `data`, atomically and durably."""
+        await self._queued(path, data, mode)
+
+    async def remove(self, path: Path) -> bool:
+        """Remove `path` durably; False when there was nothing to remove."""
+        return await self._queued(path, None, 0)
+
+    async def _queued(self, path: Path, data: bytes | None, mode: int) -> bool:
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Change(path, data, mode, done))
+        if self._round is None:
+            self._round = asyncio.create_task(self._rounds())
+        # Shielded: a caller cancelled mid-round must not cancel the others' round.
+        return await asyncio.shield(done)
+
+    async def _rounds(self) -> None:
+        changes: list[_Change] = []
+        try:
+            while self._queue:
+                changes, self._queue = self._queue, []
+                try:
+                    await asyncio.to_thread(self._apply, changes)
+                except Exception as exc:  # the thread itself failed: nothing is known to be durable
+                    for c in changes:
+                        c.error = c.error or exc
+                for c in changes:
+                    if c.error is not None:
+                        c.done.set_exception(c.error)
+                    else:
+                        c.done.set_result(c.removed)
+                changes = []
+        finally:
+            self._round = None
+            left, self._queue = [*changes, *self._queue], []
+            for c in left:  # cancelled (the plugin stops): nobody is left waiting
+                if not c.done.done():
+                    c.done.set_exception(OSError(f"{c.path}: the plugin stopped before the change was made"))
+
+    def _apply(self, changes: list[_Change]) -> None:
+        """In a worker thread: temp files written and synced, then renamed and unlinked in queue
+        order, then each directory touched synced once."""
+        for c in changes:
+            if c.data is not None:
+                self._write_temp(c)
+        for c in changes:
+            if c.error is not None:
+                continue
+            try:
+                if c.tmp is not None:
+                    os.replace(c.tmp, c.path)
+                    c.tmp = None
+                    c.touched = True
+                elif os.path.lexists(c.path):  # (unlink says EROFS for a missing file there)
+                    os.unlink(c.path)
+                    c.removed = c.touched = True
+            except OSError as exc:
+                c.error = exc
+                self._discard_temp(c)
+        directories: dict[Path, OSError | None] = {}
+        for c in changes:
+            if not c.touched:
+                continue
+            parent = c.path.parent
+            if parent not in directories:
+                try:
+                    fsync_dir(parent)
+                    directories[parent] = None
+                except OSError as exc:
+                    directories[parent] = exc
+            c.error = c.error or directories[parent]
+
+    def _write_temp(self, c: _Change) -> None:
+        assert c.data is not None
+        c.tmp = str(c.path.parent / f".{c.path.name}.{os.getpid()}-{next(self._names)}.tmp")
+        try:
+            fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            c.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                c.error, c.tmp = exc, None
+                return
+        except OSError as exc:
+            c.error, c.tmp = exc, None
+            return
+        try:
+            view = memoryview(c.data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, c.mode)
+            os.fsync(fd)
+        except OSError as exc:
+            c.error = exc
+        finally:
+            os.close(fd)
+        if c.error is not None:
+            self._discard_temp(c)
+
+    @staticmethod
+    def _discard_temp(c: _Change) -> None:
+        if c.tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(c.tmp)
+            c.tmp = None
