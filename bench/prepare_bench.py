@@ -87,6 +87,13 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU so far of a process and its threads, or of one of its threads."""
+    stat = Path(f"/proc/{pid}/task/{thread}/stat" if thread else f"/proc/{pid}/stat")
+    fields = stat.read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pid_of(pattern: str) -> int:
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     if not out:
@@ -179,6 +186,8 @@ async def measure(
     inflight: int,
     inside: Callable[[], tuple[float, float]] | None = None,
     bursts: int = 1,
+    cpu: Callable[[], float] | None = None,
+    loop_cpu: Callable[[], float] | None = None,
 ) -> dict[str, float]:
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
         stub = pb_grpc.DRAPluginStub(ch)
@@ -211,12 +220,18 @@ async def measure(
         lat.sort()
         batch = claims[:inflight]
         walls = []
+        cpu_before = cpu() if cpu else 0.0
+        loop_before = loop_cpu() if loop_cpu else 0.0
         for _ in range(bursts):
             t = time.perf_counter()
             await asyncio.gather(*(prepare(c) for c in batch))
             walls.append(time.perf_counter() - t)
             await asyncio.gather(*(unprepare(c) for c in batch))
         wall = statistics.median(walls)
+        # The plugin's CPU per claim over the bursts (its prepare and its unprepare): what bounds
+        # the throughput when the plugin has a core to itself, whatever else shares the machine.
+        burst_cpu_ms = (cpu() - cpu_before) / (bursts * len(batch)) * 1e3 if cpu else float("nan")
+        loop_cpu_ms = (loop_cpu() - loop_before) / (bursts * len(batch)) * 1e3 if loop_cpu else float("nan")
         inside_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
         return {
             "mean_ms": statistics.mean(lat) * 1e3,
@@ -225,6 +240,8 @@ async def measure(
             "p99_ms": lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3,
             "throughput": len(batch) / wall,
             "inflight": len(batch),
+            "burst_cpu_ms": burst_cpu_ms,
+            "loop_cpu_ms": loop_cpu_ms,
         }
 
 
@@ -301,6 +318,8 @@ def main() -> None:
                 args.inflight,
                 lambda: prepare_seconds(metrics_port),
                 args.bursts,
+                lambda: cpu_seconds(proc.pid),
+                lambda: cpu_seconds(proc.pid, thread=proc.pid),  # the main thread runs the event loop
             )
         )
         memory_after = memory(proc.pid)
@@ -316,6 +335,7 @@ def main() -> None:
             capture_output=True,
         )
         peer_devices = cluster.devices(PEER)
+        peer_pid = pid_of("dra-test-driver")
         peer = [
             cluster.allocated_claim(ns, PEER, peer_devices[i % len(peer_devices)], cluster.node)
             for i in range(args.inflight)
@@ -328,9 +348,10 @@ def main() -> None:
                 args.rounds,
                 args.inflight,
                 bursts=args.bursts,
+                cpu=lambda: cpu_seconds(peer_pid),
             )
         )
-        results["peer"]["rss_mb"] = rss_mb(pid_of("dra-test-driver"))
+        results["peer"]["rss_mb"] = rss_mb(peer_pid)
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -353,6 +374,11 @@ def main() -> None:
         f"one-claim prepare, mean: {o['mean_ms']:.2f} ms at the client, {o['inside_mean_ms']:.2f} ms inside "
         f"the plugin (claim read, plan, durable writes; its latency histogram), the rest gRPC and "
         f"scheduling; peer at the client {p['mean_ms']:.2f} ms"
+    )
+    print(
+        f"plugin CPU per claim in the bursts (its prepare and unprepare, all threads): "
+        f"dra-gpu {o['burst_cpu_ms']:.2f} ms ({o['loop_cpu_ms']:.2f} ms of it on its event loop), "
+        f"peer {p['burst_cpu_ms']:.2f} ms"
     )
     print(
         f"ratios dra-gpu/peer: p50 {o['p50_ms'] / p['p50_ms']:.2f}, p99 {o['p99_ms'] / p['p99_ms']:.2f}, "
