@@ -158,12 +158,12 @@ async def measure(preparer: Preparer, refs: list[ClaimRef], args: argparse.Names
     await run(preparer, refs, 20)  # warm-up
     phases: dict[str, list[float]] = defaultdict(list)
     # Wall time of each step as the prepare sees it (the writes run in worker threads).
-    p, ck, cdi = preparer, preparer.checkpoint, preparer.cdi
+    p, ck, specs = preparer, preparer.checkpoint, preparer.spec_rounds
     p._plan = timed(phases, "plan (claim -> devices, spec)", p._plan)  # type: ignore[method-assign]
     ck.encode = timed(phases, "checkpoint encode", ck.encode)  # type: ignore[method-assign]
     ck.write = timed(phases, "checkpoint write (atomic, fsynced)", ck.write)  # type: ignore[method-assign]
-    cdi.write = timed(phases, "CDI spec write (atomic, fsynced)", cdi.write)  # type: ignore[method-assign]
-    cdi.remove = timed(phases, "CDI spec remove (fsynced)", cdi.remove)  # type: ignore[method-assign]
+    specs.write = timed(phases, "CDI spec write (atomic, fsynced)", specs.write, True)  # type: ignore[method-assign]
+    specs.remove = timed(phases, "CDI spec remove (fsynced)", specs.remove, True)  # type: ignore[method-assign]
     profiler = None
     if args.profile_out:
         from pyinstrument import Profiler
