@@ -53,6 +53,7 @@ class DeviceNodes:
         self._root = str(dev_root)
         self._caps = os.path.join(self._root, "proc/driver/nvidia/capabilities")
         self._hosts: dict[str, str] = {}
+        self._minors: dict[str, tuple[tuple[int, int, int], str]] = {}  # access file -> (its stat, minor)
 
     def host(self, container_path: str) -> str:
         host = self._hosts.get(container_path)
@@ -75,15 +76,27 @@ class DeviceNodes:
         gi = f"{self._caps}/gpu{gpu.minor}/mig/gi{mig.gpu_instance_id}"
         nodes = self.gpu(gpu)
         for access in (f"{gi}/access", f"{gi}/ci{mig.compute_instance_id}/access"):
-            try:
-                with open(access, encoding="utf-8") as f:
-                    match = _MINOR_LINE.search(f.read())
-            except OSError as exc:
-                raise DeviceNodeError(f"MIG device {mig.uuid}: cannot read {access}: {exc}") from exc
-            if not match:
-                raise DeviceNodeError(f"MIG device {mig.uuid}: no DeviceFileMinor in {access}")
-            nodes.append(self.node(f"/dev/nvidia-caps/nvidia-cap{match.group(1)}"))
+            nodes.append(self.node(f"/dev/nvidia-caps/nvidia-cap{self._cap_minor(mig, access)}"))
         return nodes
+
+    def _cap_minor(self, mig: MigDevice, access: str) -> str:
+        """The capability node's minor from its access file. The driver fixes it per GPU, GI and
+        CI, so it is read once per file; the file is still looked at every time (a stat): it is
+        there exactly while the instance is."""
+        try:
+            st = os.stat(access)
+            identity = (st.st_ino, st.st_mtime_ns, st.st_size)
+            known = self._minors.get(access)
+            if known is not None and known[0] == identity:
+                return known[1]
+            with open(access, encoding="utf-8") as f:
+                match = _MINOR_LINE.search(f.read())
+        except OSError as exc:
+            raise DeviceNodeError(f"MIG device {mig.uuid}: cannot read {access}: {exc}") from exc
+        if not match:
+            raise DeviceNodeError(f"MIG device {mig.uuid}: no DeviceFileMinor in {access}")
+        self._minors[access] = (identity, match.group(1))
+        return match.group(1)
 
     def verify(self, nodes: list[DeviceNode]) -> None:
         """Fail unless every host node is a character device (never hand out an empty spec)."""

@@ -83,6 +83,42 @@ def test_mig_device_gets_parent_and_capability_nodes(core: PluginCore) -> None:
     assert f"NVIDIA_VISIBLE_DEVICES={mig.uuid}" in spec["containerEdits"]["env"]
 
 
+def test_a_mig_capability_file_is_looked_at_on_every_prepare(core: PluginCore) -> None:
+    """Read once, its minor is reused; a file that changed is read again, one that is gone (the
+    instance was destroyed) fails the prepare naming it."""
+    name = mig_names(core)[0]
+    gpu = core.inventory.gpus[0]
+    mig = gpu.mig_devices[0]
+    access = (
+        core.root
+        / "devroot/proc/driver/nvidia/capabilities"
+        / f"gpu{gpu.minor}"
+        / "mig"
+        / f"gi{mig.gpu_instance_id}"
+        / "access"
+    )
+
+    def gi_node() -> str:
+        c = claim(uid(), [name], requests=["mig"])
+        core.add(c)
+        prepare(core, c)
+        spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+        asyncio.run(core.preparer.unprepare(ref_of(c)))
+        return str(spec["devices"][0]["containerEdits"]["deviceNodes"][1]["path"])
+
+    first = gi_node()
+    assert gi_node() == first
+    moved = core.root / "devroot/dev/nvidia-caps/nvidia-cap90"
+    os.mknod(moved, 0o666 | stat.S_IFCHR, os.makedev(508, 90))
+    access.write_text("DeviceFileMinor: 90\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    assert gi_node() == "/dev/nvidia-caps/nvidia-cap90"
+    access.unlink()
+    c = claim(uid(), [name], requests=["mig"])
+    core.add(c)
+    with pytest.raises(PrepareError, match=f"MIG device {mig.uuid}: cannot read {access}"):
+        prepare(core, c)
+
+
 def test_prepare_is_idempotent_and_writes_nothing_the_second_time(core: PluginCore) -> None:
     c = claim(uid(), gpu_names(core)[:1])
     core.add(c)
