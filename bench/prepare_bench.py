@@ -222,6 +222,7 @@ async def measure(
         walls = []
         cpu_before = cpu() if cpu else 0.0
         loop_before = loop_cpu() if loop_cpu else 0.0
+        client_before = time.process_time()
         for _ in range(bursts):
             t = time.perf_counter()
             await asyncio.gather(*(prepare(c) for c in batch))
@@ -232,6 +233,7 @@ async def measure(
         # the throughput when the plugin has a core to itself, whatever else shares the machine.
         burst_cpu_ms = (cpu() - cpu_before) / (bursts * len(batch)) * 1e3 if cpu else float("nan")
         loop_cpu_ms = (loop_cpu() - loop_before) / (bursts * len(batch)) * 1e3 if loop_cpu else float("nan")
+        client_cpu_ms = (time.process_time() - client_before) / (bursts * len(batch)) * 1e3
         inside_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
         return {
             "mean_ms": statistics.mean(lat) * 1e3,
@@ -242,6 +244,7 @@ async def measure(
             "inflight": len(batch),
             "burst_cpu_ms": burst_cpu_ms,
             "loop_cpu_ms": loop_cpu_ms,
+            "client_cpu_ms": client_cpu_ms,
         }
 
 
@@ -378,7 +381,8 @@ def main() -> None:
     print(
         f"plugin CPU per claim in the bursts (its prepare and unprepare, all threads): "
         f"dra-gpu {o['burst_cpu_ms']:.2f} ms ({o['loop_cpu_ms']:.2f} ms of it on its event loop), "
-        f"peer {p['burst_cpu_ms']:.2f} ms"
+        f"peer {p['burst_cpu_ms']:.2f} ms; this bench's client (Python gRPC, the same cores) "
+        f"{o['client_cpu_ms']:.2f} ms"
     )
     print(
         f"ratios dra-gpu/peer: p50 {o['p50_ms'] / p['p50_ms']:.2f}, p99 {o['p99_ms'] / p['p99_ms']:.2f}, "
