@@ -63,6 +63,10 @@ class CdiDevice:
     mounts: list[dict[str, Any]] = field(default_factory=list)  # CDI mounts (an MPS pipe dir)
 
 
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 def minimum_version(spec: dict[str, Any]) -> str:
     """The lowest cdiVersion that can express `spec` (runtimes reject versions they don't know)."""
     need = "0.3.0"
@@ -99,6 +103,9 @@ class CdiSpecs:
         self.vendor = f"k8s.{driver}"
         self.kind = f"{self.vendor}/{CLASS}"
         self.prefix = f"{self.vendor}-{CLASS}_"
+        # The driver's edits (the same object until the installation changes), serialised once:
+        # (the edits, each key's list items as JSON, the cdiVersion they need).
+        self._driver_json: tuple[dict[str, Any], dict[str, str], str] | None = None
 
     def path(self, claim_uid: str) -> Path:
         return self.dir / f"{self.prefix}{claim_uid}.json"
@@ -151,10 +158,35 @@ class CdiSpecs:
         spec["cdiVersion"] = minimum_version(spec)
         return spec
 
+    def encode_composed(self, claim_spec: dict[str, Any], driver_edits: dict[str, Any]) -> bytes:
+        """`encode(compose(claim_spec, driver_edits))`, byte for byte, with the driver's part
+        (most of the file, the same for every claim) serialised once per driver installation."""
+        if not driver_edits:
+            return self.encode(claim_spec)
+        if self._driver_json is None or self._driver_json[0] is not driver_edits:
+            items = {k: _compact(v)[1:-1] for k, v in driver_edits.items()}
+            needs = minimum_version({"kind": self.kind, "devices": [], "containerEdits": driver_edits})
+            self._driver_json = (driver_edits, items, needs)
+        _, items, needs = self._driver_json
+        mine = claim_spec["containerEdits"]
+        edits = []
+        for key in [*mine, *(k for k in items if k not in mine)]:
+            joined = ",".join(p for p in (_compact(mine.get(key, []))[1:-1], items.get(key, "")) if p)
+            edits.append(f"{_compact(key)}:[{joined}]")
+        version = max(claim_spec["cdiVersion"], needs, key=_VERSIONS.index)
+        fields = []
+        for key, value in claim_spec.items():
+            if key == "containerEdits":
+                encoded = "{" + ",".join(edits) + "}"
+            else:
+                encoded = _compact(version if key == "cdiVersion" else value)
+            fields.append(f"{_compact(key)}:{encoded}")
+        return ("{" + ",".join(fields) + "}\n").encode()
+
     @staticmethod
     def encode(spec: dict[str, Any]) -> bytes:
         # Compact: the C encoder (indent= falls back to the pure-Python one, ~4x slower).
-        return json.dumps(spec, separators=(",", ":")).encode() + b"\n"
+        return _compact(spec).encode() + b"\n"
 
     def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
         path = self.path(claim_uid)

@@ -204,10 +204,10 @@ class Preparer:
             await asyncio.to_thread(self.checkpoint.write, blob)
             self._written = version
 
-    async def _write_spec(self, uid: str, spec: dict[str, Any]) -> None:
+    async def _write_spec(self, uid: str, content: bytes) -> None:
         path = self.cdi.path(uid)
         try:
-            await self.spec_rounds.write(path, self.cdi.encode(spec), SPEC_MODE)
+            await self.spec_rounds.write(path, content, SPEC_MODE)
         except OSError as exc:
             raise CdiWriteError(exc.errno, exc.strerror, path) from exc
         failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)  # the spec is written, its record maybe not
@@ -278,7 +278,7 @@ class Preparer:
                         self._check_conflicts(ref, devices, sharing)
                         self._stage(ref.uid, _snapshot(entry))
                 assert spec is not None
-                composed = self.cdi.compose(spec, driver_edits)
+                composed = self.cdi.encode_composed(spec, driver_edits)
                 if sharing.record:
                     # "started" is durable before a daemon starts: only the record finds one a
                     # crash left half made. It and the spec may land in either order: a spec
@@ -419,7 +419,7 @@ class Preparer:
                     # on record before any daemon starts, so a restart knows what to undo
                     self._stage(ref.uid, {**entry, "sharing": sharing.record})
                 await self._commit()
-            await self._write_spec(ref.uid, self.cdi.compose(spec, driver_edits))
+            await self._write_spec(ref.uid, self.cdi.encode_composed(spec, driver_edits))
             if sharing.record:
                 applied = await self._apply_sharing(ref, sharing.record)
                 entry["sharing"] = applied

@@ -136,3 +136,52 @@ def test_the_incremental_encoding_is_the_full_one_and_reloads(tmp_path: Path, op
     cp.write(cp.encode())
     again = Checkpoint(path, boot_id="b")
     assert {r.uid: r.raw for r in again.records()} == {r.uid: r.raw for r in cp.records()}
+
+
+_TEXT = st.text(st.sampled_from('ab/:=.é"\\'), max_size=6)
+_NODE = st.builds(
+    lambda path, host: {"path": path, **({"hostPath": host} if host else {})},
+    _TEXT,
+    st.one_of(st.none(), _TEXT),
+)
+_MOUNT = st.builds(
+    lambda host, opts, typed: {
+        "hostPath": host,
+        "containerPath": host,
+        "options": opts,
+        **({"type": "bind"} if typed else {}),
+    },
+    _TEXT,
+    st.lists(_TEXT, max_size=2),
+    st.booleans(),
+)
+_EDITS = st.fixed_dictionaries(
+    {},
+    optional={
+        "env": st.lists(_TEXT, max_size=3),
+        "deviceNodes": st.lists(_NODE, max_size=3),
+        "mounts": st.lists(_MOUNT, max_size=3),
+        "hooks": st.lists(st.fixed_dictionaries({"hookName": _TEXT, "path": _TEXT}), max_size=2),
+        "additionalGids": st.lists(st.integers(0, 70000), max_size=2),
+    },
+)
+
+
+@given(claim_edits=_EDITS, driver_edits=_EDITS, digit_name=st.booleans())
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_spec_composed_as_json_is_the_composed_spec_encoded(
+    tmp_path: Path, claim_edits: dict[str, Any], driver_edits: dict[str, Any], digit_name: bool
+) -> None:
+    """The spec file is the claim's part and the driver's part serialised apart and joined: byte
+    for byte what serialising the composed spec gives, its cdiVersion included."""
+    from dra_gpu.plugin.cdi import CdiSpecs
+
+    cdi = CdiSpecs(tmp_path, "gpu.dra-gpu.io")
+    name = ("0" if digit_name else "u") + "-gpu-0"
+    claim_spec = {"cdiVersion": "", "kind": cdi.kind, "devices": [{"name": name, "containerEdits": {}}]}
+    claim_spec["containerEdits"] = claim_edits
+    claim_spec["cdiVersion"] = minimum_version(claim_spec)
+    for _ in range(2):  # the second time from the driver part serialised before
+        assert cdi.encode_composed(claim_spec, driver_edits) == cdi.encode(
+            cdi.compose(claim_spec, driver_edits)
+        )
