@@ -11,6 +11,10 @@ allocation until it is deallocated, which needs its `reservedFor` emptied first;
 prepares a claim only after the scheduler allocated and reserved it and bound the pod, writes the
 watch delivers in practice before the kubelet sees the pod.
 
+Of a claim only what prepare reads is kept (its name, namespace and UID, `status.allocation` and
+`status.reservedFor`): managedFields, spec and the devices' status were most of each claim's memory,
+and the cache holds every claim prepared on the node.
+
 Other parts that need every claim event (dynamic MIG's binding conditions) subscribe to the same
 watch instead of opening their own.
 """
@@ -78,7 +82,7 @@ class ClaimCache:
     def _keep(self, claim: dict[str, Any]) -> None:
         key = self._key(claim)
         if self._allocated_here(claim):
-            self._claims[key] = claim
+            self._claims[key] = _what_prepare_reads(claim)
         else:
             self._claims.pop(key, None)
 
@@ -105,3 +109,12 @@ class ClaimCache:
         await list_watch(
             self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event, backoff=self.backoff
         )
+
+
+def _what_prepare_reads(claim: dict[str, Any]) -> dict[str, Any]:
+    meta = claim.get("metadata") or {}
+    status = claim.get("status") or {}
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+        "status": {k: status[k] for k in ("allocation", "reservedFor") if k in status},
+    }
