@@ -37,9 +37,9 @@ STATUS_RETRY_SECONDS = 300.0
 SYNC_WAIT_SECONDS = 2.0
 PREPARED_DELAY_S = 0.2
 QUIET_WAIT_S = 5.0  # a node that never stops preparing still gets its statuses
-# A burst's statuses queue on a few connections: each TLS connection the client keeps open holds
-# ~300 KB (asyncio's 256 KiB read buffer, OpenSSL's), and a burst of 100 writes opened all 16 the
-# pool allows, kept after the burst (bench/RESULTS.md).
+# A burst's statuses queue on a few connections: a burst of 100 writes opened all 16 the client's
+# pool allows and kept them after it, each with its TLS buffers (asyncio's read buffer, OpenSSL's;
+# ~4 MB in all, bench/RESULTS.md).
 WRITES_IN_FLIGHT = 4
 
 

@@ -139,8 +139,8 @@ def test_a_write_on_the_wire_is_not_cut_off_by_the_unprepare() -> None:
 
 
 def test_a_burst_of_statuses_goes_out_a_few_at_a_time_and_all_land() -> None:
-    """Each request in flight holds a connection of the client's pool (a TLS connection keeps
-    ~300 KB after the burst): a burst's statuses queue on a few instead of opening all."""
+    """Each request in flight holds a connection of the client's pool, kept open after the burst
+    with its TLS buffers: a burst's statuses queue on a few instead of opening all."""
 
     async def body() -> None:
         kube = RecordingKube()
