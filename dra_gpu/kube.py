@@ -13,6 +13,7 @@ the node side. `list_watch` is the one list+watch loop of the driver (slice publ
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import contextlib
 import json
 import logging
@@ -34,6 +35,19 @@ MAX_CONNECTIONS = 16
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 HTTP_GONE = 410
+
+
+TLS_READ_BUFFER = 64 * 1024
+
+
+def small_tls_read_buffers(size: int = TLS_READ_BUFFER) -> None:
+    """asyncio gives each TLS connection a read buffer of 256 KiB, kept while it is open: the
+    kubelet plugin keeps a connection per watch and per claim status in flight (~1.5 MB after a
+    burst, bench/RESULTS.md) for answers of a few KB. A larger answer (a claims list) is read in
+    more pieces. Process-wide: call it in a process of its own (the kubelet plugin's)."""
+    protocol = asyncio.sslproto.SSLProtocol
+    if getattr(protocol, "max_size", 0) > size:
+        protocol.max_size = size
 
 
 class KubeError(RuntimeError):

@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
+import datetime
+import ipaddress
 import logging
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from fake_kube import FakeApiServer, until
 
 from dra_gpu import kube as kube_module
-from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, KubeError, list_watch
+from dra_gpu.kube import (
+    RESOURCE_V1,
+    TLS_READ_BUFFER,
+    Backoff,
+    Kube,
+    KubeError,
+    list_watch,
+    small_tls_read_buffers,
+)
 
 CLASSES = f"{RESOURCE_V1}/deviceclasses"
 FAST = Backoff(initial=0.01, maximum=0.04)
@@ -270,5 +288,74 @@ def test_kube_connect_reads_a_kubeconfig(tmp_path: Any) -> None:
         kube = await Kube.connect(str(config))
         assert kube.api_client.configuration.host == "https://127.0.0.1:6443"
         await kube.close()
+
+    asyncio.run(body())
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "apiserver")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    (directory / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "ca.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return directory / "ca.crt", directory / "ca.key"
+
+
+def test_small_tls_read_buffers_still_read_a_large_list_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin reads its TLS connections in 64 KiB pieces instead of asyncio's 256 KiB: a list
+    of a few MB (claims with their managedFields) arrives whole, over a real TLS connection."""
+    monkeypatch.setattr(asyncio.sslproto.SSLProtocol, "max_size", asyncio.sslproto.SSLProtocol.max_size)
+    small_tls_read_buffers()
+    assert asyncio.sslproto.SSLProtocol.max_size == TLS_READ_BUFFER
+    cert, key = self_signed(tmp_path)
+    items = [{"metadata": {"name": f"claim-{i}"}, "data": "x" * 3000} for i in range(1000)]
+
+    async def body() -> None:
+        async def claims(_request: web.Request) -> web.Response:
+            return web.json_response({"items": items, "metadata": {"resourceVersion": "7"}})
+
+        app = web.Application()
+        app.router.add_get(f"{RESOURCE_V1}/resourceclaims", claims)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(cert, key)
+        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
+        port = runner.addresses[0][1]
+        config = tmp_path / "kubeconfig"
+        config.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+            f"clusters: [{{name: k, cluster: {{server: 'https://127.0.0.1:{port}',\n"
+            f"  certificate-authority: '{cert}'}}}}]\n"
+            "users: [{name: u, user: {token: t}}]\n"
+            "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+        )
+        kube = await Kube.connect(str(config))
+        try:
+            got, version = await kube.list_objects(f"{RESOURCE_V1}/resourceclaims")
+            assert (got, version) == (items, "7")
+        finally:
+            await kube.close()
+            await runner.cleanup()
 
     asyncio.run(body())

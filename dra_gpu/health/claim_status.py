@@ -39,6 +39,10 @@ SYNC_WAIT_SECONDS = 2.0
 PREPARED_DELAY_S = 0.2
 QUIET_WAIT_S = 5.0  # a node that never stops preparing still gets its statuses
 QUIET_AFTER_S = 0.1  # "quiet": no prepare or unprepare for this long, not just between two calls
+# A burst's statuses queue on a few connections: a burst of 100 writes opened all 16 the client's
+# pool allows and kept them after it, each with its TLS buffers (asyncio's read buffer, OpenSSL's;
+# ~4 MB in all, bench/RESULTS.md).
+WRITES_IN_FLIGHT = 4
 
 
 def _transient(exc: BaseException) -> bool:
@@ -86,6 +90,7 @@ class ClaimStatusWriter:
         self._quiet = asyncio.Event()
         self._quiet.set()
         self._pending: dict[str, asyncio.Task[None]] = {}  # claim uid -> its write in flight
+        self._wire = asyncio.Semaphore(WRITES_IN_FLIGHT)
 
     def data(self, device: str) -> dict[str, Any]:
         gpu, mig = self.devices[device]
@@ -156,8 +161,6 @@ class ClaimStatusWriter:
         if self._written.get(uid) == encoded:
             return
         task = asyncio.current_task()
-        if task is not None:
-            self._sending.add(task)
         try:
             async for attempt in AsyncRetrying(
                 wait=wait_exponential(multiplier=self._retry_initial, max=10)
@@ -167,7 +170,10 @@ class ClaimStatusWriter:
                 reraise=True,
             ):
                 with attempt:
-                    await self.kube.apply_claim_status(namespace, name, body, self.driver)
+                    async with self._wire:
+                        if task is not None:  # on the wire from here (see `unprepared`)
+                            self._sending.add(task)
+                        await self.kube.apply_claim_status(namespace, name, body, self.driver)
             self._written[uid] = encoded
         except KubeError as exc:
             if exc.status == HTTP_FORBIDDEN:

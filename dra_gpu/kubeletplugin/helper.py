@@ -102,6 +102,7 @@ class KubeletPluginHelper:
         self.sockets = sockets
         self.publisher = SlicePublisher(kube, driver_name, node_name, driver.resource_slices, metrics)
         node = NodeService(driver, metrics)
+        self.heap = node.heap
         self.health = HealthService(driver.device_health, health_resend_seconds)
         self.health_v1 = HealthService(driver.device_health, health_resend_seconds, pb=health_v1_pb)
         self._dra_servicers: list[tuple[Callable[[Any, Any], None], Any]] = [

@@ -11,14 +11,21 @@ allocation until it is deallocated, which needs its `reservedFor` emptied first;
 prepares a claim only after the scheduler allocated and reserved it and bound the pod, writes the
 watch delivers in practice before the kubelet sees the pod.
 
+Of a claim only what prepare reads is kept (its name, namespace and UID, `status.allocation` and
+`status.reservedFor`), as JSON, decoded again by its prepare: managedFields, spec and the devices'
+status were most of each claim's memory, and a claim kept as objects left ~25 small long-lived
+objects among a burst's garbage, holding CPython's memory arenas after it (bench/RESULTS.md).
+
 Other parts that need every claim event (dynamic MIG's binding conditions) subscribe to the same
 watch instead of opening their own.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
@@ -39,7 +46,7 @@ class ClaimCache:
         self.node = node
         self.backoff = backoff or Backoff()
         self.listed = False
-        self._claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self._claims: dict[tuple[str, str], _Kept] = {}
         self._subscribers: list[tuple[ListHandler, EventHandler]] = []
         self.hits = 0  # prepares answered from the watch
 
@@ -53,13 +60,10 @@ class ClaimCache:
     def lookup(self, ref: ClaimRef) -> dict[str, Any] | None:
         """The claim, when the cache holds it with the kubelet's UID, reserved and allocated here;
         None means: ask the apiserver."""
-        claim = self._claims.get((ref.namespace, ref.name))
-        if (
-            claim is not None
-            and (claim.get("metadata") or {}).get("uid") == ref.uid
-            and (claim.get("status") or {}).get("reservedFor")
-        ):
+        kept = self._claims.get((ref.namespace, ref.name))
+        if kept is not None and kept.uid == ref.uid and kept.reserved:
             self.hits += 1
+            claim: dict[str, Any] = json.loads(kept.claim)
             return claim
         return None
 
@@ -78,7 +82,7 @@ class ClaimCache:
     def _keep(self, claim: dict[str, Any]) -> None:
         key = self._key(claim)
         if self._allocated_here(claim):
-            self._claims[key] = claim
+            self._claims[key] = _Kept.of(claim)
         else:
             self._claims.pop(key, None)
 
@@ -105,3 +109,20 @@ class ClaimCache:
         await list_watch(
             self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event, backoff=self.backoff
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    uid: str
+    reserved: bool
+    claim: bytes  # what prepare reads, as JSON
+
+    @classmethod
+    def of(cls, claim: dict[str, Any]) -> _Kept:
+        meta = claim.get("metadata") or {}
+        status = claim.get("status") or {}
+        slim = {
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+            "status": {k: status[k] for k in ("allocation", "reservedFor") if k in status},
+        }
+        return cls(str(meta.get("uid", "")), bool(status.get("reservedFor")), json.dumps(slim).encode())

@@ -18,7 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dra_gpu.discovery import discover, open_nvml
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
-from dra_gpu.kube import Kube
+from dra_gpu.kube import Kube, small_tls_read_buffers
+from dra_gpu.kubeletplugin.heap_trim import limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
@@ -156,6 +157,7 @@ class KubeletPlugin:
             cfg.sockets.registration,
         )
         self.ready.set()
+        helper.heap.once_idle()  # the start-up's garbage, once it has settled
         try:
             await self.stopping.wait()
         finally:
@@ -210,6 +212,8 @@ class KubeletPlugin:
 
 
 def run(cfg: PluginConfig) -> int:
+    limit_arenas()  # before any thread starts
+    small_tls_read_buffers()
     plugin = KubeletPlugin(cfg)
 
     async def main() -> None:

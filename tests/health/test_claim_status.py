@@ -10,7 +10,7 @@ from fake_kube import until
 from prometheus_client import CollectorRegistry
 
 from dra_gpu.discovery import discover_node
-from dra_gpu.health.claim_status import ClaimStatusWriter
+from dra_gpu.health.claim_status import WRITES_IN_FLIGHT, ClaimStatusWriter
 from dra_gpu.health.classification import Classifier, EventKind
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Observation, Seen
@@ -152,6 +152,28 @@ def test_a_write_on_the_wire_is_not_cut_off_by_the_unprepare() -> None:
         await asyncio.sleep(0.05)
         assert [name for _, name, _ in kube.applied] == ["c"]  # it landed, not cancelled
         assert not writer._written and not writer._since  # and the claim is forgotten
+        await writer.close()
+
+    asyncio.run(body())
+
+
+def test_a_burst_of_statuses_goes_out_a_few_at_a_time_and_all_land() -> None:
+    """Each request in flight holds a connection of the client's pool, kept open after the burst
+    with its TLS buffers: a burst's statuses queue on a few instead of opening all."""
+
+    async def body() -> None:
+        kube = RecordingKube()
+        kube.gate = asyncio.Event()
+        writer, devices = one_gpu_writer(kube, prepared_delay=0.0)
+        for i in range(20):
+            writer.prepared("ns", f"c{i}", f"uid-{i}", devices)
+        await until(lambda: kube.sent == WRITES_IN_FLIGHT)
+        await asyncio.sleep(0.05)
+        assert kube.sent == WRITES_IN_FLIGHT  # the others wait for the apiserver's answers
+        writer.unprepared("uid-19")  # not on the wire yet: it never goes
+        kube.gate.set()
+        await until(lambda: len(kube.applied) == 19)
+        assert sorted(name for _, name, _ in kube.applied) == sorted(f"c{i}" for i in range(19))
         await writer.close()
 
     asyncio.run(body())

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,25 @@ def test_a_burst_is_trimmed_once_after_it_has_been_idle() -> None:
         assert heap.trims == 1
         await asyncio.sleep(0.15)
         assert heap.trims == 1  # nothing ran since: nothing to trim
+
+    asyncio.run(body())
+
+
+def test_the_start_is_trimmed_once_unless_requests_come_first() -> None:
+    async def body() -> None:
+        heap = HeapTrimmer(idle_seconds=0.05)
+        heap.once_idle()
+        await asyncio.sleep(0.15)
+        await heap.wait_idle()
+        assert heap.trims == 1
+        heap.once_idle()
+        heap.started()  # a burst right after: its own trim, after it, is the only one
+        await asyncio.sleep(0.15)
+        assert heap.trims == 1
+        heap.finished()
+        await asyncio.sleep(0.15)
+        await heap.wait_idle()
+        assert heap.trims == 2
 
     asyncio.run(body())
 
@@ -88,3 +110,47 @@ def test_memory_held_by_reference_cycles_is_returned_too() -> None:
         assert keep
 
     asyncio.run(body())
+
+
+# Four threads allocate from malloc (objects over pymalloc's 512 bytes), then the process counts
+# glibc's heaps (malloc_info's XML, through a pipe).
+ALLOCATING_THREADS = """
+import ctypes, os, threading
+from dra_gpu.kubeletplugin.heap_trim import limit_arenas
+print(limit_arenas(1))
+done = threading.Event()
+def work():
+    kept = [bytes(1000 + i % 7) for i in range(2000)]
+    done.wait()
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads:
+    t.start()
+libc = ctypes.CDLL(None)
+libc.fdopen.restype = ctypes.c_void_p
+r, w = os.pipe()
+stream = ctypes.c_void_p(libc.fdopen(w, b"w"))
+libc.malloc_info(0, stream)
+libc.fclose(stream)
+print(os.read(r, 1 << 20).decode().count("<heap nr="))
+done.set()
+"""
+
+
+def heaps_of_threads(env: dict[str, str]) -> list[str]:
+    run = subprocess.run(
+        [sys.executable, "-c", ALLOCATING_THREADS],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        timeout=60,
+    )
+    return run.stdout.split()
+
+
+def test_worker_threads_share_one_malloc_heap() -> None:
+    """A heap per thread kept its share of a burst's freed memory until the trim."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    assert heaps_of_threads(env) == ["True", "1"]
+    # The operator's own MALLOC_ARENA_MAX wins: the main heap and one per thread, up to it.
+    assert heaps_of_threads({**env, "MALLOC_ARENA_MAX": "3"}) == ["False", "3"]

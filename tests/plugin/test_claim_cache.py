@@ -50,7 +50,11 @@ def test_a_prepare_of_a_watched_claim_makes_no_get(core: PluginCore) -> None:
         core.preparer.claims = api.kube()
         core.preparer.cache = cache
         gpu = gpu_names(core)[0]
-        stored = api.put(CLAIMS, reserved(claim("ignored", [gpu], name="one")))
+        one = reserved(claim("ignored", [gpu], name="one"))
+        # What an apiserver adds, which the cache does not keep: prepare does not read it.
+        one["metadata"]["managedFields"] = [{"manager": "kube-scheduler", "fieldsV1": {"f:status": {}}}]
+        one["status"]["devices"] = [{"driver": DRIVER, "pool": NODE, "device": gpu, "conditions": []}]
+        stored = api.put(CLAIMS, one)
 
         async def test() -> None:
             await until(lambda: len(cache) == 1)
