@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import json
 import os
 import re
@@ -40,16 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.prepare_bench import IDLE_SECONDS, OURS, bench_profile, measure  # noqa: E402
 from bench.process_memory import Memory, memory  # noqa: E402
+from tests.controller.test_webhook import make_cert  # noqa: E402
 
 
 class StandInApiServer:
@@ -153,38 +148,10 @@ class RunMemory:
     timing: dict[str, float] | None = None
 
 
-def self_signed(tmp: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key (PEM files)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stand-in-apiserver")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    (tmp / "apiserver.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp / "apiserver.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return tmp / "apiserver.crt", tmp / "apiserver.key"
-
-
 async def one_run(
     tmp: Path, driver_root: str, profile: Path, settle: float, top: int, burst: Burst | None
 ) -> RunMemory:
-    cert, key = self_signed(tmp)
+    cert, key = make_cert(tmp, "stand-in-apiserver")
     api = StandInApiServer()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", api.handle)

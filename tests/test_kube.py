@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
-import datetime
-import ipaddress
 import logging
 import re
 import ssl
@@ -16,10 +14,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from controller.test_webhook import make_cert
 from fake_kube import FakeApiServer, until
 
 from dra_gpu import kube as kube_module
@@ -292,33 +287,6 @@ def test_kube_connect_reads_a_kubeconfig(tmp_path: Any) -> None:
     asyncio.run(body())
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "apiserver")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    (directory / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / "ca.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return directory / "ca.crt", directory / "ca.key"
-
-
 def test_small_tls_read_buffers_still_read_a_large_list_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -327,7 +295,7 @@ def test_small_tls_read_buffers_still_read_a_large_list_whole(
     monkeypatch.setattr(asyncio.sslproto.SSLProtocol, "max_size", asyncio.sslproto.SSLProtocol.max_size)
     small_tls_read_buffers()
     assert asyncio.sslproto.SSLProtocol.max_size == TLS_READ_BUFFER
-    cert, key = self_signed(tmp_path)
+    cert, key = make_cert(tmp_path, "apiserver")
     items = [{"metadata": {"name": f"claim-{i}"}, "data": "x" * 3000} for i in range(1000)]
 
     async def body() -> None:

@@ -47,6 +47,8 @@ def make_cert(directory: Path, cn: str) -> tuple[Path, Path]:
             ),
             critical=False,
         )
+        # Its own CA too: a client that verifies it (a kubeconfig's certificate-authority) trusts it.
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = directory / "tls.crt", directory / "tls.key"
