@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import gc
 import logging
 import multiprocessing
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from dra_gpu.controller.bounded import OverBudget, address_space, resident_bytes
+from dra_gpu.controller.bounded import OverBudget, address_space
 
 if TYPE_CHECKING:
     from dra_gpu.controller.cluster_state import ClusterState
@@ -102,12 +104,18 @@ def _serve(conn: Connection, state: ClusterState) -> None:
                     [(p.path, p.message) for p in v.errors],
                     [(p.path, p.message) for p in v.warnings],
                 )
-                conn.send(("verdict", result, resident_bytes()))
+                conn.send(("verdict", result, _peak_resident_bytes()))
             except MemoryError:
                 conn.send(("error", "ran out of its memory budget", 0))
             except Exception as exc:  # a bug in a rule: deny with its name, keep serving
                 log.exception("event=review_failed")
                 conn.send(("error", f"internal error: {type(exc).__name__}", 0))
+
+
+def _peak_resident_bytes() -> int:
+    """The most memory this process has had resident: one system call per review, where reading
+    the current size from /proc costs an open, a read and a close."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _apply_event(state: ClusterState, message: tuple[Any, ...]) -> bool:
@@ -200,6 +208,7 @@ class _Worker:
     pid: int
     pidfd: int  # a handle that cannot name another process once this one has gone
     conn: Connection
+    cpu_clock: int | None  # its CPU-time clock (clock_getcpuclockid), None where there is none
     pending: list[tuple[Any, ...]] = field(default_factory=list)  # events to send before the next review
     reniced: bool = False  # its review was slow; it is replaced rather than kept at low priority
     cpu_at_start: int = 0  # its CPU time (ns) when the current review was sent
@@ -220,8 +229,28 @@ class _Starting:
     pending: list[tuple[Any, ...]] = field(default_factory=list)
 
 
+def _cpu_clock(pid: int) -> int | None:
+    """The id of the process's CPU-time clock: read with one system call per review, where
+    /proc/<pid>/schedstat costs an open, a read and a close on the event loop."""
+    clock = ctypes.c_int()
+    try:
+        if _libc().clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+            return None
+    except (AttributeError, OSError):  # no C library that has it
+        return None
+    return clock.value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _cpu_ns(worker: _Worker) -> int:
-    """CPU time the worker has used, in ns (/proc/<pid>/schedstat); 0 when it cannot be read."""
+    """CPU time the worker has used, in ns; 0 when it cannot be read (it has gone)."""
+    if worker.cpu_clock is not None:
+        with contextlib.suppress(OSError):
+            return time.clock_gettime_ns(worker.cpu_clock)
     try:
         with open(f"/proc/{worker.pid}/schedstat") as f:
             return int(f.read().split()[0])
@@ -262,7 +291,7 @@ class ReviewPool:
         }  # events since the last replace: what a new template is sent
         self._workers: list[_Worker] = []
         self._starting: list[_Starting] = []
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._idle: asyncio.Queue[_Worker] = asyncio.LifoQueue()
         self._template: _Template | None = None
         self._template_lock = asyncio.Lock()  # one conversation with the template at a time
         # Not fork (this process has threads and a loop): a fork server, started clean, that has
@@ -346,7 +375,8 @@ class ReviewPool:
             worker.cpu_at_start = _cpu_ns(worker)
             slow = loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
             try:
-                reply = await asyncio.wait_for(self._receive(loop, worker.conn), self.deadline_s)
+                async with asyncio.timeout(self.deadline_s):  # no task of its own, unlike wait_for
+                    reply = await self._receive(loop, worker.conn)
             finally:
                 worker.cpu_at_start = -1
                 slow.cancel()
@@ -475,7 +505,7 @@ class ReviewPool:
             raise OSError(f"the template could not fork a worker: {reply[1]}")
         pid: int = reply[1]
         pidfd = os.pidfd_open(pid)  # it goes only when its pipe closes (or its warm-up fails)
-        return _Worker(pid, pidfd, parent, starting.pending)
+        return _Worker(pid, pidfd, parent, _cpu_clock(pid), starting.pending)
 
     @staticmethod
     def _request_fork(template: _Template, messages: list[tuple[Any, ...]], child: Connection) -> Any:
