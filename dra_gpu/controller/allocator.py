@@ -347,7 +347,7 @@ class Cluster:
         self.pools = self._gather(slices)
         self._pools = {(p.driver, p.name): p for p in self.pools}
         # Explanations by claim spec, for a caller that explains many claims against one view.
-        self.explained: dict[tuple[str, bool], Any] | None = None
+        self.explained: dict[tuple[str, bool, bool], Any] | None = None
         self.nodes = sorted(
             {str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices if s["spec"].get("nodeName")}
         ) or [""]
