@@ -10,9 +10,19 @@ the nodes fully in use), after a first, cold review.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+def _commit(tree: Path) -> str:
+    """The checkout's commit (and + when it has changes), naming which code was measured."""
+    git = ["git", "-C", str(tree)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    status = [*git, "status", "--porcelain", "--untracked-files=no"]
+    dirty = subprocess.run(status, capture_output=True).stdout
+    return head.strip() + ("+" if dirty else "") or "?"
 
 
 def run(nodes: int, reviews: int) -> None:
@@ -40,7 +50,7 @@ def run(nodes: int, reviews: int) -> None:
     warm_ms = (time.process_time() - start) * 1000 / reviews
     devices = sum(len(d["spec"]["devices"]) for d in docs if d["kind"] == "ResourceSlice")
     print(
-        f"rules ({Path(dra_gpu.__file__).parent.parent.name}): {devices} devices on {nodes} nodes: "
+        f"rules ({_commit(Path(dra_gpu.__file__).parent.parent)}): {devices} devices on {nodes} nodes: "
         f"cold review {cold_ms:.1f} ms CPU, warm {warm_ms:.3f} ms CPU per review ({reviews} reviews)"
     )
 
