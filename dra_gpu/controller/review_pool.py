@@ -14,6 +14,9 @@ reviews like a worker but never answers one: a hostile review costs a worker, an
 template starts with the view applied and the selectors compiled and evaluated (copy-on-write),
 so replacing it costs neither a transfer of the view nor a warm-up next to the workers that are
 answering. The template is itself replaced, from the view the loop keeps, when it dies.
+
+The worker that answered last takes the next review, with its caches warm; the idle ones are sent
+the cluster events every second, so none collects a backlog while reviews do not overlap.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ WARM_UP_TIMEOUT_S = 30.0
 # How often the template is sent the events and recent reviews it has not had (the ones left are
 # sent before a fork): at most a few warm-up reviews a second, whatever the rate of reviews.
 TEMPLATE_FEED_EVERY_S = 1.0
-RECYCLE_BYTES = 768 << 20  # a worker left this large by a review is replaced: its memory released
+RECYCLE_BYTES = 768 << 20  # a worker whose peak RSS reached this is replaced: its memory released
 PRELOAD = ["dra_gpu.controller.cluster_state"]
 DIRECT_SEND_BYTES = 16 * 1024
 
