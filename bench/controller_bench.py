@@ -1,12 +1,15 @@
 """Controller benchmarks: webhook latency at a fixed request rate, and `explain` on a large cluster.
 
-    .venv/bin/python bench/controller_bench.py [--rate 200] [--seconds 10] [--nodes 125]
+    .venv/bin/python bench/controller_bench.py [--rate 200] [--seconds 10] [--nodes 125] [--exe PATH]
 
 1. Webhook: `dra-gpu controller --no-watch -f cluster.yaml` runs as its own process over HTTPS with
    1,000 published devices (125 hgx-2x4 nodes; every GPU of the first half of the nodes in use). A
    client sends AdmissionReviews for a claim with three selectors (memory, driver version, product)
    plus an NVLink constraint at a fixed rate on one keep-alive connection; latency is measured per
-   request, client side. The first (cold) request is reported on its own.
+   request, client side. The first (cold) request is reported on its own. The CPU per review of
+   the webhook's main process (event loop, HTTP, TLS) and of its other processes (the review
+   workers) is measured over the timed requests: unlike latency it hardly depends on what else
+   the machine runs. `--exe` runs another checkout's `dra-gpu` (a before/after pair).
 2. explain: 100 nodes x 8 GPUs, 20 claims, in-process and through the CLI.
 """
 
@@ -64,6 +67,39 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU of one process, in seconds (/proc/<pid>/stat); 0 once it has gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (the fork server, the review template and its workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def tree_cpu(pid: int) -> tuple[float, dict[int, float]]:
+    """CPU of the main process, and of each of its descendants."""
+    return cpu_s(pid), {p: cpu_s(p) for p in descendants(pid)}
+
+
 def connect_when_healthy(port: int, ctx: ssl.SSLContext, timeout: float) -> http.client.HTTPSConnection:
     """A keep-alive connection to the webhook on 127.0.0.1:port once its /healthz answers (60 s)."""
     deadline = time.monotonic() + 60
@@ -79,7 +115,7 @@ def connect_when_healthy(port: int, ctx: ssl.SSLContext, timeout: float) -> http
             time.sleep(0.2)
 
 
-def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
+def bench_webhook(rate: int, seconds: int, nodes: int, exe: str) -> None:
     tmp = Path(tempfile.mkdtemp())
     cert, key = make_cert(tmp, "bench")
     docs = cluster(nodes, nodes // 2)
@@ -88,7 +124,6 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    exe = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
     proc = subprocess.Popen(
         [
             exe,
@@ -134,6 +169,7 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
         assert first["allowed"], first
         lat: list[float] = []
         interval = 1.0 / rate
+        main_before, others_before = tree_cpu(proc.pid)
         start = time.perf_counter()
         for i in range(rate * seconds):
             target = start + i * interval
@@ -142,6 +178,11 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
                 time.sleep(target - now)
             lat.append(once()[0])
         elapsed = time.perf_counter() - start
+        main_after, others_after = tree_cpu(proc.pid)
+        main_ms = (main_after - main_before) * 1000 / len(lat)
+        # Processes that went during the run (a replaced worker) are not counted.
+        others = sum(cpu - others_before.get(p, 0.0) for p, cpu in others_after.items())
+        workers_ms = others * 1000 / len(lat)
         print(
             f"webhook: {devices} devices on {nodes} nodes ({nodes // 2} fully in use), claim with "
             f"{len(SELECTORS)} selectors + NVLink constraint"
@@ -152,6 +193,7 @@ def bench_webhook(rate: int, seconds: int, nodes: int) -> None:
             f"p50 {pct(lat, 50):.2f} ms, "
             f"p90 {pct(lat, 90):.2f} ms, p99 {pct(lat, 99):.2f} ms, max {max(lat):.2f} ms"
         )
+        print(f"  CPU per review: main process {main_ms:.2f} ms, review workers {workers_ms:.2f} ms")
     finally:
         proc.terminate()
         proc.wait(10)
@@ -216,9 +258,17 @@ def main() -> None:
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--nodes", type=int, default=125)
     p.add_argument("--explain-nodes", type=int, default=100)
+    p.add_argument("--no-explain", action="store_true", help="the webhook only")
+    p.add_argument(
+        "--exe",
+        default=shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu")),
+        help="the dra-gpu to run (another checkout's, for a before/after pair)",
+    )
     args = p.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
-    bench_webhook(args.rate, args.seconds, args.nodes)
+    bench_webhook(args.rate, args.seconds, args.nodes, args.exe)
+    if args.no_explain:
+        return
     bench_explain(args.explain_nodes)
 
 

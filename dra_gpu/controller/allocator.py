@@ -347,7 +347,7 @@ class Cluster:
         self.pools = self._gather(slices)
         self._pools = {(p.driver, p.name): p for p in self.pools}
         # Explanations by claim spec, for a caller that explains many claims against one view.
-        self.explained: dict[tuple[str, bool], Any] | None = None
+        self.explained: dict[tuple[str, bool, bool], Any] | None = None
         self.nodes = sorted(
             {str(s["spec"]["nodeName"]) for p in self.pools for s in p.slices if s["spec"].get("nodeName")}
         ) or [""]
@@ -359,6 +359,7 @@ class Cluster:
         # selector runs once per distinct set of them instead of once per device.
         self._outcomes: dict[tuple[str, Any], bool | str] = {}
         self._candidates: dict[tuple[str, str, tuple[str, ...]], list[Device]] = {}
+        self._free: dict[tuple[str, str, tuple[str, ...]], int] = {}
 
     @staticmethod
     def _gather(slices: Iterable[Mapping[str, Any]]) -> list[Pool]:
@@ -546,6 +547,27 @@ class Cluster:
         if hit is None:
             hit = self._candidates[k] = [d for d in self.devices(node) if self.selectable(sub, d)]
         return hit
+
+    def free_candidates(self, node: str, sub: SubRequest) -> int:
+        """How many of the candidates no allocation holds exclusively (cached: the view is fixed)."""
+        k = (node, sub.device_class, tuple(sub.selectors))
+        hit = self._free.get(k)
+        if hit is None:
+            hit = self._free[k] = sum(d.key not in self.in_use for d in self.candidates(node, sub))
+        return hit
+
+    def may_start(self, node: str, request: Request, ignore_in_use: bool) -> bool:
+        """False when no alternative of `request` has enough candidates on `node`: the search's
+        own first check, from cached counts, so that a full node costs a lookup, not a search.
+        The alternatives' candidates are computed in the search's order (the same errors)."""
+        for sub in request.alternatives:
+            if sub.mode == "All":
+                return True
+            if len(self.candidates(node, sub)) < sub.count:
+                continue
+            if sub.admin_access or ignore_in_use or self.free_candidates(node, sub) >= sub.count:
+                return True
+        return False
 
 
 def link_cost(devices: Sequence[Device]) -> int:
@@ -762,6 +784,8 @@ def place(
     what stands in the way). `parsed`: parse_requests(spec), for a caller placing one claim on
     many nodes (the search never changes it)."""
     requests, constraints = parsed or parse_requests(spec)
+    if requests and not cluster.may_start(node, requests[0], ignore_in_use):
+        return None
     found = _Search(cluster, node, requests, constraints, ignore_in_use, best, ignore_counters).run()
     if found is None:
         return None

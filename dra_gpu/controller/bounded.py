@@ -44,11 +44,6 @@ def address_space() -> int:
     return _statm(0)
 
 
-def resident_bytes() -> int:
-    """This process's resident memory in bytes."""
-    return _statm(1)
-
-
 def run_bounded(
     fn: Callable[[], T], deadline_s: float = DEFAULT_DEADLINE_S, memory_bytes: int = DEFAULT_MEMORY_BYTES
 ) -> T:

@@ -38,7 +38,7 @@ class Failure(Enum):
 class Explanation:
     allocatable: bool
     placement: Placement | None = None
-    best: Placement | None = None
+    best: Placement | None = None  # None also when the caller did not ask for it
     reason: str = ""
     failure: Failure | None = None  # None when allocatable
 
@@ -56,24 +56,29 @@ def _failure(exc: AllocationError) -> Failure:
     return Failure.NOT_ATTEMPTED
 
 
-def explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False) -> Explanation:
-    """First-fit placement on the first node (by name) where the claim fits, and the cheapest there.
+def explain(
+    cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = False, best: bool = True
+) -> Explanation:
+    """First-fit placement on the first node (by name) where the claim fits, and with `best` the
+    cheapest there (a second search; the admission rules, which only ask whether it fits, skip it).
     Kept in `cluster.explained` when the caller gave it one (the cluster does not change)."""
     if cluster.explained is None:
-        return _explain(cluster, spec, ignore_in_use)
-    key = (json.dumps(spec, sort_keys=True, default=str), ignore_in_use)
+        return _explain(cluster, spec, ignore_in_use, best)
+    key = (json.dumps(spec, sort_keys=True, default=str), ignore_in_use, best)
     found = cluster.explained.get(key)
     if found is None:
-        found = cluster.explained[key] = _explain(cluster, spec, ignore_in_use)
+        found = cluster.explained[key] = _explain(cluster, spec, ignore_in_use, best)
     return found
 
 
-def _explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> Explanation:
+def _explain(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool, best: bool) -> Explanation:
     try:
         parsed = parse_requests(spec)
         for node in cluster.nodes:
             p = place(cluster, spec, node, ignore_in_use, parsed=parsed)
             if p is not None:
+                if not best:
+                    return Explanation(True, p)
                 b = p
                 if len(p.results) > 1:
                     try:

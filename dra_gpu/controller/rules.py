@@ -405,7 +405,7 @@ class Validator:
             )
             return
         try:
-            ever = explain(self.cluster, spec, ignore_in_use=True)
+            ever = explain(self.cluster, spec, ignore_in_use=True, best=False)
         except AllocationError as exc:  # pragma: no cover - explain reports these in .reason
             v.warnings.append(Problem(path, str(exc), ProblemKind.NOT_CHECKED))
             return
@@ -429,7 +429,7 @@ class Validator:
         tainted = self.cluster.tainted
         if not self.cluster.busy and not tainted:
             return
-        now = explain(self.cluster, spec)
+        now = explain(self.cluster, spec, best=False)
         if not now.allocatable:
             why = {(True, False): "in use", (False, True): "tainted"}.get(
                 (bool(self.cluster.in_use), tainted), "in use or tainted"

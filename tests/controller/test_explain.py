@@ -117,6 +117,18 @@ def test_two_nodes_first_node_that_fits() -> None:
     assert r["allocatable"] and r["node"] == "node-b"
 
 
+def test_full_nodes_are_passed_over_and_admin_access_still_takes_devices_in_use() -> None:
+    slices = node_slices("node-a") + node_slices("node-b") + node_slices("node-c")
+    a, b = device_names(node_slices("node-a")), device_names(node_slices("node-b"))
+    busy = [allocated("busy-a", "node-a", a), allocated("busy-b", "node-b", b[:7])]
+    admin = claim("admin", 2, constraints=NVLINK)
+    admin["spec"]["devices"]["requests"][0]["exactly"]["adminAccess"] = True
+    two, one, watcher = run(slices, *busy, claim("two", 2, constraints=NVLINK), claim("one", 1), admin)
+    assert two["allocatable"] and two["node"] == "node-c"
+    assert one["allocatable"] and one["node"] == "node-b" and one["devices"] == b[7:]
+    assert watcher["allocatable"] and watcher["node"] == "node-a" and watcher["devices"] == a[:2]
+
+
 def test_many_nodes_is_fast() -> None:
     import time
 

@@ -65,6 +65,10 @@ def _parent(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def _cpu_ns(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
 def _address_space_limit(pid: int) -> str:
     (line,) = [x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if "address space" in x]
     return line.split()[4]  # "Max address space <soft> <hard> bytes"
@@ -133,6 +137,30 @@ def test_events_before_its_fork_and_after_both_reach_a_new_worker() -> None:
         assert (await pool.validate(h100)).errors  # the only H100 node is gone
 
     _run(scenario)
+
+
+def test_the_last_worker_to_answer_takes_the_next_review_and_the_others_get_events_meanwhile() -> None:
+    l4 = claim("l4", selectors=[f'{PRODUCT} == "NVIDIA L4"'])
+
+    async def scenario(pool: ReviewPool) -> None:
+        assert (await pool.validate(l4)).errors  # no L4 in the cluster yet
+        before = {w.pid: _cpu_ns(w.pid) for w in pool._workers}
+        for i in range(10):  # one after another: always the same (warm) worker
+            assert not (await pool.validate(claim(f"c{i}", 2))).errors
+        ran = [pid for pid, ns in before.items() if _cpu_ns(pid) != ns]
+        assert len(ran) == 1, ran  # the others slept through them
+        for s in node_slices("node-m", "mixed"):
+            pool.apply("slices", "ADDED", s)
+        # The idle ones get the events without a review (within about a second), so one that is
+        # needed later has no backlog to take in first; the top one gets them with its next review.
+        await _until(lambda: sum(bool(w.pending) for w in pool._workers) == 1, timeout=5)
+        top = await pool._idle.get()
+        assert top.pending and top.pid in ran
+        assert not (await pool.validate(l4)).errors  # answered by another worker, with the new view
+        pool._idle.put_nowait(top)
+        assert not (await pool.validate(l4)).errors
+
+    _run(scenario, workers=3)
 
 
 def test_a_killed_template_is_replaced_and_forks_the_next_worker() -> None:
