@@ -151,9 +151,7 @@ class Fuzz:
             await self.call("v1", "unprepare", refs)
         assert self.core.checkpoint.records() == []
         assert self.core.cdi.owned() == {}
-        cdi = self.core.cdi
-        leftovers = [p.name for p in cdi.dir.glob(".*") if p != cdi.temp_dir] if cdi.dir.is_dir() else []
-        leftovers += [p.name for p in cdi.temp_dir.glob("*")] if cdi.temp_dir.is_dir() else []
+        leftovers = [p.name for p in self.core.cdi.dir.glob(".*")] if self.core.cdi.dir.is_dir() else []
         assert leftovers == [], f"temporary files left in the CDI dir: {leftovers}"
         # still serving
         await v1_grpc.DRAPluginStub(self.channel).NodePrepareResources(
