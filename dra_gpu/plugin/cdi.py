@@ -103,7 +103,6 @@ class CdiSpecs:
         self.vendor = f"k8s.{driver}"
         self.kind = f"{self.vendor}/{CLASS}"
         self.prefix = f"{self.vendor}-{CLASS}_"
-        self.temp_dir = cdi_dir / f".{self.vendor}-writing"  # this driver's temp files (write_rounds)
         # The driver's edits (the same object until the installation changes), serialised once:
         # (the edits, each key's list items as JSON, the cdiVersion they need).
         self._driver_json: tuple[dict[str, Any], dict[str, str], str] | None = None

@@ -28,7 +28,7 @@ from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError, SharingPlan
-from dra_gpu.plugin.write_rounds import WriteRounds, remove_stale_temp_files
+from dra_gpu.plugin.write_rounds import WriteRounds
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class Preparer:
         self._commit_lock = asyncio.Lock()
         # The specs of concurrent claims are written and removed together (one worker-thread job
         # and one fsync of the CDI directory per round); the checkpoint's writes run beside them.
-        self.spec_rounds = WriteRounds(cdi.temp_dir)
+        self.spec_rounds = WriteRounds()
         self._staged = 0
         self._written = 0
         self._gone_since: dict[str, float] = {}
@@ -823,9 +823,6 @@ class Preparer:
                 self._reconcile_sharing(rec, counts)
         if self.dynamic_gpus:
             counts["orphansDestroyed"] = self._destroy_orphans()
-        stale = remove_stale_temp_files(self.cdi.temp_dir)
-        if stale:
-            counts["tempFilesRemoved"] = stale
         for uid in self.cdi.owned():
             owner = records.get(uid)  # a bound claim has no spec yet: its file is stale too
             if (owner is None or owner.state != COMPLETED) and self.cdi.remove(uid):

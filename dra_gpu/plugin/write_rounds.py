@@ -7,11 +7,6 @@ instead of one per file. A caller's change is durable when its await returns, an
 its file's error is raised to it, the other changes of the round stand.
 
 Changes to one path are applied in the order they were queued.
-
-Temp files are made in a directory of their own beside the targets (`temp_dir`, on the same file
-system): a runtime that watches the target directory (containerd reloads its CDI specs on every
-change there) sees one change per file, the rename, instead of the temp file's creation, writes,
-mode change and rename.
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,24 +33,8 @@ class _Change:
     touched: bool = False  # renamed or unlinked: its directory needs its fsync
 
 
-STALE_AFTER_S = 60.0  # older temp files are a crash's: a live writer's are milliseconds old
-
-
-def remove_stale_temp_files(temp_dir: Path) -> int:
-    """Temp files a crash left in `temp_dir` (at start, before serving)."""
-    removed = 0
-    with contextlib.suppress(FileNotFoundError):
-        for stale in temp_dir.iterdir():
-            with contextlib.suppress(OSError):
-                if time.time() - stale.stat().st_mtime > STALE_AFTER_S:
-                    stale.unlink()
-                    removed += 1
-    return removed
-
-
 class WriteRounds:
-    def __init__(self, temp_dir: Path) -> None:
-        self.temp_dir = temp_dir
+    def __init__(self) -> None:
         self._queue: list[_Change] = []
         self._round: asyncio.Task[None] | None = None
         self._names = itertools.count()
@@ -135,12 +113,11 @@ class WriteRounds:
 
     def _write_temp(self, c: _Change) -> None:
         assert c.data is not None
-        c.tmp = str(self.temp_dir / f"{c.path.name}.{os.getpid()}-{next(self._names)}")
+        c.tmp = str(c.path.parent / f".{c.path.name}.{os.getpid()}-{next(self._names)}.tmp")
         try:
             fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:
             c.path.parent.mkdir(parents=True, exist_ok=True)
-            self.temp_dir.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             except OSError as exc:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu.plugin.write_rounds import WriteRounds, remove_stale_temp_files
+from dra_gpu.plugin.write_rounds import WriteRounds
 
 
 def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -> None:
@@ -20,7 +20,7 @@ def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -
     (tmp_path / "old.json").write_text("old\n")
 
     async def body() -> list[object]:
-        rounds = WriteRounds(tmp_path / ".writes.tmp")
+        rounds = WriteRounds()
         return await asyncio.gather(
             *(rounds.write(tmp_path / f"spec-{i}.json", f"{i}\n".encode(), 0o644) for i in range(50)),
             rounds.write(blocker / "spec.json", b"x\n"),
@@ -38,15 +38,14 @@ def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -
         assert path.read_text() == f"{i}\n"
         assert path.stat().st_mode & 0o777 == 0o644
     assert not (tmp_path / "old.json").exists()
-    assert list((tmp_path / ".writes.tmp").iterdir()) == []  # no temp file left
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".writes.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []  # no temp file left
 
 
 def test_changes_to_one_path_apply_in_the_order_they_were_asked(tmp_path: Path) -> None:
     path = tmp_path / "claim.json"
 
     async def body() -> bool:
-        rounds = WriteRounds(tmp_path / ".writes.tmp")
+        rounds = WriteRounds()
         # All in one round (queued before its thread runs): the last one wins.
         first = rounds.write(path, b"1\n")
         second = rounds.write(path, b"2\n")
@@ -61,7 +60,7 @@ def test_changes_to_one_path_apply_in_the_order_they_were_asked(tmp_path: Path) 
 
 def test_a_missing_directory_is_made(tmp_path: Path) -> None:
     path = tmp_path / "cdi" / "k8s.spec.json"
-    asyncio.run(WriteRounds(path.parent / ".writes.tmp").write(path, b"{}\n"))
+    asyncio.run(WriteRounds().write(path, b"{}\n"))
     assert path.read_text() == "{}\n"
 
 
@@ -69,7 +68,7 @@ def _writer(directory: Path) -> None:
     """Rewrites eight files with ever newer versions, 64 KiB each, until killed."""
 
     async def forever() -> None:
-        rounds = WriteRounds(directory / ".writes.tmp")
+        rounds = WriteRounds()
         version = 0
         while True:
             version += 1
@@ -96,15 +95,3 @@ def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path, seed: 
         lines = (tmp_path / f"f{i}").read_bytes().split(b"\n")
         assert len(b"\n".join(lines)) == 64 * 1024
         assert len(set(lines[:-1])) == 1, f"f{i} mixes versions"
-
-
-def test_temp_files_a_crash_left_are_removed_and_a_live_writers_kept(tmp_path: Path) -> None:
-    temp = tmp_path / ".writes.tmp"
-    temp.mkdir()
-    stale, live = temp / "spec.json.1-0", temp / "spec.json.2-0"
-    stale.write_bytes(b"{")
-    live.write_bytes(b"{")
-    os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    assert remove_stale_temp_files(temp) == 1
-    assert not stale.exists() and live.exists()
-    assert remove_stale_temp_files(tmp_path / "never-made") == 0
