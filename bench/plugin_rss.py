@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import re
-import ssl
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.prepare_bench import IDLE_SECONDS, OURS, bench_profile, measure  # noqa: E402
 from bench.process_memory import Memory, memory  # noqa: E402
-from tests.controller.test_webhook import make_cert  # noqa: E402
+from tests.controller.test_webhook import make_cert, serve_tls  # noqa: E402
 
 
 class StandInApiServer:
@@ -156,12 +155,8 @@ async def one_run(
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", api.handle)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1)  # the watches end at once
-    await runner.setup()
     # TLS as from an apiserver: each connection's TLS buffers are part of what a burst leaves.
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
-    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
-    port = runner.addresses[0][1]
+    port = await serve_tls(runner, cert, key)
     kubeconfig = tmp / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(

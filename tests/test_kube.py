@@ -6,7 +6,6 @@ import asyncio
 import asyncio.sslproto
 import logging
 import re
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from controller.test_webhook import make_cert
+from controller.test_webhook import make_cert, serve_tls
 from fake_kube import FakeApiServer, until
 
 from dra_gpu import kube as kube_module
@@ -305,11 +304,7 @@ def test_small_tls_read_buffers_still_read_a_large_list_whole(
         app = web.Application()
         app.router.add_get(f"{RESOURCE_V1}/resourceclaims", claims)
         runner = web.AppRunner(app)
-        await runner.setup()
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(cert, key)
-        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
-        port = runner.addresses[0][1]
+        port = await serve_tls(runner, cert, key)
         config = tmp_path / "kubeconfig"
         config.write_text(
             "apiVersion: v1\nkind: Config\ncurrent-context: c\n"

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -27,6 +28,15 @@ from cryptography.x509.oid import NameOID
 from dra_gpu.controller.webhook import WebhookConfig, serve
 
 from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
+
+
+async def serve_tls(runner: web.AppRunner, cert: Path, key: Path) -> int:
+    """Serve `runner`'s app over TLS with `cert` on 127.0.0.1 (a free port, returned)."""
+    await runner.setup()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls).start()
+    return int(runner.addresses[0][1])
 
 
 def make_cert(directory: Path, cn: str) -> tuple[Path, Path]:
