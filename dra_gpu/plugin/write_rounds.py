@@ -113,19 +113,18 @@ class WriteRounds:
 
     def _write_temp(self, c: _Change) -> None:
         assert c.data is not None
-        c.tmp = str(c.path.parent / f".{c.path.name}.{os.getpid()}-{next(self._names)}.tmp")
+        tmp = str(c.path.parent / f".{c.path.name}.{os.getpid()}-{next(self._names)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:
-            c.path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                fd = os.open(c.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                c.error, c.tmp = exc, None
-                return
-        except OSError as exc:
-            c.error, c.tmp = exc, None
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:  # the directory is made on the first write into it
+                c.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, flags, 0o600)
+        except OSError as exc:  # this change fails, not the round
+            c.error = exc
             return
+        c.tmp = tmp
         try:
             view = memoryview(c.data)
             while view:

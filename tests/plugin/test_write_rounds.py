@@ -17,6 +17,8 @@ from dra_gpu.plugin.write_rounds import WriteRounds
 def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where a directory should be\n")
+    dangling = tmp_path / "dangling"  # its directory cannot be made: a link to nowhere is in the way
+    dangling.symlink_to(tmp_path / "nowhere")
     (tmp_path / "old.json").write_text("old\n")
 
     async def body() -> list[object]:
@@ -24,6 +26,7 @@ def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -
         return await asyncio.gather(
             *(rounds.write(tmp_path / f"spec-{i}.json", f"{i}\n".encode(), 0o644) for i in range(50)),
             rounds.write(blocker / "spec.json", b"x\n"),
+            rounds.write(dangling / "spec.json", b"x\n"),
             rounds.remove(tmp_path / "old.json"),
             rounds.remove(tmp_path / "never-there.json"),
             return_exceptions=True,
@@ -32,7 +35,8 @@ def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -
     outcomes = asyncio.run(body())
     assert outcomes[:50] == [None] * 50
     assert isinstance(outcomes[50], NotADirectoryError)
-    assert outcomes[51:] == [True, False]
+    assert isinstance(outcomes[51], FileExistsError)
+    assert outcomes[52:] == [True, False]
     for i in range(50):
         path = tmp_path / f"spec-{i}.json"
         assert path.read_text() == f"{i}\n"
