@@ -9,9 +9,9 @@ or delays a prepare. A prepare's status is written PREPARED_DELAY_S after it, an
 has been in flight for QUIET_AFTER_S (at most QUIET_WAIT_S later), so that the write (and the
 apiserver's and etcd's work for it) does not compete with the prepares of the same pod start or
 burst, whose calls follow each other with gaps of a millisecond; a claim unprepared before then
-writes nothing. A write that falls in an apiserver
-outage is retried with backoff for up to STATUS_RETRY_SECONDS, and a newer write for the same claim
-replaces it; a missing permission (the chart's `kubeletPlugin.claimStatusWrites`) is logged once.
+writes nothing. A write that falls in an apiserver outage is retried with backoff for up to
+STATUS_RETRY_SECONDS, and a newer write for the same claim replaces it; a missing permission (the
+chart's `kubeletPlugin.claimStatusWrites`) is logged once.
 """
 
 from __future__ import annotations

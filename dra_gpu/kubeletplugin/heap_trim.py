@@ -83,10 +83,7 @@ class HeapTrimmer:
         trim: after the plugin's start, whose garbage (discovery, the first slices, the claims'
         list) left ~1.3 MB of free malloc memory that nothing else gives back on an idle node."""
         self.since_trim += 1
-        if self.in_flight == 0 and self._trim is not None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_later(self.idle_seconds, self._start_trim)
+        self._arm()
 
     def started(self) -> None:
         self.in_flight += 1
@@ -97,7 +94,14 @@ class HeapTrimmer:
     def finished(self) -> None:
         self.in_flight -= 1
         self.since_trim += 1
+        self._arm()
+
+    def _arm(self) -> None:
+        """The trim, `idle_seconds` from now, when nothing is in flight (a timer set before is
+        replaced)."""
         if self.in_flight == 0 and self._trim is not None:
+            if self._timer is not None:
+                self._timer.cancel()
             self._timer = asyncio.get_running_loop().call_later(self.idle_seconds, self._start_trim)
 
     def _start_trim(self) -> None:

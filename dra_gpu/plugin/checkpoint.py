@@ -201,7 +201,7 @@ class Checkpoint:
             entry = claims[uid]
             cached = self._encoded.get(uid)
             if cached is None or cached[0] is not entry:
-                cached = (entry, json.dumps(entry, sort_keys=True, separators=(",", ":")))
+                cached = (entry, _compact(entry))
             encoded[uid] = cached
             parts.append(f"{json.dumps(uid)}:{cached[1]}")
         self._encoded = encoded
