@@ -165,7 +165,11 @@ def main() -> int:
             "Failed",
         ):
             if time.time() > deadline:
-                raise SystemExit(f"pod still {phase} after 120 s")
+                events = core.list_namespaced_event(
+                    "dra-gpu-demo", field_selector="involvedObject.name=nvlink-demo"
+                ).items
+                why = "\n".join(f"    {e.reason}: {e.message}" for e in events[-5:])
+                raise SystemExit(f"pod still {phase} after 120 s; its last events:\n{why}")
             time.sleep(0.5)
         output = core.read_namespaced_pod_log("nvlink-demo", "dra-gpu-demo")
         devices = {

@@ -109,6 +109,11 @@ async def _together(*steps: Awaitable[Any]) -> None:
             raise outcome
 
 
+def _exclusive(devices: list[PreparedDevice]) -> set[str]:
+    """The devices a claim holds alone: not for admin access, not a share of a GPU."""
+    return {d.device_name for d in devices if not d.admin_access and d.share_id is None}
+
+
 def _with_previous_modes(sharing: dict[str, Any]) -> dict[str, Any]:
     """A half-prepared claim's sharing record is its plan: a compute mode it may have set before
     the crash has no `previous` on record, and would stay set. DEFAULT is what a GPU has after
@@ -254,6 +259,7 @@ class Preparer:
             entry = self._started_entry(ref, devices, spec, targets)
             if sharing.record:
                 entry["sharing"] = sharing.record
+            await self._release_stale_holders(ref, devices)
             async with self._state_lock:
                 if record is not None and record.state == STARTED:
                     await self._remove_spec(ref.uid)  # an earlier partial attempt
@@ -567,9 +573,47 @@ class Preparer:
             self._stage(uid, None)
         await self._commit()
 
+    async def _release_stale_holders(self, ref: ClaimRef, devices: list[PreparedDevice]) -> None:
+        """Unprepare, now, a claim whose record still holds a device the scheduler allocated to
+        this one although the apiserver says that claim is gone, replaced, or no longer allocated
+        it: its unprepare was lost while this plugin was down. The sweeper would release it after
+        its grace; until then this claim's pod could not start. A holder the apiserver still gives
+        the device to, or that cannot be asked, stays, and _check_conflicts refuses as before."""
+        mine = _exclusive(devices)
+        asked: set[str] = set()
+        while (held := self.checkpoint.holder(mine, other_than=ref.uid)) is not None:
+            device, other = held
+            if other.uid in asked or other.state not in (COMPLETED, BOUND):
+                return  # still held, or being prepared right now
+            asked.add(other.uid)
+            try:
+                claim = await self.claims.get_claim(other.namespace, other.name)
+            except Exception as exc:  # unreachable apiserver: keep the holder, refuse as before
+                log.warning("cannot ask whether claim %s still holds %s error=%r", other.ref(), device, exc)
+                return
+            still_theirs = claim is not None and claim.get("metadata", {}).get("uid") == other.uid
+            if still_theirs and device in self._allocated_here(claim or {}):
+                return
+            log.warning(
+                "stale claim unprepared: the scheduler allocated its device to another claim "
+                "stale=%s device=%s claim=%s",
+                other.ref(),
+                device,
+                ref,
+            )
+            await self.unprepare(ClaimRef(other.namespace, other.uid, other.name))
+
+    def _allocated_here(self, claim: dict[str, Any]) -> set[str]:
+        """The devices of this node's pool the claim's allocation holds."""
+        alloc = (claim.get("status") or {}).get("allocation") or {}
+        return {
+            str(r.get("device"))
+            for r in (alloc.get("devices") or {}).get("results") or []
+            if r.get("driver") == self.driver and r.get("pool") == self.node_name
+        }
+
     def _check_conflicts(self, ref: ClaimRef, devices: list[PreparedDevice], sharing: SharingPlan) -> None:
-        mine = {d.device_name for d in devices if not d.admin_access and d.share_id is None}
-        held = self.checkpoint.holder(mine, other_than=ref.uid)
+        held = self.checkpoint.holder(_exclusive(devices), other_than=ref.uid)
         if held is not None:
             device, other = held
             raise BusyPrepareError(
@@ -922,12 +966,7 @@ class Preparer:
 
     def _allocates(self, claim: dict[str, Any] | None, rec: ClaimRecord) -> bool:
         """Whether the claim's allocation still holds every device the record made."""
-        alloc = ((claim or {}).get("status") or {}).get("allocation") or {}
-        held = {
-            str(r.get("device"))
-            for r in (alloc.get("devices") or {}).get("results") or []
-            if r.get("driver") == self.driver and r.get("pool") == self.node_name
-        }
+        held = self._allocated_here(claim or {})
         return all(str(m.get("device")) in held for m in rec.mig_instances)
 
     async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:

@@ -36,6 +36,7 @@ from dra_gpu.plugin.rebuild import rebuild
 from dra_gpu.plugin.sharing import node_sharing
 
 log = logging.getLogger(__name__)
+NOT_REGISTERED = "not ready: the kubelet has not confirmed the registration\n"
 
 
 @dataclass
@@ -198,13 +199,20 @@ class KubeletPlugin:
                 return web.Response(text="ok\n")
             return web.Response(status=503, text=f"unhealthy: {problem}\n")
 
+        async def readyz(request: web.Request) -> web.Response:
+            # Until the kubelet confirmed the registration it answers prepares with "not registered".
+            if not helper.registration.registered.is_set():
+                return web.Response(status=503, text=NOT_REGISTERED)
+            return await healthz(request)
+
         async def metrics(_request: web.Request) -> web.Response:
             return web.Response(
                 body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
             )
 
         app = web.Application()
-        app.add_routes([web.get("/healthz", healthz), web.get("/metrics", metrics)])
+        routes = {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
+        app.add_routes([web.get(path, handler) for path, handler in routes.items()])
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host or "0.0.0.0", int(port)).start()

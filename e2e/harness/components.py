@@ -424,6 +424,8 @@ featureGates:
             "--node-ip",
             ip,
             "--v=1",
+            # The DRA plugin manager's story (health streams, connections) for a failed test's report.
+            "--vmodule=dra_plugin_manager=4",
         ],
     )
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from controller_support import (
@@ -30,6 +31,7 @@ from controller_support import (
     device_class,
     ignore_404,
 )
+from support import kubelet_excerpt
 
 E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(E2E_DIR, "cluster")
@@ -37,6 +39,18 @@ MANIFESTS = os.path.join(E2E_DIR, "manifests")
 
 BUSYBOX_IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
 PEER_DRIVER = os.environ.get("DRA_GPU_E2E_PEER_DRIVER_NAME", "gpu.example.com")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the kubelet's lines of its time (local cluster only)."""
+    report = yield
+    if report.when == "call" and report.failed:
+        state = os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e")
+        excerpt = kubelet_excerpt(Path(state) / "logs" / "kubelet.log", call.start, call.stop)
+        if excerpt:
+            report.sections.append(("kubelet log (DRA lines, warnings, errors)", excerpt))
+    return report
 
 
 def pytest_configure(config):

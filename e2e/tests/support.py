@@ -50,3 +50,26 @@ def sim_driver_root(profile: str, version: str | None = None) -> str:
     if r.returncode != 0:
         pytest.fail(f"e2e/simdriver/build.py failed:\n{r.stderr[-3000:]}")
     return r.stdout.strip().splitlines()[-1]
+
+
+KLOG_TIME = "%m%d %H:%M:%S"
+DRA_WORDS = ("DRA", "dra-", "Regist", "WatchResources", "health", "prepare")
+
+
+def kubelet_excerpt(log: Path, start: float, stop: float, limit: int = 60, width: int = 360) -> str:
+    """The kubelet's DRA lines and its warnings and errors between two times (the last `limit`),
+    for a failed test's report: a failure in the cluster is then readable from CI's output."""
+    if not log.is_file():
+        return ""
+    lo = time.strftime(KLOG_TIME, time.localtime(start - 2))
+    hi = time.strftime(KLOG_TIME, time.localtime(stop + 1))
+    picked: list[str] = []
+    with log.open(errors="replace") as f:
+        for line in f:
+            # klog: "E1201 21:32:04.418100 ..."; the severity letter, then month, day and time.
+            when = line[1:14]
+            if len(line) < 15 or line[0] not in "IWE" or not lo <= when <= hi:
+                continue
+            if line[0] != "I" or any(w in line for w in DRA_WORDS):
+                picked.append(line.rstrip("\n")[:width])
+    return "\n".join(picked[-limit:])

@@ -73,17 +73,22 @@ class Plugin:
             env={**os.environ, **self.env},
         )
         log.close()
-        wait_for("the plugin's health endpoint", self.healthy, timeout=60)
+        # Ready: the kubelet confirmed the registration, so a pod made now is not refused with
+        # "driver not registered" (and retried only after the kubelet's 10 s back-off).
+        wait_for("the kubelet to confirm the plugin's registration (/readyz)", self.ready, timeout=60)
 
-    def healthy(self) -> bool:
+    def healthy(self, path: str = "/healthz") -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise AssertionError(f"plugin exited {self.proc.returncode}:\n{self.log_tail()}")
         try:
-            with urllib.request.urlopen(f"http://{HTTP}/healthz", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{HTTP}{path}", timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False
+
+    def ready(self) -> bool:
+        return self.healthy("/readyz")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://{HTTP}/metrics", timeout=2) as r:

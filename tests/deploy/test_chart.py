@@ -125,8 +125,9 @@ def test_daemonset_host_paths_env_and_probes(render: Render) -> None:
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["DRA_GPU_HTTP_ADDRESS"] == "$(POD_IP):51516"
     port = {p["name"]: p["containerPort"] for p in c["ports"]}
-    for probe in ("livenessProbe", "startupProbe"):
-        assert c[probe]["httpGet"]["path"] == "/healthz"
+    probes = {"livenessProbe": "/healthz", "startupProbe": "/healthz", "readinessProbe": "/readyz"}
+    for probe, path in probes.items():
+        assert c[probe]["httpGet"]["path"] == path
         assert port[c[probe]["httpGet"]["port"]] == 51516
     assert {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"} in pod[
         "tolerations"

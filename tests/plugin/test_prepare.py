@@ -145,6 +145,54 @@ def test_device_of_another_prepared_claim_is_refused(core: PluginCore) -> None:
 
 
 @pytest.mark.parametrize(
+    "how",
+    ["deleted", "replaced", "allocated elsewhere"],
+)
+def test_a_device_whose_holder_is_gone_from_the_api_goes_to_the_new_claim(core: PluginCore, how: str) -> None:
+    """The kubelet's unprepare was lost while the plugin was down: the old claim's record still
+    holds the device the scheduler has since given to another claim. Prepare releases it at once
+    (the sweeper would only after its grace) and the new claim gets the device."""
+    g, other_gpu = gpu_names(core)[:2]
+    old, new = claim(uid(), [g], name="finished"), claim(uid(), [g], name="next")
+    core.add(old)
+    core.add(new)
+    prepare(core, old)
+    if how == "deleted":
+        del core.claims[("default", "finished")]
+    elif how == "replaced":
+        core.add(claim(uid(), [other_gpu], name="finished"))
+    else:
+        core.add(claim(old["metadata"]["uid"], [other_gpu], name="finished"))
+    assert [d.device_name for d in prepare(core, new)] == [g]
+    assert core.checkpoint.get(old["metadata"]["uid"]) is None
+    assert not core.cdi.path(old["metadata"]["uid"]).exists()
+    assert sorted(core.cdi.owned()) == [new["metadata"]["uid"]]
+
+
+def test_a_holder_that_cannot_be_looked_up_keeps_its_device(
+    core: PluginCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = gpu_names(core)[0]
+    old, new = claim(uid(), [g], name="finished"), claim(uid(), [g], name="next")
+    core.add(old)
+    core.add(new)
+    prepare(core, old)
+    del core.claims[("default", "finished")]
+    store_get = core.claims.get_claim
+
+    async def apiserver_down_for_the_holder(namespace: str, name: str):
+        if name == "finished":
+            raise OSError("connection refused")
+        return await store_get(namespace, name)
+
+    monkeypatch.setattr(core.claims, "get_claim", apiserver_down_for_the_holder)
+    with pytest.raises(PrepareError, match=f"device {g} is already prepared for claim default/finished"):
+        prepare(core, new)
+    assert core.checkpoint.get(old["metadata"]["uid"]) is not None
+    assert core.cdi.path(old["metadata"]["uid"]).exists()
+
+
+@pytest.mark.parametrize(
     ("mutate", "message"),
     [
         (lambda c: c["status"].clear(), "is not allocated"),
