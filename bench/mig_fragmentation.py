@@ -122,7 +122,7 @@ def run(order: str, arrivals: list[Arrival]) -> dict[str, Any]:
     for a in arrivals:
         for key in [k for k, leaves in active.items() if leaves <= a.step]:
             del active[key]
-            cluster.in_use.discard(key)
+            cluster.in_use = cluster.in_use - {key}
         s = stats[a.profile]
         s["requests"] += 1
         got = place(cluster, specs[a.profile], NODE)
@@ -135,7 +135,7 @@ def run(order: str, arrivals: list[Arrival]) -> dict[str, Any]:
             continue
         ((_, device),) = got.results
         active[device.key] = a.leaves
-        cluster.in_use.add(device.key)
+        cluster.in_use = cluster.in_use | {device.key}
         placements.append((a.step, a.profile, device.name))
     return {"stats": stats, "seconds": time.perf_counter() - started, "placements": placements}
 

@@ -341,6 +341,7 @@ class Cluster:
     ) -> None:
         self.env = env
         self.classes = dict(classes)
+        self._free: dict[tuple[str, str, tuple[str, ...]], int] = {}
         self.in_use = set(in_use or ())
         self.shared_use = {k: dict(v) for k, v in (shared_use or {}).items()}
         self.step_budget = step_budget
@@ -359,7 +360,17 @@ class Cluster:
         # selector runs once per distinct set of them instead of once per device.
         self._outcomes: dict[tuple[str, Any], bool | str] = {}
         self._candidates: dict[tuple[str, str, tuple[str, ...]], list[Device]] = {}
-        self._free: dict[tuple[str, str, tuple[str, ...]], int] = {}
+
+    @property
+    def in_use(self) -> frozenset[tuple[str, str, str]]:
+        """The devices allocations hold exclusively. Replaced whole (a caller checking claim after
+        claim against views of its own), never changed in place: the free counts follow it."""
+        return self._in_use
+
+    @in_use.setter
+    def in_use(self, keys: Iterable[tuple[str, str, str]]) -> None:
+        self._in_use = frozenset(keys)
+        self._free.clear()
 
     @staticmethod
     def _gather(slices: Iterable[Mapping[str, Any]]) -> list[Pool]:
@@ -549,7 +560,7 @@ class Cluster:
         return hit
 
     def free_candidates(self, node: str, sub: SubRequest) -> int:
-        """How many of the candidates no allocation holds exclusively (cached: the view is fixed)."""
+        """How many of the candidates no allocation holds exclusively (cached until in_use changes)."""
         k = (node, sub.device_class, tuple(sub.selectors))
         hit = self._free.get(k)
         if hit is None:

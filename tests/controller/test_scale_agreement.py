@@ -53,3 +53,32 @@ def test_impossible_allocation_and_placeable_pending_claim_disagree() -> None:
     assert len(res["disagreements"]) == 2
     assert "explain finds no placement there with exactly those devices" in res["disagreements"][0]
     assert "pending, explain places it on node-a" in res["disagreements"][1]
+
+
+def test_claims_of_one_node_checked_one_after_another_agree() -> None:
+    """Each claim is checked with a view of its own (the node's other devices taken): what one
+    claim's check saw free must not carry over to the next claim's."""
+    a = node_slices("node-a")
+    da = _devices(a)
+    one = _allocate(claim_body(0), "node-a", da[:1])  # 1 GPU
+    two = _allocate(claim_body(1), "node-a", da[1:3])  # 2 GPUs, same class and selectors
+    four = _allocate(claim_body(6), "node-a", da[4:8])  # 4 GPUs, one NVLink domain
+    res = agreement(a, [one, two, four])
+    assert res["disagreements"] == []
+    assert res["allocated_agree"] == 3
+
+
+def test_a_changed_view_of_devices_in_use_is_seen_by_the_next_placement() -> None:
+    from dra_gpu.controller.allocator import Cluster, place
+    from dra_gpu.controller.rules import Validator
+    from tests.controller.objects import DRIVER, GPU_CLASS
+
+    a = node_slices("node-a")
+    keys = {(DRIVER, "node-a", d) for d in _devices(a)}
+    cluster = Cluster(Validator(DRIVER, a, [GPU_CLASS]).env, a, {DRIVER: GPU_CLASS}, in_use=keys)
+    spec = claim_body(1)["spec"]  # 2 GPUs
+    assert place(cluster, spec, "node-a") is None  # every device taken
+    cluster.in_use = set()
+    assert place(cluster, spec, "node-a") is not None
+    cluster.in_use = keys
+    assert place(cluster, spec, "node-a") is None
