@@ -112,7 +112,11 @@ class MigBinder:
             try:
                 return await self.preparer.bind(ref, claim)
             except BusyPrepareError:
-                if time.monotonic() >= deadline or not self.preparer.held_by_another_claim(ref, claim):
+                if not self.preparer.held_by_another_claim(ref, claim):
+                    raise
+                if await self.preparer.release_gone_holders(ref, claim):
+                    continue  # the holder's claim was gone: its instance went, bind now
+                if time.monotonic() >= deadline:
                     raise
                 log.info("mig placement still held by a departing claim, waiting claim=%s", ref)
                 await asyncio.sleep(RETRY_SECONDS)

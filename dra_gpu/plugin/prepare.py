@@ -375,19 +375,45 @@ class Preparer:
         """Whether a placement the claim was allocated overlaps an instance another claim's record
         holds: one being torn down (its claim is gone before the kubelet unprepared it), so the
         scheduler already counts the slices free. Waiting a little then beats failing."""
+        return bool(self._overlapping_holders(ref, claim))
+
+    async def release_gone_holders(self, ref: ClaimRef, claim: dict[str, Any]) -> bool:
+        """Unprepare each claim whose MIG instance overlaps a placement this claim was allocated
+        and that the apiserver says is gone, replaced, or no longer allocated it: none of its
+        containers runs any more, only the kubelet's unprepare has not come (or was lost while
+        this plugin was down). True when one went, so the binding can go on at once."""
+        released = False
+        for other in self._overlapping_holders(ref, claim):
+            made = {str(m.get("device")) for m in other.mig_instances}
+            if other.state in (COMPLETED, BOUND) and await self._holder_gone(other, made):
+                log.warning(
+                    "stale claim unprepared: the scheduler allocated its MIG placement to another "
+                    "claim stale=%s claim=%s",
+                    other.ref(),
+                    ref,
+                )
+                await self.unprepare(ClaimRef(other.namespace, other.uid, other.name))
+                released = True
+        return released
+
+    def _overlapping_holders(self, ref: ClaimRef, claim: dict[str, Any]) -> list[ClaimRecord]:
+        """The other claims whose recorded MIG instances overlap a placement this claim was allocated."""
         try:
             _, _, _, targets, _ = self._plan(ref, claim, None)
         except PrepareError:
-            return False
+            return []
+        out = []
         for other in self.checkpoint.views():
             if other.uid == ref.uid:
                 continue
-            for m in other.mig_instances:
-                for _, gpu, placement in targets:
-                    theirs = range(int(m["start"]), int(m["start"]) + int(m["size"]))
-                    if m.get("parentUUID") == gpu.uuid and set(theirs) & set(placement.slices):
-                        return True
-        return False
+            if any(
+                m.get("parentUUID") == gpu.uuid
+                and set(range(int(m["start"]), int(m["start"]) + int(m["size"]))) & set(placement.slices)
+                for m in other.mig_instances
+                for _, gpu, placement in targets
+            ):
+                out.append(other)
+        return out
 
     def _made(self, record: ClaimRecord) -> dict[str, MigDevice]:
         """The MIG devices a record says were made (step ready)."""
@@ -586,13 +612,7 @@ class Preparer:
             if other.uid in asked or other.state not in (COMPLETED, BOUND):
                 return  # still held, or being prepared right now
             asked.add(other.uid)
-            try:
-                claim = await self.claims.get_claim(other.namespace, other.name)
-            except Exception as exc:  # unreachable apiserver: keep the holder, refuse as before
-                log.warning("cannot ask whether claim %s still holds %s error=%r", other.ref(), device, exc)
-                return
-            still_theirs = claim is not None and claim.get("metadata", {}).get("uid") == other.uid
-            if still_theirs and device in self._allocated_here(claim or {}):
+            if not await self._holder_gone(other, {device}):
                 return
             log.warning(
                 "stale claim unprepared: the scheduler allocated its device to another claim "
@@ -602,6 +622,18 @@ class Preparer:
                 ref,
             )
             await self.unprepare(ClaimRef(other.namespace, other.uid, other.name))
+
+    async def _holder_gone(self, other: ClaimRecord, devices: set[str]) -> bool:
+        """Whether the apiserver (a GET, not the watch cache) says the claim of `other` is gone,
+        replaced, or no longer allocated `devices`. False when it cannot be asked."""
+        try:
+            claim = await self.claims.get_claim(other.namespace, other.name)
+        except Exception as exc:  # unreachable apiserver: keep the holder, refuse as before
+            log.warning("cannot ask whether claim %s still holds its devices error=%r", other.ref(), exc)
+            return False
+        if claim is None or claim.get("metadata", {}).get("uid") != other.uid:
+            return True
+        return not devices <= self._allocated_here(claim)
 
     def _allocated_here(self, claim: dict[str, Any]) -> set[str]:
         """The devices of this node's pool the claim's allocation holds."""

@@ -365,3 +365,25 @@ def test_the_binder_waits_for_a_departing_claims_instance(node: Node) -> None:
     (status,) = node.claims[(ref.namespace, ref.name)]["status"]["devices"]
     assert status["conditions"][0]["type"] == "MigInstanceReady"
     assert [(i.profile, i.placement) for i in node.live()] == [("1g.10gb", 0)]
+
+
+def test_the_binder_takes_over_a_placement_whose_claim_is_gone(node: Node) -> None:
+    """The old claim is gone from the apiserver but its unprepare never came (lost while the
+    plugin was down): the binder destroys its instance at once instead of waiting for the
+    kubelet until its departing wait runs out."""
+    from dra_gpu.plugin.mig_binding import MigBinder
+
+    old = claim(uid(), [f"{GPU0}-mig-3g40gb-0"], name="finished")
+    old_ref = node.add(old)
+    asyncio.run(node.preparer.prepare(old_ref))
+    del node.claims[(old_ref.namespace, old_ref.name)]
+    new = _waiting_claim([f"{GPU0}-mig-1g10gb-0"])  # overlaps the 3g.40gb at 0
+    ref = node.add(new)
+    binder = MigBinder(DRIVER, NODE, node.preparer, _Kube(node.claims))  # type: ignore[arg-type]
+    binder.departing_wait = 0  # no waiting: only the release lets the binding through
+
+    asyncio.run(binder._bind(ref, new))
+    (status,) = node.claims[(ref.namespace, ref.name)]["status"]["devices"]
+    assert status["conditions"][0]["type"] == "MigInstanceReady"
+    assert [(i.profile, i.placement) for i in node.live()] == [("1g.10gb", 0)]
+    assert node.checkpoint.get(old_ref.uid) is None
