@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dra_gpu.durable import fsync_dir
+from dra_gpu.durable import fsync_dir, synced_temp
 
 
 @dataclass
@@ -37,7 +36,6 @@ class WriteRounds:
     def __init__(self) -> None:
         self._queue: list[_Change] = []
         self._round: asyncio.Task[None] | None = None
-        self._names = itertools.count()
 
     async def write(self, path: Path, data: bytes, mode: int = 0o600) -> None:
         """Replace `path` with `data`, atomically and durably."""
@@ -111,32 +109,13 @@ class WriteRounds:
                     directories[parent] = exc
             c.error = c.error or directories[parent]
 
-    def _write_temp(self, c: _Change) -> None:
+    @staticmethod
+    def _write_temp(c: _Change) -> None:
         assert c.data is not None
-        tmp = str(c.path.parent / f".{c.path.name}.{os.getpid()}-{next(self._names)}.tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            try:
-                fd = os.open(tmp, flags, 0o600)
-            except FileNotFoundError:  # the directory is made on the first write into it
-                c.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(tmp, flags, 0o600)
+            c.tmp = synced_temp(c.path, c.data, c.mode)
         except OSError as exc:  # this change fails, not the round
             c.error = exc
-            return
-        c.tmp = tmp
-        try:
-            view = memoryview(c.data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, c.mode)
-            os.fsync(fd)
-        except OSError as exc:
-            c.error = exc
-        finally:
-            os.close(fd)
-        if c.error is not None:
-            self._discard_temp(c)
 
     @staticmethod
     def _discard_temp(c: _Change) -> None:
