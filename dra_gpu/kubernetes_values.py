@@ -86,6 +86,14 @@ def parse_quantity(text: str) -> Decimal:
     return value * Decimal(10) ** exp
 
 
+def quantity_or_none(value: Any) -> Decimal | None:
+    """`value` (a string or a number) as a quantity; None when it is None or no quantity."""
+    try:
+        return parse_quantity(str(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
 def format_quantity(value: int | Decimal) -> str:
     """A number as a canonical, readable quantity: 85899345920 -> "80Gi", 85520809984 -> "81559Mi"."""
     if isinstance(value, Decimal) and value != value.to_integral_value():
