@@ -31,7 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dra_gpu.controller.allocator import Cluster, place  # noqa: E402
+from dra_gpu.controller.allocator import place  # noqa: E402
+from dra_gpu.controller.allocator_view import Cluster  # noqa: E402
 from dra_gpu.controller.rules import Validator  # noqa: E402
 from dra_gpu.discovery import discover_node  # noqa: E402
 from dra_gpu.dynamic_mig import PLACEMENT_ORDERS, Device, PlacementOrder  # noqa: E402

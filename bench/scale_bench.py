@@ -514,7 +514,8 @@ async def one_size(
 
 def agreement(slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> dict[str, Any]:
     """Compare each claim's outcome in the scheduler with dra-gpu's explain (module docstring)."""
-    from dra_gpu.controller.allocator import Cluster, allocated_devices, place
+    from dra_gpu.controller.allocator import place
+    from dra_gpu.controller.allocator_view import Cluster, allocated_devices
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import Validator
 

@@ -48,10 +48,10 @@ def qualified_name_problem(name: str) -> str | None:
 # a binary suffix, a decimal suffix or a decimal exponent.
 _QUANTITY = re.compile(
     r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
-    r"(?:(Ki|Mi|Gi|Ti|Pi|Ei)|([eE][+-]?[0-9]+)|(m|k|M|G|T|P|E)?)$"
+    r"(?:(Ki|Mi|Gi|Ti|Pi|Ei)|([eE][+-]?[0-9]+)|(n|u|m|k|M|G|T|P|E)?)$"
 )
 _BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
-_DECIMAL = {"m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 MAX_QUANTITY_CHARS = 128
 # Kubernetes quantities never exceed 2^63-1 in magnitude nor go below 10^-9 (nano); an exponent
 # beyond these bounds cannot be meant, and refusing it keeps the arithmetic on it O(1).
@@ -60,7 +60,7 @@ MAX_QUANTITY_EXPONENT = 64
 
 @functools.lru_cache(maxsize=4096)
 def parse_quantity(text: str) -> Decimal:
-    """A Kubernetes quantity ("80Gi", "1.5", "500m", "1e3") as a number; ValueError when it is none.
+    """A Kubernetes quantity ("80Gi", "1.5", "500m", "100u", "1e3") as a number; ValueError when it is none.
 
     Bounded: at most 128 characters and a decimal exponent within +-64, so no input costs more than
     a constant amount of work (a huge exponent would make Decimal arithmetic take minutes); NaN and
@@ -84,6 +84,14 @@ def parse_quantity(text: str) -> Decimal:
     if abs(exp) > MAX_QUANTITY_EXPONENT:
         raise ValueError(f"{text!r}: exponent out of range (at most +-{MAX_QUANTITY_EXPONENT})")
     return value * Decimal(10) ** exp
+
+
+def quantity_or_none(value: Any) -> Decimal | None:
+    """`value` (a string or a number) as a quantity; None when it is None or no quantity."""
+    try:
+        return parse_quantity(str(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def format_quantity(value: int | Decimal) -> str:

@@ -89,7 +89,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_graph_sees_the_package() -> None:
     graph = import_graph()
     assert "dra_gpu.controller.rules" in graph
-    assert "dra_gpu.controller.allocator" in graph["dra_gpu.controller.rules"]
+    assert "dra_gpu.controller.allocator_view" in graph["dra_gpu.controller.rules"]
     assert "dra_gpu.slices" in graph["dra_gpu.cli"]
 
 

@@ -12,18 +12,11 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from dra_gpu.controller.allocator import (
-    Cluster,
-    Constraint,
-    Device,
-    Request,
-    SubRequest,
-    UnknownClassError,
-    blocking_taint,
-    describe_taint,
-    parse_requests,
-    place,
-)
+from dra_gpu.controller.allocation_errors import UnknownClassError
+from dra_gpu.controller.allocator import place
+from dra_gpu.controller.allocator_view import Cluster
+from dra_gpu.controller.claim_requests import Constraint, Request, SubRequest, parse_requests
+from dra_gpu.controller.published_devices import Device, blocking_taint, describe_taint
 from dra_gpu.kubernetes_values import format_quantity
 
 _CAP_COMPARE = re.compile(

@@ -12,16 +12,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from dra_gpu.controller.allocator import (
+from dra_gpu.controller.allocation_errors import (
     AllocationError,
-    Cluster,
-    Placement,
     SearchLimitError,
     UnknownClassError,
     UnmodelledError,
-    parse_requests,
-    place,
 )
+from dra_gpu.controller.allocator import Placement, place
+from dra_gpu.controller.allocator_view import Cluster
+from dra_gpu.controller.claim_requests import parse_requests
 from dra_gpu.controller.diagnosis import why_not
 
 

@@ -23,30 +23,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
-import gc
 import logging
 import multiprocessing
 import os
 import pickle
-import resource
-import select
 import signal
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from dra_gpu.controller.bounded import OverBudget, address_space
-
-if TYPE_CHECKING:
-    from dra_gpu.controller.cluster_state import ClusterState
+from dra_gpu.controller.bounded import OverBudget
+from dra_gpu.controller.review_processes import (
+    IdleWorkers,
+    Starting,
+    Template,
+    Worker,
+    cpu_clock,
+    cpu_ns,
+    exited,
+    reap,
+)
+from dra_gpu.controller.review_worker import WARM_UP_REVIEWS, template_main
 
 __all__ = ["OverBudget", "ReviewPool", "ReviewResult"]
 
@@ -60,11 +60,6 @@ WORKER_NICE = 0
 SLOW_NICE = 19  # a worker whose review used SLOW_AFTER_S of CPU: it gets only spare CPU
 SLOW_AFTER_S = 0.02  # of CPU: a warm review takes 0.5-1.2 ms (1,000-4,000 devices)
 SLOW_CHECK_S = 0.01  # how often a running review's CPU is looked at
-# The template reviews the last few objects that were answered within budget, so that their
-# selectors are compiled and evaluated off the request path, and each new worker reviews them
-# again (cached, but touching the pages it inherited) before it takes real reviews.
-WARM_UP_REVIEWS = 4
-WARM_UP_CPU_S = 0.2
 WARM_UP_TIMEOUT_S = 30.0
 # How often the template is sent the events and recent reviews it has not had (the ones left are
 # sent before a fork): at most a few warm-up reviews a second, whatever the rate of reviews.
@@ -84,220 +79,6 @@ class ReviewResult:
     warnings: list[tuple[str, str]]
 
 
-def _commands(conn: Connection, state: ClusterState) -> Iterator[tuple[Any, ...]]:
-    """What the loop sends, with the cluster events applied on the way; ends when the pipe closes."""
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if not _apply_event(state, message):
-            yield message
-
-
-def _serve(conn: Connection, state: ClusterState) -> None:
-    """A worker: apply cluster events, answer reviews, until the pipe closes."""
-    for message in _commands(conn, state):
-        if message[0] == "validate":
-            try:
-                v = state.validator().validate(message[1])
-                # Plain tuples and pickle.dumps: a dataclass through the multiprocessing pickler
-                # cost more than the rules take for a simple claim.
-                result = (
-                    v.name,
-                    v.namespace,
-                    [(p.path, p.message) for p in v.errors],
-                    [(p.path, p.message) for p in v.warnings],
-                )
-                conn.send_bytes(pickle.dumps(("verdict", result, _peak_resident_bytes())))
-            except MemoryError:
-                conn.send(("error", "ran out of its memory budget", 0))
-            except Exception as exc:  # a bug in a rule: deny with its name, keep serving
-                log.exception("event=review_failed")
-                conn.send(("error", f"internal error: {type(exc).__name__}", 0))
-
-
-def _peak_resident_bytes() -> int:
-    """The most memory this process has had resident: one system call per review, where reading
-    the current size from /proc costs an open, a read and a close."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _apply_event(state: ClusterState, message: tuple[Any, ...]) -> bool:
-    if message[0] == "replace":
-        state.replace(message[1], message[2])
-    elif message[0] == "apply":
-        state.apply(message[1], message[2], message[3])
-    else:
-        return False
-    return True
-
-
-def _warm(state: ClusterState, objects: list[Any]) -> None:
-    """Compile and evaluate what these reviews need, so that a worker forked afterwards has it."""
-    validator = state.validator()  # the CEL environments, the devices' attributes
-    start = time.process_time()
-    for obj in objects:
-        if time.process_time() - start > WARM_UP_CPU_S:
-            break  # a warm-up costs at most this (plus one review that was answered within budget)
-        with contextlib.suppress(Exception):
-            validator.validate(obj)
-
-
-def _limit_memory(memory_bytes: int) -> None:
-    if memory_bytes > 0:
-        limit = address_space() + memory_bytes
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def _template_main(conn: Connection, driver: str, memory_bytes: int, nice: int) -> None:
-    """The template: apply cluster events and warm-ups, and fork a worker on each request."""
-    with contextlib.suppress(OSError):
-        os.nice(nice)  # inherited by the workers: below the event loop, which answers /healthz
-    # Its workers are reaped by the kernel as they exit: a killed worker leaves no zombie.
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    # Imported by the fork server already (PRELOAD). No RLIMIT_AS here: each worker sets its own
-    # after the fork, above what it inherits; the template runs no review, only warm-ups of
-    # reviews that were answered within budget.
-    from dra_gpu.controller.cluster_state import ClusterState
-
-    state = ClusterState(driver)
-    warmed_with: list[Any] = []
-    for message in _commands(conn, state):
-        if message[0] == "warm":
-            _warm(state, message[1])
-            warmed_with = [*warmed_with, *message[1]][-WARM_UP_REVIEWS:]
-        elif message[0] == "ping":
-            state.validator()
-            conn.send(("pong",))
-        elif message[0] == "fork":
-            fd = reduction.recv_handle(conn)  # the worker's end of its pipe to the loop
-            try:
-                conn.send(("forked", _fork_worker(conn, fd, state, memory_bytes, warmed_with)))
-            except OSError as exc:  # no process to be had (a limit on processes): the loop says so
-                os.close(fd)
-                conn.send(("error", str(exc)))
-
-
-def _fork_worker(
-    template_conn: Connection, fd: int, state: ClusterState, memory_bytes: int, warm_up: list[Any]
-) -> int:
-    """A worker that inherits the template's state; its pid. Called in the template only. The
-    worker reviews `warm_up` again before it says it is ready: the results are cached, but a
-    review touches the inherited objects, whose pages the kernel copies on that first touch (a
-    few ms over 1,000 devices), and that is better done before a real review waits on it."""
-    state.validator()  # built once here rather than in every child
-    gc.freeze()  # what the child inherits stays out of its collections: those pages stay shared
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            template_conn.close()  # the template's death must be seen by the loop, not hidden
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _limit_memory(memory_bytes)
-            conn = Connection(fd)
-            _warm(state, warm_up)
-            conn.send(("ready",))
-            _serve(conn, state)
-            code = 0
-        finally:
-            os._exit(code)  # never back into the template's loop
-    gc.unfreeze()
-    os.close(fd)
-    return pid
-
-
-@dataclass
-class _Worker:
-    pid: int
-    pidfd: int  # a handle that cannot name another process once this one has gone
-    conn: Connection
-    cpu_clock: int | None  # its CPU-time clock (clock_getcpuclockid), None where there is none
-    pending: list[tuple[Any, ...]] = field(default_factory=list)  # events to send before the next review
-    reniced: bool = False  # its review was slow; it is replaced rather than kept at low priority
-    cpu_at_start: int = 0  # its CPU time (ns) when the current review was sent
-
-
-@dataclass
-class _Template:
-    process: BaseProcess
-    conn: Connection
-    pending: list[tuple[Any, ...]] = field(default_factory=list)  # events not sent to it yet
-    warmed: int = 0  # the reviews (counted by ReviewPool._recent_count) it has been warmed with
-
-
-@dataclass
-class _Starting:
-    """A worker asked of the template: it collects the events the template will not have had."""
-
-    pending: list[tuple[Any, ...]] = field(default_factory=list)
-
-
-def _cpu_clock(pid: int) -> int | None:
-    """The id of the process's CPU-time clock: read with one system call per review, where
-    /proc/<pid>/schedstat costs an open, a read and a close on the event loop."""
-    clock = ctypes.c_int()
-    try:
-        if _libc().clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
-            return None
-    except (AttributeError, OSError):  # no C library that has it
-        return None
-    return clock.value
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _cpu_ns(worker: _Worker) -> int:
-    """CPU time the worker has used, in ns; 0 when it cannot be read (it has gone)."""
-    if worker.cpu_clock is not None:
-        with contextlib.suppress(OSError):
-            return time.clock_gettime_ns(worker.cpu_clock)
-    try:
-        with open(f"/proc/{worker.pid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _reap(worker: _Worker) -> None:
-    """Its exit status collected, where it has become this process's child: the template reaps its
-    workers, but once a template has died they belong to init, which is this process when it is
-    a container's first process (no zombie left behind in either case)."""
-    with contextlib.suppress(OSError):
-        os.waitid(os.P_PIDFD, worker.pidfd, os.WEXITED | os.WNOHANG)
-
-
-def _exited(worker: _Worker, timeout: float = 0) -> bool:
-    with contextlib.suppress(OSError, ValueError):
-        return bool(select.select([worker.pidfd], [], [], timeout)[0])
-    return True  # its pidfd is closed: it was killed and reaped
-
-
-class _IdleWorkers(asyncio.LifoQueue[_Worker]):
-    """Idle workers, the one that answered last on top: it takes the next review with its caches
-    (CPU, TLB) warm, where taking them in turn had each review start cold (~1.5x its CPU)."""
-
-    def _init(self, maxsize: int) -> None:  # the queue's storage: a list, top last (as LifoQueue's)
-        self._queue: list[_Worker] = []
-
-    def take_behind_top(self) -> list[_Worker]:
-        """The idle workers with events pending, but the top one, taken out of the queue."""
-        taken = [w for w in self._queue[:-1] if w.pending]
-        self._queue[:-1] = [w for w in self._queue[:-1] if not w.pending]
-        return taken
-
-    def put_bottom(self, worker: _Worker) -> None:
-        """Back in the queue, under the ones that answered since."""
-        self.put_nowait(worker)  # wakes a review waiting for a worker, if one is
-        if worker in self._queue:
-            self._queue.remove(worker)
-            self._queue.insert(0, worker)
-
-
 class ReviewPool:
     """A few worker processes over one cluster view; `validate` awaits a verdict within the deadline."""
 
@@ -315,10 +96,10 @@ class ReviewPool:
         self.stores: dict[str, list[tuple[Any, ...]]] = {
             s: [] for s in STORES
         }  # events since the last replace: what a new template is sent
-        self._workers: list[_Worker] = []
-        self._starting: list[_Starting] = []
-        self._idle = _IdleWorkers()
-        self._template: _Template | None = None
+        self._workers: list[Worker] = []
+        self._starting: list[Starting] = []
+        self._idle = IdleWorkers()
+        self._template: Template | None = None
         self._template_lock = asyncio.Lock()  # one conversation with the template at a time
         # Not fork (this process has threads and a loop): a fork server, started clean, that has
         # imported the rules and the CEL engine once, starts the template.
@@ -398,7 +179,7 @@ class ReviewPool:
             # spare CPU, so that the workers answering normal reviews keep theirs. CPU, not wall
             # time: on a busy node a cheap review can wait that long for a core, and replacing
             # its worker would only make the next review a cold one.
-            worker.cpu_at_start = _cpu_ns(worker)
+            worker.cpu_at_start = cpu_ns(worker)
             slow = loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
             try:
                 async with asyncio.timeout(self.deadline_s):  # no task of its own, unlike wait_for
@@ -410,7 +191,7 @@ class ReviewPool:
             self._replace_worker(worker)
             raise
         except (TimeoutError, EOFError, OSError, BrokenPipeError) as exc:
-            dead = _exited(worker) or isinstance(exc, EOFError | OSError)
+            dead = exited(worker) or isinstance(exc, EOFError | OSError)
             self._replace_worker(worker)
             if dead and not isinstance(exc, TimeoutError):
                 raise OverBudget(
@@ -454,17 +235,17 @@ class ReviewPool:
 
     # -- workers
 
-    def _check_slow(self, worker: _Worker, loop: asyncio.AbstractEventLoop) -> None:
+    def _check_slow(self, worker: Worker, loop: asyncio.AbstractEventLoop) -> None:
         if worker.cpu_at_start < 0:
             return  # answered meanwhile
-        used = _cpu_ns(worker) - worker.cpu_at_start
+        used = cpu_ns(worker) - worker.cpu_at_start
         if used >= SLOW_AFTER_S * 1e9 or worker.cpu_at_start == 0:
             self._renice(worker)
         else:  # waiting for a core rather than working: look again later
             loop.call_later(SLOW_CHECK_S, self._check_slow, worker, loop)
 
     @staticmethod
-    def _renice(worker: _Worker) -> None:
+    def _renice(worker: Worker) -> None:
         worker.reniced = True
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, worker.pid, SLOW_NICE)
@@ -482,7 +263,7 @@ class ReviewPool:
                 await self._until_ready(worker)
         self._idle.put_nowait(worker)
 
-    async def _forked_worker(self) -> _Worker:
+    async def _forked_worker(self) -> Worker:
         async with self._template_lock:
             try:
                 template = self._template or await self._start_template()
@@ -495,7 +276,7 @@ class ReviewPool:
             self._workers.append(worker)  # forwarded events from now on; killed by close()
             return worker
 
-    async def _until_ready(self, worker: _Worker) -> None:
+    async def _until_ready(self, worker: Worker) -> None:
         """Outside the template's lock: another replacement can be forked while this one warms up."""
         try:
             reply = await asyncio.wait_for(
@@ -510,11 +291,11 @@ class ReviewPool:
                 self._workers.remove(worker)
             raise
 
-    async def _fork(self, template: _Template) -> _Worker:
+    async def _fork(self, template: Template) -> Worker:
         # Taken at one instant on the loop: the events sent to the template before the fork are
         # in the child's state; the ones after go to the child's own pipe, in order (FIFO).
         messages = self._template_messages(template)
-        starting = _Starting()
+        starting = Starting()
         self._starting.append(starting)
         parent, child = multiprocessing.Pipe()  # a socket pair: the worker's end travels as an fd
         try:
@@ -530,17 +311,17 @@ class ReviewPool:
             raise OSError(f"the template could not fork a worker: {reply[1]}")
         pid: int = reply[1]
         pidfd = os.pidfd_open(pid)  # it goes only when its pipe closes (or its warm-up fails)
-        return _Worker(pid, pidfd, parent, _cpu_clock(pid), starting.pending)
+        return Worker(pid, pidfd, parent, cpu_clock(pid), starting.pending)
 
     @staticmethod
-    def _request_fork(template: _Template, messages: list[tuple[Any, ...]], child: Connection) -> Any:
+    def _request_fork(template: Template, messages: list[tuple[Any, ...]], child: Connection) -> Any:
         ReviewPool._send_all(template.conn, [*messages, ("fork",)])
         reduction.send_handle(template.conn, child.fileno(), template.process.pid or 0)
         if not template.conn.poll(WARM_UP_TIMEOUT_S):
             raise TimeoutError(f"the review template did not fork within {WARM_UP_TIMEOUT_S:g}s")
         return template.conn.recv()
 
-    def _replace_worker(self, worker: _Worker) -> None:
+    def _replace_worker(self, worker: Worker) -> None:
         self._kill(worker)  # a process of gigabytes takes a while to go: not on the loop
         with contextlib.suppress(ValueError):
             self._workers.remove(worker)
@@ -552,20 +333,20 @@ class ReviewPool:
         self._respawns.add(task)
         task.add_done_callback(self._respawns.discard)
 
-    def _kill(self, worker: _Worker, wait: bool = False) -> None:
+    def _kill(self, worker: Worker, wait: bool = False) -> None:
         with contextlib.suppress(OSError):
             signal.pidfd_send_signal(worker.pidfd, signal.SIGKILL)
         with contextlib.suppress(OSError):
             worker.conn.close()
         if wait:
-            _exited(worker, timeout=1)
-            _reap(worker)
+            exited(worker, timeout=1)
+            reap(worker)
             os.close(worker.pidfd)
         else:  # its pidfd closed once it has gone
             self._background(self._close_when_exited(worker))
 
     @staticmethod
-    async def _close_when_exited(worker: _Worker) -> None:
+    async def _close_when_exited(worker: Worker) -> None:
         loop = asyncio.get_running_loop()
         gone: asyncio.Future[None] = loop.create_future()
 
@@ -579,22 +360,22 @@ class ReviewPool:
                 await asyncio.wait_for(gone, 10)
         finally:
             loop.remove_reader(worker.pidfd)
-            _reap(worker)
+            reap(worker)
             os.close(worker.pidfd)
 
     # -- the template
 
-    async def _start_template(self, warm: bool = True) -> _Template:
+    async def _start_template(self, warm: bool = True) -> Template:
         """A template with the whole view, warmed with the recent reviews; called under the lock."""
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(
-            target=_template_main, args=(child, self.driver, self.memory_bytes, WORKER_NICE), daemon=True
+            target=template_main, args=(child, self.driver, self.memory_bytes, WORKER_NICE), daemon=True
         )
         # Off the loop: the fork server forks and answers with the pid, milliseconds that every
         # review waiting on the loop would otherwise wait too.
         await asyncio.to_thread(process.start)
         child.close()
-        template = _Template(process, parent, [e for s in STORES for e in self.stores[s]])
+        template = Template(process, parent, [e for s in STORES for e in self.stores[s]])
         self._template = template  # from now on it is forwarded every event
         asyncio.get_running_loop().add_reader(process.sentinel, self._template_exited, template)
         messages = self._template_messages(template, warm)
@@ -612,7 +393,7 @@ class ReviewPool:
         log.info("event=review_template_started pid=%s", process.pid)
         return template
 
-    def _template_messages(self, template: _Template, warm: bool = True) -> list[tuple[Any, ...]]:
+    def _template_messages(self, template: Template, warm: bool = True) -> list[tuple[Any, ...]]:
         """What the template has not had: events, then the recent reviews it was not warmed with
         (all of them after an event, which drops what the selectors' results were cached on)."""
         messages, template.pending = template.pending, []
@@ -652,7 +433,7 @@ class ReviewPool:
                 continue
             self._idle.put_bottom(worker)
 
-    def _template_exited(self, template: _Template) -> None:
+    def _template_exited(self, template: Template) -> None:
         asyncio.get_running_loop().remove_reader(template.process.sentinel)
         if self._template is not template or self._closed:
             return
@@ -665,7 +446,7 @@ class ReviewPool:
             if self._template is None and not self._closed:
                 await self._start_template()
 
-    def _kill_template(self, template: _Template, wait: bool = False) -> None:
+    def _kill_template(self, template: Template, wait: bool = False) -> None:
         if self._template is template:
             self._template = None
         with contextlib.suppress(Exception):

@@ -16,7 +16,8 @@ from typing import Any
 
 from dra_gpu.api import ConfigError, decode
 from dra_gpu.controller import sharing_fit
-from dra_gpu.controller.allocator import AllocationError, Cluster, allocated_devices, shared_consumption
+from dra_gpu.controller.allocation_errors import AllocationError
+from dra_gpu.controller.allocator_view import Cluster, allocated_devices, shared_consumption
 from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.explain import Failure, explain
 from dra_gpu.controller.schemas import decode_object

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from dra_gpu.api import ConfigError, GpuConfig, decode
-from dra_gpu.controller.allocator import Cluster, Device, parse_requests
+from dra_gpu.controller.allocator_view import Cluster
+from dra_gpu.controller.claim_requests import parse_requests
+from dra_gpu.controller.published_devices import Device
 
 MPS_LIMITS_MIN_CC = (7, 0)
 

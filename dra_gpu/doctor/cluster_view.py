@@ -6,6 +6,7 @@ webhook configurations. A list that fails (RBAC, an API not served) is recorded,
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,10 @@ class ClusterView:
     taint_rules: list[dict[str, Any]] = field(default_factory=list)
     webhook_configs: list[dict[str, Any]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # what could not be listed -> why
+
+    def slices_of(self, driver: str) -> list[dict[str, Any]]:
+        """The slices `driver` published."""
+        return [s for s in self.slices if object_spec(s).get("driver") == driver]
 
 
 async def load_view(kube: Kube, namespace: str | None, timeout: float) -> ClusterView:
@@ -73,3 +78,19 @@ async def load_view(kube: Kube, namespace: str | None, timeout: float) -> Cluste
 
     await asyncio.gather(*(one(a, p, s) for a, (p, s) in lists.items()))
     return view
+
+
+def object_meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An object's metadata; empty when it has none or not a mapping."""
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
+def object_spec(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An object's spec; empty when it has none or not a mapping."""
+    spec = obj.get("spec")
+    return spec if isinstance(spec, dict) else {}
+
+
+def object_name(obj: Mapping[str, Any]) -> str:
+    return str(object_meta(obj).get("name", ""))

@@ -32,6 +32,17 @@ WATCH_SECONDS = 300
 BACKOFF = Backoff(initial=0.2, maximum=5.0)
 
 
+def _retrying(timeout: float) -> AsyncRetrying:
+    """The publisher's writes: retried with BACKOFF while the apiserver fails or cannot be reached,
+    for at most `timeout` seconds; then the last error is raised."""
+    return AsyncRetrying(
+        wait=BACKOFF.wait(),
+        stop=stop_after_delay(timeout),
+        retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
+        reraise=True,
+    )
+
+
 def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
     """Paths of fields in `want` that `have` lacks or holds differently (defaults in `have` are fine)."""
     if isinstance(want, dict):
@@ -85,12 +96,7 @@ class SlicePublisher:
 
     async def start(self, timeout: float = 120.0) -> None:
         """First publication: keep the stored generation when nothing changed, else bump it."""
-        async for attempt in AsyncRetrying(
-            wait=BACKOFF.wait(),
-            stop=stop_after_delay(timeout),
-            retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
-            reraise=True,
-        ):
+        async for attempt in _retrying(timeout):
             with attempt:
                 existing, _ = await self.kube.list_slices(self.selector)
                 stored_gen = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing), default=0)
@@ -145,12 +151,7 @@ class SlicePublisher:
                 new = {s["metadata"]["name"]: s for s in self.build(self.generation)}
                 changed = list(new)
             self.desired = new
-            async for attempt in AsyncRetrying(
-                wait=BACKOFF.wait(),
-                stop=stop_after_delay(timeout),
-                retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
-                reraise=True,
-            ):
+            async for attempt in _retrying(timeout):
                 with attempt:
                     for name in changed:
                         self._check_dropped(new[name], await self.kube.apply_slice(new[name], self.driver))

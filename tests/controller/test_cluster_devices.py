@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dra_gpu.controller.allocator import Cluster
+from dra_gpu.controller.allocator_view import Cluster
 from dra_gpu.controller.cel import CelEnvironment, Schema
 
 from .objects import DRIVER, GPU_CLASS

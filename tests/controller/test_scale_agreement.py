@@ -69,7 +69,8 @@ def test_claims_of_one_node_checked_one_after_another_agree() -> None:
 
 
 def test_a_changed_view_of_devices_in_use_is_seen_by_the_next_placement() -> None:
-    from dra_gpu.controller.allocator import Cluster, place
+    from dra_gpu.controller.allocator import place
+    from dra_gpu.controller.allocator_view import Cluster
     from dra_gpu.controller.rules import Validator
     from tests.controller.objects import DRIVER, GPU_CLASS
 

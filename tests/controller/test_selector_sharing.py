@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dra_gpu.controller.allocator import AllocationError, Cluster, Device
+from dra_gpu.controller.allocation_errors import AllocationError
+from dra_gpu.controller.allocator_view import Cluster
 from dra_gpu.controller.cel import CelEnvironment, Schema, SelectorEvalError
 from dra_gpu.controller.cel.environment import Selector, selector_reads
+from dra_gpu.controller.published_devices import Device
 
 from .objects import DRIVER, GPU_CLASS, node_slices
 

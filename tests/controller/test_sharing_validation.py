@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dra_gpu.api import API_VERSION
-from dra_gpu.controller.allocator import policy_amount
+from dra_gpu.controller.published_devices import policy_amount
 from dra_gpu.controller.rules import ProblemKind, Validator
 from dra_gpu.discovery import discover_node
 from dra_gpu.kubernetes_values import parse_quantity

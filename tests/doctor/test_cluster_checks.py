@@ -14,18 +14,14 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.doctor.cluster_checks import (
-    check_device_classes,
-    check_device_taints,
-    check_node_slices,
-    check_pending_pods,
-    check_resource_api,
-    check_webhook,
-    selector_matches,
-)
+from dra_gpu.doctor.cluster_checks import check_device_classes, check_resource_api
 from dra_gpu.doctor.cluster_view import FAILED_PREPARE, ClusterView
+from dra_gpu.doctor.device_taints import check_device_taints
+from dra_gpu.doctor.node_slices import check_node_slices, selector_matches
+from dra_gpu.doctor.pending_pods import check_pending_pods
 from dra_gpu.doctor.report import Result, Status
 from dra_gpu.doctor.settings import ClusterSettings
+from dra_gpu.doctor.webhook_check import check_webhook
 from dra_gpu.doctor.webhook_tls import not_after
 from tests.controller.objects import DRIVER, GPU_CLASS, claim, node_slices
 
