@@ -217,7 +217,9 @@ def tree_size(root: Path) -> int:
 def build(suite: Suite, dest: Path, mirror: str = DEBIAN_MIRROR) -> dict[str, object]:
     """Run mmdebstrap into the empty or missing directory dest; return the manifest (not written)."""
     if shutil.which("mmdebstrap") is None:
-        raise DriverRootError("building a Debian driver root needs mmdebstrap (e2e/build.sh debs installs it)")
+        raise DriverRootError(
+            "building a Debian driver root needs mmdebstrap (e2e/build.sh debs installs it)"
+        )
     if os.geteuid() != 0:
         raise DriverRootError("building a Debian driver root needs root (mmdebstrap's root mode runs dpkg)")
     cmd = ["mmdebstrap", "--quiet", *mmdebstrap_args(suite), suite.name, str(dest), mirror]
