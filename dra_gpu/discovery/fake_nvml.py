@@ -22,6 +22,7 @@ import pynvml
 
 from dra_gpu.discovery.fake_mig import Instance, MigStateError, SimulatedMig
 from dra_gpu.discovery.fake_nvml_events import FakeNvmlEvents
+from dra_gpu.discovery.nvml_compat import exported_in
 from dra_gpu.discovery.profiles import (
     NODE_FAILURE_ENV,
     NVML_ERROR_CODES,
@@ -455,6 +456,9 @@ class FakeNvml(FakeNvmlEvents):
 
     @_nvml_call
     def nvmlDeviceGetGpuInstanceProfileInfoById(self, h: _GpuHandle, profile_id: int) -> Any:
+        # Its C symbol (...ByIdV) first ships with driver 580: older libraries lack it.
+        if not exported_in("nvmlDeviceGetGpuInstanceProfileInfoByIdV", self.profile.driver_version):
+            _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         return self._profile_info(h, lambda p: p.profile_id == profile_id)
 
     @_nvml_call

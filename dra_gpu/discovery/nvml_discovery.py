@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu.discovery.nvlink_domains import assign_domains
+from dra_gpu.discovery.nvml_compat import gpu_instance_profile_info_by_id
 from dra_gpu.model import FabricInfo, Gpu, Inventory, MigDevice, MigProfile, NvLink
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ class _Discovery:
         gi_id = nv.nvmlDeviceGetGpuInstanceId(mig)
         ci_id = nv.nvmlDeviceGetComputeInstanceId(mig)
         gi_info = nv.nvmlGpuInstanceGetInfo(nv.nvmlDeviceGetGpuInstanceById(parent, gi_id))
-        prof = nv.nvmlDeviceGetGpuInstanceProfileInfoById(parent, gi_info.profileId)
+        prof = gpu_instance_profile_info_by_id(nv, parent, int(gi_info.profileId))
         name = prof.name.decode() if isinstance(prof.name, bytes) else str(prof.name)
         return MigDevice(
             uuid=nv.nvmlDeviceGetUUID(mig),
