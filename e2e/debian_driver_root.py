@@ -240,6 +240,9 @@ def build(suite: Suite, dest: Path, mirror: str = DEBIAN_MIRROR) -> dict[str, ob
         "driverVersion": suite.driver_version,
         "key": cache_key(suite),
         "mirror": mirror,
+        "mmdebstrap": subprocess.run(
+            ["mmdebstrap", "--version"], capture_output=True, text=True, check=False
+        ).stdout.strip(),
         "requested": packages(suite),
         "packages": installed,
         "buildSeconds": seconds,
