@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="need
 
 FAKE_MMDEBSTRAP = """#!{python}
 import os, sys
+if sys.argv[1:] == ["--version"]:
+    sys.exit(print("mmdebstrap 0.0-stand-in"))
 open(os.environ["FAKE_MMDEBSTRAP_CALLS"], "a").write(" ".join(sys.argv[1:]) + "\\n")
 suite, dest, mirror = sys.argv[-3:]
 version = os.environ["FAKE_NVIDIA_VERSION"]
@@ -84,6 +86,7 @@ def test_builds_once_and_records_versions(builder: ModuleType, tmp_path: Path) -
     assert (root / ".complete").is_file()
     manifest = json.loads((root / ".dra-gpu-driver-root.json").read_text())
     assert manifest["driverVersion"] == "535.261.03"
+    assert manifest["mmdebstrap"] == "mmdebstrap 0.0-stand-in"
     assert manifest["packages"]["libnvidia-ml1"] == {
         "version": "535.261.03-1",
         "source": "nvidia-graphics-drivers",
