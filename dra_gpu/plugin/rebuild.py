@@ -28,12 +28,13 @@ from typing import Any, Protocol
 from tenacity import AsyncRetrying, RetryError, stop_after_delay, wait_exponential, wait_random
 
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.model import MigDevice
-from dra_gpu.plugin.checkpoint import BOUND, COMPLETED, CheckpointRebuildError
-from dra_gpu.plugin.compute_mode import DEFAULT
+from dra_gpu.plugin.allocation import Allocation
+from dra_gpu.plugin.checkpoint import CheckpointRebuildError
+from dra_gpu.plugin.claim_sharing import as_applied
 from dra_gpu.plugin.mig_lifecycle import MigError
-from dra_gpu.plugin.prepare import MIG_READY, PrepareError, Preparer
-from dra_gpu.plugin.sharing import SharingPlan
+from dra_gpu.plugin.plan import PrepareError
+from dra_gpu.plugin.prepare import Preparer
+from dra_gpu.plugin.record import ClaimRecord, ClaimState
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +64,15 @@ async def rebuild(preparer: Preparer, lister: ClaimLister, deadline: float = API
     return await asyncio.to_thread(_rebuild_from, preparer, claims)  # files and NVML: blocking
 
 
-def _allocated_here(preparer: Preparer, claim: dict[str, Any]) -> bool:
-    alloc = (claim.get("status") or {}).get("allocation") or {}
-    return any(
-        r.get("driver") == preparer.driver and r.get("pool") == preparer.node_name
-        for r in (alloc.get("devices") or {}).get("results") or []
-    )
-
-
 def _rebuild_from(preparer: Preparer, claims: list[dict[str, Any]]) -> dict[str, int]:
     counts = {"rebuiltClaims": 0, "rebuiltBound": 0, "specsUnconfirmed": 0, "notRebuilt": 0}
     here = {
         str(c["metadata"]["uid"]): c
         for c in claims
-        if (c.get("metadata") or {}).get("uid") and _allocated_here(preparer, c)
+        if (c.get("metadata") or {}).get("uid")
+        and Allocation.of(c).results_for(preparer.driver, preparer.node_name)
     }
-    specs = preparer.cdi.owned()
+    specs = preparer.journal.cdi.owned()
     for uid in sorted(set(specs) | set(here)):
         claim = here.get(uid)
         if claim is None:
@@ -93,86 +87,40 @@ def _rebuild_from(preparer: Preparer, claims: list[dict[str, Any]]) -> dict[str,
             counts["notRebuilt"] += 1
             log.error("claim's record could not be rebuilt claim=%s error=%s", ref, exc)
             continue
-        if state == COMPLETED:
+        if state == ClaimState.COMPLETED:
             counts["rebuiltClaims"] += 1
-        elif state == BOUND:
+        elif state == ClaimState.BOUND:
             counts["rebuiltBound"] += 1
-    preparer.checkpoint.rebuilt()
+    preparer.journal.rebuilt()
     summary = " ".join(f"{k}={v}" for k, v in counts.items())
     log.warning("checkpoint rebuilt from the CDI specs and the API %s", summary)
     return counts
 
 
-def _made_instances(preparer: Preparer, claim: dict[str, Any]) -> tuple[dict[str, MigDevice], int]:
-    """The claim's dynamic MIG devices found made on the GPU, and how many it was allocated."""
-    alloc = (claim.get("status") or {}).get("allocation") or {}
-    wanted = [
-        str(r.get("device"))
-        for r in (alloc.get("devices") or {}).get("results") or []
-        if r.get("driver") == preparer.driver
-        and r.get("pool") == preparer.node_name
-        and str(r.get("device")) in preparer.placements
-    ]
-    made: dict[str, MigDevice] = {}
-    if not wanted or preparer.mig is None:
-        return made, len(wanted)
-    for name in wanted:
-        gpu, placement = preparer.placements[name]
-        at = (placement.profile.profile_id, placement.start)
-        for inst in preparer.mig.instances(gpu.uuid):
-            if (inst.profile_id, inst.start) == at and inst.ci_ids:
-                made[name] = preparer.mig.mig_device(gpu.uuid, inst.gi_id, inst.ci_ids[0], placement)
-                break
-    return made, len(wanted)
-
-
 def _rebuild_claim(preparer: Preparer, ref: ClaimRef, claim: dict[str, Any], has_spec: bool) -> str | None:
     """Stage the claim's record as prepare would have written it; the state recorded, or None."""
-    made, wanted = _made_instances(preparer, claim)
-    if not has_spec and (not wanted or len(made) < wanted):
+    wanted = preparer.planner.placements_of(claim)
+    made = preparer.instances.found_on_gpu(wanted)
+    if not has_spec and (not wanted or len(made) < len(wanted)):
         return None  # not prepared here: the kubelet prepares it when it needs it
-    if len(made) < wanted:
-        raise PrepareError(f"{wanted - len(made)} of its MIG instances are not on the GPU any more")
-    devices, spec, _, targets, sharing = preparer._plan(ref, claim, made if wanted else {})
-    if targets or spec is None:
+    if len(made) < len(wanted):
+        raise PrepareError(f"{len(wanted) - len(made)} of its MIG instances are not on the GPU any more")
+    plan = preparer.planner.plan(ref, claim, made)
+    if plan.targets or plan.spec is None:
         raise PrepareError("its allocation names devices that do not exist")
-    entry: dict[str, Any] = {
-        "state": COMPLETED if has_spec else BOUND,
-        "namespace": ref.namespace,
-        "name": ref.name,
-        "devices": [d.to_dict() for d in devices],
-        "cdiSpec": spec if has_spec else None,
-        "driverFiles": preparer.driver_files.digest,
-        "rebuilt": True,  # for the operator: this record came from the specs and the API
-    }
-    if made:
-        entry["migInstances"] = [
-            {
-                "device": name,
-                "parentUUID": preparer.placements[name][0].uuid,
-                "profileId": mig.gi_profile_id,
-                "start": mig.placement_start,
-                "size": mig.placement_size,
-                "step": MIG_READY,
-                "giId": mig.gpu_instance_id,
-                "ciId": mig.compute_instance_id,
-                "uuid": mig.uuid,
-            }
-            for name, mig in made.items()
-        ]
-    if has_spec and sharing.record:
-        entry["sharing"] = _as_applied(sharing)
-    preparer._check_conflicts(ref, devices, sharing if has_spec else SharingPlan())
-    preparer.checkpoint.stage(ref.uid, entry)
-    log.warning("claim's record rebuilt claim=%s state=%s devices=%s", ref, entry["state"], len(devices))
-    return str(entry["state"])
-
-
-def _as_applied(sharing: SharingPlan) -> dict[str, Any]:
-    """The sharing record as apply() leaves it: what a compute mode was before is not known any
-    more; DEFAULT, the driver's own default, is restored when the claim goes."""
-    record = dict(sharing.record)
-    modes = record.get("computeModes")
-    if modes:
-        record["computeModes"] = {uuid: {**m, "previous": DEFAULT} for uuid, m in modes.items()}
-    return record
+    record = ClaimRecord(
+        uid=ref.uid,
+        state=ClaimState.COMPLETED if has_spec else ClaimState.BOUND,
+        namespace=ref.namespace,
+        name=ref.name,
+        devices=plan.devices,
+        cdi_spec=plan.spec if has_spec else None,
+        driver_files=preparer.driver_files.digest,
+        mig_steps=preparer.instances.ready_steps(made),
+        sharing=as_applied(plan.sharing.record) if has_spec and plan.sharing.record else None,
+        rebuilt=True,  # for the operator: this record came from the specs and the API
+    )
+    preparer.journal.check_free(ref, plan.exclusive, plan.sharing.record if has_spec else {})
+    preparer.journal.stage_rebuilt(record)
+    log.warning("claim's record rebuilt claim=%s state=%s devices=%s", ref, record.state, len(plan.devices))
+    return str(record.state)

@@ -127,8 +127,8 @@ class KubeletPlugin:
 
             def prepared_claims() -> list[tuple[str, str, str, list[dict[str, Any]]]]:
                 return [
-                    (r.namespace, r.name, r.uid, r.devices)
-                    for r in checkpoint.views()
+                    (r.namespace, r.name, r.uid, [d.to_dict() for d in r.devices])
+                    for r in checkpoint.records()
                     if r.state == COMPLETED
                 ]
 

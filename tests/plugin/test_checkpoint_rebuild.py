@@ -180,7 +180,7 @@ def test_a_corrupt_checkpoint_is_rebuilt_and_loses_nothing(core: PluginCore, how
     _, pid = daemon_of(core, claims[2])
     # Left over from a claim whose ResourceClaim is gone: the rebuild must not keep it.
     stale = "bbbbbbbb-0000-4000-8000-000000000009"
-    core.cdi.write(stale, json.loads(specs[claims[0]["metadata"]["uid"]]))
+    core.preparer.journal.write_spec_now(stale, json.loads(specs[claims[0]["metadata"]["uid"]]))
     # Allocated here but never prepared: no record for it.
     core.add(claim("cccccccc-0000-4000-8000-000000000004", [gpu_names(core)[2]], name="later"))
 
