@@ -25,7 +25,7 @@ from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.claim_shape import status_problem
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
-from dra_gpu.plugin.record import PreparedDevice
+from dra_gpu.plugin.record import ClaimRecord, ClaimState, MigStep, PreparedDevice
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError, SharingPlan
 
 
@@ -53,6 +53,21 @@ class ClaimPlan:
     spec: dict[str, Any] | None  # the claim's own CDI spec; None while targets remain
     driver_edits: dict[str, Any]  # the driver's user space, added to the spec file
     sharing: SharingPlan  # for the devices that exist (not targets still to be made)
+
+    def record(
+        self, ref: ClaimRef, state: ClaimState, driver_files: str | None, mig_steps: tuple[MigStep, ...] = ()
+    ) -> ClaimRecord:
+        """The claim's checkpoint record for this plan (its sharing is added once applied)."""
+        return ClaimRecord(
+            uid=ref.uid,
+            state=state,
+            namespace=ref.namespace,
+            name=ref.name,
+            devices=self.devices,
+            cdi_spec=self.spec,  # the claim's own part; the file adds the driver's user space
+            driver_files=driver_files,
+            mig_steps=mig_steps,
+        )
 
     @property
     def exclusive(self) -> set[str]:

@@ -129,16 +129,7 @@ class Preparer:
         return await self.reconciler.sweep(grace_seconds, now)
 
     def _started(self, ref: ClaimRef, plan: ClaimPlan) -> ClaimRecord:
-        return ClaimRecord(
-            uid=ref.uid,
-            state=STARTED,
-            namespace=ref.namespace,
-            name=ref.name,
-            devices=plan.devices,
-            cdi_spec=plan.spec,  # the claim's own part; the file adds the driver's user space
-            driver_files=self.driver_files.digest,
-            mig_steps=planned_steps(plan.targets),
-        )
+        return plan.record(ref, STARTED, self.driver_files.digest, planned_steps(plan.targets))
 
     async def _stage(self, record: ClaimRecord) -> None:
         async with self.journal.state_lock:

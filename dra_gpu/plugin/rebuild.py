@@ -34,7 +34,7 @@ from dra_gpu.plugin.claim_sharing import as_applied
 from dra_gpu.plugin.mig_lifecycle import MigError
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.plugin.record import ClaimRecord, ClaimState
+from dra_gpu.plugin.record import ClaimState
 
 log = logging.getLogger(__name__)
 
@@ -108,19 +108,14 @@ def _rebuild_claim(preparer: Preparer, ref: ClaimRef, claim: dict[str, Any], has
     plan = preparer.planner.plan(ref, claim, made)
     if plan.targets or plan.spec is None:
         raise PrepareError("its allocation names devices that do not exist")
-    record = ClaimRecord(
-        uid=ref.uid,
-        state=ClaimState.COMPLETED if has_spec else ClaimState.BOUND,
-        namespace=ref.namespace,
-        name=ref.name,
-        devices=plan.devices,
+    state = ClaimState.COMPLETED if has_spec else ClaimState.BOUND
+    record = plan.record(ref, state, preparer.driver_files.digest, preparer.instances.ready_steps(made))
+    record = record.evolve(
         cdi_spec=plan.spec if has_spec else None,
-        driver_files=preparer.driver_files.digest,
-        mig_steps=preparer.instances.ready_steps(made),
         sharing=as_applied(plan.sharing.record) if has_spec and plan.sharing.record else None,
         rebuilt=True,  # for the operator: this record came from the specs and the API
     )
     preparer.journal.check_free(ref, plan.exclusive, plan.sharing.record if has_spec else {})
     preparer.journal.stage_rebuilt(record)
-    log.warning("claim's record rebuilt claim=%s state=%s devices=%s", ref, record.state, len(plan.devices))
-    return str(record.state)
+    log.warning("claim's record rebuilt claim=%s state=%s devices=%s", ref, state, len(plan.devices))
+    return str(state)

@@ -3,7 +3,8 @@
 `ClaimRecord.parse` reads one entry of the checkpoint's `claims` map and `to_json` writes it back
 in the same shape. Fields this version does not know are kept (`extra`) and written back as they
 were, so a file written by a newer plugin of the same format version loses nothing here; a known
-field missing from an older entry reads as its default and stays missing when written back.
+field missing from an older entry reads as its default and stays missing when written back (an
+empty optional field, `migInstances`, `sharing` or `rebuilt`, is not written).
 The entry's fields are `ENTRY_FIELDS`; the checkpoint module's documentation of the file is
 checked against them (tests/plugin/test_checkpoint_cdi.py).
 """
@@ -196,8 +197,10 @@ class ClaimRecord:
             sharing=sharing if isinstance(sharing, dict) else None,
             rebuilt=bool(raw.get("rebuilt", False)),
             extra=extra,
-            device_extra=tuple(e for _, e in parsed),
-            absent=frozenset(k for k in ("namespace", "name", "devices", "cdiSpec") if k not in raw),
+            device_extra=tuple(e for _, e in parsed) if any(e for _, e in parsed) else (),
+            absent=frozenset(
+                k for k in ("namespace", "name", "devices", "cdiSpec", "driverFiles") if k not in raw
+            ),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -214,10 +217,9 @@ class ClaimRecord:
             "name": self.name,
             "devices": devices,
             "cdiSpec": self.cdi_spec,
+            "driverFiles": self.driver_files,
         }
         out.update((k, v) for k, v in fields.items() if k not in self.absent)
-        if self.driver_files is not None:
-            out["driverFiles"] = self.driver_files
         if self.mig_steps:
             out["migInstances"] = [m.to_json() for m in self.mig_steps]
         if self.sharing:
@@ -259,4 +261,7 @@ class ClaimRecord:
         return f"{self.namespace}/{self.name} (uid {self.uid})"
 
 
-_JSON_NAME = {"devices": "devices", "cdi_spec": "cdiSpec", "namespace": "namespace", "name": "name"}
+_JSON_NAME = {
+    "cdi_spec": "cdiSpec",
+    "driver_files": "driverFiles",
+}  # of the fields in `absent`, those named otherwise in JSON
