@@ -29,7 +29,7 @@ device state do not survive a reboot, and the kubelet prepares the claims again.
 A corrupt file (truncated, bytes flipped, not JSON) is moved aside with a log line and replaced by
 an empty checkpoint marked `rebuildPending`: the plugin then rebuilds the records from what
 survives (the claims' CDI specs and the claims allocated to this node in the API, see
-rebuild.py) before it serves, and the mark stays until that succeeded, so a crash or an
+reconcile.Reconciler.rebuild) before it serves, and the mark stays until that succeeded, so a crash or an
 unreachable apiserver meanwhile never makes a later start take the empty file for the truth.
 A file of a newer format version is refused (CheckpointVersionError) and left as it is: a newer
 plugin may have recorded what this one cannot undo, and a downgrade must not lose it.

@@ -48,6 +48,10 @@ class Journal:
     def records(self) -> list[ClaimRecord]:
         return self.checkpoint.records()
 
+    def holder(self, names: set[str], other_than: str) -> tuple[str, ClaimRecord] | None:
+        """The first claim but `other_than` that holds one of `names`, with that device."""
+        return self.checkpoint.holder(names, other_than)
+
     def other_sharing(self, uid: str) -> list[dict[str, Any]]:
         """The sharing records of every claim but `uid`."""
         return [o.sharing for o in self.records() if o.uid != uid and o.sharing]
@@ -55,7 +59,7 @@ class Journal:
     def check_free(self, ref: ClaimRef, exclusive: set[str], sharing: dict[str, Any]) -> None:
         """Refuse a claim whose devices another claim holds, or whose sharing cannot be applied
         beside another claim's (call under the state lock, before staging)."""
-        held = self.checkpoint.holder(exclusive, other_than=ref.uid)
+        held = self.holder(exclusive, other_than=ref.uid)
         if held is not None:
             device, other = held
             raise BusyPrepareError(

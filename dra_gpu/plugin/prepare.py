@@ -31,7 +31,7 @@ from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.journal import Journal
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances
 from dra_gpu.plugin.plan import BusyPrepareError, ClaimPlan, Planner, PrepareError
-from dra_gpu.plugin.reconcile import ClaimSource, Reconciler
+from dra_gpu.plugin.reconcile import API_DEADLINE, ClaimLister, ClaimSource, Reconciler
 from dra_gpu.plugin.record import ClaimRecord, ClaimState, PreparedDevice
 from dra_gpu.plugin.sharing import Sharing
 
@@ -123,6 +123,10 @@ class Preparer:
     def reconcile(self) -> dict[str, int]:
         """Make the CDI directory agree with the checkpoint (run before serving)."""
         return self.reconciler.reconcile()
+
+    async def rebuild(self, lister: ClaimLister, deadline: float = API_DEADLINE) -> dict[str, int]:
+        """Rebuild a corrupt checkpoint's records from the CDI specs and the API (before serving)."""
+        return await self.reconciler.rebuild(lister, deadline)
 
     async def sweep(self, grace_seconds: float, now: Callable[[], float] = time.monotonic) -> list[ClaimRef]:
         """Unprepare claims whose ResourceClaim has been gone (or replaced) for `grace_seconds`."""
@@ -382,7 +386,7 @@ class Preparer:
         the device to, or that cannot be asked, stays, and check_free refuses as before."""
         mine = plan.exclusive
         asked: set[str] = set()
-        while (held := self.checkpoint.holder(mine, other_than=ref.uid)) is not None:
+        while (held := self.journal.holder(mine, other_than=ref.uid)) is not None:
             device, other = held
             if other.uid in asked or not other.settled:
                 return  # still held, or being prepared right now
