@@ -4,9 +4,10 @@ Every part of the plugin that asks "which devices of this driver and pool does t
 (prepare, the binding conditions, the claim watch, the rebuild, the release of stale holders)
 asks an `Allocation` instead of walking `status.allocation.devices.results` itself.
 
-Parsing is as lenient as the walks it replaces: a missing or empty part reads as nothing
-allocated. Whether the status has the right shape at all is `claim_shape.status_problem`'s
-question, which prepare asks first.
+`Allocation.of` is as lenient as the walks it replaced (a missing or empty part reads as nothing
+allocated): the claim watch and the binding conditions look at every claim in the cluster.
+`Allocation.checked`, which prepare uses, first asks `claim_shape.status_problem` whether the
+status has the right shape at all, so a bad claim fails with the field it is about.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dra_gpu.plugin.claim_shape import status_problem
+
 CLASS_SOURCE = "FromClass"
+
+
+class ShapeError(ValueError):
+    """The claim's status has not the shape of an allocation; the message names the field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,14 @@ class Allocation:
             config=tuple(ConfigEntry.parse(i, c) for i, c in enumerate(devices.get("config") or [])),
             timestamp=str(alloc.get("allocationTimestamp") or ""),
         )
+
+    @classmethod
+    def checked(cls, claim: dict[str, Any]) -> Allocation:
+        """`of`, after checking the status's shape (ShapeError: the first problem)."""
+        problem = status_problem(claim)
+        if problem:
+            raise ShapeError(problem)
+        return cls.of(claim)
 
     def results_for(self, driver: str, pool: str | None = None) -> tuple[DeviceResult, ...]:
         """The results of `driver` (and of `pool`, when given), in allocation order."""

@@ -20,9 +20,8 @@ from dra_gpu.api import ConfigError, GpuConfig, decode
 from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
-from dra_gpu.plugin.allocation import Allocation
+from dra_gpu.plugin.allocation import Allocation, ShapeError
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
-from dra_gpu.plugin.claim_shape import status_problem
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.record import ClaimRecord, ClaimState, MigStep, PreparedDevice
@@ -114,17 +113,21 @@ class Planner:
         """The devices of this node's pool the claim's allocation holds."""
         return Allocation.of(claim).devices_for(self.driver, self.node_name)
 
-    def placements_of(self, claim: Mapping[str, Any]) -> list[str]:
-        """The dynamic MIG placements of this node the claim's allocation holds."""
-        here = Allocation.of(claim).results_for(self.driver, self.node_name)
+    def placements_of(self, allocation: Allocation) -> list[str]:
+        """The dynamic MIG placements of this node the allocation holds."""
+        here = allocation.results_for(self.driver, self.node_name)
         return [r.device for r in here if r.device in self.placements]
 
-    def plan(self, ref: ClaimRef, claim: Mapping[str, Any], made: Mapping[str, MigDevice]) -> ClaimPlan:
+    @staticmethod
+    def allocation(ref: ClaimRef, claim: dict[str, Any]) -> Allocation:
+        """The claim's allocation, parsed once for its plans; a bad shape is the claim's error."""
+        try:
+            return Allocation.checked(claim)
+        except ShapeError as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from exc
+
+    def plan(self, ref: ClaimRef, allocation: Allocation, made: Mapping[str, MigDevice]) -> ClaimPlan:
         """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
-        problem = status_problem(dict(claim))
-        if problem:
-            raise PrepareError(f"claim {ref}: {problem}")
-        allocation = Allocation.of(claim)
         if not allocation.allocated:
             raise PrepareError(f"claim {ref} is not allocated")
         results = allocation.results_for(self.driver)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from dra_gpu import failpoints
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.model import Inventory, MigDevice
+from dra_gpu.plugin.allocation import Allocation
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.claim_mig import ClaimMig, planned_steps
@@ -158,12 +159,13 @@ class Preparer:
                     f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
                     f"uid is {uid}, the kubelet asked for {ref.uid}"
                 )
+            allocation = self.planner.allocation(ref, claim)
             if record is not None and record.state == BOUND:
-                done = await self._complete_bound(ref, claim, record)
+                done = await self._complete_bound(ref, allocation, record)
                 if done is not None:
                     return done
                 record = None  # rolled back: the allocation no longer matches what was made
-            plan = self.planner.plan(ref, claim, {})
+            plan = self.planner.plan(ref, allocation, {})
             if record is not None and record.mig_steps:
                 await self.instances.destroy(record)  # an earlier partial attempt's instances
             entry = self._started(ref, plan).evolve(sharing=plan.sharing.record or None)
@@ -181,7 +183,7 @@ class Preparer:
                     # which placement to look at.
                     await self.journal.commit()
                     created, entry = await self.instances.create(ref, entry, plan.targets)
-                    plan = self.planner.plan(ref, claim, created)
+                    plan = self.planner.plan(ref, allocation, created)
                     # The made MIG devices' sharing (their UUIDs are known only now).
                     entry = entry.evolve(cdi_spec=plan.spec, sharing=plan.sharing.record or None)
                     async with self.journal.state_lock:
@@ -233,11 +235,11 @@ class Preparer:
             return list(plan.devices)
 
     async def _complete_bound(
-        self, ref: ClaimRef, claim: dict[str, Any], record: ClaimRecord
+        self, ref: ClaimRef, allocation: Allocation, record: ClaimRecord
     ) -> list[PreparedDevice] | None:
         """Prepare a claim whose instances were made at binding: the spec, then `completed`.
         None (after a rollback) when the allocation asks for devices that were not made."""
-        plan = self.planner.plan(ref, claim, self.instances.made(record))
+        plan = self.planner.plan(ref, allocation, self.instances.made(record))
         if plan.targets or plan.spec is None:
             log.warning("claim's allocation changed since binding, rolled back claim=%s", ref)
             await self._roll_back(ref.uid)
@@ -284,7 +286,7 @@ class Preparer:
             record = self.journal.get(ref.uid)
             if record is not None and record.settled:
                 return self.instances.made(record)
-            plan = self.planner.plan(ref, claim, {})
+            plan = self.planner.plan(ref, self.planner.allocation(ref, claim), {})
             if not plan.targets:
                 return {}
             if record is not None and record.mig_steps:
@@ -344,7 +346,7 @@ class Preparer:
     def _overlapping_holders(self, ref: ClaimRef, claim: dict[str, Any]) -> list[ClaimRecord]:
         """The other claims whose recorded MIG instances overlap a placement this claim was allocated."""
         try:
-            plan = self.planner.plan(ref, claim, {})
+            plan = self.planner.plan(ref, self.planner.allocation(ref, claim), {})
         except PrepareError:
             return []
         return self.instances.holders(ref.uid, plan.targets)

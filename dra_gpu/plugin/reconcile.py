@@ -136,13 +136,13 @@ class Reconciler:
 
     def _rebuild_claim(self, ref: ClaimRef, claim: dict[str, Any], has_spec: bool) -> str | None:
         """Stage the claim's record as prepare would have written it; the state recorded, or None."""
-        wanted = self.planner.placements_of(claim)
+        wanted = self.planner.placements_of(Allocation.of(claim))
         made = self.mig.found_on_gpu(wanted)
         if not has_spec and (not wanted or len(made) < len(wanted)):
             return None  # not prepared here: the kubelet prepares it when it needs it
         if len(made) < len(wanted):
             raise PrepareError(f"{len(wanted) - len(made)} of its MIG instances are not on the GPU any more")
-        plan = self.planner.plan(ref, claim, made)
+        plan = self.planner.plan(ref, self.planner.allocation(ref, claim), made)
         if plan.targets or plan.spec is None:
             raise PrepareError("its allocation names devices that do not exist")
         state = ClaimState.COMPLETED if has_spec else ClaimState.BOUND
