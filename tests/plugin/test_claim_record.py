@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin import checkpoint
 from dra_gpu.plugin.allocation import Allocation
 from dra_gpu.plugin.record import (
@@ -19,6 +21,7 @@ from dra_gpu.plugin.record import (
     MigStep,
     PreparedDevice,
 )
+from plugin.conftest import PluginCore, claim, gpu_names, mig_names
 
 PREVIOUS = Path(__file__).parent.parent / "data" / "checkpoint-previous-release.json"
 
@@ -65,6 +68,21 @@ def test_the_previous_release_entries_are_written_back_as_they_were() -> None:
         record = ClaimRecord.parse(uid, raw)
         assert record.state == ClaimState.COMPLETED
         assert record.to_json() == raw
+
+
+def test_a_claim_prepared_now_is_written_in_the_previous_release_shape(core: PluginCore) -> None:
+    previous = json.loads(PREVIOUS.read_text())["data"]["claims"]
+    for i, device in enumerate([gpu_names(core)[0], mig_names(core)[0]]):
+        c = claim(f"00000000-0000-4000-8000-00000000000{i}", [device])
+        core.add(c)
+        meta = c["metadata"]
+        asyncio.run(core.preparer.prepare(ClaimRef(meta["namespace"], meta["uid"], meta["name"])))
+        path = core.root / "plugin" / "checkpoint.json"
+        written = json.loads(path.read_text())["data"]["claims"][meta["uid"]]
+        for old in previous.values():
+            assert written.keys() == old.keys()
+            assert written["devices"][0].keys() == old["devices"][0].keys()
+            assert written["cdiSpec"].keys() == old["cdiSpec"].keys()
 
 
 @pytest.mark.parametrize(
