@@ -2,8 +2,8 @@
 
 The rooms it orchestrates: plan (allocation -> ClaimPlan, no side effects), journal (the only
 writer of the checkpoint and the CDI specs), claim_mig (dynamic MIG instances made and destroyed
-on record), claim_sharing (MPS daemons and compute modes) and reconcile (start-up reconcile and
-the stale-claim sweeper).
+on record), claim_sharing (MPS daemons and compute modes) and reconcile (a corrupt checkpoint's
+rebuild, the start-up reconcile and the stale-claim sweeper).
 
 Calls for different claims run concurrently; calls for one claim are serialized by a per-claim
 lock. Checks that look across claims (a device held by another claim) and checkpoint stages run
