@@ -158,8 +158,8 @@ async def measure(preparer: Preparer, refs: list[ClaimRef], args: argparse.Names
     await run(preparer, refs, 20)  # warm-up
     phases: dict[str, list[float]] = defaultdict(list)
     # Wall time of each step as the prepare sees it (the writes run in worker threads).
-    p, ck, specs = preparer, preparer.checkpoint, preparer.spec_rounds
-    p._plan = timed(phases, "plan (claim -> devices, spec)", p._plan)  # type: ignore[method-assign]
+    p, ck, specs = preparer.planner, preparer.checkpoint, preparer.journal.spec_rounds
+    p.plan = timed(phases, "plan (claim -> devices, spec)", p.plan)  # type: ignore[method-assign]
     ck.encode = timed(phases, "checkpoint encode", ck.encode)  # type: ignore[method-assign]
     ck.write = timed(phases, "checkpoint write (atomic, fsynced)", ck.write)  # type: ignore[method-assign]
     specs.write = timed(phases, "CDI spec write (atomic, fsynced)", specs.write, True)  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""Per-claim CDI specs: build, version, write atomically, find, remove.
+"""Per-claim CDI specs: build, version, encode, find (journal.Journal writes and removes them).
 
 One spec file per claim (`k8s.<driver>-claim_<claimUID>.json`), kind `k8s.<driver>/claim`, devices
 named `<claimUID>-<device>` so no two files ever define the same device (the CDI cache deletes
@@ -22,8 +22,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from dra_gpu.durable import atomic_write, remove_durably
 
 CLASS = "claim"
 SPEC_MODE = 0o644  # containerd reads the specs; nothing in them is secret
@@ -188,25 +186,12 @@ class CdiSpecs:
         # Compact: the C encoder (indent= falls back to the pure-Python one, ~4x slower).
         return _compact(spec).encode() + b"\n"
 
-    def write(self, claim_uid: str, spec: dict[str, Any]) -> None:
-        path = self.path(claim_uid)
-        try:
-            atomic_write(path, self.encode(spec), mode=SPEC_MODE)
-        except OSError as exc:
-            raise CdiWriteError(exc.errno, exc.strerror, path) from exc
-
     def read(self, claim_uid: str) -> dict[str, Any] | None:
         try:
             data: dict[str, Any] = json.loads(self.path(claim_uid).read_bytes())
             return data
         except (FileNotFoundError, ValueError):
             return None
-
-    def remove(self, claim_uid: str) -> bool:
-        path = self.path(claim_uid)
-        if not path.is_symlink() and not path.exists():
-            return False  # nothing to do, also on a read-only directory (unlink says EROFS there)
-        return remove_durably(path)
 
     def owned(self) -> dict[str, Path]:
         """Claim UID -> spec file, for every spec file of this driver in the directory."""

@@ -3,10 +3,25 @@
 File layout (JSON), versioned so that an older reader never chokes on a newer writer:
 
     {"version": 1, "checksum": "<sha256 of canonical data>", "data": {
-        "bootId": "...", "claims": {"<uid>": {"state": "started" | "completed", "namespace": ..,
-        "name": .., "devices": [...], "cdiSpec": {...}}}}}
+        "bootId": "...", "claims": {"<uid>": <entry>}}}
 
-Readers keep fields they do not know (they stay in the dicts and are written back), and the
+An entry is one claim's record (`record.ClaimRecord`, which alone reads and writes it):
+
+    state         started | bound | completed
+    namespace     the claim's namespace
+    name          the claim's name
+    devices       the prepared devices, as the kubelet was answered: [{"requestNames",
+                  "poolName", "deviceName", "cdiDeviceIds", "shareId"?, "adminAccess"?}]
+    cdiSpec       the claim's own part of its CDI spec (null until it is planned in full); the
+                  file adds the driver's user space
+    driverFiles   digest of the driver installation the spec was made with
+    migInstances  dynamic MIG instances made or being made: [{"device", "parentUUID",
+                  "profileId", "start", "size", "step": planned | gpu-instance | ready,
+                  "giId"?, "ciId"?, "uuid"?}]
+    sharing       what sharing applied (compute modes, MPS daemons), to undo or re-adopt
+    rebuilt       true when the record was rebuilt from the CDI specs and the API
+
+Readers keep fields they do not know (`ClaimRecord.extra`, written back as they were), and the
 checksum is over canonical JSON of whatever is there, so adding a field never makes an old file
 "corrupt". A checkpoint written during another boot is discarded: CDI specs under /var/run and
 device state do not survive a reboot, and the kubelet prepares the claims again.
@@ -14,13 +29,14 @@ device state do not survive a reboot, and the kubelet prepares the claims again.
 A corrupt file (truncated, bytes flipped, not JSON) is moved aside with a log line and replaced by
 an empty checkpoint marked `rebuildPending`: the plugin then rebuilds the records from what
 survives (the claims' CDI specs and the claims allocated to this node in the API, see
-Preparer.rebuild) before it serves, and the mark stays until that succeeded, so a crash or an
+reconcile.Reconciler.rebuild) before it serves, and the mark stays until that succeeded, so a crash or an
 unreachable apiserver meanwhile never makes a later start take the empty file for the truth.
 A file of a newer format version is refused (CheckpointVersionError) and left as it is: a newer
 plugin may have recorded what this one cannot undo, and a downgrade must not lose it.
 
 Each claim goes through two phases: `started` is written before anything is created for it and
-`completed` after its CDI spec is in place, so a crash in between is rolled back at the next start.
+`completed` after its CDI spec is in place, so a crash in between is rolled back at the next start;
+a claim whose dynamic MIG instances were made before its pod was bound is `bound` until then.
 A claim with dynamic MIG devices also records each instance's step (`migInstances`: planned, then
 the GPU instance's ID, then the compute instance and MIG UUID), each written before the next NVML
 call, so the rollback finds and destroys exactly what was made.
@@ -28,25 +44,22 @@ call, so the rollback finds and destroys exactly what was made.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dra_gpu.durable import atomic_write
+from dra_gpu.plugin.record import ClaimRecord, ClaimState
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 REBUILD_PENDING = "rebuildPending"
-STARTED, COMPLETED = "started", "completed"
-# Dynamic MIG: the claim's instances were made before its pod was bound (binding conditions);
-# prepare then only writes the CDI spec. Kept across restarts, like completed.
-BOUND = "bound"
+STARTED, COMPLETED, BOUND = ClaimState.STARTED, ClaimState.COMPLETED, ClaimState.BOUND
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -74,49 +87,10 @@ class CheckpointRebuildError(RuntimeError):
     stays, so the next start tries again."""
 
 
-@dataclass
-class ClaimRecord:
-    uid: str
-    raw: dict[str, Any]  # the stored entry, including fields this version does not know
-
-    @property
-    def state(self) -> str:
-        return str(self.raw.get("state", ""))
-
-    @property
-    def namespace(self) -> str:
-        return str(self.raw.get("namespace", ""))
-
-    @property
-    def name(self) -> str:
-        return str(self.raw.get("name", ""))
-
-    @property
-    def devices(self) -> list[dict[str, Any]]:
-        return list(self.raw.get("devices", []))
-
-    @property
-    def device_names(self) -> set[str]:
-        return {d["deviceName"] for d in self.devices if not d.get("adminAccess")}
-
-    @property
-    def mig_instances(self) -> list[dict[str, Any]]:
-        """Dynamic MIG instances made (or being made) for the claim, with the step reached."""
-        value = self.raw.get("migInstances")
-        return list(value) if isinstance(value, list) else []
-
-    @property
-    def cdi_spec(self) -> dict[str, Any] | None:
-        spec = self.raw.get("cdiSpec")
-        return spec if isinstance(spec, dict) else None
-
-    def ref(self) -> str:
-        return f"{self.namespace}/{self.name} (uid {self.uid})"
-
-
 class Checkpoint:
     """In-memory view of the checkpoint file. Prepare stages changes in memory and makes them
-    durable with `write(encode())` (grouped, see prepare._commit); reconcile's removals write at once."""
+    durable with `write(encode())` (grouped, see journal.Journal.commit); reconcile's removals write
+    at once. Only the journal changes it."""
 
     def __init__(self, path: Path, boot_id: str | None = None) -> None:
         self.path = path
@@ -125,9 +99,11 @@ class Checkpoint:
         # uid -> (the entry, its canonical JSON): entries are replaced whole, never changed in
         # place, so an unchanged entry is not serialised again on every write.
         self._encoded: dict[str, tuple[dict[str, Any], str]] = {}
-        # uid -> (the entry, the devices it holds): a prepare checks its devices against every
+        # uid -> the parsed record of its entry (entries read from the file are parsed on first use).
+        self._records: dict[str, ClaimRecord] = {}
+        # uid -> (the record, the devices it holds): a prepare checks its devices against every
         # other claim's, and rebuilding each claim's set every time was quadratic in a burst.
-        self._held: dict[str, tuple[dict[str, Any], frozenset[str]]] = {}
+        self._held: dict[str, tuple[ClaimRecord, frozenset[str]]] = {}
         self._load()
 
     def _load(self) -> None:
@@ -214,75 +190,69 @@ class Checkpoint:
     def write(self, blob: bytes) -> None:
         atomic_write(self.path, blob)
 
-    def stage(self, uid: str, entry: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Change the in-memory state only (the caller writes it); returns the previous entry.
-
-        The entry is taken over, not copied (a deep copy was the largest CPU cost of a prepare):
-        the caller builds it fresh and never changes it afterwards; entries are replaced whole."""
+    def stage(self, uid: str, entry: ClaimRecord | Mapping[str, Any] | None) -> None:
+        """Change the in-memory state only (the caller writes it). Records are frozen and replaced
+        whole, so the one held is handed out as it is and its encoding is cached."""
         claims: dict[str, dict[str, Any]] = self._data["claims"]
-        old = claims.get(uid)
         if entry is None:
             claims.pop(uid, None)
+            self._records.pop(uid, None)
             self._held.pop(uid, None)
-        else:
-            claims[uid] = entry
-        return old
+            return
+        record = entry if isinstance(entry, ClaimRecord) else ClaimRecord.parse(uid, entry)
+        claims[uid] = record.to_json()
+        self._records[uid] = record
 
     def holder(self, names: set[str], other_than: str) -> tuple[str, ClaimRecord] | None:
         """The first claim but `other_than` whose record holds one of `names` (devices held for
         admin access excepted), with that device; None when they are all free."""
         if not names:
             return None
-        for uid, entry in self._data["claims"].items():
+        for uid in self._data["claims"]:
             if uid == other_than:
                 continue
+            record = self._record(uid)
             held = self._held.get(uid)
-            if held is None or held[0] is not entry:
-                held = self._held[uid] = (entry, frozenset(ClaimRecord(uid, entry).device_names))
+            if held is None or held[0] is not record:
+                held = self._held[uid] = (record, frozenset(record.device_names))
             clash = names & held[1]
             if clash:
-                return min(clash), ClaimRecord(uid, entry)
+                return min(clash), record
         return None
 
     def has(self, uid: str) -> bool:
         return uid in self._data["claims"]
 
-    def get(self, uid: str) -> ClaimRecord | None:
-        raw = self._data["claims"].get(uid)
-        return ClaimRecord(uid, copy.deepcopy(raw)) if raw is not None else None
+    def _record(self, uid: str) -> ClaimRecord:
+        record = self._records.get(uid)
+        if record is None:  # read from the file: parsed once, on first use
+            record = self._records[uid] = ClaimRecord.parse(uid, self._data["claims"][uid])
+        return record
 
-    def view(self, uid: str) -> ClaimRecord | None:
-        """Like get(), without copying: read-only use on the hot path."""
-        raw = self._data["claims"].get(uid)
-        return ClaimRecord(uid, raw) if raw is not None else None
+    def get(self, uid: str) -> ClaimRecord | None:
+        return self._record(uid) if uid in self._data["claims"] else None
 
     def records(self) -> list[ClaimRecord]:
-        return [ClaimRecord(uid, copy.deepcopy(raw)) for uid, raw in self._data["claims"].items()]
+        return [self._record(uid) for uid in list(self._data["claims"])]
 
-    def views(self) -> list[ClaimRecord]:
-        """Like records(), without copying: read-only use on the hot path."""
-        return [ClaimRecord(uid, raw) for uid, raw in self._data["claims"].items()]
-
-    def put(self, uid: str, entry: dict[str, Any]) -> None:
-        old = self._data["claims"].get(uid)
-        self._data["claims"][uid] = copy.deepcopy(entry)
+    def put(self, uid: str, entry: ClaimRecord | Mapping[str, Any]) -> None:
+        """Stage and write at once (the start-up reconcile and tests)."""
+        old = self.get(uid)
+        self.stage(uid, entry)
         try:
             self._save()
         except BaseException:
-            if old is None:
-                self._data["claims"].pop(uid, None)
-            else:
-                self._data["claims"][uid] = old
+            self.stage(uid, old)
             raise
 
     def remove(self, uid: str) -> bool:
-        old = self._data["claims"].pop(uid, None)
+        old = self.get(uid)
         if old is None:
             return False
-        self._held.pop(uid, None)
+        self.stage(uid, None)
         try:
             self._save()
         except BaseException:
-            self._data["claims"][uid] = old
+            self.stage(uid, old)
             raise
         return True

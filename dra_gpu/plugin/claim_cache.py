@@ -30,6 +30,7 @@ from typing import Any
 
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.plugin.allocation import Allocation
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,7 @@ class ClaimCache:
         return None
 
     def _allocated_here(self, claim: dict[str, Any]) -> bool:
-        alloc = (claim.get("status") or {}).get("allocation") or {}
-        return any(
-            r.get("driver") == self.driver and r.get("pool") == self.node
-            for r in (alloc.get("devices") or {}).get("results") or []
-        )
+        return bool(Allocation.of(claim).results_for(self.driver, self.node))
 
     @staticmethod
     def _key(claim: dict[str, Any]) -> tuple[str, str]:

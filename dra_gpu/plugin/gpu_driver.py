@@ -11,7 +11,8 @@ from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.kubeletplugin.driver import ClaimRef, DeviceHealth, Health
 from dra_gpu.model import Inventory
-from dra_gpu.plugin.prepare import PreparedDevice, Preparer
+from dra_gpu.plugin.prepare import Preparer
+from dra_gpu.plugin.record import PreparedDevice
 from dra_gpu.slices import build_slices
 
 

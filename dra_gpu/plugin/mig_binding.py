@@ -19,7 +19,9 @@ from dra_gpu.dynamic_mig import FAILED_CONDITION, READY_CONDITION
 from dra_gpu.kube import Kube, KubeError
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.model import MigDevice
-from dra_gpu.plugin.prepare import BusyPrepareError, PrepareError, Preparer
+from dra_gpu.plugin.allocation import Allocation
+from dra_gpu.plugin.plan import BusyPrepareError, PrepareError
+from dra_gpu.plugin.prepare import Preparer
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,9 @@ class MigBinder:
 
     def waiting(self, claim: dict[str, Any]) -> list[str]:
         """This node's devices of the claim that wait for their binding condition."""
-        alloc = (claim.get("status") or {}).get("allocation") or {}
+        allocation = Allocation.of(claim)
         # A condition from before this allocation (an earlier, given-up one) does not count.
-        since = str(alloc.get("allocationTimestamp") or "")
+        since = allocation.timestamp
         reported = {
             str(d.get("device"))
             for d in (claim.get("status") or {}).get("devices") or []
@@ -60,12 +62,9 @@ class MigBinder:
             )
         }
         return [
-            str(r.get("device"))
-            for r in (alloc.get("devices") or {}).get("results") or []
-            if r.get("driver") == self.driver
-            and r.get("pool") == self.node
-            and READY_CONDITION in (r.get("bindingConditions") or [])
-            and str(r.get("device")) not in reported
+            r.device
+            for r in allocation.results_for(self.driver, self.node)
+            if READY_CONDITION in r.binding_conditions and r.device not in reported
         ]
 
     async def on_list(self, items: list[dict[str, Any]], _version: str) -> None:

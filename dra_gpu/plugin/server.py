@@ -32,7 +32,6 @@ from dra_gpu.plugin.gpu_driver import GpuDriver
 from dra_gpu.plugin.mig_binding import MigBinder
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.plugin.rebuild import rebuild
 from dra_gpu.plugin.sharing import node_sharing
 
 log = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ class KubeletPlugin:
             cache=claims,
         )
         if checkpoint.rebuild_pending:  # the file was corrupt: records from the specs and the API
-            await rebuild(preparer, kube)
+            await preparer.rebuild(kube)
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
         health = HealthNode(
@@ -127,8 +126,8 @@ class KubeletPlugin:
 
             def prepared_claims() -> list[tuple[str, str, str, list[dict[str, Any]]]]:
                 return [
-                    (r.namespace, r.name, r.uid, r.devices)
-                    for r in checkpoint.views()
+                    (r.namespace, r.name, r.uid, [d.to_dict() for d in r.devices])
+                    for r in checkpoint.records()
                     if r.state == COMPLETED
                 ]
 

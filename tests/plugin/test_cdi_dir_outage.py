@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.plugin.prepare import PrepareError
+from dra_gpu.plugin.plan import PrepareError
 from plugin.conftest import PluginCore, claim, gpu_names
 
 
@@ -51,7 +51,7 @@ def fill(directory: Path) -> Path:
 
 
 def assert_nothing_left(core: PluginCore, ref: ClaimRef) -> None:
-    assert core.checkpoint.view(ref.uid) is None
+    assert core.checkpoint.get(ref.uid) is None
     assert core.checkpoint.records() == []
     assert core.cdi.owned() == {}
     assert [p.name for p in core.cdi.dir.iterdir() if p.name != "filler"] == []  # no temp file
@@ -104,7 +104,7 @@ def test_unprepare_on_a_read_only_dir_keeps_the_claim_until_its_spec_is_gone(
         for _ in range(2):  # each retry fails the same way, and the claim stays recorded
             with pytest.raises(PrepareError, match=os.strerror(errno.EROFS)):
                 await core.preparer.unprepare(ref)
-            assert core.checkpoint.view(ref.uid) is not None
+            assert core.checkpoint.get(ref.uid) is not None
             assert set(core.cdi.owned()) == {ref.uid}
         subprocess.run(["mount", "-o", "remount,rw", str(tmpfs_cdi)], check=True)
         await core.preparer.unprepare(ref)

@@ -27,7 +27,6 @@ from dra_gpu.plugin.checkpoint import (
     CheckpointVersionError,
     _checksum,
 )
-from dra_gpu.plugin.rebuild import rebuild
 from plugin.conftest import NODE, PluginCore, claim, gpu_names, make_core, mig_names
 from plugin.test_dynamic_mig_prepare import GPU0, start_node
 from plugin.test_failpoints_crash import h100_root  # noqa: F401 - a fixture
@@ -180,7 +179,7 @@ def test_a_corrupt_checkpoint_is_rebuilt_and_loses_nothing(core: PluginCore, how
     _, pid = daemon_of(core, claims[2])
     # Left over from a claim whose ResourceClaim is gone: the rebuild must not keep it.
     stale = "bbbbbbbb-0000-4000-8000-000000000009"
-    core.cdi.write(stale, json.loads(specs[claims[0]["metadata"]["uid"]]))
+    core.preparer.journal.write_spec_now(stale, json.loads(specs[claims[0]["metadata"]["uid"]]))
     # Allocated here but never prepared: no record for it.
     core.add(claim("cccccccc-0000-4000-8000-000000000004", [gpu_names(core)[2]], name="later"))
 
@@ -189,7 +188,7 @@ def test_a_corrupt_checkpoint_is_rebuilt_and_loses_nothing(core: PluginCore, how
     restarted = core.restart()
     assert restarted.checkpoint.rebuild_pending and restarted.checkpoint.records() == []
     assert len(list(path.parent.glob("checkpoint.json.corrupt-*"))) == 1
-    counts = asyncio.run(rebuild(restarted.preparer, restarted.claims))
+    counts = asyncio.run(restarted.preparer.rebuild(restarted.claims))
     assert counts == {"rebuiltClaims": 3, "rebuiltBound": 0, "specsUnconfirmed": 1, "notRebuilt": 0}
     reconciled = restarted.preparer.reconcile()
     assert reconciled["removed"] == 1 and reconciled["rebuilt"] == 0  # only the stale spec went
@@ -233,11 +232,11 @@ def test_rebuild_without_the_api_removes_nothing_and_stays_pending(core: PluginC
             raise OSError("connection refused")
 
     with pytest.raises(CheckpointRebuildError, match="connection refused"):
-        asyncio.run(rebuild(restarted.preparer, Down(), deadline=0.5))
+        asyncio.run(restarted.preparer.rebuild(Down(), deadline=0.5))
     assert spec_files(restarted) == specs
     again = restarted.restart()  # the next start still knows it must rebuild
     assert again.checkpoint.rebuild_pending
-    assert asyncio.run(rebuild(again.preparer, again.claims))["rebuiltClaims"] == len(claims)
+    assert asyncio.run(again.preparer.rebuild(again.claims))["rebuiltClaims"] == len(claims)
 
 
 def test_a_corrupt_checkpoint_keeps_dynamic_mig_instances_made_and_bound(
@@ -255,7 +254,7 @@ def test_a_corrupt_checkpoint_keeps_dynamic_mig_instances_made_and_bound(
 
     corrupt(node.checkpoint.path, "truncated")
     again = node.restart()
-    counts = asyncio.run(rebuild(again.preparer, again.claims))
+    counts = asyncio.run(again.preparer.rebuild(again.claims))
     assert counts == {"rebuiltClaims": 1, "rebuiltBound": 1, "specsUnconfirmed": 0, "notRebuilt": 0}
     assert again.preparer.reconcile()["orphansDestroyed"] == 0  # both instances are claimed again
     assert sorted((i.gi_id, i.uuid) for i in again.live()) == made

@@ -14,12 +14,13 @@ import pytest
 from dra_gpu.api.v1alpha1 import API_VERSION
 from dra_gpu.discovery import discover, load_profile
 from dra_gpu.discovery.fake_nvml import FakeNvml
+from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.mig_lifecycle import MigInstances
-from dra_gpu.plugin.prepare import ClaimRef, Preparer
+from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.sharing import node_sharing
 from plugin.conftest import DRIVER, NODE, ClaimStore, claim, stop_daemons
 from plugin.test_dynamic_mig_prepare import h100_driver_root  # noqa: F401 - a fixture

@@ -112,7 +112,7 @@ class Fuzz:
         pb, stubs = PB[version]
         claims = [pb.Claim(namespace=n, uid=u, name=c) for n, u, c in refs]
         stub = stubs.DRAPluginStub(self.channel)
-        before = {r.uid for r in self.core.checkpoint.views()}
+        before = {r.uid for r in self.core.checkpoint.records()}
         start = time.monotonic()
         if op == "prepare":
             request = pb.NodePrepareResourcesRequest(claims=claims)
@@ -126,7 +126,7 @@ class Fuzz:
         specs = self.core.cdi.owned()
         for uid, answer in resp.claims.items():
             assert not answer.error.startswith("internal error"), answer.error
-            record = self.core.checkpoint.view(uid)
+            record = self.core.checkpoint.get(uid)
             if op == "unprepare":
                 if not answer.error:
                     assert record is None and uid not in specs
@@ -146,7 +146,7 @@ class Fuzz:
 
     async def reset(self) -> None:
         """Unprepare everything the example prepared; nothing may be left."""
-        refs = [(r.namespace, r.uid, r.name) for r in self.core.checkpoint.views()]
+        refs = [(r.namespace, r.uid, r.name) for r in self.core.checkpoint.records()]
         if refs:
             await self.call("v1", "unprepare", refs)
         assert self.core.checkpoint.records() == []

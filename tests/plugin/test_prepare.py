@@ -14,7 +14,7 @@ import pytest
 from dra_gpu.api import API_VERSION
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
-from dra_gpu.plugin.prepare import PrepareError
+from dra_gpu.plugin.plan import PrepareError
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, validate_cdi
 
 

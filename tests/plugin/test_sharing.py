@@ -17,7 +17,7 @@ import pytest
 from dra_gpu.api import API_VERSION, decode
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
-from dra_gpu.plugin.prepare import PrepareError
+from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
 from plugin.conftest import DRIVER, PluginCore, claim, gpu_names, mig_names
 
@@ -112,7 +112,7 @@ def test_mps_claim_runs_its_daemon_with_the_limits_and_unprepare_stops_it(core: 
 
 def test_mps_on_a_mig_device_sets_the_mig_devices_compute_mode(core: PluginCore) -> None:
     m0 = mig_names(core)[0]
-    _, mig = core.preparer.devices[m0]
+    _, mig = core.preparer.planner.devices[m0]
     assert mig is not None
     c = claim(uid(), [m0], config=mps_config(25, None, kind="MigDeviceConfig"))
     core.add(c)

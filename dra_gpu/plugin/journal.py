@@ -1,0 +1,133 @@
+"""The only writer of the plugin's durable state: the checkpoint's claim records and the claims'
+CDI spec files.
+
+Prepare stages a record in memory under the state lock (`stage`) and makes it durable with
+`commit`: whoever writes, writes all that is staged, so 100 claims in flight need far fewer than
+100 checkpoint writes (group commit). The specs of concurrent claims are written and removed in
+rounds (write_rounds: one worker-thread job and one fsync of the CDI directory per round); the
+checkpoint's writes run beside them. The start-up reconcile, which runs before serving and alone,
+writes at once (`*_now`).
+
+Checks that look across claims (a device held by another claim, sharing that cannot sit beside
+another claim's) read the staged state and run under the same state lock as `stage`, so two
+claims can never both be prepared with the same device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from dra_gpu import failpoints
+from dra_gpu.durable import atomic_write, remove_durably
+from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.plugin.cdi import SPEC_MODE, CdiSpecs, CdiWriteError
+from dra_gpu.plugin.checkpoint import Checkpoint
+from dra_gpu.plugin.plan import BusyPrepareError, PrepareError
+from dra_gpu.plugin.record import ClaimRecord
+from dra_gpu.plugin.sharing import Sharing
+from dra_gpu.plugin.write_rounds import WriteRounds
+
+
+class Journal:
+    def __init__(self, checkpoint: Checkpoint, cdi: CdiSpecs) -> None:
+        self.checkpoint = checkpoint
+        self.cdi = cdi
+        # Checks across claims and `stage` run under it.
+        self.state_lock = asyncio.Lock()
+        self._commit_lock = asyncio.Lock()
+        self.spec_rounds = WriteRounds()
+        self._staged = 0
+        self._written = 0
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get(self, uid: str) -> ClaimRecord | None:
+        return self.checkpoint.get(uid)
+
+    def records(self) -> list[ClaimRecord]:
+        return self.checkpoint.records()
+
+    def holder(self, names: set[str], other_than: str) -> tuple[str, ClaimRecord] | None:
+        """The first claim but `other_than` that holds one of `names`, with that device."""
+        return self.checkpoint.holder(names, other_than)
+
+    def other_sharing(self, uid: str) -> list[dict[str, Any]]:
+        """The sharing records of every claim but `uid`."""
+        return [o.sharing for o in self.records() if o.uid != uid and o.sharing]
+
+    def check_free(self, ref: ClaimRef, exclusive: set[str], sharing: dict[str, Any]) -> None:
+        """Refuse a claim whose devices another claim holds, or whose sharing cannot be applied
+        beside another claim's (call under the state lock, before staging)."""
+        held = self.holder(exclusive, other_than=ref.uid)
+        if held is not None:
+            device, other = held
+            raise BusyPrepareError(
+                f"claim {ref}: device {device} is already prepared for claim "
+                f"{other.ref()}; refusing to hand it to two claims"
+            )
+        if sharing:
+            others = [(o.ref(), o.sharing) for o in self.records() if o.uid != ref.uid and o.sharing]
+            problem = Sharing.conflict(sharing, others)
+            if problem:
+                raise PrepareError(f"claim {ref}: {problem}")
+
+    # -- staged, committed in groups -------------------------------------------------------------
+
+    def stage(self, uid: str, record: ClaimRecord | None) -> None:
+        """Change the checkpoint in memory (call under the state lock, then `commit`)."""
+        self._staged += 1
+        self.checkpoint.stage(uid, record)
+
+    async def commit(self) -> None:
+        """Make everything staged so far durable. Whoever writes, writes all that is staged."""
+        target = self._staged
+        async with self._commit_lock:
+            if self._written >= target:
+                return  # an earlier write already carried this change
+            version = self._staged
+            blob = self.checkpoint.encode()
+            await asyncio.to_thread(self.checkpoint.write, blob)
+            self._written = version
+
+    async def commit_then(self, failpoint: str) -> None:
+        await self.commit()
+        failpoints.hit(failpoint)
+
+    async def write_spec(self, uid: str, content: bytes) -> None:
+        path = self.cdi.path(uid)
+        try:
+            await self.spec_rounds.write(path, content, SPEC_MODE)
+        except OSError as exc:
+            raise CdiWriteError(exc.errno, exc.strerror, path) from exc
+        failpoints.hit(failpoints.PREPARE_AFTER_CDI_SPEC)  # the spec is written, its record maybe not
+
+    async def remove_spec(self, uid: str) -> bool:
+        return await self.spec_rounds.remove(self.cdi.path(uid))
+
+    # -- at once (the start-up reconcile and rebuild, before serving) ----------------------------
+
+    def write_spec_now(self, uid: str, spec: dict[str, Any]) -> None:
+        path = self.cdi.path(uid)
+        try:
+            atomic_write(path, self.cdi.encode(spec), mode=SPEC_MODE)
+        except OSError as exc:
+            raise CdiWriteError(exc.errno, exc.strerror, path) from exc
+
+    def remove_spec_now(self, uid: str) -> bool:
+        path = self.cdi.path(uid)
+        if not path.is_symlink() and not path.exists():
+            return False  # nothing to do, also on a read-only directory (unlink says EROFS there)
+        return remove_durably(path)
+
+    def forget_now(self, uid: str) -> bool:
+        """Remove the claim's record, durably."""
+        return self.checkpoint.remove(uid)
+
+    def stage_rebuilt(self, record: ClaimRecord) -> None:
+        """A record rebuilt from the specs and the API (written by `rebuilt`)."""
+        self.checkpoint.stage(record.uid, record)
+
+    def rebuilt(self) -> None:
+        """Clear the checkpoint's rebuild mark and write the rebuilt records, in one write."""
+        self.checkpoint.rebuilt()

@@ -1,0 +1,257 @@
+"""What a claim's allocation comes to on this node: a `ClaimPlan`, computed without side effects.
+
+The planner maps each allocated device of this driver to the node's device (a whole GPU, a MIG
+device, or a dynamic MIG placement), picks its opaque config, checks its device nodes exist, and
+builds the claim's own CDI spec and sharing plan. It writes nothing: the preparer carries the plan
+out (journal, MIG instances, sharing), and the checkpoint's rebuild plans a claim the same way.
+
+Dynamic MIG devices exist only once made: a placement the allocation names and `made` does not
+hold is a target of the plan, and a plan with targets has no spec yet (it is planned again with
+the made instances).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dra_gpu.api import ConfigError, GpuConfig, decode
+from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
+from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
+from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
+from dra_gpu.plugin.allocation import Allocation, ShapeError
+from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
+from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
+from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
+from dra_gpu.plugin.record import ClaimRecord, ClaimState, MigStep, PreparedDevice
+from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError, SharingPlan
+
+
+class PrepareError(ClaimError):
+    """A claim that cannot be prepared (or unprepared); the message goes back to the kubelet."""
+
+
+class BusyPrepareError(PrepareError):
+    """The device, or the memory slices of its MIG placement, are held by another instance."""
+
+
+@dataclass(frozen=True)
+class MigTarget:
+    """A dynamic MIG device to make: its name, its parent GPU and its placement."""
+
+    name: str
+    gpu: Gpu
+    placement: MigPlacement
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    devices: tuple[PreparedDevice, ...]
+    targets: tuple[MigTarget, ...]  # dynamic MIG devices still to be made
+    spec: dict[str, Any] | None  # the claim's own CDI spec; None while targets remain
+    driver_edits: dict[str, Any]  # the driver's user space, added to the spec file
+    sharing: SharingPlan  # for the devices that exist (not targets still to be made)
+
+    def record(
+        self, ref: ClaimRef, state: ClaimState, driver_files: str | None, mig_steps: tuple[MigStep, ...] = ()
+    ) -> ClaimRecord:
+        """The claim's checkpoint record for this plan (its sharing is added once applied)."""
+        return ClaimRecord(
+            uid=ref.uid,
+            state=state,
+            namespace=ref.namespace,
+            name=ref.name,
+            devices=self.devices,
+            cdi_spec=self.spec,  # the claim's own part; the file adds the driver's user space
+            driver_files=driver_files,
+            mig_steps=mig_steps,
+        )
+
+    @property
+    def exclusive(self) -> set[str]:
+        """The devices the claim holds alone: not for admin access, not a share of a GPU."""
+        return {d.device_name for d in self.devices if not d.admin_access and d.share_id is None}
+
+
+_Configs = list[tuple[list[str], GpuConfig, str]]  # (requests, config, where)
+
+
+class Planner:
+    """The node's devices and everything a plan reads (device nodes, the driver's files)."""
+
+    def __init__(
+        self,
+        driver: str,
+        node_name: str,
+        inventory: Inventory,
+        cdi: CdiSpecs,
+        nodes: DeviceNodes,
+        driver_files: DriverFiles,
+        sharing: Sharing | None,
+    ) -> None:
+        self.driver = driver
+        self.node_name = node_name
+        self.cdi = cdi
+        self.nodes = nodes
+        self.driver_files = driver_files
+        self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
+        self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
+        self.placements: dict[str, tuple[Gpu, MigPlacement]] = {}
+        self.dynamic_gpus = [g for g in inventory.gpus if g.dynamic_mig]
+        for gpu in inventory.gpus:
+            if not gpu.mig_enabled or gpu.dynamic_mig:
+                self.devices[gpu.device_name] = (gpu, None)
+            if gpu.dynamic_mig:
+                for p in gpu.mig_placements():
+                    self.placements[gpu.mig_name(p.profile.name, p.start)] = (gpu, p)
+            else:
+                for made in gpu.mig_devices:
+                    self.devices[gpu.mig_device_name(made)] = (gpu, made)
+
+    def allocated_here(self, claim: Mapping[str, Any]) -> set[str]:
+        """The devices of this node's pool the claim's allocation holds."""
+        return Allocation.of(claim).devices_for(self.driver, self.node_name)
+
+    def placements_of(self, allocation: Allocation) -> list[str]:
+        """The dynamic MIG placements of this node the allocation holds."""
+        here = allocation.results_for(self.driver, self.node_name)
+        return [r.device for r in here if r.device in self.placements]
+
+    @staticmethod
+    def allocation(ref: ClaimRef, claim: dict[str, Any]) -> Allocation:
+        """The claim's allocation, parsed once for its plans; a bad shape is the claim's error."""
+        try:
+            return Allocation.checked(claim)
+        except ShapeError as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from exc
+
+    def plan(self, ref: ClaimRef, allocation: Allocation, made: Mapping[str, MigDevice]) -> ClaimPlan:
+        """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
+        if not allocation.allocated:
+            raise PrepareError(f"claim {ref} is not allocated")
+        results = allocation.results_for(self.driver)
+        if not results:
+            raise PrepareError(f"claim {ref}: its allocation has no devices of driver {self.driver}")
+        configs = self._configs(ref, allocation)
+        prepared: list[PreparedDevice] = []
+        cdi_devices: dict[str, CdiDevice] = {}
+        shared: list[SharedDevice] = []
+        targets: dict[str, MigTarget] = {}
+        uuids: list[str] = []
+        for i, result in enumerate(results):
+            device = result.device
+            where = f"claim {ref}: status.allocation.devices.results[{i}]"
+            if result.pool != self.node_name:
+                raise PrepareError(
+                    f"{where}: device {result.pool}/{device} is not on this node ({self.node_name})"
+                )
+            if device in self.placements:
+                gpu, placement = self.placements[device]
+                mig = made.get(device)
+                is_mig = True
+                if mig is None:
+                    targets[device] = MigTarget(device, gpu, placement)
+            elif device in self.devices:
+                gpu, mig = self.devices[device]
+                is_mig = mig is not None
+            else:
+                raise PrepareError(f"{where}: device {device} is not published by this node")
+            config = self._config_for(where, result.request, is_mig, configs)
+            share_id = result.share_id
+            # A share of a GPU allocated to several claims is a CDI device of its own.
+            cdi_name = f"{device}-{share_id}" if share_id else device
+            if cdi_name not in cdi_devices and device not in targets:
+                try:
+                    nodes = self.nodes.mig(gpu, mig) if mig is not None else self.nodes.gpu(gpu)
+                    self.nodes.verify(nodes)
+                except DeviceNodeError as exc:
+                    raise PrepareError(f"{where}: {exc}") from exc
+                uuid = mig.uuid if mig is not None else gpu.uuid
+                if uuid not in uuids:
+                    uuids.append(uuid)
+                cdi_devices[cdi_name] = CdiDevice(
+                    name=cdi_name, device_nodes=nodes, env=config.container_env([uuid])
+                )
+                consumed = dict(result.consumed_capacity or {})
+                shared.append(
+                    SharedDevice(
+                        cdi_name, uuid, config, where, gpu.cuda_compute_capability, share_id, consumed
+                    )
+                )
+            prepared.append(
+                PreparedDevice(
+                    request_names=[result.base_request],
+                    pool_name=self.node_name,
+                    device_name=device,
+                    cdi_device_ids=[self.cdi.device_id(ref.uid, cdi_name)],
+                    share_id=share_id,
+                    admin_access=result.admin_access,
+                )
+            )
+        sharing = self._plan_sharing(ref, shared)
+        for name, (env, mounts) in sharing.device_edits.items():
+            cdi_devices[name].env.update(env)
+            cdi_devices[name].mounts.extend(mounts)
+        control = self.nodes.control()
+        try:
+            self.nodes.verify(control)
+        except DeviceNodeError as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from exc
+        try:
+            driver_edits = self.driver_files.edits()
+        except DriverInstallationError as exc:
+            raise PrepareError(f"claim {ref}: {exc}") from exc
+        if targets:
+            return ClaimPlan(tuple(prepared), tuple(targets.values()), None, driver_edits, sharing)
+        spec = self.cdi.build(
+            ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
+        )
+        return ClaimPlan(tuple(prepared), (), spec, driver_edits, sharing)
+
+    def _configs(self, ref: ClaimRef, allocation: Allocation) -> _Configs:
+        """This driver's configs, class configs before claim configs: (requests, config, where)."""
+        out = []
+        for entry in allocation.configs_for(self.driver):
+            where = f"status.allocation.devices.config[{entry.index}].opaque.parameters"
+            try:
+                config = decode(entry.parameters)
+            except ConfigError as exc:
+                path = f"{where}.{exc.path}" if exc.path else where
+                raise PrepareError(f"claim {ref}: {path}: {exc.message}") from exc
+            out.append((list(entry.requests), config, where))
+        return out
+
+    @staticmethod
+    def _config_for(where: str, request: str, is_mig: bool, configs: _Configs) -> GpuConfig:
+        """The last config naming this request (or naming none) wins; kinds must match."""
+        base = request.split("/", 1)[0]
+        kind = "MigDeviceConfig" if is_mig else "GpuConfig"
+        chosen = DEFAULT_MIG_CONFIG if is_mig else DEFAULT_GPU_CONFIG
+        for requests, config, cwhere in configs:
+            named = request in requests or base in requests
+            if requests and not named:
+                continue
+            if config.kind != kind:
+                if named:
+                    raise PrepareError(
+                        f"{where}: {cwhere}.kind: {config.kind} cannot configure "
+                        f"a {'MIG device' if is_mig else 'whole GPU'} (use {kind})"
+                    )
+                continue
+            chosen = config
+        return chosen
+
+    def _plan_sharing(self, ref: ClaimRef, shared: list[SharedDevice]) -> SharingPlan:
+        needs = [d for d in shared if d.needs_sharing]
+        if not needs:
+            return SharingPlan()
+        if self.sharing is None:
+            what = f"sharing.strategy: {needs[0].config.sharing.strategy}"
+            if needs[0].share_id is not None:
+                what = f"share {needs[0].share_id}"
+            raise PrepareError(f"{needs[0].where}: {what} is not supported by this plugin")
+        try:
+            return self.sharing.plan(ref.uid, shared)
+        except SharingError as exc:
+            raise PrepareError(str(exc)) from exc
