@@ -423,3 +423,35 @@ def ensure_driver_root(
 def nvml_library(root: Path) -> Path:
     """The libnvidia-ml.so.1 of a driver root (what a process loads by full path)."""
     return lib_dir(root) / "libnvidia-ml.so.1"
+
+
+def ensure_nvml_library(
+    cache_dir: Path, profile: str | Path | NodeProfile, version: str | None = None
+) -> Path:
+    """Only the simulated libnvidia-ml.so.1 of a profile (what a process loads by full path),
+    built once under `<cache_dir>/simnvml/<key>/` (file libnvidia-ml.so.<V>, link .so.1)."""
+    node = profile if isinstance(profile, NodeProfile) else load_profile(str(profile))
+    profile_version, cuda_version = profile_versions(node)
+    version = version or profile_version
+    _check_version(version, "version")
+    _need_cc()
+    header = _header(Path(cache_dir))
+    dest = Path(cache_dir) / "simnvml" / cache_key(version, cuda_version, node, None, header)
+    if not dest.is_dir():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            (tmp / "gputable.h").write_text(gpu_table_header(version, cuda_version, node))
+            _compile_libraries(tmp, tmp, header, version, ("libnvidia-ml.so",))
+            (tmp / "gputable.h").unlink()
+            (tmp / f"nvml-{version}.map").unlink()
+            _symlink(f"libnvidia-ml.so.{version}", tmp / "libnvidia-ml.so.1")
+            tmp.chmod(0o755)
+            try:
+                tmp.rename(dest)
+            except OSError:
+                if not dest.is_dir():  # lost the race to another builder: keep theirs
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest / "libnvidia-ml.so.1"
