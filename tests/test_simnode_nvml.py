@@ -17,8 +17,8 @@ from dra_gpu.simnode import exports
 from tests.simnode_support import (
     H200,
     devdir_for,
-    library,
     libcache,  # noqa: F401 - fixture
+    library,
     needs_root,
     needs_toolchain,
     nvml_h,  # noqa: F401 - fixture
@@ -32,7 +32,8 @@ EQUIVALENCE = """
 from dra_gpu.discovery import load_profile, simulated_nvml
 from dra_gpu.discovery.nvml_discovery import discover
 fake, pcie_root = simulated_nvml(load_profile(sys.argv[2]))
-out((discover(pynvml, "node-a", pcie_root, dynamic_mig=True), discover(fake, "node-a", pcie_root, dynamic_mig=True)))
+real = discover(pynvml, "node-a", pcie_root, dynamic_mig=True)
+out((real, discover(fake, "node-a", pcie_root, dynamic_mig=True)))
 """
 
 
@@ -75,7 +76,8 @@ def call(name, fn, *a):
 pynvml.nvmlInit()
 gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
 call("byIdV", lambda: pynvml.nvmlDeviceGetGpuInstanceProfileInfoById(gpu, 9).id)
-call("profileInfoV", lambda: pynvml.nvmlDeviceGetGpuInstanceProfileInfo(gpu, pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE).id)
+THREE_SLICE = pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE
+call("profileInfoV", lambda: pynvml.nvmlDeviceGetGpuInstanceProfileInfo(gpu, THREE_SLICE).id)
 call("attributesWholeGpu", lambda: pynvml.nvmlDeviceGetAttributes(gpu).multiprocessorCount)
 for fn in ("nvmlDeviceSetMemoryLimits_v1", "nvmlDeviceGetMemoryLimits_v1"):
     call(fn, lambda: pynvml._nvmlGetFunctionPointer(fn) is not None)
@@ -94,16 +96,22 @@ call("setComputeModeWholeGpu", pynvml.nvmlDeviceSetComputeMode, whole, pynvml.NV
 call("getComputeModeWholeGpu", pynvml.nvmlDeviceGetComputeMode, whole)
 if res["nvmlDeviceSetMemoryLimits_v1"] is True:
     class Limits(ctypes.Structure):
-        _fields_ = [("nameSpace", ctypes.c_char_p), ("softLimit", ctypes.c_ulonglong), ("hardLimit", ctypes.c_ulonglong)]
+        _fields_ = [
+            ("nameSpace", ctypes.c_char_p),
+            ("softLimit", ctypes.c_ulonglong),
+            ("hardLimit", ctypes.c_ulonglong),
+        ]
     class GetLimits(ctypes.Structure):
         _fields_ = Limits._fields_ + [("currentUsed", ctypes.c_ulonglong)]
     lib = pynvml.nvmlLib
     cg = sys.argv[2].encode()
     res["setLimits"] = lib.nvmlDeviceSetMemoryLimits_v1(whole, ctypes.byref(Limits(cg, 1 << 30, 2 << 30)))
     got = GetLimits(cg, 0, 0, 0)
-    res["getLimits"] = (lib.nvmlDeviceGetMemoryLimits_v1(whole, ctypes.byref(got)), got.softLimit, got.hardLimit)
+    rc = lib.nvmlDeviceGetMemoryLimits_v1(whole, ctypes.byref(got))
+    res["getLimits"] = (rc, got.softLimit, got.hardLimit)
     res["setLimitsMig"] = lib.nvmlDeviceSetMemoryLimits_v1(mig, ctypes.byref(Limits(cg, 1, 2)))
-    res["setLimitsNoCgroup"] = lib.nvmlDeviceSetMemoryLimits_v1(whole, ctypes.byref(Limits(cg + b"/nope", 1, 2)))
+    nope = Limits(cg + b"/nope", 1, 2)
+    res["setLimitsNoCgroup"] = lib.nvmlDeviceSetMemoryLimits_v1(whole, ctypes.byref(nope))
 out(res)
 """
 
@@ -217,8 +225,10 @@ fab = pynvml.c_nvmlGpuFabricInfoV_t(); fab.version = 7
 res["fabricBad"] = lib.nvmlDeviceGetGpuFabricInfoV(gpu, ctypes.byref(fab))
 count = ctypes.c_uint(1)
 placements = (pynvml.c_nvmlGpuInstancePlacement_t * 1)()
-res["placementsShort"] = (lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(gpu, 19, placements, ctypes.byref(count)), count.value)
-res["profileOutOfRange"] = lib.nvmlDeviceGetGpuInstanceProfileInfoV(gpu, 99, ctypes.byref(pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()))
+rc = lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(gpu, 19, placements, ctypes.byref(count))
+res["placementsShort"] = (rc, count.value)
+info2 = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
+res["profileOutOfRange"] = lib.nvmlDeviceGetGpuInstanceProfileInfoV(gpu, 99, ctypes.byref(info2))
 res["uninitialisedAfterShutdown"] = (pynvml.nvmlShutdown(), lib.nvmlDeviceGetCount_v2(ctypes.byref(count)))
 out(res)
 """

@@ -200,12 +200,16 @@ def gpu_table_header(version: str, cuda_version: int, profile: NodeProfile) -> s
             remote = _c_string(nv.remote, f"GPU {g.uuid} nvlink")
             links += [f"{{{remote}, {int(nv.remote.lower() in gpu_buses)}}}"] * nv.links
         links += ["{0, 0}"] * (g.nvlink_count - len(links))
-        pre.append(f"static const struct sim_link SIM_LINKS_{g.minor}[] = {{{', '.join(links) or '{0, 0}'}}};")
+        pre.append(
+            f"static const struct sim_link SIM_LINKS_{g.minor}[] = {{{', '.join(links) or '{0, 0}'}}};"
+        )
         made = [
             f"{{{mig_names.index(i.profile)}, {i.placement}, {i.gi_id}, {_c_string(i.uuid, 'MIG uuid')}}}"
             for i in g.mig_instances
         ]
-        pre.append(f"static const struct sim_premade SIM_PREMADE_{g.minor}[] = {{{', '.join(made) or '{0}'}}};")
+        pre.append(
+            f"static const struct sim_premade SIM_PREMADE_{g.minor}[] = {{{', '.join(made) or '{0}'}}};"
+        )
         fabric = ".has_fabric = 0"
         if g.fabric is not None:
             raw = ", ".join(str(b) for b in uuidlib.UUID(g.fabric.cluster_uuid).bytes)
@@ -272,7 +276,17 @@ def _compile_libraries(
             script = gen / f"nvml-{version}.map"
             script.write_text(exports.version_script(version))
             extra = [f"-Wl,--version-script={script}", "-Wl,--no-undefined"]
-        _cc(["-shared", f"-Wl,-soname,{soname}", *inc, *extra, "-o", str(libdir / filename), str(SRC / lib.source)])
+        _cc(
+            [
+                "-shared",
+                f"-Wl,-soname,{soname}",
+                *inc,
+                *extra,
+                "-o",
+                str(libdir / filename),
+                str(SRC / lib.source),
+            ]
+        )
 
 
 def _symlink(target: str, link: Path) -> None:

@@ -39,7 +39,7 @@ def zip_url(proxy: str = PROXY) -> str:
 
 def _download(url: str) -> bytes:
     try:
-        with urllib.request.urlopen(url, timeout=60) as resp:  # noqa: S310 - fixed https URL
+        with urllib.request.urlopen(url, timeout=60) as resp:
             data: bytes = resp.read()
     except (urllib.error.URLError, OSError) as exc:
         raise NvmlHeaderError(

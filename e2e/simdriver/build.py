@@ -16,17 +16,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from dra_gpu.discovery.profiles import ProfileError, load_profile  # noqa: E402
-from dra_gpu.simnode.builder import (  # noqa: E402,F401 - re-exported for the builder's callers
+from dra_gpu.discovery.profiles import ProfileError, load_profile
+from dra_gpu.simnode.builder import (  # noqa: F401 - re-exported for the builder's callers
     DEFAULT_CUDA_VERSION,
     LIBRARIES,
     TOOLS,
     SimDriverError,
     SimGpu,
+    _build,
     build_driver_root,
     ensure_driver_root,
     lib_dir,
     multiarch,
+    profile_of_gpus,
     profile_versions,
 )
 
@@ -47,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             profile = load_profile(args.profile)
             version, cuda = profile_versions(profile)
             root = build_driver_root(
-                args.out, args.version or version, profile, stale_version=args.stale_version, cuda_version=cuda
+                args.out,
+                args.version or version,
+                profile,
+                stale_version=args.stale_version,
+                cuda_version=cuda,
             )
     except (SimDriverError, ProfileError) as exc:
         print(f"simdriver: {exc}", file=sys.stderr)
