@@ -275,7 +275,7 @@ def _compile_libraries(
         if lib.stem == "libnvidia-ml.so":  # exactly what the real library of `version` exports
             script = gen / f"nvml-{version}.map"
             script.write_text(exports.version_script(version))
-            extra = [f"-Wl,--version-script={script}", "-Wl,--no-undefined"]
+            extra = [f"-Wl,--version-script={script}", "-Wl,--no-undefined", "-pthread"]
         _cc(
             [
                 "-shared",

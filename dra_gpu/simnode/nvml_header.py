@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import tempfile
 import urllib.error
 import urllib.request
@@ -20,7 +21,7 @@ MODULE = "github.com/NVIDIA/go-nvml"
 VERSION = "v0.13.4-1"
 ZIP_SHA256 = "89d6490fdd1ac400524bfd65f2f5e23af2b3fb14131afeecd2468e7d85cf4c6e"
 HEADER_IN_ZIP = f"{MODULE}@{VERSION}/pkg/nvml/nvml.h"
-PROXY = os.environ.get("GOPROXY_URL", "https://proxy.golang.org")
+DEFAULT_PROXY = "https://proxy.golang.org"
 HEADER_ENV = "DRA_GPU_NVML_H"
 
 
@@ -33,8 +34,17 @@ def escape_module_path(path: str) -> str:
     return "".join(f"!{c.lower()}" if c.isupper() else c for c in path)
 
 
-def zip_url(proxy: str = PROXY) -> str:
-    return f"{proxy.rstrip('/')}/{escape_module_path(MODULE)}/@v/{VERSION}.zip"
+def proxy() -> str:
+    """The first URL of $GOPROXY (as the go command reads it: a comma or pipe separated list),
+    else proxy.golang.org."""
+    for entry in re.split(r"[,|]", os.environ.get("GOPROXY", "")):
+        if entry.startswith(("https://", "http://", "file://")):
+            return entry
+    return DEFAULT_PROXY
+
+
+def zip_url(base: str | None = None) -> str:
+    return f"{(base or proxy()).rstrip('/')}/{escape_module_path(MODULE)}/@v/{VERSION}.zip"
 
 
 def _download(url: str) -> bytes:

@@ -27,6 +27,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/file.h>
@@ -81,6 +82,7 @@ static struct nvmlGpuInstance_st gi_handles[SIM_NGPUS + 1][MAX_GI + 1];
 static struct nvmlComputeInstance_st ci_handles[SIM_NGPUS + 1][MAX_GI + 1][MAX_CI];
 
 static int refs; /* nvmlInit/nvmlShutdown nest, as in the real library */
+static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER; /* NVML is thread-safe */
 static unsigned visible[SIM_NGPUS + 1];
 static unsigned nvisible;
 
@@ -378,22 +380,30 @@ static struct gi_state *mig_of(struct node_state *s, Dev d) {
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
+    pthread_mutex_lock(&init_lock);
     if (refs == 0) {
-        if (!sim_ctl_present()) return NVML_ERROR_DRIVER_NOT_LOADED;
+        if (!sim_ctl_present()) {
+            pthread_mutex_unlock(&init_lock);
+            return NVML_ERROR_DRIVER_NOT_LOADED;
+        }
         nvisible = 0; /* the device list is fixed at init, like the real one */
         for (unsigned i = 0; i < SIM_NGPUS; i++)
             if (sim_gpu_present(&SIM_GPUS[i])) visible[nvisible++] = i;
     }
     refs++;
+    pthread_mutex_unlock(&init_lock);
     return NVML_SUCCESS;
 }
 nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
 
 nvmlReturn_t nvmlShutdown(void) {
-    if (refs == 0) return NVML_ERROR_UNINITIALIZED;
-    refs--;
-    return NVML_SUCCESS;
+    nvmlReturn_t r = NVML_SUCCESS;
+    pthread_mutex_lock(&init_lock);
+    if (refs == 0) r = NVML_ERROR_UNINITIALIZED;
+    else refs--;
+    pthread_mutex_unlock(&init_lock);
+    return r;
 }
 
 const char *nvmlErrorString(nvmlReturn_t r) {
