@@ -69,9 +69,12 @@ def devdir_for(path: Path, profile: str | Path) -> Path:
     return make_device_nodes(path, [g.minor for g in load_profile(str(profile)).gpus])
 
 
-def run_child(lib: Path, devdir: Path, body: str, *args: str, timeout: float = 120) -> Any:
+def run_child(
+    lib: Path, devdir: Path, body: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> Any:
     """Run `body` (after PRELUDE) in a child Python; returns what it passed to out()."""
     env = {
+        **(env or {}),
         "PATH": "/usr/bin:/bin",
         "DRA_GPU_SIM_DEV_DIR": str(devdir),
         "PYTHONPATH": str(REPO),

@@ -7,11 +7,13 @@ Each check runs in a child process (one libnvidia-ml.so.1 per process); see simn
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dra_gpu.simnode import exports
 from tests.simnode_support import (
@@ -242,3 +244,78 @@ out(res)
     assert res["placementsShort"] == (7, 7)  # NVML_ERROR_INSUFFICIENT_SIZE, count = what is needed
     assert res["profileOutOfRange"] == 2  # NVML_ERROR_INVALID_ARGUMENT
     assert res["uninitialisedAfterShutdown"] == (None, 1)  # NVML_ERROR_UNINITIALIZED
+
+
+FAILURES_DOC = {
+    "name": "failures",
+    "driverVersion": "570.133.20",
+    "cudaDriverVersion": 12080,
+    "defaults": {
+        "name": "NVIDIA H100 80GB HBM3",
+        "brand": "nvidia",
+        "architecture": "hopper",
+        "computeCapability": "9.0",
+        "memoryMiB": 81559,
+        "nvlinkCount": 18,
+    },
+    "gpus": [
+        {
+            "index": i,
+            "uuid": f"GPU-{i:08x}-0000-4000-8000-{i:012x}",
+            "pciBusId": f"00000000:{0x10 + i:02X}:00.0",
+            "numaNode": i // 2,
+        }
+        for i in range(4)
+    ],
+}
+
+
+def test_the_profiles_injected_nvml_errors_answer_as_on_the_fake(libcache: Path, tmp_path: Path) -> None:  # noqa: F811
+    doc = json.loads(json.dumps(FAILURES_DOC))
+    doc["gpus"][0]["nvlinks"] = [{"remote": doc["gpus"][1]["pciBusId"], "links": 4}]
+    doc["gpus"][1]["nvlinks"] = [{"remote": doc["gpus"][0]["pciBusId"], "links": 4}]
+    doc["gpus"][0]["nvmlErrors"] = {
+        "nvmlDeviceGetNvLinkState": "NotSupported",
+        "nvmlDeviceGetBrand": "Unknown",
+    }
+    doc["gpus"][1]["nvmlErrors"] = {"nvmlDeviceGetMemoryInfo": "NotSupported"}
+    doc["gpus"][2]["nvmlErrors"] = {"*": "GpuIsLost"}
+    doc["gpus"][3]["nvmlErrors"] = {"nvmlDeviceGetUUID": "Unknown"}
+    path = tmp_path / "failures.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    lib = library(libcache, path)
+    real, fake = run_child(lib, devdir_for(tmp_path / "dev", path), EQUIVALENCE, str(path))
+    assert real == fake
+    assert [g.index for g in real.gpus] == [0, 1]
+    assert (real.gpus[0].nvlinks, real.gpus[0].brand, real.gpus[1].memory_bytes) == ([], None, None)
+    assert len(real.skipped) == 2
+
+    doc["nvmlErrors"] = {"nvmlInit": "DriverNotLoaded"}
+    path.write_text(yaml.safe_dump(doc))
+    body = """
+try:
+    pynvml.nvmlInit()
+    out("initialised")
+except pynvml.NVMLError as exc:
+    out(exc.value)
+"""
+    assert run_child(library(libcache, path), devdir_for(tmp_path / "dev2", path), body) == 9
+
+
+def test_one_shot_failures_from_the_environment(libcache: Path, tmp_path: Path) -> None:  # noqa: F811
+    lib = library(libcache, "dgx-h100-mig")
+    body = """
+pynvml.nvmlInit()
+gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+placement = pynvml.c_nvmlGpuInstancePlacement_t(); placement.start, placement.size = 0, 4
+res = []
+for _ in range(2):
+    try:
+        gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 9, ctypes.byref(placement))
+        res.append(pynvml.nvmlGpuInstanceGetInfo(gi).id)
+    except pynvml.NVMLError as exc:
+        res.append(exc.value)
+out(res)
+"""
+    env = {"DRA_GPU_SIM_NVML_FAIL": "nvmlDeviceCreateGpuInstanceWithPlacement=Unknown"}
+    assert run_child(lib, devdir_for(tmp_path / "dev", "dgx-h100-mig"), body, env=env) == [999, 1]

@@ -325,6 +325,9 @@ static int valid_device(Dev d) {
     return d && d->magic == MAGIC_DEV && d->gpu < SIM_NGPUS && is_visible(d->gpu);
 }
 
+static int valid_gi(GI h) { return h && h->magic == MAGIC_GI && h->gpu < SIM_NGPUS; }
+static int valid_ci(CI h) { return h && h->magic == MAGIC_CI && h->gpu < SIM_NGPUS; }
+
 static nvmlDevice_t gpu_handle(unsigned g) {
     struct nvmlDevice_st *h = &gpu_handles[g];
     h->magic = MAGIC_DEV, h->gpu = g, h->gi = -1, h->ci = -1;
@@ -376,10 +379,76 @@ static struct gi_state *mig_of(struct node_state *s, Dev d) {
         if (is_mig(dev)) return NVML_ERROR_INVALID_ARGUMENT;     \
     } while (0)
 
+/* ---- injected failures (the profile's nvmlErrors, $DRA_GPU_SIM_NVML_FAIL) -------------------
+ * As the Python FakeNvml does: SIM_ERRORS (gputable.h) lists the profile's per-GPU errors (gpu =
+ * index into SIM_GPUS, "*" = every call on that GPU) and node-wide ones (gpu = -1); the
+ * environment names one-shot failures "nvmlFunction=ErrorName,..." for this process. A name
+ * matches the C function of the same name or its versioned form (..._v2, ...V), which is how
+ * pynvml's names map to the symbols it calls. */
+
+static pthread_mutex_t fail_lock = PTHREAD_MUTEX_INITIALIZER;
+static int fail_parsed;
+static struct {
+    char fn[96];
+    nvmlReturn_t code;
+    int used;
+} fail_once[32];
+static unsigned nfail_once;
+
+static int name_matches(const char *want, const char *fn) {
+    size_t n = strlen(want);
+    if (strncmp(want, fn, n)) return 0;
+    const char *rest = fn + n;
+    return !*rest || !strcmp(rest, "V") ||
+           (rest[0] == '_' && rest[1] == 'v' && rest[2] >= '0' && rest[2] <= '9' && !rest[3]);
+}
+
+static void parse_fail_env(void) {
+    const char *env = getenv("DRA_GPU_SIM_NVML_FAIL");
+    char buf[2048], *save = NULL;
+    if (!env) return;
+    snprintf(buf, sizeof buf, "%s", env);
+    for (char *item = strtok_r(buf, ",", &save); item && nfail_once < 32; item = strtok_r(NULL, ",", &save)) {
+        while (*item == ' ') item++;
+        char *eq = strchr(item, '=');
+        if (!eq || strncmp(item, "nvml", 4)) continue;
+        *eq = 0;
+        for (unsigned i = 0; i < SIM_NERROR_NAMES; i++)
+            if (!strcmp(SIM_ERROR_NAMES[i].name, eq + 1)) {
+                snprintf(fail_once[nfail_once].fn, sizeof fail_once[0].fn, "%s", item);
+                fail_once[nfail_once++].code = SIM_ERROR_NAMES[i].code;
+            }
+    }
+}
+
+static nvmlReturn_t sim_failpoint(const char *fn, int gpu) {
+    nvmlReturn_t r = NVML_SUCCESS;
+    pthread_mutex_lock(&fail_lock);
+    if (!fail_parsed) parse_fail_env(), fail_parsed = 1;
+    for (unsigned i = 0; i < nfail_once && !r; i++)
+        if (!fail_once[i].used && name_matches(fail_once[i].fn, fn)) fail_once[i].used = 1, r = fail_once[i].code;
+    pthread_mutex_unlock(&fail_lock);
+    for (unsigned i = 0; i < SIM_NERRORS && !r && gpu >= 0; i++)
+        if (SIM_ERRORS[i].gpu == gpu && (!strcmp(SIM_ERRORS[i].fn, "*") || name_matches(SIM_ERRORS[i].fn, fn)))
+            r = SIM_ERRORS[i].code;
+    for (unsigned i = 0; i < SIM_NERRORS && !r; i++)
+        if (SIM_ERRORS[i].gpu < 0 && name_matches(SIM_ERRORS[i].fn, fn)) r = SIM_ERRORS[i].code;
+    return r;
+}
+
+#define FAILPOINT(gpu_expr)                                       \
+    do {                                                          \
+        if (refs == 0) return NVML_ERROR_UNINITIALIZED;           \
+        nvmlReturn_t fp_ = sim_failpoint(__func__, (gpu_expr));   \
+        if (fp_) return fp_;                                      \
+    } while (0)
+
 /* ---- init, errors, system --------------------------------------------------------------- */
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
+    for (unsigned i = 0; i < SIM_NERRORS; i++) /* the profile's nvmlErrors.nvmlInit */
+        if (SIM_ERRORS[i].gpu < 0 && !strcmp(SIM_ERRORS[i].fn, "nvmlInit")) return SIM_ERRORS[i].code;
     pthread_mutex_lock(&init_lock);
     if (refs == 0) {
         if (!sim_ctl_present()) {
@@ -441,6 +510,7 @@ const char *nvmlErrorString(nvmlReturn_t r) {
 }
 
 nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    FAILPOINT(-1);
     if (refs == 0) return NVML_ERROR_UNINITIALIZED;
     return copy_str(version, length, SIM_DRIVER_VERSION);
 }
@@ -461,6 +531,7 @@ nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v) { return nvmlSystemGetCudaDr
 /* ---- device handles --------------------------------------------------------------------- */
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    FAILPOINT(-1);
     if (refs == 0) return NVML_ERROR_UNINITIALIZED;
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
     *count = nvisible;
@@ -471,6 +542,7 @@ nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     if (refs == 0) return NVML_ERROR_UNINITIALIZED;
     if (!device || index >= nvisible) return NVML_ERROR_INVALID_ARGUMENT;
+    FAILPOINT((int)visible[index]);
     *device = gpu_handle(visible[index]);
     return NVML_SUCCESS;
 }
@@ -479,6 +551,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int i, nvmlDevice_t *d) {
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    FAILPOINT(-1);
     if (refs == 0) return NVML_ERROR_UNINITIALIZED;
     if (!uuid || !device) return NVML_ERROR_INVALID_ARGUMENT;
     for (unsigned i = 0; i < nvisible; i++)
@@ -506,6 +579,7 @@ static int parse_bus_id(const char *text, unsigned *dom, unsigned *bus, unsigned
 }
 
 nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device) {
+    FAILPOINT(-1);
     unsigned dom, bus, dev, fn;
     if (refs == 0) return NVML_ERROR_UNINITIALIZED;
     if (!pciBusId || !device || !parse_bus_id(pciBusId, &dom, &bus, &dev, &fn))
@@ -525,6 +599,7 @@ nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *d
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device_, unsigned int *index) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, index);
     for (unsigned i = 0; i < nvisible; i++)
         if (visible[i] == device->gpu) return *index = i, NVML_SUCCESS;
@@ -533,6 +608,7 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device_, unsigned int *index) {
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device_, char *name, unsigned int length) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, name);
     const struct sim_gpu *g = &SIM_GPUS[device->gpu];
     if (!is_mig(device)) return copy_str(name, length, g->name);
@@ -548,6 +624,7 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device_, char *name, unsigned int le
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device_, char *uuid, unsigned int length) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, uuid);
     if (!is_mig(device)) return copy_str(uuid, length, SIM_GPUS[device->gpu].uuid);
     struct node_state s;
@@ -559,6 +636,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device_, char *uuid, unsigned int le
 
 nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device_, unsigned int *minor) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, minor);
     *minor = SIM_GPUS[device->gpu].minor;
     return NVML_SUCCESS;
@@ -566,6 +644,7 @@ nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device_, unsigned int *minor)
 
 nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device_, nvmlBrandType_t *type) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, type);
     *type = (nvmlBrandType_t)SIM_GPUS[device->gpu].brand;
     return NVML_SUCCESS;
@@ -573,6 +652,7 @@ nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device_, nvmlBrandType_t *type) {
 
 nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device_, nvmlDeviceArchitecture_t *arch) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, arch);
     *arch = SIM_GPUS[device->gpu].arch;
     return NVML_SUCCESS;
@@ -580,6 +660,7 @@ nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device_, nvmlDeviceArchitect
 
 nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device_, int *major, int *minor) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, major);
     if (!minor) return NVML_ERROR_INVALID_ARGUMENT;
     *major = (int)SIM_GPUS[device->gpu].cc_major;
@@ -596,6 +677,7 @@ static void fill_pci(nvmlPciInfo_t *pci, unsigned dom, unsigned bus, unsigned de
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device_, nvmlPciInfo_t *pci) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, pci);
     const struct sim_gpu *g = &SIM_GPUS[device->gpu];
     fill_pci(pci, g->domain, g->bus, g->device, g->function);
@@ -607,6 +689,7 @@ nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t d, nvmlPciInfo_t *p) { return nvm
 
 nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device_, unsigned int *node) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, node);
     if (SIM_GPUS[device->gpu].numa < 0) return NVML_ERROR_NOT_SUPPORTED;
     *node = (unsigned)SIM_GPUS[device->gpu].numa;
@@ -633,6 +716,7 @@ static nvmlReturn_t memory_total(Dev device, unsigned long long *total) {
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device_, nvmlMemory_t *memory) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     unsigned long long total;
     CHECK(device, memory);
     nvmlReturn_t r = memory_total(device, &total);
@@ -645,6 +729,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device_, nvmlMemory_t *memory)
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device_, nvmlMemory_v2_t *memory) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     unsigned long long total;
     CHECK(device, memory);
     if (memory->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
@@ -670,6 +755,7 @@ static nvmlReturn_t limits_check(Dev device, const char *ns) {
 
 nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device_, nvmlSetMemoryLimits_v1_t *limits) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     if (!limits) return refs == 0 ? NVML_ERROR_UNINITIALIZED : NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t r = limits_check(device, limits->nameSpace);
     if (r) return r;
@@ -698,6 +784,7 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device_, nvmlSetMemoryLim
 
 nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device_, nvmlGetMemoryLimits_v1_t *limits) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     if (!limits) return refs == 0 ? NVML_ERROR_UNINITIALIZED : NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t r = limits_check(device, limits->nameSpace);
     if (r) return r;
@@ -716,6 +803,7 @@ nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device_, nvmlGetMemoryLim
 
 nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device_, nvmlComputeMode_t *mode) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, mode);
     struct node_state s;
     nvmlReturn_t r = load_state(&s);
@@ -733,6 +821,7 @@ nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device_, nvmlComputeMode_t *m
 
 nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device_, nvmlComputeMode_t mode) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_DEV(device);
     if (mode != NVML_COMPUTEMODE_DEFAULT && mode != NVML_COMPUTEMODE_PROHIBITED &&
         mode != NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
@@ -793,6 +882,7 @@ static unsigned gpu_processes(struct node_state *s, Dev device, nvmlProcessInfo_
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device_, unsigned int *infoCount,
                                                     nvmlProcessInfo_t *infos) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, infoCount);
     struct node_state s;
     nvmlReturn_t r = load_state(&s);
@@ -811,6 +901,7 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device_, unsig
 
 nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device_, nvmlDeviceAttributes_t *attributes) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, attributes);
     if (!is_mig(device)) return NVML_ERROR_NOT_SUPPORTED; /* "currently only supports MIG device handles" */
     struct node_state s;
@@ -838,6 +929,7 @@ nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t
 
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device_, unsigned int *currentMode, unsigned int *pendingMode) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, currentMode);
     if (!pendingMode) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -850,6 +942,7 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device_, unsigned int *currentMod
 
 nvmlReturn_t nvmlDeviceSetMigMode(nvmlDevice_t device_, unsigned int mode, nvmlReturn_t *activationStatus) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, activationStatus);
     if (mode != NVML_DEVICE_MIG_DISABLE && mode != NVML_DEVICE_MIG_ENABLE) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -873,6 +966,7 @@ nvmlReturn_t nvmlDeviceSetMigMode(nvmlDevice_t device_, unsigned int mode, nvmlR
 
 nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device_, unsigned int *count) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, count);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     struct node_state s;
@@ -884,6 +978,7 @@ nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device_, unsigned int *
 
 nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device_, unsigned int index, nvmlDevice_t *migDevice) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, migDevice);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     if (index >= COMPUTE_SLICES) return NVML_ERROR_INVALID_ARGUMENT;
@@ -903,6 +998,7 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device_, unsigned 
 
 nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device_, unsigned int *isMigDevice) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, isMigDevice);
     *isMigDevice = is_mig(device) ? 1 : 0;
     return NVML_SUCCESS;
@@ -910,6 +1006,7 @@ nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device_, unsigned int *isM
 
 nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice_, nvmlDevice_t *device) {
     Dev migDevice = migDevice_.handle;
+    FAILPOINT(valid_device(migDevice) ? (int)migDevice->gpu : -1);
     CHECK(migDevice, device);
     if (!is_mig(migDevice)) return NVML_ERROR_INVALID_ARGUMENT;
     *device = gpu_handle(migDevice->gpu);
@@ -918,6 +1015,7 @@ nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice
 
 nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device_, unsigned int *id) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, id);
     if (!is_mig(device)) return NVML_ERROR_INVALID_ARGUMENT;
     *id = (unsigned)device->gi;
@@ -926,6 +1024,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device_, unsigned int *id) 
 
 nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device_, unsigned int *id) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, id);
     if (!is_mig(device)) return NVML_ERROR_INVALID_ARGUMENT;
     *id = (unsigned)device->ci;
@@ -965,6 +1064,7 @@ static nvmlReturn_t gi_profile_check(Dev device, const void *info) {
 nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device_, unsigned int profile,
                                                  nvmlGpuInstanceProfileInfo_t *info) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     nvmlReturn_t r = gi_profile_check(device, info);
     if (r) return r;
     if (profile >= NVML_GPU_INSTANCE_PROFILE_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
@@ -996,6 +1096,7 @@ static nvmlReturn_t gi_profile_v(int p, nvmlGpuInstanceProfileInfo_v2_t *info) {
 nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device_, unsigned int profile,
                                                   nvmlGpuInstanceProfileInfo_v2_t *info) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     nvmlReturn_t r = gi_profile_check(device, info);
     if (r) return r;
     if (profile >= NVML_GPU_INSTANCE_PROFILE_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
@@ -1008,6 +1109,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device_, unsigned
 nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoByIdV(nvmlDevice_t device_, unsigned int profileId,
                                                       nvmlGpuInstanceProfileInfo_v2_t *info) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     nvmlReturn_t r = gi_profile_check(device, info);
     if (r) return r;
     int p = profile_by_id(profileId);
@@ -1019,6 +1121,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(nvmlDevice_t device_,
                                                            nvmlGpuInstancePlacement_t *placements,
                                                            unsigned int *count) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     nvmlReturn_t r = gi_profile_check(device, count);
     if (r) return r;
     int p = profile_by_id(profileId);
@@ -1089,6 +1192,7 @@ nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device_, unsi
                                                       const nvmlGpuInstancePlacement_t *placement,
                                                       nvmlGpuInstance_t *gpuInstance) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, gpuInstance);
     if (!placement) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -1107,6 +1211,7 @@ nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device_, unsi
 nvmlReturn_t nvmlDeviceCreateGpuInstance(nvmlDevice_t device_, unsigned int profileId,
                                          nvmlGpuInstance_t *gpuInstance) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, gpuInstance);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     int p = profile_by_id(profileId);
@@ -1136,6 +1241,7 @@ static struct gi_state *gi_of(struct node_state *s, GI gi) {
 
 nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device_, unsigned int id, nvmlGpuInstance_t *gpuInstance) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, gpuInstance);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     struct node_state s;
@@ -1151,6 +1257,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device_, unsigned int id,
 nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device_, unsigned int profileId,
                                        nvmlGpuInstance_t *gpuInstances, unsigned int *count) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, count);
     if (!gpuInstances) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -1171,6 +1278,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device_, unsigned int profil
 
 nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance_, nvmlGpuInstanceInfo_t *info) {
     GI gpuInstance = gpuInstance_.handle;
+    FAILPOINT(valid_gi(gpuInstance) ? (int)gpuInstance->gpu : -1);
     CHECK_GI(gpuInstance);
     if (!info) return NVML_ERROR_INVALID_ARGUMENT;
     struct node_state s;
@@ -1190,6 +1298,7 @@ nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance_, nvmlGpuInsta
 
 nvmlReturn_t nvmlGpuInstanceDestroy(nvmlGpuInstance_t gpuInstance_) {
     GI gpuInstance = gpuInstance_.handle;
+    FAILPOINT(valid_gi(gpuInstance) ? (int)gpuInstance->gpu : -1);
     CHECK_GI(gpuInstance);
     struct node_state s;
     int fd = open_lock(1);
@@ -1257,6 +1366,7 @@ nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance_t gpuI
                                                           unsigned int engProfile,
                                                           nvmlComputeInstanceProfileInfo_t *info) {
     GI gpuInstance = gpuInstance_.handle;
+    FAILPOINT(valid_gi(gpuInstance) ? (int)gpuInstance->gpu : -1);
     return ci_profile_info(gpuInstance, profile, engProfile, info, 0);
 }
 
@@ -1264,6 +1374,7 @@ nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstance_t gpu
                                                            unsigned int engProfile,
                                                            nvmlComputeInstanceProfileInfo_v2_t *info) {
     GI gpuInstance = gpuInstance_.handle;
+    FAILPOINT(valid_gi(gpuInstance) ? (int)gpuInstance->gpu : -1);
     return ci_profile_info(gpuInstance, profile, engProfile, info, 1);
 }
 
@@ -1283,6 +1394,7 @@ static void random_mig_uuid(char *out, size_t n) {
 nvmlReturn_t nvmlGpuInstanceCreateComputeInstance(nvmlGpuInstance_t gpuInstance_, unsigned int profileId,
                                                   nvmlComputeInstance_t *computeInstance) {
     GI gpuInstance = gpuInstance_.handle;
+    FAILPOINT(valid_gi(gpuInstance) ? (int)gpuInstance->gpu : -1);
     CHECK_GI(gpuInstance);
     if (!computeInstance) return NVML_ERROR_INVALID_ARGUMENT;
     int slices = slices_of_ci_profile(profileId);
@@ -1311,6 +1423,7 @@ nvmlReturn_t nvmlGpuInstanceCreateComputeInstance(nvmlGpuInstance_t gpuInstance_
 nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t gpuInstance_, unsigned int id,
                                                    nvmlComputeInstance_t *computeInstance) {
     GI gpuInstance = gpuInstance_.handle;
+    FAILPOINT(valid_gi(gpuInstance) ? (int)gpuInstance->gpu : -1);
     CHECK_GI(gpuInstance);
     if (!computeInstance) return NVML_ERROR_INVALID_ARGUMENT;
     struct node_state s;
@@ -1339,6 +1452,7 @@ static struct gi_state *ci_of(struct node_state *s, CI ci) {
 
 nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeInstance_, nvmlComputeInstanceInfo_t *info) {
     CI computeInstance = computeInstance_.handle;
+    FAILPOINT(valid_ci(computeInstance) ? (int)computeInstance->gpu : -1);
     CHECK_CI(computeInstance);
     if (!info) return NVML_ERROR_INVALID_ARGUMENT;
     struct node_state s;
@@ -1362,6 +1476,7 @@ nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t ci, nvmlComputeIns
 
 nvmlReturn_t nvmlComputeInstanceDestroy(nvmlComputeInstance_t computeInstance_) {
     CI computeInstance = computeInstance_.handle;
+    FAILPOINT(valid_ci(computeInstance) ? (int)computeInstance->gpu : -1);
     CHECK_CI(computeInstance);
     struct node_state s;
     unsigned pids[4];
@@ -1392,6 +1507,7 @@ static nvmlReturn_t link_check(Dev device, unsigned link, const void *out) {
 
 nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device_, unsigned int link, nvmlEnableState_t *isActive) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     nvmlReturn_t r = link_check(device, link, isActive);
     if (r) return r;
     *isActive = SIM_GPUS[device->gpu].links[link].remote ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
@@ -1400,6 +1516,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device_, unsigned int link, n
 
 nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device_, unsigned int link, nvmlPciInfo_t *pci) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     nvmlReturn_t r = link_check(device, link, pci);
     if (r) return r;
     const char *remote = SIM_GPUS[device->gpu].links[link].remote;
@@ -1415,6 +1532,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int 
 nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device_, unsigned int link,
                                                  nvmlIntNvLinkDeviceType_t *type) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     nvmlReturn_t r = link_check(device, link, type);
     if (r) return r;
     const struct sim_link *l = &SIM_GPUS[device->gpu].links[link];
@@ -1427,6 +1545,7 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1_, nvmlDevi
                                                  nvmlGpuTopologyLevel_t *pathInfo) {
     Dev device1 = device1_.handle;
     Dev device2 = device2_.handle;
+    FAILPOINT(valid_device(device1) ? (int)device1->gpu : -1);
     CHECK_GPU(device1, pathInfo);
     CHECK_GPU(device2, pathInfo);
     const struct sim_gpu *a = &SIM_GPUS[device1->gpu], *b = &SIM_GPUS[device2->gpu];
@@ -1440,6 +1559,7 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1_, nvmlDevi
 
 nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device_, nvmlGpuFabricInfoV_t *gpuFabricInfo) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, gpuFabricInfo);
     const struct sim_gpu *g = &SIM_GPUS[device->gpu];
     unsigned version = gpuFabricInfo->version;
@@ -1466,6 +1586,7 @@ nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device_, nvmlGpuFabricInfo
 
 nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device_, unsigned long long *eventTypes) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_GPU(device, eventTypes);
     *eventTypes = SIM_SUPPORTED_EVENTS;
     return NVML_SUCCESS;
@@ -1478,6 +1599,7 @@ static unsigned long long now_ns(void) {
 }
 
 nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    FAILPOINT(-1);
     if (refs == 0) return NVML_ERROR_UNINITIALIZED;
     if (!set) return NVML_ERROR_INVALID_ARGUMENT;
     struct nvmlEventSet_st *s = calloc(1, sizeof *s);
@@ -1494,6 +1616,7 @@ static int valid_set(SET set) { return set && set->magic == MAGIC_SET; }
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device_, unsigned long long eventTypes, nvmlEventSet_t set_) {
     Dev device = device_.handle;
     SET set = set_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK_DEV(device);
     if (!valid_set(set)) return NVML_ERROR_INVALID_ARGUMENT;
     if (is_mig(device)) return NVML_ERROR_NOT_SUPPORTED; /* no per-instance event reporting */
@@ -1553,6 +1676,7 @@ static int next_event(SET set, nvmlEventData_t *data) {
 
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set_, nvmlEventData_t *data, unsigned int timeoutms) {
     SET set = set_.handle;
+    FAILPOINT(-1);
     if (refs == 0) return NVML_ERROR_UNINITIALIZED;
     if (!valid_set(set) || !data) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned long long deadline = now_ns() + (unsigned long long)timeoutms * 1000000ULL;
@@ -1573,6 +1697,7 @@ nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigne
 
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device_, int valuesCount, nvmlFieldValue_t *values) {
     Dev device = device_.handle;
+    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
     CHECK(device, values);
     if (valuesCount < 0) return NVML_ERROR_INVALID_ARGUMENT;
     long long ts = (long long)(now_ns() / 1000ULL);

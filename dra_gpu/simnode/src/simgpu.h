@@ -53,8 +53,20 @@ struct sim_gpu {
     unsigned clique_id, fabric_state;
 };
 
+/* An NVML error the profile injects (nvmlErrors): on one GPU (index into SIM_GPUS; fn "*" = every
+ * call on it) or node-wide (gpu -1). */
+struct sim_error {
+    int gpu;
+    const char *fn;
+    int code;
+};
+struct sim_error_name { /* profile error names (NVML_ERROR_CODES) -> NVML return codes */
+    const char *name;
+    int code;
+};
+
 /* SIM_DRIVER_VERSION, SIM_DRIVER_MAJOR, SIM_CUDA_VERSION, SIM_GPUS[], SIM_NGPUS,
- * SIM_MIG_PROFILES[], SIM_NMIG_PROFILES */
+ * SIM_MIG_PROFILES[], SIM_NMIG_PROFILES, SIM_ERRORS[], SIM_NERRORS, SIM_ERROR_NAMES[] */
 #include "gputable.h"
 
 #define SIM_NVIDIA_MAJOR 195
