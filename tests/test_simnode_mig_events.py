@@ -238,3 +238,45 @@ def test_injected_events_reach_an_event_set_in_another_process(libcache: Path, t
                 stream.close()
     assert inject.prune_events(dev, older_than_s=0) == 5
     assert os.listdir(dev / ".nvidia-sim" / "events") == []
+
+
+RACE = """
+pynvml.nvmlInit()
+gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+got = []
+for _ in range(6):
+    try:
+        gi = pynvml.nvmlDeviceCreateGpuInstance(gpu, 19)  # 1g.10gb, wherever it fits
+        info = pynvml.nvmlGpuInstanceGetInfo(gi)
+        got.append((info.id, info.placement.start))
+    except pynvml.NVMLError as exc:
+        got.append(exc.value)
+out(got)
+"""
+
+
+def test_processes_creating_at_once_never_share_an_instance(libcache: Path, tmp_path: Path) -> None:  # noqa: F811
+    import pickle
+
+    lib = library(libcache, "dgx-h100-mig")
+    dev = devdir_for(tmp_path / "dev", "dgx-h100-mig")
+    env = {"PATH": "/usr/bin:/bin", "DRA_GPU_SIM_DEV_DIR": str(dev), "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + textwrap.dedent(RACE), str(lib)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+        results += pickle.loads(stdout)
+    made = [r for r in results if isinstance(r, tuple)]
+    assert len(made) == 7  # an H100 holds seven 1g.10gb instances ...
+    assert sorted(gi for gi, _ in made) == list(range(1, 8))  # ... each with its own id
+    assert sorted(start for _, start in made) == list(range(7))  # ... and memory slice
+    assert sorted(r for r in results if not isinstance(r, tuple)) == [23] * 5  # INSUFFICIENT_RESOURCES
