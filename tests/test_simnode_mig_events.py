@@ -280,3 +280,21 @@ def test_processes_creating_at_once_never_share_an_instance(libcache: Path, tmp_
     assert sorted(gi for gi, _ in made) == list(range(1, 8))  # ... each with its own id
     assert sorted(start for _, start in made) == list(range(7))  # ... and memory slice
     assert sorted(r for r in results if not isinstance(r, tuple)) == [23] * 5  # INSUFFICIENT_RESOURCES
+
+
+def test_premade_instances_are_the_boot_state_and_can_be_destroyed(libcache: Path, tmp_path: Path) -> None:  # noqa: F811
+    lib = library(libcache, "dgx-a100-mig", "580.95.05")
+    dev = devdir_for(tmp_path / "dev", "dgx-a100-mig")
+    destroy = (
+        MIG_SETUP + "out((mi.destroy(parent, 1, 9, 0), mi.destroy(parent, 2, 14, 4), mi.instances(parent)))\n"
+    )
+    destroyed, wrong_record, left = run_child(lib, dev, destroy)
+    assert (destroyed, wrong_record) == (True, False)  # GI 2 is a 3g.40gb at 4: not the recorded one
+    assert [(i.gi_id, i.profile_id, i.start) for i in left] == [(2, 9, 4)]
+    discover = """
+from dra_gpu.discovery.nvml_discovery import discover
+out([[(m.gpu_instance_id, m.profile, m.uuid) for m in g.mig_devices] for g in discover(pynvml, "n").gpus])
+"""
+    seen = run_child(lib, dev, discover)
+    assert seen[0] == [(2, "3g.40gb", "MIG-b1412001-0001-5294-8a3a-7080a115670c")]
+    assert [len(m) for m in seen] == [1, 5, 3, 0, 0, 0, 0, 0]  # the other GPUs keep theirs

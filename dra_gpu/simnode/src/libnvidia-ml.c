@@ -170,15 +170,16 @@ static nvmlReturn_t parse_state(FILE *f, struct node_state *s) {
     char line[1024], uuid[128], text[600];
     boot_state(s);
     if (!f) return NVML_SUCCESS;
-    for (unsigned g = 0; g < SIM_NGPUS; g++) /* the file lists every instance that exists */
-        memset(s->gpu[g].gi, 0, sizeof s->gpu[g].gi);
     while (fgets(line, sizeof line, f)) {
         unsigned a, b, c, d;
         int m, cm;
         unsigned long long soft, hard;
         if (sscanf(line, "gpu %127s %d %d", uuid, &m, &cm) == 3) {
-            int g = gpu_by_uuid(uuid);
-            if (g >= 0) s->gpu[g].mig_enabled = m, s->gpu[g].compute_mode = cm;
+            int g = gpu_by_uuid(uuid); /* its line comes first and its instances follow it */
+            if (g >= 0) {
+                s->gpu[g].mig_enabled = m, s->gpu[g].compute_mode = cm;
+                memset(s->gpu[g].gi, 0, sizeof s->gpu[g].gi);
+            }
         } else if (sscanf(line, "gi %127s %u %u %u", uuid, &a, &b, &c) == 4) {
             int g = gpu_by_uuid(uuid), p = profile_by_id(b);
             if (g < 0 || p < 0 || a == 0 || a > MAX_GI) continue;
