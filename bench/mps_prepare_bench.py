@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -29,10 +28,9 @@ from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.sharing import node_sharing
+from dra_gpu.simnode.builder import ensure_driver_root
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "e2e" / "simdriver"))
-from build import ensure_driver_root  # noqa: E402
 
 DRIVER, NODE, PROFILE = "gpu.dra-gpu.io", "bench", "hgx-2x4"
 

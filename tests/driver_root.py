@@ -8,7 +8,7 @@ from pathlib import Path
 
 DEB = "usr/lib/x86_64-linux-gnu"
 VERSION = "570.133.20"
-MPS_CONTROL_SOURCE = Path(__file__).parents[1] / "e2e" / "simdriver" / "src" / "mps-control.c"
+MPS_CONTROL_SOURCE = Path(__file__).parents[1] / "dra_gpu" / "simnode" / "src" / "mps-control.c"
 
 
 def _so(path: Path, soname: str | None) -> None:
@@ -38,7 +38,7 @@ def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: boo
         '#!/bin/sh\necho "$*" >> "${DRA_GPU_SIM_DEV_DIR:-/tmp}/nvidia-smi.calls"\n'
     )
     (bindir / "nvidia-smi").chmod(0o755)
-    # The simulated MPS control daemon (e2e/simdriver): the plugin starts and asks it for real.
+    # The simulated MPS control daemon (dra_gpu/simnode): the plugin starts and asks it for real.
     subprocess.run(
         ["cc", "-O1", "-o", str(bindir / "nvidia-cuda-mps-control"), str(MPS_CONTROL_SOURCE)], check=True
     )

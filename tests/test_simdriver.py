@@ -1,4 +1,5 @@
-"""The simulated driver root (e2e/simdriver): real ELF files, sonames, and what they report.
+"""The simulated driver root (dra_gpu/simnode, through its CLI e2e/simdriver/build.py): real ELF
+files, sonames, and what they report.
 
 The device nodes are real character devices made with mknod in a temporary directory that the
 simulated libraries are pointed at with DRA_GPU_SIM_DEV_DIR (simulation only).
@@ -20,6 +21,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.simnode_support import nvml_h  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parents[1]
 BUILDER = REPO / "e2e" / "simdriver" / "build.py"
@@ -46,6 +49,11 @@ def _load_builder() -> ModuleType:
 
 
 sd = _load_builder()
+
+
+@pytest.fixture(autouse=True)
+def _nvml_header(nvml_h: Path) -> None:  # noqa: F811
+    """Every build compiles libnvidia-ml against NVIDIA's nvml.h, fetched once per session."""
 
 
 def _gpus() -> list[Any]:
@@ -277,12 +285,13 @@ def test_cli_builds_a_profile(tmp_path: Path) -> None:
     assert (sd.lib_dir(tmp_path / "r") / "libnvidia-ml.so.570.133.20").is_file()
 
 
-def test_a_cached_root_that_appears_meanwhile_is_kept(tmp_path: Path) -> None:
+def test_a_cached_root_that_appears_meanwhile_is_kept(tmp_path: Path, nvml_h: Path) -> None:  # noqa: F811
     # As when another process renames the same root into place while this one compiles.
     dest = tmp_path / "key"
     dest.mkdir()
     (dest / "theirs").write_text("")
-    sd._build(dest, VERSION, _gpus(), None, 12080, replace=False)
+    profile = sd.profile_of_gpus(_gpus(), VERSION, 12080)
+    sd._build(dest, VERSION, profile, None, 12080, nvml_h, replace=False)
     assert [p.name for p in dest.iterdir()] == ["theirs"]
     assert [p.name for p in tmp_path.iterdir()] == ["key"]
 
