@@ -42,12 +42,19 @@ from elftools.elf.elffile import ELFFile
 
 import dra_gpu
 from dra_gpu.discovery.nvml_compat import FALLBACKS, driver_branch
+from tests.simnode_support import (
+    libcache,  # noqa: F401 - fixture
+    library,
+    needs_toolchain,
+    nvml_h,  # noqa: F401 - fixture
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = Path(dra_gpu.__file__).resolve().parent
 NVML_NAME = re.compile(r"nvml[A-Z]\w*")
 # The pynvml-shaped simulated node: its nvml* names are its own methods, not calls into NVML.
-NOT_CALLS = re.compile(r"discovery/fake_[^/]*\.py")
+# The simulators: what they name is what they serve, not what the product calls.
+NOT_CALLS = re.compile(r"discovery/fake_[^/]*\.py|simnode/.*\.py")
 REGISTRY = "discovery/nvml_compat.py"  # its strings are C symbol names, not calls
 
 
@@ -264,3 +271,19 @@ def test_symbol_findings_per_version() -> None:
         count = len(exported_functions(real_nvml(version)))
         lines.append(f"libnvidia-ml {version}: {count} functions; missing: {listed}")
     print("\n" + "\n".join(lines))
+
+
+@needs_toolchain
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_simulated_library_exports_only_what_the_real_one_does(
+    version: str,
+    libcache: Path,  # noqa: F811
+) -> None:
+    """A simulated node reporting `version` must not offer a function NVIDIA's library of that
+    version lacks: the product's fallbacks would go untested where a real node needs them."""
+    simulated = {f for f in exported_functions(library(libcache, "hgx-2x4", version)) if f.startswith("nvml")}
+    real = exported_functions(real_nvml(version))
+    assert simulated, "the simulated library exports no NVML function"
+    assert not simulated - real, (
+        f"simulated {version} exports what NVIDIA's {version} lacks: {sorted(simulated - real)}"
+    )
