@@ -6,6 +6,9 @@ group's UUIDs. Limits go in through its command interface (one command per stdin
 `nvidia-cuda-mps-control`), and a daemon counts as ready only once it answers there. `-d` puts the
 daemon in the background, detached from the plugin, so it outlives a plugin restart and is
 re-adopted from the checkpoint; `stop` asks it to `quit` and kills it only when it will not.
+The daemon runs with the driver's `libcuda.so.1` preloaded by full path and the driver's MPS
+binaries first on `PATH` (it starts `nvidia-cuda-mps-server`), never with a driver library
+directory on `LD_LIBRARY_PATH` (`driver_programs` says why).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_fixed
+
+from dra_gpu.plugin.driver_programs import DriverProgram, DriverProgramError
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +95,12 @@ class MpsDaemons:
     def __init__(
         self,
         root: Path,
-        locate: Callable[[], tuple[Path | None, list[Path]]],
+        locate: Callable[[], DriverProgram],
         ready_timeout: float = 5.0,
         command_timeout: float = 5.0,
     ) -> None:
         self.root = root
-        self.locate = locate  # the control binary and the driver's library dirs, found late
+        self.locate = locate  # the control binary and how it runs, found late
         self.ready_timeout = ready_timeout
         self.command_timeout = command_timeout
 
@@ -115,32 +120,31 @@ class MpsDaemons:
         }
         return env, [mount]
 
-    def _env(self, daemon_id: str, uuids: list[str] | None = None) -> dict[str, str]:
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir(daemon_id)),
-            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir(daemon_id)),
-        }
-        _, library_dirs = self.locate()
-        if library_dirs:
-            env["LD_LIBRARY_PATH"] = ":".join(str(d) for d in library_dirs)
+    def _env(self, program: DriverProgram, daemon_id: str, uuids: list[str] | None = None) -> dict[str, str]:
+        try:
+            env = program.env(os.environ.get("PATH", "/usr/bin:/bin"))
+        except DriverProgramError as exc:
+            raise MpsError(f"MPS daemon {daemon_id}: {CONTROL_BINARY}: {exc}") from exc
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir(daemon_id))
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir(daemon_id))
         if uuids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
         return env
 
-    def _binary(self) -> Path:
-        binary, _ = self.locate()
-        if binary is None:
+    def _program(self) -> tuple[Path, DriverProgram]:
+        program = self.locate()
+        if program.binary is None:
             raise MpsError(f"{CONTROL_BINARY} not found in the driver installation")
-        return binary
+        return program.binary, program
 
     def control(self, daemon_id: str, commands: list[str]) -> str:
         """Send commands through the daemon's pipe; its answers. MpsError when it is not there."""
+        binary, program = self._program()
         try:
             proc = subprocess.run(
-                [str(self._binary())],
+                [str(binary)],
                 input="".join(f"{c}\n" for c in commands),
-                env=self._env(daemon_id),
+                env=self._env(program, daemon_id),
                 capture_output=True,
                 text=True,
                 timeout=self.command_timeout,
@@ -181,10 +185,11 @@ class MpsDaemons:
         if not self.answers(daemon.id):
             pipe.mkdir(parents=True, exist_ok=True)
             logs.mkdir(parents=True, exist_ok=True)
+            binary, program = self._program()
             try:
                 proc = subprocess.run(
-                    [str(self._binary()), "-d"],
-                    env=self._env(daemon.id, daemon.uuids),
+                    [str(binary), "-d"],
+                    env=self._env(program, daemon.id, daemon.uuids),
                     capture_output=True,
                     text=True,
                     timeout=self.command_timeout,

@@ -18,7 +18,7 @@ re-adopts the daemons, restarts a dead one, and stops those no claim owns any mo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from decimal import InvalidOperation
 from pathlib import Path
@@ -31,6 +31,7 @@ from dra_gpu.discovery.profiles import load_profile
 from dra_gpu.kube_client import parse_quantity
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, ComputeModes, mode_name
 from dra_gpu.plugin.driver_files import DriverFiles
+from dra_gpu.plugin.driver_programs import program_locator
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
 from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSlices
 
@@ -314,21 +315,6 @@ class Sharing:
         return stopped
 
 
-def driver_locator(driver_files: DriverFiles, program: str) -> Callable[[], tuple[Path | None, list[Path]]]:
-    """A driver program (nvidia-smi, the MPS control) and the library dirs, as this process sees
-    them (looked up per use: the installation may be found or fixed after start-up)."""
-
-    def locate() -> tuple[Path | None, list[Path]]:
-        found = driver_files.installation
-        if found is None:
-            return None, []
-        binary = next((b for b in found.binaries if b.rsplit("/", 1)[-1] == program), None)
-        dirs = [driver_files.root / d for d in found.library_dirs()]
-        return (driver_files.root / binary if binary else None), dirs
-
-    return locate
-
-
 def node_sharing(mps_root: Path, driver_files: DriverFiles, profile: str | None, dev_root: Path) -> Sharing:
     """The node's sharing: daemons under `mps_root`, compute modes through NVML (on a simulated
     node its fake, which keeps them in `<dev root>/nvidia-state.json` as a driver keeps them
@@ -345,7 +331,7 @@ def node_sharing(mps_root: Path, driver_files: DriverFiles, profile: str | None,
 
         nvml = pynvml
     return Sharing(
-        MpsDaemons(mps_root, driver_locator(driver_files, CONTROL_BINARY)),
+        MpsDaemons(mps_root, program_locator(driver_files, CONTROL_BINARY)),
         ComputeModes(nvml),
-        TimeSlices(driver_locator(driver_files, NVIDIA_SMI), tool_env),
+        TimeSlices(program_locator(driver_files, NVIDIA_SMI), tool_env),
     )

@@ -2,14 +2,16 @@
 
 NVML has no public setter for the compute time slice, so both NVIDIA drivers run
 `nvidia-smi compute-policy -i <uuid> --set-timeslice <0..3>`; so does this one, with the
-driver's own nvidia-smi and library directories. Level 0 is the driver default.
+driver's own nvidia-smi given the driver's NVML by full path (`driver_programs`: never the
+driver's library directory on a search path). Level 0 is the driver default.
 """
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
-from pathlib import Path
+
+from dra_gpu.plugin.driver_programs import DriverProgram, DriverProgramError
 
 LEVELS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
 NVIDIA_SMI = "nvidia-smi"
@@ -22,22 +24,23 @@ class TimeSliceError(RuntimeError):
 class TimeSlices:
     def __init__(
         self,
-        locate: Callable[[], tuple[Path | None, list[Path]]],
+        locate: Callable[[], DriverProgram],
         extra_env: dict[str, str] | None = None,
         timeout: float = 10.0,
     ) -> None:
-        self.locate = locate  # nvidia-smi and the driver's library dirs, found late
+        self.locate = locate  # nvidia-smi and how it runs, found late
         self.extra_env = extra_env or {}
         self.timeout = timeout
 
     def set(self, uuid: str, level: int) -> None:
-        binary, library_dirs = self.locate()
-        if binary is None:
+        program = self.locate()
+        if program.binary is None:
             raise TimeSliceError(f"device {uuid}: {NVIDIA_SMI} not found in the driver installation")
-        env = {"PATH": "/usr/bin:/bin", **self.extra_env}
-        if library_dirs:
-            env["LD_LIBRARY_PATH"] = ":".join(str(d) for d in library_dirs)
-        cmd = [str(binary), "compute-policy", "-i", uuid, "--set-timeslice", str(level)]
+        try:
+            env = {**program.env(), **self.extra_env}
+        except DriverProgramError as exc:
+            raise TimeSliceError(f"device {uuid}: {NVIDIA_SMI}: {exc}") from exc
+        cmd = [str(program.binary), "compute-policy", "-i", uuid, "--set-timeslice", str(level)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.timeout)
         except (OSError, subprocess.TimeoutExpired) as exc:

@@ -176,6 +176,20 @@ def test_daemonset_driver_root_and_cdi_hook(render: Render) -> None:
     assert re.search(r"# Privileged: .*\n", text), "privileged mode must say why in a comment"
 
 
+def test_no_container_gets_the_driver_root_on_its_loader_path(render: Render) -> None:
+    """With driver root / (or /run/nvidia/driver) the driver's library directory holds the host's
+    libc.so.6: on LD_LIBRARY_PATH it would stop the image's Python from starting."""
+    for sets in ((), ("kubeletPlugin.nvidiaDriverRoot=/run/nvidia/driver",), ("simulatedProfile=hgx-2x4",)):
+        for obj in render(*sets):
+            if obj["kind"] not in ("DaemonSet", "Deployment"):
+                continue
+            pod = obj["spec"]["template"]["spec"]
+            for c in pod["containers"] + pod.get("initContainers", []):
+                env = env_of(c)
+                for name in ("LD_LIBRARY_PATH", "LD_PRELOAD"):
+                    assert name not in env, (obj["metadata"]["name"], c["name"], name, env[name])
+
+
 def test_kubelet_root_dir_is_configurable(render: Render) -> None:
     ds = one(render("kubeletPlugin.kubeletRootDir=/data/kubelet/"), "DaemonSet")
     env = env_of(container(ds))

@@ -10,16 +10,32 @@ import os
 import signal
 import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dra_gpu.api import API_VERSION, decode
+from dra_gpu.discovery import discover_node
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
+from dra_gpu.plugin.device_nodes import create_simulated
+from dra_gpu.plugin.driver_programs import DriverProgram
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
-from plugin.conftest import DRIVER, PluginCore, claim, gpu_names, mig_names
+from plugin.conftest import (
+    DRIVER,
+    NODE,
+    PROFILE,
+    ClaimStore,
+    PluginCore,
+    claim,
+    gpu_names,
+    make_core,
+    mig_names,
+    stop_daemons,
+)
+from tests.driver_root import DEB, make_root
 
 pytestmark = pytest.mark.skipif(
     subprocess.run(["which", "cc"], capture_output=True).returncode != 0, reason="needs cc"
@@ -173,7 +189,7 @@ def test_a_daemon_that_cannot_start_fails_prepare_and_leaves_nothing(core: Plugi
     g0 = gpu_names(core)[0]
     gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
     assert core.preparer.sharing is not None
-    core.preparer.sharing.mps.locate = lambda: (None, [])
+    core.preparer.sharing.mps.locate = lambda: DriverProgram(None)
     c = claim(uid(), [g0], config=mps_config())
     core.add(c)
     with pytest.raises(PrepareError, match="nvidia-cuda-mps-control not found"):
@@ -316,7 +332,7 @@ def test_a_claim_with_an_mps_device_and_a_share_gets_two_distinct_daemons(core: 
 def test_a_limit_the_daemon_answers_differently_is_an_error(tmp_path: Path) -> None:
     from dra_gpu.plugin.mps import MpsDaemon, MpsDaemons, MpsError
 
-    daemons = MpsDaemons(tmp_path, lambda: (None, []))
+    daemons = MpsDaemons(tmp_path, lambda: DriverProgram(None))
     daemon = MpsDaemon("x", ["GPU-1"], 50, {"GPU-1": "1024M"})
     daemons.control = lambda _id, _commands: "100.0\n1024M\n"  # type: ignore[method-assign]
     with pytest.raises(MpsError, match=r"answered '100\.0', expected 50"):
@@ -325,3 +341,51 @@ def test_a_limit_the_daemon_answers_differently_is_an_error(tmp_path: Path) -> N
     daemons._check_limits(daemon)  # the same limit in other words
     daemons.control = lambda _id, _commands: "50.0\nunlimited-ish\n"  # type: ignore[method-assign]
     daemons._check_limits(daemon)  # an answer not understood is logged, not fatal
+
+
+@pytest.fixture
+def host_libc_core(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PluginCore]:
+    """A node whose driver root is a host's `/`: its library directory also holds the host's C
+    library (here one no program can load), next to the driver's libraries."""
+    inventory = discover_node(NODE, PROFILE)
+    assert inventory.driver_version
+    root = make_root(tmp_path_factory.mktemp("host") / "root", inventory.driver_version)
+    (root / DEB / "libc.so.6").write_bytes(b"")  # the host's glibc, unusable by the image's loader
+    # nvidia-smi notes what it was run with.
+    (root / "usr/bin/nvidia-smi").write_text(
+        '#!/bin/sh\necho "$* preload=$LD_PRELOAD libpath=$LD_LIBRARY_PATH"'
+        ' >> "$DRA_GPU_SIM_DEV_DIR/nvidia-smi.calls"\n'
+    )
+    create_simulated(inventory, tmp_path / "devroot")
+    c = make_core(tmp_path, inventory, ClaimStore(), root)
+    yield c
+    stop_daemons(c.mps_root)
+
+
+def test_driver_programs_run_with_the_hosts_c_library_in_the_driver_root(host_libc_core: PluginCore) -> None:
+    """Driver root `/`: the MPS daemon and nvidia-smi still run (nothing of the driver root is on
+    their loader path); each gets its one driver library by full path."""
+    core = host_libc_core
+    libdir = core.driver_root / "usr/lib/x86_64-linux-gnu"
+    g0, g1 = gpu_names(core)[:2]
+    c = claim(uid(), [g0], config=mps_config(40, None))
+    core.add(c)
+    asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["40.0"]
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+    assert "LD_LIBRARY_PATH" not in env
+    assert Path(env["LD_PRELOAD"]).resolve() == (libdir / "libcuda.so.1").resolve()
+    # The daemon starts nvidia-cuda-mps-server by name: the driver's MPS binaries come first.
+    assert env["PATH"].split(":")[0] == str(core.driver_root / "usr/bin")
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g1)
+    t = claim(uid(), [g1], config=timeslicing("Short"))
+    core.add(t)
+    asyncio.run(core.preparer.prepare(ref_of(t)))
+    (call,) = smi_calls(core)
+    args, preload = call.split(" preload=")
+    assert args == f"compute-policy -i {gpu.uuid} --set-timeslice 1"
+    assert preload.endswith(" libpath=")  # nothing on the loader's search path
+    assert Path(preload.removesuffix(" libpath=")).resolve() == (libdir / "libnvidia-ml.so.1").resolve()
