@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tarfile
 from collections.abc import Sequence
@@ -264,7 +265,34 @@ def _toml_list(xs: list[str]) -> str:
     return "[" + ", ".join(f"'{x}'" for x in xs) + "]"
 
 
+def root_propagation() -> str:
+    """The propagation of this mount namespace's `/`: "shared", "slave" or "private"."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] != "/":
+                continue
+            tags = fields[6 : fields.index("-")]
+            if any(t.startswith("shared:") for t in tags):
+                return "shared"
+            return "slave" if any(t.startswith("master:") for t in tags) else "private"
+    return "private"
+
+
+def share_root_mount() -> None:
+    """Make `/` a shared mount, as systemd does on every host and kind does in its nodes: the
+    chart mounts the driver root with mountPropagation HostToContainer, which containerd refuses
+    for a path on a private mount ("... is not a shared or slave mount"). A machine (a container)
+    whose `/` is private gets `mount --make-rshared /` in its own mount namespace."""
+    if root_propagation() != "private":
+        return
+    r = subprocess.run(["mount", "--make-rshared", "/"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise Fail(f"mount --make-rshared / failed (HostToContainer mounts need it): {r.stderr.strip()}")
+
+
 def start_containerd() -> None:
+    share_root_mount()
     d = os.path.join(STATE, "containerd")
     cfg = os.path.join(d, "config.toml")
     runc = os.environ.get("DRA_GPU_E2E_RUNC", shutil.which("runc") or "/usr/sbin/runc")

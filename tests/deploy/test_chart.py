@@ -176,6 +176,15 @@ def test_daemonset_driver_root_and_cdi_hook(render: Render) -> None:
     assert re.search(r"# Privileged: .*\n", text), "privileged mode must say why in a comment"
 
 
+def test_driver_root_mount_sees_a_driver_mounted_after_the_plugin_started(render: Render) -> None:
+    """The GPU Operator's driver container mounts /run/nvidia/driver after the plugin may have
+    started: only HostToContainer propagation shows the plugin that mount."""
+    for sets in ((), ("kubeletPlugin.nvidiaDriverRoot=/run/nvidia/driver",), ("simulatedProfile=hgx-2x4",)):
+        mounts = {m["mountPath"]: m for m in container(one(render(*sets), "DaemonSet"))["volumeMounts"]}
+        assert mounts["/driver-root"].get("mountPropagation") == "HostToContainer", sets
+        assert mounts["/driver-root"]["readOnly"] is True
+
+
 def test_no_container_gets_the_driver_root_on_its_loader_path(render: Render) -> None:
     """With driver root / (or /run/nvidia/driver) the driver's library directory holds the host's
     libc.so.6: on LD_LIBRARY_PATH it would stop the image's Python from starting."""
