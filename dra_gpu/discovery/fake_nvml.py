@@ -248,7 +248,8 @@ class FakeNvml(FakeNvmlEvents):
 
     @_nvml_call
     def nvmlDeviceSetComputeMode(self, h: Any, mode: int) -> None:
-        if isinstance(h, _GpuHandle) and h.spec.mig_enabled:
+        if isinstance(h, _MigHandle) or h.spec.mig_enabled:
+            # As drivers before NVML 13.2: a MIG device's compute mode cannot be changed.
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if mode not in (
             pynvml.NVML_COMPUTEMODE_DEFAULT,

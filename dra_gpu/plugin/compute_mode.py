@@ -3,7 +3,10 @@
 MPS needs its GPUs in EXCLUSIVE_PROCESS (the MPS server is then the one context on them); time
 slicing needs DEFAULT. The mode is not persistent across reboots but is across processes, so the
 plugin records the mode it found and restores it when the last claim that needed another is gone.
-On a MIG-enabled GPU the mode is set on the MIG device's own handle (NVML requires it).
+Only full GPUs get a compute mode: on a MIG-enabled GPU it is DEFAULT and cannot be changed
+(NVML up to the CUDA 13.1 headers: "changing it is not supported"; the driver answers
+NOT_SUPPORTED on a MIG device's handle). MPS on a MIG device needs none: each MIG device has its
+own MPS server. NVIDIA's DRA driver does the same (compute mode on full-GPU UUIDs only).
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ NAMES = {DEFAULT: "Default", PROHIBITED: "Prohibited", EXCLUSIVE_PROCESS: "Exclu
 
 class ComputeModeError(RuntimeError):
     """NVML refused to read or set a device's compute mode."""
+
+
+def settable(uuid: str) -> bool:
+    """Whether `uuid` is a device whose compute mode can be set: a full GPU ("GPU-..."), not a MIG
+    device (NVML names every MIG device "MIG-...")."""
+    return not uuid.startswith("MIG-")
 
 
 def mode_name(mode: int) -> str:

@@ -2,7 +2,8 @@
 for is planned with the claim, applied before its CDI spec is written, and undone at unprepare.
 
 - MPS: one control daemon per claim (per distinct MPS config of the claim) with the configured
-  limits, its GPUs in EXCLUSIVE_PROCESS while it runs; containers get its pipe dir through CDI.
+  limits, its full GPUs in EXCLUSIVE_PROCESS while it runs (MIG devices keep theirs: it cannot be
+  changed); containers get its pipe dir through CDI.
 - Memory shares (a result with a shareID on a GPU published with allowMultipleAllocations): one
   daemon per share, its pinned-memory limit the consumed `memory`, its active thread percentage
   the consumed `computeShare` (none when 0); the GPU stays in DEFAULT compute mode so the shares'
@@ -29,7 +30,14 @@ from dra_gpu.api import GpuConfig
 from dra_gpu.discovery.fake_nvml import FakeNvml
 from dra_gpu.discovery.profiles import load_profile
 from dra_gpu.kube_client import parse_quantity
-from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModeError, ComputeModes, mode_name
+from dra_gpu.plugin.compute_mode import (
+    DEFAULT,
+    EXCLUSIVE_PROCESS,
+    ComputeModeError,
+    ComputeModes,
+    mode_name,
+    settable,
+)
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_programs import program_locator
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
@@ -136,6 +144,7 @@ class Sharing:
             for d in members:
                 modes[d.uuid] = {"mode": EXCLUSIVE_PROCESS}
                 plan.device_edits[d.name] = self.mps.cdi_edits(daemon)
+        modes = {uuid: mode for uuid, mode in modes.items() if settable(uuid)}
         if daemons:
             plan.record["mps"] = [d.to_dict() for d in daemons]
         if modes:
@@ -271,6 +280,8 @@ class Sharing:
         for uuid, setting in _modes(record).items():
             if any(uuid in _modes(o) for o in others) or setting.get("previous") is None:
                 continue  # still needed by another claim, or never set by this one
+            if not settable(uuid):
+                continue  # a MIG device in a record of an earlier release: never changed
             try:
                 if self.modes.get(uuid) != setting["previous"]:
                     self.modes.set(uuid, setting["previous"])
@@ -286,7 +297,7 @@ class Sharing:
                 continue
             log.warning("MPS daemon of a prepared claim is not answering, restarting id=%s", daemon.id)
             try:
-                for uuid in daemon.uuids:
+                for uuid in filter(settable, daemon.uuids):
                     want = _modes(record).get(uuid, {}).get("mode", EXCLUSIVE_PROCESS)
                     if self.modes.get(uuid) != want:
                         self.modes.set(uuid, want)

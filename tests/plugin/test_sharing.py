@@ -126,16 +126,22 @@ def test_mps_claim_runs_its_daemon_with_the_limits_and_unprepare_stops_it(core: 
     assert compute_mode(core, gpu.uuid) == DEFAULT
 
 
-def test_mps_on_a_mig_device_sets_the_mig_devices_compute_mode(core: PluginCore) -> None:
+def test_mps_on_a_mig_device_runs_its_daemon_and_leaves_the_compute_mode(core: PluginCore) -> None:
+    """The driver refuses a compute mode on a MIG device (NOT_SUPPORTED before NVML 13.2): MPS on
+    one runs its daemon without setting any, and the daemon survives a dead-daemon check."""
     m0 = mig_names(core)[0]
     _, mig = core.preparer.planner.devices[m0]
     assert mig is not None
     c = claim(uid(), [m0], config=mps_config(25, None, kind="MigDeviceConfig"))
     core.add(c)
     asyncio.run(core.preparer.prepare(ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    assert ask(core, pipe, "get_default_active_thread_percentage") == ["25.0"]
+    assert compute_mode(core, mig.uuid) == DEFAULT
+    os.kill(pid, signal.SIGKILL)
+    asyncio.run(core.preparer.prepare(ref_of(c)))  # restarts the daemon, sets no compute mode
     pipe, _ = daemon_of(core, c)
     assert ask(core, pipe, "get_default_active_thread_percentage") == ["25.0"]
-    assert compute_mode(core, mig.uuid) == EXCLUSIVE_PROCESS
     asyncio.run(core.preparer.unprepare(ref_of(c)))
     assert compute_mode(core, mig.uuid) == DEFAULT
 
