@@ -55,6 +55,12 @@ class HealthMetrics:
         self.events = Counter(
             "dra_gpu_health_events", "Health events seen, by kind.", ["kind"], registry=registry
         )
+        self.nvml_errors = Counter(
+            "dra_gpu_health_nvml_errors",
+            "Failed NVML calls of the health monitor that were retried (not a lost GPU), by call and error.",
+            ["call", "error"],
+            registry=registry,
+        )
         self.transitions = Counter(
             "dra_gpu_taint_transitions",
             "Device taints added and removed, by effect and cause.",
@@ -80,6 +86,7 @@ class HealthManager:
         self.tick = tick
         self.lost: set[str] = set()  # GPU UUIDs
         self.unmonitored: set[str] = set()
+        self.failing: set[tuple[str, str]] = set()  # (GPU UUID, call) failing since its last answer
         self.by_gpu: dict[str, list[DeviceRef]] = {}
         for gpu in inventory.gpus:
             if gpu.mig_enabled:
@@ -158,7 +165,20 @@ class HealthManager:
             verdict = self.classifier.classify(EventKind.GPU_LOST)
             for d in devices:
                 changed |= self._record(d, verdict, f"GPU {obs.gpu_uuid} is lost: {obs.detail}")
+        elif obs.seen is Seen.ERROR:
+            # Transient (retried by the monitor): counted and logged once per streak, no taint.
+            self.metrics.nvml_errors.labels(obs.call, obs.error).inc()
+            if (obs.gpu_uuid, obs.call) not in self.failing:
+                self.failing.add((obs.gpu_uuid, obs.call))
+                log.warning(
+                    "nvml call failed, retrying gpu=%s call=%s error=%s detail=%r",
+                    obs.gpu_uuid,
+                    obs.call,
+                    obs.error,
+                    obs.detail,
+                )
         elif obs.seen is Seen.ALIVE:
+            self.failing = {f for f in self.failing if f[0] != obs.gpu_uuid}
             if obs.gpu_uuid in self.lost:
                 log.info("gpu answers again gpu=%s", obs.gpu_uuid)
                 self.lost.discard(obs.gpu_uuid)
