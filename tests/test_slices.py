@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 from conftest import bus, discover_doc, gpu_uuid
 
@@ -211,3 +214,35 @@ def test_memory_shares_publish_whole_gpus_with_request_policies() -> None:
     assert "multiprocessors" not in dev["capacity"]  # unconstrained, it would be consumed whole
     plain = build(inv)[0]["spec"]["devices"][0]
     assert "allowMultipleAllocations" not in plain
+
+
+def _readme_capacities(device: str) -> set[str]:
+    """The capacities README's device table lists for `device` ("whole GPU", "MIG device")."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith(f"| {device} |")]
+    return set(re.findall(r"`(\w+)`", row.rsplit("|", 2)[1]))
+
+
+@pytest.mark.parametrize("profile", ["hgx-2x4", "dgx-h100", "dgx-a100-mig", "mixed", "pcie-pairs"])
+def test_whole_gpus_publish_the_capacities_the_readme_lists_and_no_sm_count(profile: str) -> None:
+    """NVML gives no whole GPU's SM count (nvmlDeviceGetAttributes answers NOT_SUPPORTED but for
+    MIG devices): `multiprocessors` is left out on whole GPUs, not guessed, and the README says so."""
+    from dra_gpu.discovery import FakeNvml, load_profile
+
+    nvml = FakeNvml(load_profile(profile))
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetAttributes(handle)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetAttributes_v2(handle)
+    devs = devices(build_slices(discover_node("node-a", profile)))
+    whole = [d for d in devs if attr(d, "type") == "gpu"]
+    assert whole
+    for dev in whole:
+        assert "multiprocessors" not in dev["capacity"]
+        assert set(dev["capacity"]) == _readme_capacities("whole GPU")
+    for dev in devs:
+        if attr(dev, "type") == "mig":
+            assert set(dev["capacity"]) <= _readme_capacities("MIG device")
+            assert "multiprocessors" in dev["capacity"]
