@@ -19,6 +19,7 @@ from typing import Any
 
 from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
 from dra_gpu.discovery.driver_install import discover_installation
+from dra_gpu.discovery.kernel_devices import CAPS, char_majors
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
 from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
@@ -172,7 +173,9 @@ def _char_device(path: Path) -> tuple[bool, str]:
     return True, ""
 
 
-def _mig_cap_nodes(root: Path, minor: int, gi: int, ci: int) -> list[str]:
+def _mig_cap_problems(root: Path, minor: int, gi: int, ci: int) -> list[str]:
+    """What stops a MIG device's capability nodes from going into a spec (they go by number:
+    no host node is needed, only the driver's access files)."""
     caps = root / "proc/driver/nvidia/capabilities" / f"gpu{minor}" / "mig"
     out = []
     for access in (caps / f"gi{gi}" / "access", caps / f"gi{gi}" / f"ci{ci}" / "access"):
@@ -181,8 +184,8 @@ def _mig_cap_nodes(root: Path, minor: int, gi: int, ci: int) -> list[str]:
         except OSError:
             out.append(f"{access.relative_to(root)} (no capability file)")
             continue
-        if match:
-            out.append(f"dev/nvidia-caps/nvidia-cap{match.group(1)}")
+        if not match:
+            out.append(f"{access.relative_to(root)} (no DeviceFileMinor)")
     return out
 
 
@@ -194,15 +197,15 @@ def check_device_nodes(facts: NodeFacts) -> Iterable[Result]:
         return
     root = facts.settings.dev_root
     wanted = list(CONTROL_NODES)
+    problems = []
+    mig = [(gpu, m) for gpu in inv.gpus for m in gpu.mig_devices]
+    if mig and CAPS not in char_majors(root / "proc/devices"):
+        problems.append(f"no {CAPS} in /proc/devices (MIG capability nodes cannot be given)")
     for gpu in sorted(inv.gpus, key=lambda g: g.minor):
         wanted.append(f"dev/nvidia{gpu.minor}")
-        for mig in gpu.mig_devices:
-            wanted.extend(_mig_cap_nodes(root, gpu.minor, mig.gpu_instance_id, mig.compute_instance_id))
-    problems = []
+        for m in gpu.mig_devices:
+            problems.extend(_mig_cap_problems(root, gpu.minor, m.gpu_instance_id, m.compute_instance_id))
     for rel in wanted:
-        if rel.endswith("(no capability file)"):
-            problems.append(rel)
-            continue
         good, why = _char_device(root / rel)
         if not good:
             problems.append(f"/{rel} {why}")
@@ -216,7 +219,8 @@ def check_device_nodes(facts: NodeFacts) -> Iterable[Result]:
         listed = ", ".join(problems[:6]) + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
         yield fail(name, f"under {root}: {listed}", fix)
         return
-    yield ok(name, f"{len(wanted)} device nodes under {root} (GPUs, control nodes, MIG capabilities)")
+    caps = f", MIG capabilities of {len(mig)} MIG devices (by number)" if mig else ""
+    yield ok(name, f"{len(wanted)} device nodes under {root} (GPUs, control nodes){caps}")
 
 
 # ---------------------------------------------------------------- CDI and containerd

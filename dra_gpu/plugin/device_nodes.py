@@ -4,10 +4,15 @@ On a real node `dev_root` is "/" and the NVIDIA driver made the nodes. On a simu
 plugin makes real character devices with mknod under `<dev_root>/dev` (and the MIG capability
 files the driver would expose under `<dev_root>/proc`), so the runtime injects something real.
 
-A spec never lacks a node its device needs: every prepare checks the host nodes. A node missing
-on a real node (e.g. `/dev/nvidia-uvm` before the first CUDA program loaded the uvm module) is
-created the way the driver's own tools do, with `nvidia-modprobe` where it is installed; if it is
-still missing, prepare fails with an error naming the node, and the kubelet retries.
+The MIG capability nodes `/dev/nvidia-caps/nvidia-cap<N>`, which NVML never creates on the host,
+go into the spec as numbers (`type: c`, `major`: `nvidia-caps` in `/proc/devices`; `minor` and
+file mode: the capability's `access` file), so the runtime makes them in the container and no
+host node is needed.
+
+The other nodes are the host's own: every prepare checks them. A node missing on a real node
+(e.g. `/dev/nvidia-uvm` before the first CUDA program loaded the uvm module) is created the way
+the driver's own tools do, with `nvidia-modprobe` where it is installed; if it is still missing,
+prepare fails with an error naming the node, and the kubelet retries.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ import re
 import shutil
 import stat
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from dra_gpu.discovery.kernel_devices import CAPS, UVM, char_majors
 from dra_gpu.model import Gpu, Inventory, MigDevice
 from dra_gpu.plugin.cdi import DeviceNode
 
@@ -36,24 +44,52 @@ OPTIONAL_CONTROL_NODES = ("/dev/nvidia-modeset",)  # only with the nvidia-modese
 MODPROBE_TIMEOUT = 10.0
 
 _MINOR_LINE = re.compile(r"DeviceFileMinor:\s*(\d+)")
+_MODE_LINE = re.compile(r"DeviceFileMode:\s*(\d+)")
+CAP_FILE_MODE = 0o444  # what the driver's access files say (DeviceFileMode: 292)
+NODE_PERMISSIONS = "rw"  # the container's device-cgroup access: read and write, never mknod
 
 
 class DeviceNodeError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class NumberedNode(DeviceNode):
+    """A character device given to the container by its numbers: the runtime makes it there, no
+    host node is read (CDI deviceNode `type`/`major`/`minor`, valid from cdiVersion 0.3.0)."""
+
+    major: int = 0
+    minor: int = 0
+    file_mode: int | None = None
+
+    def to_cdi(self) -> dict[str, Any]:
+        node: dict[str, Any] = {
+            "path": self.path,
+            "type": "c",
+            "major": self.major,
+            "minor": self.minor,
+            "permissions": NODE_PERMISSIONS,
+        }
+        if self.file_mode is not None:
+            node["fileMode"] = self.file_mode
+        return node
+
+
 class DeviceNodes:
     """Maps devices to their nodes under a dev root and checks that the host nodes exist."""
 
-    def __init__(self, dev_root: Path, modprobe: str | None = None) -> None:
+    def __init__(self, dev_root: Path, modprobe: str | None = None, proc_devices: Path | None = None) -> None:
         self.root = dev_root
         # nvidia-modprobe makes nodes in the real /dev only, so only a plugin that sees it uses it.
         self.modprobe = modprobe if str(dev_root) == "/" else None
+        # The kernel's device list (/proc/devices; a simulated node's under its dev root).
+        self.proc_devices = proc_devices or dev_root / "proc/devices"
         # Paths as strings, joined once: every prepare maps its devices again.
         self._root = str(dev_root)
         self._caps = os.path.join(self._root, "proc/driver/nvidia/capabilities")
         self._hosts: dict[str, str] = {}
-        self._minors: dict[str, tuple[tuple[int, int, int], str]] = {}  # access file -> (its stat, minor)
+        # access file -> (its stat, minor, file mode)
+        self._minors: dict[str, tuple[tuple[int, int, int], int, int]] = {}
 
     def host(self, container_path: str) -> str:
         host = self._hosts.get(container_path)
@@ -72,35 +108,48 @@ class DeviceNodes:
         return [self.node(f"/dev/nvidia{gpu.minor}")]
 
     def mig(self, gpu: Gpu, mig: MigDevice) -> list[DeviceNode]:
-        """The parent's node plus the GI and CI capability nodes the driver lists in /proc."""
+        """The parent's node plus the GI and CI capability nodes the driver lists in /proc, by
+        number (NVML makes no /dev/nvidia-caps nodes on the host)."""
+        major = char_majors(self.proc_devices).get(CAPS)
+        if major is None:
+            raise DeviceNodeError(
+                f"MIG device {mig.uuid}: the kernel lists no {CAPS} character device in "
+                f"{self.proc_devices} (the NVIDIA driver's MIG capability support is not loaded)"
+            )
         gi = f"{self._caps}/gpu{gpu.minor}/mig/gi{mig.gpu_instance_id}"
         nodes = self.gpu(gpu)
         for access in (f"{gi}/access", f"{gi}/ci{mig.compute_instance_id}/access"):
-            nodes.append(self.node(f"/dev/nvidia-caps/nvidia-cap{self._cap_minor(mig, access)}"))
+            minor, mode = self._cap_minor(mig, access)
+            path = f"/dev/nvidia-caps/nvidia-cap{minor}"
+            nodes.append(NumberedNode(path, self.host(path), major=major, minor=minor, file_mode=mode))
         return nodes
 
-    def _cap_minor(self, mig: MigDevice, access: str) -> str:
-        """The capability node's minor from its access file. The driver fixes it per GPU, GI and
-        CI, so it is read once per file; the file is still looked at every time (a stat): it is
-        there exactly while the instance is."""
+    def _cap_minor(self, mig: MigDevice, access: str) -> tuple[int, int]:
+        """The capability node's minor and file mode from its access file. The driver fixes them
+        per GPU, GI and CI, so it is read once per file; the file is still looked at every time
+        (a stat): it is there exactly while the instance is."""
         try:
             st = os.stat(access)
             identity = (st.st_ino, st.st_mtime_ns, st.st_size)
             known = self._minors.get(access)
             if known is not None and known[0] == identity:
-                return known[1]
+                return known[1], known[2]
             with open(access, encoding="utf-8") as f:
-                match = _MINOR_LINE.search(f.read())
+                text = f.read()
         except OSError as exc:
             raise DeviceNodeError(f"MIG device {mig.uuid}: cannot read {access}: {exc}") from exc
+        match = _MINOR_LINE.search(text)
         if not match:
             raise DeviceNodeError(f"MIG device {mig.uuid}: no DeviceFileMinor in {access}")
-        self._minors[access] = (identity, match.group(1))
-        return match.group(1)
+        mode = _MODE_LINE.search(text)
+        minor, file_mode = int(match.group(1)), int(mode.group(1)) & 0o777 if mode else CAP_FILE_MODE
+        self._minors[access] = (identity, minor, file_mode)
+        return minor, file_mode
 
     def verify(self, nodes: list[DeviceNode]) -> None:
-        """Fail unless every host node is a character device (never hand out an empty spec)."""
-        missing = [n for n in nodes if not _is_char(n.host_path)]
+        """Fail unless every host node is a character device (never hand out an empty spec);
+        nodes given by number need none."""
+        missing = [n for n in nodes if not isinstance(n, NumberedNode) and not _is_char(n.host_path)]
         if missing and self.modprobe is not None:
             for n in missing:
                 self._create(n.path)
@@ -177,6 +226,13 @@ def create_simulated(inventory: Inventory, dev_root: Path) -> int:
     """Make the nodes (and MIG capability files) of a simulated node; returns how many nodes."""
     dev = dev_root / "dev"
     count = 0
+    # The kernel's list of the simulated driver's character devices (major numbers).
+    proc_devices = dev_root / "proc/devices"
+    proc_devices.parent.mkdir(parents=True, exist_ok=True)
+    proc_devices.write_text(
+        f"Character devices:\n  1 mem\n{NVIDIA_MAJOR} nvidia-frontend\n{SIM_CAPS_MAJOR} {CAPS}\n"
+        f"{SIM_UVM_MAJOR} {UVM}\n\nBlock devices:\n  8 sd\n"
+    )
     _mknod(dev / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
     _mknod(dev / "nvidia-uvm", SIM_UVM_MAJOR, 0)
     _mknod(dev / "nvidia-uvm-tools", SIM_UVM_MAJOR, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 from collections.abc import Iterator
 from concurrent import futures
@@ -113,6 +114,21 @@ def test_device_nodes_present_then_one_missing(tmp_path: Path) -> None:
     (r,) = check_device_nodes(facts)
     assert r.status is Status.FAIL and "/dev/nvidia3 missing" in r.detail
     assert "restart the kubelet plugin" in r.fix
+
+
+def test_mig_capability_nodes_are_not_needed_on_the_host_the_kernels_caps_major_is(tmp_path: Path) -> None:
+    """The claims' specs carry /dev/nvidia-caps nodes by number: no host node needed (NVML makes
+    none), but the kernel must list nvidia-caps."""
+    s = settings(tmp_path, profile="dgx-a100-mig")
+    create_simulated(discover_node("node-a", "dgx-a100-mig"), s.dev_root)
+    shutil.rmtree(s.dev_root / "dev/nvidia-caps")
+    facts = NodeFacts(s)
+    (r,) = check_device_nodes(facts)
+    assert r.status is Status.OK, r.detail
+    proc = s.dev_root / "proc/devices"
+    proc.write_text("".join(line for line in proc.read_text().splitlines(True) if "nvidia-caps" not in line))
+    (r,) = check_device_nodes(facts)
+    assert r.status is Status.FAIL and "no nvidia-caps in /proc/devices" in r.detail
 
 
 def test_device_node_that_is_a_plain_file(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import stat
 import uuid
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from dra_gpu.api import API_VERSION
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
+from dra_gpu.plugin.device_nodes import SIM_CAPS_MAJOR
 from dra_gpu.plugin.plan import PrepareError
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, validate_cdi
 
@@ -81,6 +83,49 @@ def test_mig_device_gets_parent_and_capability_nodes(core: PluginCore) -> None:
     assert len(paths) == 3 and all(p.startswith("/dev/nvidia-caps/nvidia-cap") for p in paths[1:])
     mig = core.inventory.gpus[0].mig_devices[0]
     assert f"NVIDIA_VISIBLE_DEVICES={mig.uuid}" in spec["containerEdits"]["env"]
+
+
+def test_mig_capability_nodes_need_no_host_node(core: PluginCore) -> None:
+    """NVML makes no /dev/nvidia-caps nodes on the host: the spec carries them by number (major
+    of nvidia-caps in /proc/devices, minor and mode from the capability's access file)."""
+    shutil.rmtree(core.root / "devroot/dev/nvidia-caps")
+    gpu = core.inventory.gpus[0]
+    mig = gpu.mig_devices[0]
+    caps = core.root / "devroot/proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
+    gi_access = caps / f"gi{mig.gpu_instance_id}" / "access"
+    ci_access = caps / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access"
+    gi_access.write_text("DeviceFileMinor: 21\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    ci_access.write_text("DeviceFileMinor: 22\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+    c = claim(uid(), [mig_names(core)[0]], requests=["mig"])
+    core.add(c)
+    prepare(core, c)
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    validate_cdi(spec)
+    assert spec["cdiVersion"] == "0.5.0"  # device names starting with a digit; type/major/minor: 0.3.0
+    _, gi_node, ci_node = spec["devices"][0]["containerEdits"]["deviceNodes"]
+    assert gi_node == {
+        "path": "/dev/nvidia-caps/nvidia-cap21",
+        "type": "c",
+        "major": SIM_CAPS_MAJOR,
+        "minor": 21,
+        "permissions": "rw",
+        "fileMode": 0o444,
+    }
+    assert (ci_node["path"], ci_node["minor"], ci_node["fileMode"]) == (
+        "/dev/nvidia-caps/nvidia-cap22",
+        22,
+        0o400,
+    )
+
+
+def test_mig_without_caps_in_the_kernels_device_list_fails_prepare_saying_so(core: PluginCore) -> None:
+    proc = _proc_devices(core)
+    proc.write_text("\n".join(line for line in proc.read_text().splitlines() if "nvidia-caps" not in line))
+    c = claim(uid(), [mig_names(core)[0]], requests=["mig"])
+    core.add(c)
+    with pytest.raises(PrepareError, match=f"no nvidia-caps character device in {proc}"):
+        prepare(core, c)
+    _nothing_written(core, c["metadata"]["uid"])
 
 
 def test_a_mig_capability_file_is_looked_at_on_every_prepare(core: PluginCore) -> None:
@@ -415,6 +460,10 @@ def test_a_missing_control_node_fails_prepare_naming_it(core: PluginCore, node: 
     with pytest.raises(PrepareError, match=f"device node {path} is missing.*retried"):
         prepare(core, c)
     _nothing_written(core, c["metadata"]["uid"])
+
+
+def _proc_devices(core: PluginCore) -> Path:
+    return core.root / "devroot" / "proc" / "devices"
 
 
 def test_a_missing_gpu_node_fails_prepare_naming_it(core: PluginCore) -> None:
