@@ -1,7 +1,9 @@
 """The NVIDIA kernel modules' character devices as the kernel lists them in `/proc/devices`.
 
 The `nvidia-uvm` and `nvidia-caps` majors are assigned dynamically when the modules load, so
-they are read here, never assumed. A module the kernel does not list is not loaded.
+they are read here, never assumed. A module the kernel does not list is not loaded; a container
+cannot load one (no `/sbin/modprobe`, no `/lib/modules`), so what to do about it is said for
+the host (`UVM_HOST_FIX`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ log = logging.getLogger(__name__)
 
 UVM = "nvidia-uvm"  # /dev/nvidia-uvm (minor 0) and /dev/nvidia-uvm-tools (minor 1)
 CAPS = "nvidia-caps"  # /dev/nvidia-caps/nvidia-cap<N> (MIG and other capabilities)
+UVM_MINORS = {"/dev/nvidia-uvm": 0, "/dev/nvidia-uvm-tools": 1}
+UVM_HOST_FIX = (
+    "load it on the host at boot (`modprobe nvidia-uvm`, or `nvidia-modprobe -u -c=0`, which also "
+    "makes /dev/nvidia-uvm; e.g. `nvidia-uvm` in /etc/modules-load.d/nvidia.conf); "
+    "a container cannot load a kernel module"
+)
 
 
 def char_majors(proc_devices: Path) -> dict[str, int]:
@@ -34,3 +42,10 @@ def char_majors(proc_devices: Path) -> dict[str, int]:
         if in_char and len(parts) == 2 and parts[0].isdigit():
             majors.setdefault(parts[1], int(parts[0]))
     return majors
+
+
+def uvm_missing(proc_devices: Path) -> str | None:
+    """Why no container can use CUDA's unified memory device, or None when the module is loaded."""
+    if UVM in char_majors(proc_devices):
+        return None
+    return f"the nvidia-uvm kernel module is not loaded (no {UVM} in {proc_devices})"

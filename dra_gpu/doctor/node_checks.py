@@ -19,7 +19,7 @@ from typing import Any
 
 from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
 from dra_gpu.discovery.driver_install import discover_installation
-from dra_gpu.discovery.kernel_devices import CAPS, char_majors
+from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_majors, uvm_missing
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
 from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
@@ -196,10 +196,12 @@ def check_device_nodes(facts: NodeFacts) -> Iterable[Result]:
         yield skip(name, "no GPUs known (no NVML answer)")
         return
     root = facts.settings.dev_root
-    wanted = list(CONTROL_NODES)
+    majors = char_majors(root / "proc/devices")
+    # The uvm nodes go into the specs by number while the module is loaded (node/nvidia-uvm).
+    wanted = [n for n in CONTROL_NODES if "nvidia-uvm" not in n]
     problems = []
     mig = [(gpu, m) for gpu in inv.gpus for m in gpu.mig_devices]
-    if mig and CAPS not in char_majors(root / "proc/devices"):
+    if mig and CAPS not in majors:
         problems.append(f"no {CAPS} in /proc/devices (MIG capability nodes cannot be given)")
     for gpu in sorted(inv.gpus, key=lambda g: g.minor):
         wanted.append(f"dev/nvidia{gpu.minor}")
@@ -221,6 +223,19 @@ def check_device_nodes(facts: NodeFacts) -> Iterable[Result]:
         return
     caps = f", MIG capabilities of {len(mig)} MIG devices (by number)" if mig else ""
     yield ok(name, f"{len(wanted)} device nodes under {root} (GPUs, control nodes){caps}")
+
+
+def check_nvidia_uvm(facts: NodeFacts) -> Iterable[Result]:
+    """CUDA needs /dev/nvidia-uvm; the specs carry it by number, which exists only while the
+    nvidia-uvm module is loaded, and no container can load it."""
+    name = "node/nvidia-uvm"
+    proc = facts.settings.dev_root / "proc/devices"
+    why = uvm_missing(proc)
+    if why is not None:
+        yield fail(name, why, UVM_HOST_FIX)
+        return
+    major = char_majors(proc)[UVM]
+    yield ok(name, f"nvidia-uvm loaded (major {major}): claims get /dev/nvidia-uvm and -uvm-tools by number")
 
 
 # ---------------------------------------------------------------- CDI and containerd
@@ -412,6 +427,7 @@ NODE_CHECKS: tuple[tuple[str, Callable[[NodeFacts], Iterable[Result]]], ...] = (
     ("node/driver", check_driver),
     ("node/driver-files", check_driver_files),
     ("node/device-nodes", check_device_nodes),
+    ("node/nvidia-uvm", check_nvidia_uvm),
     ("node/cdi-dir", check_cdi_dir),
     ("node/containerd-cdi", check_containerd_cdi),
     ("node/plugin-registration", check_plugin_registration),

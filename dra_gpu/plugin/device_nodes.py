@@ -4,15 +4,19 @@ On a real node `dev_root` is "/" and the NVIDIA driver made the nodes. On a simu
 plugin makes real character devices with mknod under `<dev_root>/dev` (and the MIG capability
 files the driver would expose under `<dev_root>/proc`), so the runtime injects something real.
 
-The MIG capability nodes `/dev/nvidia-caps/nvidia-cap<N>`, which NVML never creates on the host,
-go into the spec as numbers (`type: c`, `major`: `nvidia-caps` in `/proc/devices`; `minor` and
-file mode: the capability's `access` file), so the runtime makes them in the container and no
-host node is needed.
+Nodes whose numbers the kernel publishes go into the spec as numbers (`type: c`, `major`,
+`minor`), so the runtime makes them in the container and no host node is needed: the MIG
+capability nodes `/dev/nvidia-caps/nvidia-cap<N>` (major: `nvidia-caps` in `/proc/devices`;
+minor and file mode: the capability's `access` file), which NVML never creates on the host, and
+`/dev/nvidia-uvm` and `-uvm-tools` (major: `nvidia-uvm`; minors 0 and 1), which exist on the host
+only once something ran `nvidia-modprobe -u`. The kernel lists a major exactly while its module is
+loaded; `nvidia-uvm` not listed means the module is not loaded, which a container cannot change:
+prepare fails naming the host-side fix.
 
-The other nodes are the host's own: every prepare checks them. A node missing on a real node
-(e.g. `/dev/nvidia-uvm` before the first CUDA program loaded the uvm module) is created the way
-the driver's own tools do, with `nvidia-modprobe` where it is installed; if it is still missing,
-prepare fails with an error naming the node, and the kubelet retries.
+The other nodes (`/dev/nvidia<N>`, `/dev/nvidiactl`) are the host's own: every prepare checks
+them. A missing GPU node on a real node is created the way the driver's own tools do, with
+`nvidia-modprobe -c <N>` where it is installed; if it is still missing, prepare fails with an
+error naming the node, and the kubelet retries.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.discovery.kernel_devices import CAPS, UVM, char_majors
+from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, UVM_MINORS, char_majors, uvm_missing
 from dra_gpu.model import Gpu, Inventory, MigDevice
 from dra_gpu.plugin.cdi import DeviceNode
 
@@ -101,7 +105,16 @@ class DeviceNodes:
         return DeviceNode(path=container_path, host_path=self.host(container_path))
 
     def control(self) -> list[DeviceNode]:
-        nodes = [self.node(p) for p in CONTROL_NODES]
+        """nvidiactl (the host's), the uvm nodes by number while the kernel lists nvidia-uvm (else
+        the host's paths, which `verify` then reports with the host-side fix), nvidia-modeset
+        where the host has it."""
+        uvm = char_majors(self.proc_devices).get(UVM)
+        nodes: list[DeviceNode] = []
+        for path in CONTROL_NODES:
+            if path in UVM_MINORS and uvm is not None:
+                nodes.append(NumberedNode(path, self.host(path), major=uvm, minor=UVM_MINORS[path]))
+            else:
+                nodes.append(self.node(path))
         return nodes + [n for p in OPTIONAL_CONTROL_NODES if _is_char((n := self.node(p)).host_path)]
 
     def gpu(self, gpu: Gpu) -> list[DeviceNode]:
@@ -158,6 +171,11 @@ class DeviceNodes:
             try:
                 os.stat(n.host_path)
             except OSError as exc:
+                if n.path in UVM_MINORS and (why := uvm_missing(self.proc_devices)):
+                    raise DeviceNodeError(
+                        f"device node {n.host_path} is missing and {why}; {UVM_HOST_FIX}; "
+                        f"prepare will be retried"
+                    ) from exc
                 raise DeviceNodeError(
                     f"device node {n.host_path} is missing ({exc.strerror}); the NVIDIA driver has not "
                     f"created it{_how(n.path)}; prepare will be retried"
@@ -195,8 +213,8 @@ def _is_char(path: str) -> bool:
 def _modprobe_args(path: str) -> list[str] | None:
     """nvidia-modprobe's options that create the node at `path` (see its man page)."""
     name = path.rsplit("/", 1)[-1]
-    if name in ("nvidia-uvm", "nvidia-uvm-tools"):
-        return ["-u", "-c", "0"]
+    # Not the uvm nodes: `-u` loads the module, which needs the host's modprobe and /lib/modules;
+    # with the module loaded the spec carries the nodes by number.
     if name == "nvidia-modeset":
         return ["-m"]
     if name.startswith("nvidia") and name[len("nvidia") :].isdigit():

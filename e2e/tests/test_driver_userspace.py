@@ -8,6 +8,7 @@ the container has); the images have no NVIDIA files at all (e2e/images.py --debi
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,26 +157,37 @@ def our_specs() -> set[Path]:
     return set(CDI_DIR.glob(f"k8s.{DRIVER}-claim_*"))
 
 
-def test_a_missing_device_node_fails_prepare_naming_it_until_it_appears(
+def test_nvidia_uvm_not_loaded_fails_prepare_naming_the_host_fix_until_it_is(
     hgx, glibc_images, core, dyn, namespace, wait_pod
 ):
-    uvm = PLUGIN_DIR / "simulated-root" / "dev" / "nvidia-uvm"
-    st = uvm.stat()
+    """No nvidia-uvm in the kernel's device list (the module not loaded, which no container can
+    change): prepare fails saying to load it on the host. Once the kernel lists it the same pod
+    starts, although the host still has no /dev/nvidia-uvm: the spec carries it by number."""
+    root = PLUGIN_DIR / "simulated-root"
+    uvm, proc = root / "dev" / "nvidia-uvm", root / "proc" / "devices"
+    st, listed = uvm.stat(), proc.read_text()
     before = our_specs()
     uvm.unlink()
+    proc.write_text("".join(line for line in listed.splitlines(True) if "nvidia-uvm" not in line))
     try:
         template(dyn, namespace, "gpus", count=1)
-        gpu_pod(core, namespace, "nouvm", DEBIAN_IMAGE, "nvidia-smi -L")
-        message = failed_prepare(core, namespace, "nouvm", "is missing")
+        gpu_pod(core, namespace, "nouvm", DEBIAN_IMAGE, "nvidia-smi -L; ls -l /dev/nvidia-uvm")
+        message = failed_prepare(core, namespace, "nouvm", "is not loaded")
         print(f"\n[e2e] event: {message}")
-        assert f"device node {uvm} is missing" in message, message
+        assert "the nvidia-uvm kernel module is not loaded" in message, message
+        assert "modprobe nvidia-uvm" in message, message
         assert our_specs() == before  # nothing written
         assert core.read_namespaced_pod("nouvm", namespace).status.phase == "Pending"
     finally:
-        os.mknod(uvm, st.st_mode, st.st_rdev)
-    # The kubelet retries; with the node back the same pod starts.
-    phase, log = finished_log(core, namespace, "nouvm", wait_pod)
-    assert phase == "Succeeded" and len(listed_uuids(log)) == 1, log
+        proc.write_text(listed)  # the module loaded; its node still missing on the host
+    # The kubelet retries; now the same pod starts, its /dev/nvidia-uvm made by the runtime.
+    try:
+        phase, log = finished_log(core, namespace, "nouvm", wait_pod)
+        assert phase == "Succeeded" and len(listed_uuids(log)) == 1, log
+        assert re.search(rf"\b{os.major(st.st_rdev)},\s+{os.minor(st.st_rdev)}\b", log), log  # ls -l
+    finally:
+        if not uvm.exists():
+            os.mknod(uvm, st.st_mode, st.st_rdev)
 
 
 def test_a_driver_version_mismatch_fails_prepare_naming_both_versions(

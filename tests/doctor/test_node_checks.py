@@ -23,6 +23,7 @@ from dra_gpu.doctor.node_checks import (
     check_device_nodes,
     check_driver,
     check_driver_files,
+    check_nvidia_uvm,
     check_nvml,
     check_plugin_registration,
     check_plugin_service,
@@ -335,3 +336,21 @@ def test_a_crashing_check_is_a_fail_not_a_traceback(tmp_path: Path, monkeypatch:
     r = results["node/containerd-cdi"]
     assert r.status is Status.FAIL and "RuntimeError: disk on fire" in r.detail
     assert results["node/nvml"].status is Status.OK  # the others still ran
+
+
+def test_nvidia_uvm_not_loaded_is_shown_with_the_host_side_fix(tmp_path: Path) -> None:
+    """A container cannot load nvidia-uvm: doctor names the module and how to load it on the host;
+    the host's /dev/nvidia-uvm itself is not needed (the specs carry it by number)."""
+    s = settings(tmp_path)
+    create_simulated(discover_node("node-a", "hgx-2x4"), s.dev_root)
+    (s.dev_root / "dev/nvidia-uvm").unlink()
+    facts = NodeFacts(s)
+    (r,) = check_nvidia_uvm(facts)
+    assert r.status is Status.OK, r.detail
+    (r,) = check_device_nodes(facts)
+    assert r.status is Status.OK, r.detail
+    proc = s.dev_root / "proc/devices"
+    proc.write_text("".join(line for line in proc.read_text().splitlines(True) if "nvidia-uvm" not in line))
+    (r,) = check_nvidia_uvm(facts)
+    assert r.status is Status.FAIL and "nvidia-uvm kernel module is not loaded" in r.detail
+    assert "`modprobe nvidia-uvm`" in r.fix and "container cannot load" in r.fix

@@ -15,7 +15,7 @@ import pytest
 from dra_gpu.api import API_VERSION
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
-from dra_gpu.plugin.device_nodes import SIM_CAPS_MAJOR
+from dra_gpu.plugin.device_nodes import SIM_CAPS_MAJOR, SIM_UVM_MAJOR
 from dra_gpu.plugin.plan import PrepareError
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, validate_cdi
 
@@ -451,9 +451,8 @@ def test_a_driver_version_mismatch_fails_prepare_naming_both_versions(
     _nothing_written(core, c["metadata"]["uid"])
 
 
-@pytest.mark.parametrize("node", ["nvidia-uvm", "nvidia-uvm-tools", "nvidiactl"])
-def test_a_missing_control_node_fails_prepare_naming_it(core: PluginCore, node: str) -> None:
-    path = core.root / "devroot" / "dev" / node
+def test_a_missing_control_node_fails_prepare_naming_it(core: PluginCore) -> None:
+    path = core.root / "devroot" / "dev" / "nvidiactl"
     path.unlink()
     c = claim(uid(), gpu_names(core)[:1])
     core.add(c)
@@ -464,6 +463,42 @@ def test_a_missing_control_node_fails_prepare_naming_it(core: PluginCore, node: 
 
 def _proc_devices(core: PluginCore) -> Path:
     return core.root / "devroot" / "proc" / "devices"
+
+
+def test_uvm_nodes_need_no_host_node_while_the_module_is_loaded(core: PluginCore) -> None:
+    """The host has no /dev/nvidia-uvm yet (nothing ran nvidia-modprobe -u), but the module is
+    loaded: the container gets both uvm nodes by the kernel's numbers."""
+    for node in ("nvidia-uvm", "nvidia-uvm-tools"):
+        (core.root / "devroot" / "dev" / node).unlink()
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    prepare(core, c)
+    spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
+    validate_cdi(spec)
+    nodes = {n["path"]: n for n in spec["containerEdits"]["deviceNodes"]}
+    major = SIM_UVM_MAJOR
+    assert nodes["/dev/nvidia-uvm"] == {
+        "path": "/dev/nvidia-uvm",
+        "type": "c",
+        "major": major,
+        "minor": 0,
+        "permissions": "rw",
+    }
+    assert (nodes["/dev/nvidia-uvm-tools"]["major"], nodes["/dev/nvidia-uvm-tools"]["minor"]) == (major, 1)
+
+
+def test_uvm_module_not_loaded_fails_prepare_naming_the_host_side_fix(core: PluginCore) -> None:
+    """A container cannot load nvidia-uvm: prepare says to load it on the host at boot."""
+    proc = _proc_devices(core)
+    proc.write_text("\n".join(line for line in proc.read_text().splitlines() if "nvidia-uvm" not in line))
+    (core.root / "devroot" / "dev" / "nvidia-uvm").unlink()
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    with pytest.raises(
+        PrepareError, match=r"nvidia-uvm kernel module is not loaded.*`modprobe nvidia-uvm`.*retried"
+    ):
+        prepare(core, c)
+    _nothing_written(core, c["metadata"]["uid"])
 
 
 def test_a_missing_gpu_node_fails_prepare_naming_it(core: PluginCore) -> None:
