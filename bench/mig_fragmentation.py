@@ -60,7 +60,7 @@ def interleaved_order(gpus: list[Gpu]) -> list[Device]:
     placements.sort(
         key=lambda gp: (gp[1].profile.memory_slices, gp[1].profile.compute_slices, gp[1].start, gp[0].index)
     )
-    return [(g, None) for g in gpus] + [(g, p) for g, p in placements]
+    return placements
 
 
 ORDERS: dict[str, PlacementOrder] = {"interleaved": interleaved_order, **PLACEMENT_ORDERS}

@@ -3,8 +3,13 @@ it, and the order in which the devices are published.
 
 The counters encode NVML's placement rules, so the scheduler never allocates two placements the
 GPU cannot hold at once: one counter per memory slice (overlapping placements share one), the
-compute slices, and the SMs, engines and memory as the largest profile has them. The whole GPU
-consumes everything, so it and any MIG device exclude each other.
+compute slices, and the SMs, engines and memory as the largest profile has them.
+
+A dynamic-MIG GPU is offered as its MIG placements only, never as "the whole GPU": it stays in
+MIG mode, and a GPU in MIG mode with no instance runs no CUDA work. Offering it would need MIG mode
+switched off while no instance exists and on again before the next one, each switch a GPU reset
+that fails while any process holds the GPU (and on some systems needs a reboot), with a rollback
+for each failure. The full-GPU profile (e.g. 7g.80gb) is the way to get all of it.
 
 The order is the scheduler's only preference (first fit, no scoring; slices by name, devices in
 order): partial profiles from the first GPU on, full-GPU ones from the last GPU back; within a GPU
@@ -31,8 +36,8 @@ ENGINE_COUNTERS: dict[str, Callable[[MigProfile], int]] = {
     "memory": lambda p: p.memory_bytes,
 }
 
-# A dynamic-MIG device: (GPU, placement), or (GPU, None) for the whole GPU.
-Device = tuple[Gpu, MigPlacement | None]
+# A dynamic-MIG device: (GPU, placement).
+Device = tuple[Gpu, MigPlacement]
 # The first-fit order of all dynamic-MIG devices of a node (GPUs in index order).
 PlacementOrder = Callable[[list[Gpu]], list[Device]]
 # Binding conditions of a MIG placement: the scheduler binds the pod only once the plugin has made
@@ -106,19 +111,19 @@ def _split(p: MigPlacement) -> int:
 
 
 def ascending_order(gpus: list[Gpu]) -> list[Device]:
-    """Naive: GPU by GPU, the whole GPU, then each profile's placements as NVML lists them."""
-    return [d for g in gpus for d in [(g, None), *((g, p) for p in _by_profile(g, lambda p: p.start))]]
+    """Naive: GPU by GPU, each profile's placements as NVML lists them."""
+    return [(g, p) for g in gpus for p in _by_profile(g, lambda p: p.start)]
 
 
 def packed_order(gpus: list[Gpu]) -> list[Device]:
     """GPU by GPU, each profile's placements from the high end down."""
-    return [d for g in gpus for d in [(g, None), *((g, p) for p in _by_profile(g, lambda p: -p.start))]]
+    return [(g, p) for g in gpus for p in _by_profile(g, lambda p: -p.start)]
 
 
 def two_ended_order(gpus: list[Gpu]) -> list[Device]:
     """dra-gpu's order. Profiles up to half a GPU from the first GPU on (small ones from the low
-    end of each GPU, 3g/4g from the high end); the full-GPU profile (7g.80gb) and whole GPUs from
-    the last GPU back. Partial instances pile onto the GPUs already split, and requests that need
+    end of each GPU, 3g/4g from the high end); the full-GPU profile (7g.80gb) from the last GPU
+    back. Partial instances pile onto the GPUs already split, and requests that need
     a whole GPU find one at the other end, so the two meet only when the node is nearly full."""
     by_index = sorted(gpus, key=lambda g: g.index)
     partial: list[Device] = []
@@ -127,7 +132,7 @@ def two_ended_order(gpus: list[Gpu]) -> list[Device]:
         for p in _by_profile(gpu, _split):
             (partial if p.profile.memory_slices <= HALF_GPU_SLICES else full).append((gpu, p))
     full.sort(key=lambda d: -d[0].index)  # stable: a GPU's own order is kept
-    return partial + full + [(g, None) for g in reversed(by_index)]
+    return partial + full
 
 
 PLACEMENT_ORDERS: dict[str, PlacementOrder] = {

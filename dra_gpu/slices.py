@@ -26,7 +26,6 @@ from dra_gpu.dynamic_mig import (
     PlacementOrder,
     consumes,
     counter_set,
-    counter_totals,
     placement_consumption,
     two_ended_order,
 )
@@ -234,16 +233,9 @@ class SliceBuilder:
         }
 
     def dynamic_devices(self, gpus: list[Gpu]) -> list[dict[str, Any]]:
-        """Dynamic-MIG GPUs: each whole GPU (consuming all its counters) and every placement."""
-        out = []
-        for gpu, placement in self.order(gpus):
-            if placement is None:
-                whole = self.gpu_device(gpu)
-                whole["consumesCounters"] = consumes(gpu, counter_totals(gpu))
-                out.append(whole)
-            else:
-                out.append(self.placement_device(gpu, placement))
-        return out
+        """Dynamic-MIG GPUs: every placement (not the whole GPU: in MIG mode it runs no CUDA work
+        without an instance; see dra_gpu.dynamic_mig)."""
+        return [self.placement_device(gpu, placement) for gpu, placement in self.order(gpus)]
 
     def device_groups(self) -> list[list[dict[str, Any]]]:
         """Devices in the scheduler's first-fit order, grouped so a group starts a new slice:

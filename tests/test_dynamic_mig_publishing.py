@@ -147,7 +147,7 @@ def test_slices_follow_the_135_rules():
     assert all(len(s["spec"]["devices"]) <= 64 for s in device_slices)
     assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {len(slices)}
     devices = [d for s in device_slices for d in s["spec"]["devices"]]
-    assert len(devices) == 8 * 19  # the whole GPU + 18 placements each
+    assert len(devices) == 8 * 18  # 18 placements each, no whole GPU
     sets = {c["name"]: c["counters"] for c in counters[0]["spec"]["sharedCounters"]}
     by_name = {d["name"]: d for d in devices}
     three = by_name["gpu-0000-18-00-0-mig-3g40gb-4"]
@@ -157,8 +157,20 @@ def test_slices_follow_the_135_rules():
     assert {k for k in use["counters"] if k.startswith("memory-slice")} == {
         f"memory-slice-{i}" for i in range(4, 8)
     }
-    whole = by_name["gpu-0000-18-00-0"]
-    assert whole["consumesCounters"][0]["counters"] == sets["gpu-0000-18-00-0-counters"]
+    seven = by_name["gpu-0000-18-00-0-mig-7g80gb-0"]["consumesCounters"][0]["counters"]
+    assert {k for k in seven if k.startswith("memory-slice")} == {
+        k for k in sets["gpu-0000-18-00-0-counters"] if k.startswith("memory-slice")
+    }
+
+
+def test_a_dynamic_mig_gpu_is_not_offered_whole():
+    """A GPU in MIG mode with no instance runs no CUDA work: a dynamic-MIG GPU is offered as its
+    placements only (its full-GPU profile, 7g.80gb, is the way to all of it), never as a
+    type=gpu device a pod would get and find unusable."""
+    inv = _inventory()
+    devices = [d for s in build_slices(inv) for d in s["spec"].get("devices") or []]
+    assert {d["attributes"]["type"]["string"] for d in devices} == {"mig"}
+    assert not {g.device_name for g in inv.gpus} & {d["name"] for d in devices}
 
 
 def test_order_small_from_the_low_end_large_from_the_high_end_7g_from_the_last_gpu():
@@ -168,11 +180,12 @@ def test_order_small_from_the_low_end_large_from_the_high_end_7g_from_the_last_g
     assert gpu0[:7] == [f"1g10gb-{i}" for i in range(7)]
     assert gpu0.index("2g20gb-0") < gpu0.index("2g20gb-4")
     assert gpu0.index("3g40gb-4") < gpu0.index("3g40gb-0")
-    # Partial profiles from the first GPU on; whole-GPU ones (7g, the GPU itself) from the last back.
+    # Partial profiles from the first GPU on; full-GPU ones (7g) from the last back.
     assert names.index("gpu-0000-18-00-0-mig-4g40gb-0") < names.index("gpu-0000-2a-00-0-mig-1g10gb-0")
     sevens = [n[: len("gpu-0000-18-00-0")] for n in names if n.endswith("-mig-7g80gb-0")]
-    wholes = [n for n in names if "-mig-" not in n]
-    assert sevens == wholes == sorted(wholes, reverse=True)
+    assert len(sevens) == 8 and sevens == sorted(sevens, reverse=True)
+    assert names[-8:] == [f"{g}-mig-7g80gb-0" for g in sevens]
+    assert not [n for n in names if "-mig-" not in n]
 
 
 def test_memory_counter_is_the_gpu_memory():

@@ -199,7 +199,7 @@ def why_not(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool = Fal
 
 def _counter_reason(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bool) -> str:
     """When the devices would fit but for the counters they share (MIG placements overlapping on
-    one GPU, a MIG device and its whole GPU), name a counter the first such choice overruns."""
+    one GPU), name a counter the first such choice overruns."""
     for node in cluster.nodes:
         free = place(cluster, spec, node, ignore_in_use, ignore_counters=True)
         if free is None:
@@ -229,8 +229,8 @@ def _counter_reason(cluster: Cluster, spec: Mapping[str, Any], ignore_in_use: bo
             return (
                 f"the devices it needs share counters and no choice{where} fits them: e.g. "
                 f"{', '.join(users[k])} need {format_quantity(total - held)} of counter {k[2]} of "
-                f"{k[1]}, which has {format_quantity(have)}{by_others} (MIG placements that overlap, "
-                "or a MIG device and its whole GPU, exclude each other)"
+                f"{k[1]}, which has {format_quantity(have)}{by_others} (MIG placements of a GPU that "
+                "overlap exclude each other)"
             )
     return ""
 

@@ -117,15 +117,17 @@ def test_counters_and_placements_are_published_as_sent(mig_plugin, dyn):
     counters = [s for s in items if s["spec"].get("sharedCounters")]
     devices = [d for s in items for d in s["spec"].get("devices") or []]
     assert len(counters) == 1 and len(counters[0]["spec"]["sharedCounters"]) == 8
-    assert len(devices) == 8 * 19 and all(len(s["spec"].get("devices") or []) <= 64 for s in items)
+    assert len(devices) == 8 * 18 and all(len(s["spec"].get("devices") or []) <= 64 for s in items)
     # The apiserver kept the gated fields (DRAPartitionableDevices is on): nothing dropped.
     assert all(d.get("consumesCounters") for d in devices)
-    placements = [d for d in devices if d["attributes"]["type"]["string"] == "mig"]
-    assert all(d.get("bindingConditions") == ["MigInstanceReady"] for d in placements)
+    # Placements only: a GPU in MIG mode without an instance runs no CUDA work, so it is not
+    # offered whole.
+    assert {d["attributes"]["type"]["string"] for d in devices} == {"mig"}
+    assert all(d.get("bindingConditions") == ["MigInstanceReady"] for d in devices)
     assert {s["spec"]["pool"]["resourceSliceCount"] for s in items} == {4}
 
 
-def test_two_3g_on_one_gpu_and_the_whole_gpu_waits(mig_plugin, core, dyn, namespace, busybox_image):
+def test_two_3g_on_one_gpu_and_its_7g_waits(mig_plugin, core, dyn, namespace, busybox_image):
     template(dyn, namespace, "three-g", device_class=MIG_CLASS, selectors=[profile_is("3g.40gb")])
     for pod in ("a", "b"):
         claim_pod(core, namespace, pod, {"resource_claim_template_name": "three-g"}, SHOW, busybox_image)
@@ -141,6 +143,8 @@ def test_two_3g_on_one_gpu_and_the_whole_gpu_waits(mig_plugin, core, dyn, namesp
         assert len(caps) == 2 and all(" 508, " in line for line in caps), log  # GI + CI capability
     assert visible(logs["a"]) != visible(logs["b"])
 
+    # All of GPU 0 (its full-GPU profile: a dynamic-MIG GPU is not offered whole) waits for both.
+    seven_on_gpu0 = f"{profile_is('7g.80gb')} && device.attributes['{DRIVER}'].parentIndex == 0"
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     claims.create(
         namespace=namespace,
@@ -154,10 +158,8 @@ def test_two_3g_on_one_gpu_and_the_whole_gpu_waits(mig_plugin, core, dyn, namesp
                         {
                             "name": "gpus",
                             "exactly": {
-                                "deviceClassName": DRIVER,
-                                "selectors": [
-                                    {"cel": {"expression": f"device.attributes['{DRIVER}'].index == 0"}}
-                                ],
+                                "deviceClassName": MIG_CLASS,
+                                "selectors": [{"cel": {"expression": seven_on_gpu0}}],
                             },
                         }
                     ]
@@ -177,8 +179,9 @@ def test_two_3g_on_one_gpu_and_the_whole_gpu_waits(mig_plugin, core, dyn, namesp
     delete_pods(core, namespace, "a", "b")
     wait_for("both MIG instances to be destroyed", lambda: not instances(parent), timeout=90)
     log = running_log(core, namespace, "whole")
-    assert visible(log) == parent and not caps_nodes(log)
-    print(f"\n[e2e] two 3g.40gb on {GPU0}: {', '.join(devices)}; whole GPU scheduled after both ended")
+    (seven,) = instances(parent)
+    assert seven["profile"] == "7g.80gb" and visible(log) == seven["uuid"] and len(caps_nodes(log)) == 2
+    print(f"\n[e2e] two 3g.40gb on {GPU0}: {', '.join(devices)}; its 7g.80gb scheduled after both ended")
     delete_pods(core, namespace, "whole")
     wait_claims_gone(dyn, namespace)
 

@@ -1,5 +1,5 @@
 """Counters in validate / explain, modelled as the scheduler does: MIG placements of one GPU that
-overlap exclude each other, and so do a MIG device and its whole GPU, also across claims."""
+overlap exclude each other, also across claims. A dynamic-MIG GPU is not offered whole."""
 
 from __future__ import annotations
 
@@ -75,14 +75,11 @@ def test_two_3g_and_a_1g_on_one_h100_is_never_allocatable_and_says_why() -> None
     assert not v.validate(mig_claim("eight", ("s", "1g.10gb", 8), same_gpu=True)).allowed
 
 
-def test_first_fit_packs_one_gpu_and_counts_allocated_devices() -> None:
-    (first,) = explain(mig_claim("a", ("s", "1g.10gb", 1)))
-    assert first["devices"] == [f"{GPU0}-mig-1g10gb-0"]
-    busy = allocated("busy", "node-a", [f"{GPU0}-mig-3g40gb-4", f"{GPU0}-mig-3g40gb-0"])
-    whole = {
+def whole_gpu_claim(name: str, cel: str) -> dict[str, Any]:
+    return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
-        "metadata": {"name": "whole", "namespace": "default"},
+        "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "devices": {
                 "requests": [
@@ -90,20 +87,37 @@ def test_first_fit_packs_one_gpu_and_counts_allocated_devices() -> None:
                         "name": "gpu",
                         "exactly": {
                             "deviceClassName": "gpu.dra-gpu.io",
-                            "selectors": [
-                                {"cel": {"expression": f'device.attributes["{DRIVER}"].index == 0'}}
-                            ],
+                            "selectors": [{"cel": {"expression": cel}}],
                         },
                     }
                 ]
             }
         },
     }
-    one, full = explain(busy, mig_claim("one", ("s", "1g.10gb", 1)), whole)
-    # GPU 0 is full (two 3g.40gb): the 1g.10gb goes to GPU 1, the whole GPU 0 waits.
+
+
+def test_first_fit_packs_one_gpu_and_counts_allocated_devices() -> None:
+    (first,) = explain(mig_claim("a", ("s", "1g.10gb", 1)))
+    assert first["devices"] == [f"{GPU0}-mig-1g10gb-0"]
+    busy = allocated("busy", "node-a", [f"{GPU0}-mig-3g40gb-4", f"{GPU0}-mig-3g40gb-0"])
+    all_of_gpu0 = mig_claim("all", ("s", "7g.80gb", 1))
+    all_of_gpu0["spec"]["devices"]["requests"][0]["exactly"]["selectors"].append(
+        {"cel": {"expression": f'device.attributes["{DRIVER}"].parentIndex == 0'}}
+    )
+    one, full = explain(busy, mig_claim("one", ("s", "1g.10gb", 1)), all_of_gpu0)
+    # GPU 0 is full (two 3g.40gb): the 1g.10gb goes to GPU 1, the 7g.80gb of GPU 0 waits.
     assert one["devices"] == ["gpu-0000-2a-00-0-mig-1g10gb-0"]
     assert not full["allocatable"] and "taken by allocated devices" in full["reason"]
     v = Validator(DRIVER, slices(), [GPU_CLASS, MIG_CLASS], [busy])
-    verdict = v.validate(whole)
+    verdict = v.validate(all_of_gpu0)
     assert verdict.allowed  # satisfiable once the MIG devices are released
     assert any("right now" in line for line in verdict.warning_lines() + verdict.lines())
+
+
+def test_a_dynamic_mig_gpu_is_never_allocated_whole() -> None:
+    """In MIG mode without an instance a GPU runs no CUDA work: a dynamic-MIG node offers no
+    whole GPU, so a claim for one is refused, saying no device matches."""
+    v = Validator(DRIVER, slices(), [GPU_CLASS, MIG_CLASS], [])
+    verdict = v.validate(whole_gpu_claim("whole", f'device.attributes["{DRIVER}"].index == 0'))
+    assert not verdict.allowed
+    assert "can never be satisfied" in "\n".join(verdict.lines())
