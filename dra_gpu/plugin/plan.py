@@ -100,7 +100,7 @@ class Planner:
         self.placements: dict[str, tuple[Gpu, MigPlacement]] = {}
         self.dynamic_gpus = [g for g in inventory.gpus if g.dynamic_mig]
         for gpu in inventory.gpus:
-            if not gpu.mig_enabled or gpu.dynamic_mig:
+            if not gpu.mig_enabled:  # a MIG-mode GPU runs no CUDA work whole (dynamic MIG too)
                 self.devices[gpu.device_name] = (gpu, None)
             if gpu.dynamic_mig:
                 for p in gpu.mig_placements():

@@ -132,7 +132,7 @@ def test_prepare_makes_the_instance_and_unprepare_destroys_it(node: Node) -> Non
     assert not any(h.exists() for h in host)
 
 
-def test_two_3g_claims_share_a_gpu_and_the_whole_gpu_is_refused_meanwhile(node: Node) -> None:
+def test_two_3g_claims_share_a_gpu(node: Node) -> None:
     refs = [node.add(claim(uid(), [f"{GPU0}-mig-3g40gb-{s}"])) for s in (0, 4)]
     for r in refs:
         asyncio.run(node.preparer.prepare(r))
@@ -394,3 +394,12 @@ def test_the_binder_takes_over_a_placement_whose_claim_is_gone(node: Node) -> No
     assert status["conditions"][0]["type"] == "MigInstanceReady"
     assert [(i.profile, i.placement) for i in node.live()] == [("1g.10gb", 0)]
     assert node.checkpoint.get(old_ref.uid) is None
+
+
+def test_the_whole_gpu_of_a_dynamic_mig_gpu_is_never_prepared(node: Node) -> None:
+    """A MIG-mode GPU runs no CUDA work as a whole: an allocation naming it (the slices never
+    offer it) is refused, and nothing is made or written."""
+    ref = node.add(claim(uid(), [GPU0]))
+    with pytest.raises(PrepareError, match=GPU0):
+        asyncio.run(node.preparer.prepare(ref))
+    assert node.live() == [] and not node.checkpoint.has(ref.uid) and not node.cdi.path(ref.uid).exists()
