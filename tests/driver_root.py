@@ -3,8 +3,13 @@ file names, SONAMEs and links, plus binaries and firmware, in a Debian or RHEL l
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 DEB = "usr/lib/x86_64-linux-gnu"
 VERSION = "570.133.20"
@@ -45,4 +50,47 @@ def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: boo
     fw = root / "lib/firmware/nvidia" / version
     fw.mkdir(parents=True, exist_ok=True)
     (fw / "gsp_ga10x.bin").write_bytes(b"\0" * 16)
+    return root
+
+
+# ---------------------------------------------------------------- NVIDIA's real Debian packages
+
+
+def debian_driver_roots() -> ModuleType:
+    """e2e/debian_driver_root.py as a module (it is a script of the e2e, not a package)."""
+    name = "debian_driver_root"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).parents[1] / "e2e" / "debian_driver_root.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cannot_build_debian_root() -> str | None:
+    missing = [tool for tool in ("mmdebstrap", "dpkg-query") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {' and '.join(missing)} (e2e/build.sh debs installs mmdebstrap)"
+    if os.geteuid() != 0:
+        return "needs root (mmdebstrap runs dpkg in the root)"
+    return None
+
+
+def debian_root(suite_or_version: str) -> Path:
+    """The driver root of NVIDIA's real Debian packages (bookworm 535.261.03, trixie 550.163.01):
+    the cached one, else built (about a minute); the test is skipped, saying why, only where it
+    can be neither (no mmdebstrap, not root)."""
+    import pytest
+
+    roots = debian_driver_roots()
+    root: Path | None = roots.cached_driver_root(suite_or_version)
+    if root is None:
+        reason = _cannot_build_debian_root()
+        if reason is not None:
+            pytest.skip(f"Debian driver root {suite_or_version} is not cached and building it {reason}")
+        root = roots.driver_root(suite_or_version)
+    assert root is not None
     return root

@@ -6,10 +6,25 @@ exact version of the loaded kernel module (NVML's driver version); never the ima
 These files are the same for every claim on a node, so they are found once (`DriverFiles`), turned
 into CDI container edits once, and the same edits go into every claim's spec.
 The CDI edits that give them to a container are `dra_gpu.plugin.driver_files`.
+
+Layouts found (paths relative to the driver root):
+- Ubuntu's packages and NVIDIA's `.run` installer: libraries in `usr/lib/x86_64-linux-gnu/` (RHEL
+  and the installer's default on other distributions: `usr/lib64/`), binaries in `usr/bin/`;
+- Debian's packages: libraries in `usr/lib/x86_64-linux-gnu/nvidia/current/`, reached from
+  `usr/lib/x86_64-linux-gnu/` and `usr/bin/` through the alternatives system's absolute links
+  (`usr/bin/nvidia-smi -> /etc/alternatives/nvidia--nvidia-smi -> /usr/lib/nvidia/current/nvidia-smi`);
+- GSP (`gsp_*.bin`) and, from R615, ucode (`ucodes_*.bin`) firmware in `lib/firmware/nvidia/<version>/`
+  (Debian: `usr/lib/firmware/...` behind the merged-/usr `lib` link).
+Every link is followed inside the driver root (`root_paths`), never in this process's own
+filesystem: an absolute link names a path of the root's own system. A file is recorded by the path
+it resolves to (what is mounted: the runtime resolves host paths in the host's namespace, where an
+absolute link would name another file or none) and, when that differs, by the path it was found
+through (`found_at`, `Library.links`: where a container expects it).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import stat
@@ -17,6 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dra_gpu.discovery.root_paths import RootPathError, resolve_in_root
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +73,9 @@ LIBRARY_DIRS = (
     "lib/aarch64-linux-gnu/nvidia/current",
 )
 BINARY_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin")
-FIRMWARE_DIRS = ("lib/firmware/updates", "lib/firmware")
+# GSP firmware; R615 adds ucode files: `ucodes_ga10x.bin`, `ucodes_tu10x.bin` (NVIDIA's changelog
+# says `ucode_*.bin`; both names are matched).
+FIRMWARE_PATTERNS = ("gsp*.bin", "ucode*.bin")
 IPC_SOCKETS = (
     ("run/nvidia-persistenced/socket", "var/run/nvidia-persistenced/socket"),
     ("run/nvidia-fabricmanager/socket", "var/run/nvidia-fabricmanager/socket"),
@@ -67,8 +86,14 @@ _MAX_DIR_ENTRIES = 100_000  # a library directory larger than this is not a driv
 @dataclass(frozen=True)
 class Library:
     name: str  # e.g. "libcuda.so"
-    path: str  # relative to the driver root, e.g. "usr/lib/x86_64-linux-gnu/libcuda.so.570.133.20"
+    # The file, relative to the driver root, every link resolved inside it,
+    # e.g. "usr/lib/x86_64-linux-gnu/libcuda.so.570.133.20"
+    path: str
     soname: str | None  # from the ELF dynamic section, e.g. "libcuda.so.1"
+    # Links in the library directories that resolve to it (root-relative, as found): the SONAME
+    # and development links beside it, and Debian's alternatives links in the multiarch directory
+    # (e.g. "usr/lib/x86_64-linux-gnu/libcuda.so.1" for ".../nvidia/current/libcuda.so.550.163.01").
+    links: tuple[str, ...] = ()
 
 
 @dataclass
@@ -78,15 +103,24 @@ class DriverInstallation:
     root: str  # as the runtime sees it (host path)
     version: str
     libraries: list[Library] = field(default_factory=list)
+    # Files, root-relative, every link resolved inside the root (what is mounted, and what this
+    # process runs: no link is left in these paths).
     binaries: list[str] = field(default_factory=list)
     firmware: list[str] = field(default_factory=list)
     ipc_sockets: list[str] = field(default_factory=list)
+    # file -> the path it was found through, where that differs (root-relative): where a
+    # container expects it, e.g. "usr/lib/nvidia/current/nvidia-smi" -> "usr/bin/nvidia-smi".
+    found_at: dict[str, str] = field(default_factory=dict)
     missing_optional: list[str] = field(default_factory=list)
     other_versions: list[str] = field(default_factory=list)  # left behind by an earlier driver
     error: str | None = None  # why no container can be given this installation
 
     def library_dirs(self) -> list[str]:
         return sorted({os.path.dirname(lib.path) for lib in self.libraries})
+
+    def container_path(self, path: str) -> str:
+        """Where a container gets the binary, firmware file or socket `path` (absolute)."""
+        return "/" + self.found_at.get(path, path)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -100,17 +134,28 @@ class DriverInstallation:
             "missingOptional": list(self.missing_optional),
             "otherVersions": list(self.other_versions),
             "error": self.error,
+            "files": self.files(),
         }
+
+    def files(self) -> list[dict[str, str]]:
+        """Each file found: where a container expects it, and the file itself (root-relative,
+        absolute), e.g. {"path": "/usr/bin/nvidia-smi", "file": "/usr/lib/nvidia/current/nvidia-smi"}."""
+        out = [{"path": "/" + lib.path, "file": "/" + lib.path} for lib in self.libraries]
+        for rel in [*self.binaries, *self.firmware, *self.ipc_sockets]:
+            out.append({"path": self.container_path(rel), "file": "/" + rel})
+        return out
 
 
 def read_soname(path: Path) -> str | None:
-    """DT_SONAME of an ELF shared object, or None (not ELF, or no SONAME)."""
+    """DT_SONAME of an ELF shared object, or None (not ELF, or no SONAME).
+
+    `path` must have no symbolic link left in it (see root_paths): the last one is refused here."""
     from elftools.common.exceptions import ELFError  # lazy: only needed at discovery
     from elftools.elf.dynamic import DynamicSegment
     from elftools.elf.elffile import ELFFile
 
     try:
-        with path.open("rb") as f:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
             elf = ELFFile(f)
             for segment in elf.iter_segments():
                 if isinstance(segment, DynamicSegment):
@@ -122,74 +167,181 @@ def read_soname(path: Path) -> str | None:
     return None
 
 
-def _is_file(path: Path) -> bool:
+def _resolve(root: Path, rel: str) -> str | None:
+    """`rel` with every link followed inside `root` (root-relative), or None (nothing there, a loop)."""
     try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
+        found = resolve_in_root(root, rel)
+    except RootPathError as exc:
+        log.warning("driver root path not resolvable root=%s path=/%s error=%s", root, rel, exc)
+        return None
+    return None if found is None or str(found) == "." else found.as_posix()
 
 
-def _library_versions(directory: Path, name: str) -> dict[str, Path]:
-    """`<name>.<version>` files in `directory` -> version ("libcuda.so.570.133.20" -> "570.133.20")."""
-    out: dict[str, Path] = {}
+def _mode(root: Path, resolved: str) -> int | None:
+    """st_mode of an already resolved root-relative path (its last part is never followed)."""
     try:
-        entries = os.scandir(directory)
+        return os.lstat(root / resolved).st_mode
     except OSError:
-        return out
-    with entries:
-        for i, entry in enumerate(entries):
-            if i >= _MAX_DIR_ENTRIES:
-                break
-            rest = entry.name[len(name) + 1 :] if entry.name.startswith(name + ".") else ""
-            # A driver version has at least two dots ("570.133.20"); "libcuda.so.1" is a link.
-            if rest.count(".") >= 1 and rest[0].isdigit() and _is_file(Path(entry.path)):
-                out[rest] = Path(entry.path)
+        return None
+
+
+def _regular(root: Path, rel: str) -> str | None:
+    """The regular file `rel` names inside `root`, resolved there (root-relative), or None."""
+    resolved = _resolve(root, rel)
+    mode = _mode(root, resolved) if resolved else None
+    return resolved if mode is not None and stat.S_ISREG(mode) else None
+
+
+def _directory(root: Path, rel: str) -> str | None:
+    resolved = _resolve(root, rel)
+    mode = _mode(root, resolved) if resolved else None
+    return resolved if mode is not None and stat.S_ISDIR(mode) else None
+
+
+def _entries(root: Path, directory: str) -> list[str]:
+    """Names in a resolved root-relative directory (at most _MAX_DIR_ENTRIES), sorted."""
+    names: list[str] = []
+    try:
+        with os.scandir(root / directory) as entries:
+            for i, entry in enumerate(entries):
+                if i >= _MAX_DIR_ENTRIES:
+                    log.warning("directory too large, rest ignored root=%s dir=/%s", root, directory)
+                    break
+                names.append(entry.name)
+    except OSError:
+        pass
+    return sorted(names)
+
+
+def _versioned(name: str, base: str) -> str | None:
+    """ "libcuda.so.570.133.20" -> "570.133.20" for base "libcuda.so"; None for "libcuda.so.1"."""
+    rest = name[len(base) + 1 :] if name.startswith(base + ".") else ""
+    # A driver version has at least two parts ("570.133.20"); "libcuda.so.1" is a SONAME link.
+    return rest if rest.count(".") >= 1 and rest[0].isdigit() else None
+
+
+def _library_dirs(root: Path) -> list[tuple[str, str]]:
+    """(searched dir, the dir resolved inside the root) for each of LIBRARY_DIRS present, once each."""
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for rel in LIBRARY_DIRS:
+        resolved = _directory(root, rel)
+        if resolved is not None and resolved not in seen:
+            seen.add(resolved)
+            out.append((rel, resolved))
     return out
+
+
+def _find_libraries(root: Path, version: str, found: DriverInstallation) -> set[str]:
+    """Every `lib*.so.<version>` in the library dirs, with the links there that resolve to it;
+    returns the library names found."""
+    suffix = ".so." + version
+    dirs = _library_dirs(root)
+    by_path: dict[str, Library] = {}
+    names: set[str] = set()
+    other: set[str] = set()
+    links: list[tuple[str, str]] = []  # (link path as searched, what it resolves to)
+    for searched, resolved_dir in dirs:
+        for entry in _entries(root, resolved_dir):
+            if not entry.startswith("lib") or ".so" not in entry:
+                continue
+            rel = f"{resolved_dir}/{entry}"
+            is_link = stat.S_ISLNK(_mode(root, rel) or 0)
+            target = _regular(root, rel)
+            if target is None:
+                continue
+            if is_link:
+                links.append((f"{searched}/{entry}", target))
+            for base in REQUIRED_LIBRARIES:
+                v = _versioned(entry, base)
+                if v is not None and v != version:
+                    other.add(v)
+            if not (entry.startswith("lib") and entry.endswith(suffix)):
+                continue
+            name = entry[: -len(suffix)] + ".so"
+            if name in names or target in by_path:
+                continue  # the same library in two directories: the first one wins
+            names.add(name)
+            by_path[target] = Library(name=name, path=target, soname=read_soname(root / target))
+    for link, target in links:
+        lib = by_path.get(target)
+        base = os.path.basename(link)
+        if lib is None or link == lib.path or not (base == lib.name or base.startswith(lib.name + ".")):
+            continue
+        if link not in lib.links:
+            by_path[target] = lib = Library(lib.name, lib.path, lib.soname, (*lib.links, link))
+    found.libraries = sorted(by_path.values(), key=lambda lib: lib.path)
+    found.other_versions = sorted(other)
+    return names
+
+
+def _find_binaries(root: Path, found: DriverInstallation) -> None:
+    for binary in BINARIES:
+        for rel in BINARY_DIRS:
+            searched = f"{rel}/{binary}"
+            target = _regular(root, searched)
+            if target is not None and (_mode(root, target) or 0) & 0o111:
+                found.binaries.append(target)
+                if target != searched:
+                    found.found_at[target] = searched
+                break
+        else:
+            found.missing_optional.append(binary)
+
+
+def firmware_dirs() -> tuple[str, ...]:
+    """Where the kernel looks for firmware, relative to the root, in its order (without the
+    `firmware_class.path` module parameter, which names a path of the node, not of a driver root)."""
+    release = os.uname().release
+    return (
+        f"lib/firmware/updates/{release}",
+        "lib/firmware/updates",
+        f"lib/firmware/{release}",
+        "lib/firmware",
+    )
+
+
+def _find_firmware(root: Path, version: str, found: DriverInstallation) -> None:
+    for rel in firmware_dirs():
+        searched_dir = f"{rel}/nvidia/{version}"
+        directory = _directory(root, searched_dir)
+        if directory is None:
+            continue
+        for entry in _entries(root, directory):
+            if not any(fnmatch.fnmatchcase(entry, pattern) for pattern in FIRMWARE_PATTERNS):
+                continue
+            searched = f"{searched_dir}/{entry}"
+            target = _regular(root, searched)
+            if target is not None and target not in found.firmware:
+                found.firmware.append(target)
+                if target != searched:
+                    found.found_at[target] = searched
+        if found.firmware:
+            break
+
+
+def _find_ipc_sockets(root: Path, found: DriverInstallation) -> None:
+    for candidates in IPC_SOCKETS:
+        for searched in candidates:
+            target = _resolve(root, searched)
+            if target is not None and stat.S_ISSOCK(_mode(root, target) or 0):
+                found.ipc_sockets.append(target)
+                if target != searched:
+                    found.found_at[target] = searched
+                break
 
 
 def discover_installation(root: Path, version: str, host_root: str | None = None) -> DriverInstallation:
     """Find the user-space files of driver `version` under `root` (as this process sees it).
 
     `host_root` is the same root as the container runtime sees it (the plugin may run in a pod
-    with the host's driver root mounted elsewhere); it defaults to `root`.
+    with the host's driver root mounted elsewhere); it defaults to `root`. Every path found is
+    resolved inside `root` (root_paths): a link never leads out of it, into this process's own
+    filesystem, and the paths recorded name the files themselves, so that the runtime, which
+    resolves host paths in the host's namespace, mounts exactly the file found here.
     """
     found = DriverInstallation(root=host_root or str(root), version=version)
-    suffix = ".so." + version
-    lib_dirs: list[str] = []
-    seen_dirs: set[str] = set()
-    other: set[str] = set()
-    for rel in LIBRARY_DIRS:
-        directory = root / rel
-        try:
-            real = os.path.realpath(directory)
-        except OSError:
-            continue
-        if real in seen_dirs or not os.path.isdir(real):
-            continue
-        seen_dirs.add(real)
-        for name in REQUIRED_LIBRARIES:
-            versions = _library_versions(directory, name)
-            other.update(v for v in versions if v != version)
-            if version in versions and rel not in lib_dirs:
-                lib_dirs.append(rel)
-    found.other_versions = sorted(other)
-    # Every library of this version in the driver's directories is mounted, like NVIDIA's
-    # toolkit does; the named optional ones are only reported when absent.
-    names: set[str] = set()
-    for rel in lib_dirs:
-        with os.scandir(root / rel) as entries:
-            for i, entry in enumerate(entries):
-                if i >= _MAX_DIR_ENTRIES:
-                    break
-                if entry.name.endswith(suffix) and _is_file(Path(entry.path)):
-                    name = entry.name[: -len(suffix)] + ".so"
-                    if name in names:
-                        continue  # the same library in two directories: the first one wins
-                    names.add(name)
-                    found.libraries.append(
-                        Library(name=name, path=f"{rel}/{entry.name}", soname=read_soname(Path(entry.path)))
-                    )
-    found.libraries.sort(key=lambda lib: lib.path)
+    names = _find_libraries(root, version, found)
     missing_required = [n for n in REQUIRED_LIBRARIES if n not in names]
     found.missing_optional = [f"{n}.{version}" for n in OPTIONAL_LIBRARIES if n not in names]
     for lib in found.libraries:
@@ -208,30 +360,9 @@ def discover_installation(root: Path, version: str, host_root: str | None = None
                 f"driver libraries not found: no {files} under {found.root} "
                 f"(searched {', '.join('/' + d for d in LIBRARY_DIRS)})"
             )
-    for binary in BINARIES:
-        for rel in BINARY_DIRS:
-            path = root / rel / binary
-            if _is_file(path) and os.access(path, os.X_OK):
-                found.binaries.append(f"{rel}/{binary}")
-                break
-        else:
-            found.missing_optional.append(binary)
-    for rel in FIRMWARE_DIRS:
-        fw_dir = root / rel / "nvidia" / version
-        if fw_dir.is_dir():
-            found.firmware = sorted(
-                f"{rel}/nvidia/{version}/{p.name}" for p in fw_dir.glob("gsp*.bin") if _is_file(p)
-            )
-            if found.firmware:
-                break
-    for candidates in IPC_SOCKETS:
-        for rel in candidates:
-            try:
-                if stat.S_ISSOCK(os.stat(root / rel).st_mode):
-                    found.ipc_sockets.append(rel)
-                    break
-            except OSError:
-                continue
+    _find_binaries(root, found)
+    _find_firmware(root, version, found)
+    _find_ipc_sockets(root, found)
     return found
 
 
@@ -245,6 +376,12 @@ def describe(found: DriverInstallation | None, root: str) -> Iterable[str]:
         f"{len(found.libraries)} libraries, {len(found.binaries)} binaries, "
         f"{len(found.firmware)} firmware files, {len(found.ipc_sockets)} IPC sockets"
     )
+    for what, paths in (("binaries", found.binaries), ("firmware", found.firmware)):
+        if paths:
+            shown = [
+                found.container_path(p) + ("" if p not in found.found_at else f" (-> /{p})") for p in paths
+            ]
+            yield f"  {what}: {', '.join(shown)}"
     if found.missing_optional and not found.error:
         yield f"  missing (optional): {', '.join(found.missing_optional)}"
     if found.other_versions:

@@ -4,9 +4,16 @@ The files (`dra_gpu.discovery.driver_install`) are the same for every claim on a
 found once, turned into edits once, and the same edits go into every claim's own spec. Where the
 container finds them:
 - every versioned library is bind-mounted at its own path (host path minus the driver root), and
-  again at its SONAME (`libcuda.so.1`) in the same directory, so the loader's default search path
-  finds it without an ld cache update in any image whose default path includes that directory
-  (Debian/Ubuntu images on a Debian/Ubuntu-layout driver root);
+  again at its SONAME (`libcuda.so.1`) in the same directory and at every link the driver root has
+  to it in its library directories (Debian's alternatives links `/usr/lib/x86_64-linux-gnu/libcuda.so.1`
+  for a library in `.../nvidia/current/`), so the loader's default search path finds it without an
+  ld cache update in any image whose default path includes that directory (Debian/Ubuntu images
+  on a Debian or Ubuntu/`.run`-layout driver root);
+- binaries, firmware and sockets where the driver root's own system has them (`/usr/bin/nvidia-smi`,
+  Debian's link to `/usr/lib/nvidia/current/nvidia-smi`);
+- the host path of every mount is the file itself (every link resolved inside the driver root):
+  the runtime resolves host paths in the host's namespace, where an absolute link of a driver root
+  mounted elsewhere (`/run/nvidia/driver`) would name the host's own file, or none;
 - the SONAMEs are also mounted under `/usr/local/nvidia/lib64` and the binaries under
   `/usr/local/nvidia/bin`, the layout CUDA-style images put on `LD_LIBRARY_PATH` and `PATH`;
 - with a CDI hook program (`--cdi-hook-path`, NVIDIA's `nvidia-cdi-hook`) an `update-ldcache`
@@ -61,18 +68,21 @@ def container_edits(found: DriverInstallation, hook_path: str | None = None) -> 
     for lib in found.libraries:
         directory = "/" + os.path.dirname(lib.path)
         mount(lib.path, "/" + lib.path, FILE_OPTIONS)
+        for link in lib.links:
+            mount(lib.path, "/" + link, FILE_OPTIONS)
         if lib.soname:
             mount(lib.path, f"{directory}/{lib.soname}", FILE_OPTIONS)
             mount(lib.path, f"{CUDA_STYLE_LIB_DIR}/{lib.soname}", FILE_OPTIONS)
         if lib.name == "libcuda.so":  # what CUDA build systems link against
             mount(lib.path, f"{directory}/libcuda.so", FILE_OPTIONS)
     for rel in found.binaries:
-        mount(rel, "/" + rel, FILE_OPTIONS)
-        mount(rel, f"{CUDA_STYLE_BIN_DIR}/{os.path.basename(rel)}", FILE_OPTIONS)
+        container_path = found.container_path(rel)
+        mount(rel, container_path, FILE_OPTIONS)
+        mount(rel, f"{CUDA_STYLE_BIN_DIR}/{os.path.basename(container_path)}", FILE_OPTIONS)
     for rel in found.firmware:
-        mount(rel, "/" + rel, FILE_OPTIONS)
+        mount(rel, found.container_path(rel), FILE_OPTIONS)
     for rel in found.ipc_sockets:
-        mount(rel, "/" + rel, SOCKET_OPTIONS)
+        mount(rel, found.container_path(rel), SOCKET_OPTIONS)
     edits: dict[str, Any] = {"mounts": mounts}
     if hook_path:
         folders = ["/" + d for d in found.library_dirs()] + [CUDA_STYLE_LIB_DIR]
