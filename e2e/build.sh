@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (once) and cache the upstream programs the e2e cluster runs.
 #
-#   e2e/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok]
+#   e2e/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit]
 #
 # Binaries land under ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/,
 # keyed by the pinned version below; a component is rebuilt only when its pin changes
@@ -164,6 +164,33 @@ build_kwok() {
   touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
+# ---------------------------------------------------------------------------- toolkit
+# NVIDIA's nvidia-ctk and nvidia-cdi-hook, built in the module's own directory (its go.mod and
+# go.sum pin what it was released with), with cgo: go-nvml's bindings are cgo (they dlopen
+# libnvidia-ml at run time; NVIDIA's Makefile links with unresolved symbols allowed, as here).
+# A clean TMPDIR: a stray nvml.h in a parent of cgo's work directory is picked up before
+# go-nvml's own and breaks the build. Not part of `all` (only the spec comparison test needs it).
+build_toolkit() {
+  local out="$CACHE/bin/nvidia-container-toolkit-$NVIDIA_CTK_VERSION"
+  if done_marker "$out"; then log "nvidia-container-toolkit $NVIDIA_CTK_VERSION cached in $out"; return; fi
+  command -v gcc >/dev/null || { log "the toolkit needs a C compiler (cgo): e2e/build.sh debs"; return 1; }
+  local ws="$CACHE/src/nvidia-container-toolkit-$NVIDIA_CTK_VERSION"
+  new_workspace "$ws" e2e.local/ctkbuild
+  cd "$ws"
+  local mod=github.com/NVIDIA/nvidia-container-toolkit
+  log "fetching $mod@$NVIDIA_CTK_VERSION"
+  local dir; dir="$(go mod download -json "$mod@$NVIDIA_CTK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+  [ -f "$dir/go.mod" ] || { log "module $mod@$NVIDIA_CTK_VERSION not found in the module cache"; return 1; }
+  mkdir -p "$ws/tmp" "$out.tmp"
+  local ld="-s -w '-extldflags=-Wl,--export-dynamic -Wl,--unresolved-symbols=ignore-in-object-files -Wl,-z,lazy'"
+  ld+=" -X $mod/internal/info.version=${NVIDIA_CTK_VERSION#v} -X $mod/internal/info.gitCommit=module"
+  (cd "$dir" && export TMPDIR="$ws/tmp" CGO_ENABLED=1 && timed toolkit go build -p "$GO_P" -trimpath \
+    -ldflags="$ld" -o "$out.tmp/" ./cmd/nvidia-ctk ./cmd/nvidia-cdi-hook)
+  "$out.tmp/nvidia-ctk" --version | grep -q "version ${NVIDIA_CTK_VERSION#v}" \
+    || { log "nvidia-ctk does not report version ${NVIDIA_CTK_VERSION#v}"; return 1; }
+  touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
 main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
@@ -175,7 +202,8 @@ main() {
     debs) debs ;;
     image) bash "$HERE/image_build.sh" ;;
     kwok) (build_kwok) ;;
-    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok]" >&2; exit 2 ;;
+    toolkit) (build_toolkit) ;;
+    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit]" >&2; exit 2 ;;
   esac
   log "done ($what) in $((SECONDS - t0)) s; binaries under $CACHE/bin"
 }

@@ -7,6 +7,11 @@ CONTAINERD_VERSION=v2.2.9
 # (`build.sh kwok`), not by `all`, as CI's e2e does not use it.
 KWOK_VERSION=v0.8.0
 
+# NVIDIA's container toolkit (Go module github.com/NVIDIA/nvidia-container-toolkit): nvidia-ctk
+# (its CDI spec generator, the reference tests/test_nvidia_spec_reference.py compares ours with)
+# and nvidia-cdi-hook (the CDI hooks runc runs); built only on request (`build.sh toolkit`).
+NVIDIA_CTK_VERSION=v1.20.2
+
 # Programs built from the k8s.io/kubernetes module in one `go build` (packages shared).
 # test/e2e/dra/test-driver is upstream's own DRA test driver (kubelet plugin + CDI), used as the
 # peer driver that proves the DRA path (sigs.k8s.io/dra-example-driver is not served by the proxy).
