@@ -250,3 +250,40 @@ def test_a_link_loop_is_no_file(tmp_path: Path) -> None:
     (root / "usr/bin/nvidia-smi-loop").symlink_to("nvidia-smi")
     found = discover_installation(root, V)
     assert found.error is None and "nvidia-smi" in found.missing_optional
+
+
+@pytest.mark.parametrize(("suite", "version"), DEBIAN, ids=[s for s, _ in DEBIAN])
+def test_dra_gpu_inventory_on_the_debian_root(suite: str, version: str, tmp_path: Path) -> None:
+    """`dra-gpu inventory --driver-root` on Debian's files, for a node whose NVML reports their
+    version (a simulated node of that driver version)."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    import dra_gpu.discovery.profiles as profiles_pkg
+
+    root = debian_root(suite)
+    doc = yaml.safe_load((Path(profiles_pkg.__file__).parent / "profiles" / "hgx-2x4.yaml").read_text())
+    doc["driverVersion"] = version
+    profile = tmp_path / "node.yaml"
+    profile.write_text(yaml.safe_dump(doc))
+    base = [
+        sys.executable,
+        "-m",
+        "dra_gpu.cli",
+        "inventory",
+        "--profile",
+        str(profile),
+        "--driver-root",
+        str(root),
+    ]
+    table = subprocess.run(base, capture_output=True, text=True, timeout=60, check=False)
+    assert table.returncode == 0, table.stderr
+    assert f"version {version}, 5 libraries, 4 binaries, 2 firmware files, 0 IPC sockets" in table.stdout
+    assert "/usr/bin/nvidia-smi (-> /usr/lib/nvidia/current/nvidia-smi)" in table.stdout
+    out = subprocess.run([*base, "-o", "json"], capture_output=True, text=True, timeout=60, check=False)
+    inst = json.loads(out.stdout)["driverInstallation"]
+    assert inst["error"] is None and inst["libraries"] == 5 and inst["binaries"] == 4
+    assert {"path": "/usr/bin/nvidia-smi", "file": "/usr/lib/nvidia/current/nvidia-smi"} in inst["files"]

@@ -86,7 +86,8 @@ DIFFERENCES = (
         "nvidia",
         "env",
         "NVIDIA_CTK_LIBCUDA_DIR=*",
-        f"read by NVIDIA's hooks only (where libcuda is, for the CUDA compat hook); {ITEM_3}",
+        "the driver's library directories, for programs in the container (nothing of toolkit v1.20.2 "
+        f"itself reads it); {ITEM_3}",
     ),
     Difference(
         "nvidia",
@@ -99,7 +100,9 @@ DIFFERENCES = (
         "nvidia",
         "hook",
         "enable-cuda-compat",
-        f"CUDA forward-compat libraries of newer CUDA images on older drivers; {ITEM_3}",
+        "CUDA forward-compat libraries of newer CUDA images on older drivers; the node's hook program "
+        "must know it (nvidia-cdi-hook >= 1.17.5, disable-device-node-modification >= 1.17.8) or runc "
+        f"fails the container; {ITEM_3}",
     ),
     Difference(
         "nvidia",
