@@ -234,42 +234,46 @@ def _library_dirs(root: Path) -> list[tuple[str, str]]:
 
 def _find_libraries(root: Path, version: str, found: DriverInstallation) -> set[str]:
     """Every `lib*.so.<version>` in the library dirs, with the links there that resolve to it;
-    returns the library names found."""
+    returns the library names found. Only what can matter is resolved (a host's library directory
+    holds thousands of other libraries): files and links named for the version, libcuda's and
+    libnvidia-ml's other versions, and then the links named after a library found."""
     suffix = ".so." + version
-    dirs = _library_dirs(root)
     by_path: dict[str, Library] = {}
     names: set[str] = set()
     other: set[str] = set()
-    links: list[tuple[str, str]] = []  # (link path as searched, what it resolves to)
-    for searched, resolved_dir in dirs:
+    links: list[tuple[str, str]] = []  # (link path as searched, the link resolved to its directory)
+    for searched, resolved_dir in _library_dirs(root):
         for entry in _entries(root, resolved_dir):
             if not entry.startswith("lib") or ".so" not in entry:
                 continue
             rel = f"{resolved_dir}/{entry}"
-            is_link = stat.S_ISLNK(_mode(root, rel) or 0)
+            if stat.S_ISLNK(_mode(root, rel) or 0):
+                links.append((f"{searched}/{entry}", rel))
+            versions = [
+                v for base in REQUIRED_LIBRARIES if (v := _versioned(entry, base)) not in (None, version)
+            ]
+            if not (entry.endswith(suffix) or versions):
+                continue
             target = _regular(root, rel)
             if target is None:
                 continue
-            if is_link:
-                links.append((f"{searched}/{entry}", target))
-            for base in REQUIRED_LIBRARIES:
-                v = _versioned(entry, base)
-                if v is not None and v != version:
-                    other.add(v)
-            if not (entry.startswith("lib") and entry.endswith(suffix)):
+            other.update(v for v in versions if v is not None)
+            if not entry.endswith(suffix):
                 continue
             name = entry[: -len(suffix)] + ".so"
             if name in names or target in by_path:
                 continue  # the same library in two directories: the first one wins
             names.add(name)
             by_path[target] = Library(name=name, path=target, soname=read_soname(root / target))
-    for link, target in links:
-        lib = by_path.get(target)
+    for link, rel in links:
         base = os.path.basename(link)
+        if not any(base == name or base.startswith(name + ".") for name in names):
+            continue
+        lib = by_path.get(_regular(root, rel) or "")
         if lib is None or link == lib.path or not (base == lib.name or base.startswith(lib.name + ".")):
             continue
         if link not in lib.links:
-            by_path[target] = lib = Library(lib.name, lib.path, lib.soname, (*lib.links, link))
+            by_path[lib.path] = Library(lib.name, lib.path, lib.soname, (*lib.links, link))
     found.libraries = sorted(by_path.values(), key=lambda lib: lib.path)
     found.other_versions = sorted(other)
     return names
