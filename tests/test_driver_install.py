@@ -171,3 +171,23 @@ def test_a_missing_node_on_a_real_node_is_asked_of_nvidia_modprobe(tmp_path: Pat
     assert calls.read_text().split("\n")[0] == "-c 987"
     # A simulated dev root never runs it: the tool makes nodes in the real /dev only.
     assert DeviceNodes(tmp_path / "sim", modprobe=modprobe).modprobe is None
+
+
+def test_nvidia_modprobe_is_found_through_links_inside_the_driver_root_only(tmp_path: Path) -> None:
+    from dra_gpu.plugin.device_nodes import find_modprobe
+
+    root = tmp_path / "root"
+    real = root / "usr/lib/nvidia/nvidia-modprobe"
+    real.parent.mkdir(parents=True)
+    real.write_text("#!/bin/sh\n")
+    real.chmod(0o755)
+    (root / "usr/bin").mkdir(parents=True)
+    # An absolute link, as a host's packages make it: it names the root's file, not ours.
+    os.symlink("/usr/lib/nvidia/nvidia-modprobe", root / "usr/bin/nvidia-modprobe")
+    assert find_modprobe(root) == str(real)
+    # A link to a program only this process's filesystem has is never taken for the driver's.
+    other = tmp_path / "other"
+    (other / "usr/bin").mkdir(parents=True)
+    os.symlink("/bin/sh", other / "usr/bin/nvidia-modprobe")
+    found = find_modprobe(other)
+    assert found is None or not found.startswith(str(other))

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dra_gpu.discovery.driver_install import BINARY_DIRS
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, UVM_MINORS, char_majors, uvm_missing
+from dra_gpu.discovery.root_paths import regular_file_in_root
 from dra_gpu.model import Gpu, Inventory, MigDevice
 from dra_gpu.plugin.cdi import DeviceNode
 
@@ -195,11 +197,12 @@ class DeviceNodes:
 
 
 def find_modprobe(driver_root: Path) -> str | None:
-    """nvidia-modprobe of the driver installation, else on PATH."""
-    for rel in ("usr/bin", "usr/sbin", "bin", "sbin"):
-        candidate = driver_root / rel / "nvidia-modprobe"
-        if os.access(candidate, os.X_OK):
-            return str(candidate)
+    """nvidia-modprobe of the driver installation (its links followed inside the driver root,
+    never into this process's filesystem), else on PATH."""
+    for rel in BINARY_DIRS:
+        found = regular_file_in_root(driver_root, f"{rel}/nvidia-modprobe")
+        if found is not None and os.access(found, os.X_OK):
+            return str(found)
     return shutil.which("nvidia-modprobe")
 
 
