@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""A host-like driver root: NVIDIA's real 550.163.01 user space with a simulated NVML.
+
+    e2e/host_like_root.py [--profile hgx-2x4|dgx-h100-mig|NAME|FILE] [--cache-dir DIR] [--dev-dir DIR]
+
+prints the path of a driver root that looks like a real Debian 13 host with NVIDIA's driver
+installed: the trixie root of `e2e/debian_driver_root.py` (NVIDIA's real 550.163.01 `libcuda`,
+`nvidia-smi` behind Debian's alternatives links, the MPS control daemon and server, GSP firmware,
+and the root's own glibc 2.41, unlike the plugin image's), in which only Debian's
+`usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.550.163.01` is replaced by the simulated
+NVML of `dra_gpu.simnode` (compiled against NVIDIA's nvml.h) reporting driver 550.163.01 and CUDA
+12.4 for the profile's GPUs. Same path, same file name: Debian's alternatives links
+(`usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 -> /etc/alternatives/... -> nvidia/current/
+libnvidia-ml.so.1 -> libnvidia-ml.so.550.163.01`) resolve to it, inside the root. Everything else
+is NVIDIA's and Debian's real files.
+
+The simulated NVML sees a GPU only through a character device 195:<minor> in its device directory
+(`$DRA_GPU_SIM_DEV_DIR`, default `/dev`); `--dev-dir DIR` (or `make_dev_dir`) makes `nvidiactl`
+and one node per GPU of the profile there (mknod: root). Its kernel-side state (MIG instances,
+injected events) lives in `DIR/.nvidia-sim/`.
+
+Cached as ${DRA_GPU_CACHE:-~/.cache/dra-gpu}/host-like-roots/<profile>-<key>, <key> a hash of the
+inputs (the Debian root's own key, the simulated library's bytes, the profile, this file's source);
+built in a temporary directory beside it and renamed into place, with a manifest
+`.dra-gpu-host-like-root.json` and a `.complete` marker; older roots of the profile are removed.
+
+Importable: `host_like_root(profile)` returns the root's Path (building what is missing: the
+Debian root needs root, mmdebstrap and Debian's archive; the library a C compiler and NVIDIA's
+nvml.h), `make_dev_dir(devdir, profile)` the device directory.
+
+SAFETY: nothing here runs NVIDIA's binaries or loads its libraries (run as root on a host without
+a driver, they create /dev/nvidiactl in the host's /dev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+E2E = Path(__file__).resolve().parent
+sys.path.insert(0, str(E2E.parent))  # the checkout's dra_gpu, also when run as a script
+
+from dra_gpu.discovery import load_profile  # noqa: E402
+from dra_gpu.discovery.profiles import NodeProfile  # noqa: E402
+from dra_gpu.simnode.builder import default_cache_dir, ensure_nvml_library  # noqa: E402
+from dra_gpu.simnode.devnodes import make_device_nodes  # noqa: E402
+
+SUITE = "trixie"
+DRIVER_VERSION = "550.163.01"
+CUDA_VERSION = 12040  # what NVIDIA's 550 libcuda reports (cuDriverGetVersion): CUDA 12.4
+PROFILES = ("hgx-2x4", "dgx-h100-mig")  # offered; any built-in name or profile file works
+DEFAULT_PROFILE = "hgx-2x4"
+NVML_DIR = "usr/lib/x86_64-linux-gnu/nvidia/current"
+NVML_FILE = f"{NVML_DIR}/libnvidia-ml.so.{DRIVER_VERSION}"
+MANIFEST = ".dra-gpu-host-like-root.json"
+COMPLETE = ".complete"
+
+
+class HostLikeRootError(RuntimeError):
+    """The host-like root could not be built."""
+
+
+def _debian_roots() -> ModuleType:
+    """e2e/debian_driver_root.py (a script beside this one, not a package module)."""
+    name = "debian_driver_root"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, E2E / "debian_driver_root.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DRA_GPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dra-gpu")
+    return Path(base) / "host-like-roots"
+
+
+def node_profile(profile: str | Path) -> NodeProfile:
+    """The profile, reporting NVIDIA's Debian driver (550.163.01, CUDA 12.4) instead of its own."""
+    node = load_profile(str(profile))
+    return dataclasses.replace(node, driver_version=DRIVER_VERSION, cuda_driver_version=CUDA_VERSION)
+
+
+def simulated_nvml(profile: str | Path, lib_cache: Path | None = None) -> Path:
+    """The simulated libnvidia-ml.so.1 of the profile reporting 550.163.01 (built once, cached)."""
+    lib = ensure_nvml_library(lib_cache or default_cache_dir(), node_profile(profile), DRIVER_VERSION)
+    return lib.resolve()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _label(profile: str | Path) -> str:
+    return Path(str(profile)).stem if str(profile) not in PROFILES else str(profile)
+
+
+def cache_key(debian_root: Path, nvml: Path, profile: str | Path) -> str:
+    inputs = {
+        "debianRoot": debian_root.name,  # <suite>-<its own key>
+        "nvml": _sha256(nvml),
+        "profile": str(profile),
+        "builder": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _build(debian_root: Path, nvml: Path, dest: Path, profile: str | Path, key: str) -> None:
+    """Copy the Debian root into the empty directory dest and put the simulated NVML in place."""
+    # GNU cp -a keeps links (Debian's absolute alternatives links), modes, owners and hard links.
+    proc = subprocess.run(["cp", "-a", f"{debian_root}/.", str(dest)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HostLikeRootError(f"copying {debian_root} failed: {proc.stderr.strip()}")
+    for marker in (COMPLETE, _debian_roots().MANIFEST):
+        (dest / marker).unlink(missing_ok=True)
+    target = dest / NVML_FILE
+    if not target.is_file() or target.is_symlink():
+        raise HostLikeRootError(f"{NVML_FILE} is not a file in {debian_root}: not NVIDIA's Debian layout")
+    real_sha = _sha256(target)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(nvml, tmp)
+    tmp.chmod(0o644)  # as Debian's package installs it
+    os.replace(tmp, target)
+    manifest = {
+        "profile": str(profile),
+        "driverVersion": DRIVER_VERSION,
+        "cudaDriverVersion": CUDA_VERSION,
+        "key": key,
+        "debianRoot": debian_root.name,
+        "replaced": {
+            "path": NVML_FILE,
+            "debianSha256": real_sha,
+            "simulatedSha256": _sha256(target),
+        },
+    }
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (dest / COMPLETE).write_text("")
+
+
+def host_like_root(
+    profile: str | Path = DEFAULT_PROFILE, base: Path | None = None, lib_cache: Path | None = None
+) -> Path:
+    """The host-like root of a profile, built once per input hash; concurrent callers wait for one."""
+    debian = _debian_roots()
+    try:
+        debian_root = Path(debian.driver_root(SUITE))
+    except debian.DriverRootError as exc:
+        raise HostLikeRootError(f"the Debian {SUITE} driver root: {exc}") from exc
+    nvml = simulated_nvml(profile, lib_cache)
+    base = base or cache_dir()
+    label = _label(profile)
+    key = cache_key(debian_root, nvml, profile)
+    root = base / f"{label}-{key}"
+    if (root / COMPLETE).is_file():
+        return root
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / f".{label}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (root / COMPLETE).is_file():
+            return root
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=base))
+        try:
+            _build(debian_root, nvml, tmp, profile, key)
+            tmp.chmod(0o755)
+            if root.exists():  # an incomplete leftover of an interrupted rename
+                shutil.rmtree(root)
+            os.rename(tmp, root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in base.iterdir():  # one root a profile: the inputs moved on
+            if old.name.startswith(f"{label}-") and old != root and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+    return root
+
+
+def manifest(root: Path) -> dict[str, object]:
+    data: dict[str, object] = json.loads((root / MANIFEST).read_text())
+    return data
+
+
+def make_dev_dir(devdir: Path, profile: str | Path = DEFAULT_PROFILE) -> Path:
+    """`devdir` with `nvidiactl` and `nvidia<minor>` for every GPU of the profile (char devices
+    195:minor, made with mknod: root); the simulated NVML's $DRA_GPU_SIM_DEV_DIR."""
+    return make_device_nodes(Path(devdir), [g.minor for g in load_profile(str(profile)).gpus])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"simulated node profile (a built-in name such as {' or '.join(PROFILES)}, or a file; "
+        "default %(default)s)",
+    )
+    ap.add_argument("--cache-dir", type=Path, help="default: $DRA_GPU_CACHE/host-like-roots")
+    ap.add_argument("--dev-dir", type=Path, help="also make the simulated device nodes here (root)")
+    ap.add_argument("--manifest", action="store_true", help="print the root's manifest after its path")
+    args = ap.parse_args(argv)
+    try:
+        root = host_like_root(args.profile, args.cache_dir)
+        if args.dev_dir:
+            make_dev_dir(args.dev_dir, args.profile)
+    except (HostLikeRootError, RuntimeError, OSError) as exc:
+        print(f"host_like_root: {exc}", file=sys.stderr)
+        return 1
+    print(root)
+    if args.manifest:
+        print(json.dumps(manifest(root), indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
