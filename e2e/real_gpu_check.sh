@@ -260,7 +260,7 @@ fi
 section "inventory: the installation dra-gpu inventory finds"
 inv_args=(inventory --driver-root "$DRIVER_ROOT" --node-name real-gpu-check -o json)
 inv_out=$WORK/inventory.json
-(cd "$REPO" && PYTHONPATH=$REPO "$PYTHON" -m dra_gpu.cli "${inv_args[@]}" >"$inv_out" 2>"$WORK/inventory.err")
+(cd "$REPO" && PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m dra_gpu.cli "${inv_args[@]}" >"$inv_out" 2>"$WORK/inventory.err")
 rc=$?
 how="python -m dra_gpu.cli ${inv_args[*]}"
 if [ $rc -ne 0 ] && grep -q 'NVML is not available' "$WORK/inventory.err"; then
@@ -268,7 +268,7 @@ if [ $rc -ne 0 ] && grep -q 'NVML is not available' "$WORK/inventory.err"; then
   echo "  (this checkout's CLI does not load the driver root's NVML itself: run again with pynvml"
   echo "   bound first to it by dra_gpu.discovery.nvml_library.load_nvml)"
   how="load_nvml(R), then dra_gpu.cli.main(${inv_args[*]})"
-  (cd "$REPO" && PYTHONPATH=$REPO "$PYTHON" - "$DRIVER_ROOT" "${inv_args[@]}" >"$inv_out" 2>"$WORK/inventory.err" <<'EOF'
+  (cd "$REPO" && PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" - "$DRIVER_ROOT" "${inv_args[@]}" >"$inv_out" 2>"$WORK/inventory.err" <<'EOF'
 import sys
 from pathlib import Path
 from dra_gpu.discovery.nvml_library import load_nvml
@@ -314,7 +314,7 @@ runc_args=(--driver-root "$DRIVER_ROOT" --dev-root /dev --nvml-json "$NVML_JSON"
 if [ -n "$IMAGE" ]; then runc_args+=(--image "$IMAGE"); else runc_args+=(--host-rootfs); fi
 [ -n "$SIMULATED" ] && runc_args+=(--simulated)
 mkdir "$WORK/runc"
-out=$(PYTHONPATH=$REPO "$PYTHON" "$REPO/e2e/realgpu/runc_claim.py" "${runc_args[@]}" 2>&1)
+out=$(PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" "$REPO/e2e/realgpu/runc_claim.py" "${runc_args[@]}" 2>&1)
 echo "$out"
 grep -q '^RESULT runc:' <<<"$out" || result runc "FAIL the runc helper ended without a result: $(tail -n1 <<<"$out")"
 

@@ -14,8 +14,10 @@ in the device cgroup, each mount bind-mounted with its options, hooks copied int
 
 The rootfs: the layer of the Debian test image (`e2e/images.py OUT --debian`: bookworm minbase
 with python3, no NVIDIA file), or, offline on a GPU machine, one assembled read-only from the
-host's own /usr, /lib*, /bin, /sbin, /etc (which may hold NVIDIA files of its own: the spec's
-mounts then cover them at the same paths). The container runs `nvidia-smi -L` from its PATH.
+host's own /usr, /lib*, /bin, /sbin, /etc, copy-on-write over a tmpfs so that runc can make the
+spec's mount points (the host's files are never written; they may include NVIDIA files of the
+host's own: the spec's mounts then cover them at the same paths). The container runs
+`nvidia-smi -L` from its PATH.
 
 Expected: on a real node the GPU is listed (`GPU 0: ... (UUID: GPU-...)`). On a host-like root
 (--simulated) NVIDIA's real nvidia-smi loads the spec's simulated libnvidia-ml.so.1 and stops with
@@ -102,18 +104,24 @@ def image_rootfs(image: Path, rootfs: Path) -> list[str]:
 
 
 def host_rootfs(rootfs: Path) -> list[str]:
-    """A rootfs of the host's own system directories, bind-mounted read-only (this process is in a
-    private mount namespace: the mounts vanish with it)."""
+    """A rootfs of the host's own system directories, each an overlay whose upper layer is a tmpfs
+    (runc makes the spec's mount points in it; the host's files are never written). This process
+    is in a private mount namespace: the mounts vanish with it."""
     rootfs.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "tmpfs", str(rootfs)], check=True)
+    layers = rootfs / ".layers"
     for name in HOST_DIRS:
         src = Path("/") / name
         if src.is_symlink():
             os.symlink(os.readlink(src), rootfs / name)
         elif src.is_dir():
+            upper, work = layers / name / "upper", layers / name / "work"
+            upper.mkdir(parents=True)
+            work.mkdir()
             (rootfs / name).mkdir()
-            subprocess.run(["mount", "--rbind", str(src), str(rootfs / name)], check=True)
-            subprocess.run(["mount", "-o", "remount,bind,ro", str(rootfs / name)], check=True)
+            options = f"lowerdir={src},upperdir={upper},workdir={work}"
+            mount = ["mount", "-t", "overlay", "overlay", "-o", options, str(rootfs / name)]
+            subprocess.run(mount, check=True)
     for name in ("proc", "dev", "sys", "tmp", "run"):
         (rootfs / name).mkdir(exist_ok=True)
     return ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
@@ -213,7 +221,8 @@ def main() -> int:
         print(f"  rootfs: the layer of {args.image}")
     elif args.host_rootfs:
         env = host_rootfs(rootfs)
-        print(f"  rootfs: the host's own {', '.join('/' + d for d in HOST_DIRS)}, read-only")
+        dirs = ", ".join("/" + d for d in HOST_DIRS if os.path.lexists("/" + d))
+        print(f"  rootfs: the host's own {dirs} (overlays over a tmpfs: the host's files are not written)")
     else:
         print("RESULT runc: FAIL no rootfs (--image or --host-rootfs)")
         return 1
