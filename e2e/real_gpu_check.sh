@@ -310,7 +310,7 @@ fi
 
 # ---------------------------------------------------------------------------------------------
 section "runc: one claim's CDI spec applied over a glibc rootfs; nvidia-smi -L inside"
-runc_args=(--driver-root "$DRIVER_ROOT" --dev-root /dev --nvml-json "$NVML_JSON" --work "$WORK/runc")
+runc_args=(--driver-root "$DRIVER_ROOT" --dev-root / --nvml-json "$NVML_JSON" --work "$WORK/runc")
 if [ -n "$IMAGE" ]; then runc_args+=(--image "$IMAGE"); else runc_args+=(--host-rootfs); fi
 [ -n "$SIMULATED" ] && runc_args+=(--simulated)
 mkdir "$WORK/runc"

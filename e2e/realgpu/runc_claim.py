@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One claim's CDI spec, made by dra-gpu's own code, applied with runc over a glibc rootfs.
 
-    runc_claim.py --driver-root R --dev-root D --nvml-json J --work W
+    runc_claim.py --driver-root R --dev-root DIR_WITH_dev --nvml-json J --work W
                   (--image IMAGEDIR/debian.tar | --host-rootfs) [--simulated]
 
 The spec: the claim's part for the first GPU NVML listed (`CdiSpecs.build`: its device node, the
@@ -36,6 +36,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,35 +50,33 @@ HOST_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 
 def claim_spec(root: Path, dev_root: Path, version: str, gpu: dict[str, Any]) -> dict[str, Any]:
+    """The claim's spec as the plugin composes it; `dev_root` holds `dev/` (and `proc/devices`)."""
     from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG
     from dra_gpu.discovery.driver_install import discover_installation
-    from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, DeviceNode
-    from dra_gpu.plugin.device_nodes import CONTROL_NODES, OPTIONAL_CONTROL_NODES
+    from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
+    from dra_gpu.plugin.device_nodes import DeviceNodes, NumberedNode
     from dra_gpu.plugin.driver_files import container_edits
 
     found = discover_installation(root, version)
     summary = found.summary()
+    summary.pop("files", None)
     print(f"  driver installation: {json.dumps(summary)}")
     if found.error:
         raise RuntimeError(f"dra-gpu finds no usable installation under {root}: {found.error}")
-
-    def node(path: str) -> DeviceNode:
-        return DeviceNode(path=path, host_path=str(dev_root / os.path.basename(path)))
-
+    # No nvidia-modprobe: the check creates no node; a missing one is left out and named.
+    nodes = DeviceNodes(dev_root, modprobe=None, proc_devices=Path("/proc/devices"))
     control = []
-    for path in (*CONTROL_NODES, *OPTIONAL_CONTROL_NODES):
-        host = dev_root / os.path.basename(path)
-        if host.exists():
-            control.append(node(path))
+    for n in nodes.control():
+        if isinstance(n, NumberedNode) or os.path.exists(n.host_path):
+            control.append(n)
         else:
             print(
-                f"  {path}: not in {dev_root} (left out; the plugin would refuse the claim"
-                + (")" if path in CONTROL_NODES else " only if required)")
+                f"  {n.path}: no {n.host_path} (left out here; the plugin's prepare would refuse the claim)"
             )
     uuid = gpu["uuid"]
     device = CdiDevice(
         name=f"gpu-{gpu['minor']}",
-        device_nodes=[node(f"/dev/nvidia{gpu['minor']}")],
+        device_nodes=nodes.gpu(SimpleNamespace(minor=gpu["minor"])),  # type: ignore[arg-type]
         env=DEFAULT_GPU_CONFIG.container_env([uuid]),
     )
     specs = CdiSpecs(Path("/nonexistent"), "gpu.dra-gpu.io")
@@ -142,22 +141,17 @@ def runc_config(spec: dict[str, Any], base: dict[str, Any], rootfs: Path, env: l
     for edits in [spec.get("containerEdits", {})] + [d["containerEdits"] for d in spec["devices"]]:
         env += edits.get("env", [])
         for n in edits.get("deviceNodes", []):
-            host = n.get("hostPath", n["path"])
-            st = os.stat(host)
-            kind = "c" if stat.S_ISCHR(st.st_mode) else "b"
-            major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-            devices.append(
-                {
-                    "path": n["path"],
-                    "type": kind,
-                    "major": major,
-                    "minor": minor,
-                    "fileMode": 0o666,
-                    "uid": 0,
-                    "gid": 0,
-                }
-            )
-            allow.append({"allow": True, "type": kind, "major": major, "minor": minor, "access": "rwm"})
+            if "major" in n:  # by number: the runtime makes it, no host node is read
+                kind, major, minor = n.get("type", "c"), n["major"], n["minor"]
+            else:  # the host's node: its type and numbers
+                st = os.stat(n.get("hostPath", n["path"]))
+                kind = "c" if stat.S_ISCHR(st.st_mode) else "b"
+                major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+            mode = n.get("fileMode", 0o666)
+            node = {"path": n["path"], "type": kind, "major": major, "minor": minor, "fileMode": mode}
+            devices.append({**node, "uid": 0, "gid": 0})
+            access = n.get("permissions", "rwm")
+            allow.append({"allow": True, "type": kind, "major": major, "minor": minor, "access": access})
         for m in edits.get("mounts", []):
             mounts.append(
                 {
