@@ -295,9 +295,14 @@ inst = doc.get("driverInstallation") or {}
 print(f"  {sys.argv[2]}")
 print(f"  driverVersion {doc.get('driverVersion')}, cudaDriverVersion {doc.get('cudaDriverVersion')}, {len(gpus)} GPUs")
 for g in gpus[:8]:
-    print(f"    {g.get('name')} {g.get('productName')} {g.get('uuid')} memory {g.get('memory')} "
-          f"numa {g.get('numaNode')} nvlinkDomain {g.get('nvlinkDomain')} migs {len(g.get('migDevices') or [])}")
-print(f"  driverInstallation: {json.dumps(inst)}")
+    print(f"    {g.get('deviceName')}: {g.get('productName')} {g.get('uuid')} {g.get('pciBusId')} "
+          f"memory {g.get('memoryBytes')} multiprocessors {g.get('multiprocessors')} numa {g.get('numaNode')} "
+          f"pcieRoot {g.get('pcieRoot')} nvlinkDomain {g.get('nvlinkDomain')} (size {g.get('nvlinkDomainSize')}) "
+          f"MIG {'on' if g.get('migEnabled') else 'off'}, {len(g.get('migDevices') or [])} MIG devices")
+print(f"  skipped: {doc.get('skipped')}")
+print(f"  driverInstallation: {json.dumps({k: v for k, v in inst.items() if k != 'files'})}")
+for f in inst.get("files") or []:
+    print(f"    {f.get('path')}" + (f" -> {f.get('file')}" if f.get("file") != f.get("path") else ""))
 if not gpus:
     print("RESULT inventory: FAIL no GPU found")
 elif not inst or inst.get("error"):
