@@ -287,3 +287,21 @@ def test_dra_gpu_inventory_on_the_debian_root(suite: str, version: str, tmp_path
     inst = json.loads(out.stdout)["driverInstallation"]
     assert inst["error"] is None and inst["libraries"] == 5 and inst["binaries"] == 4
     assert {"path": "/usr/bin/nvidia-smi", "file": "/usr/lib/nvidia/current/nvidia-smi"} in inst["files"]
+
+
+@needs_cc
+def test_gke_layout_under_usr_local_nvidia(tmp_path: Path) -> None:
+    """GKE's driver installer (and machines whose driver is mounted as CUDA-style images expect
+    it) keep the driver in /usr/local/nvidia/{lib64,bin}."""
+    root = tmp_path / "root"
+    make_root(root, V, libdir="usr/local/nvidia/lib64")
+    bindir = root / "usr/local/nvidia/bin"
+    bindir.mkdir(parents=True)
+    for binary in ("nvidia-smi", "nvidia-cuda-mps-control"):
+        (root / "usr/bin" / binary).rename(bindir / binary)
+    found = discover_installation(root, V, host_root=HOST)
+    assert found.error is None
+    by_target = mounts(found)
+    real = f"{HOST}/usr/local/nvidia/lib64/libcuda.so.{V}"
+    assert by_target[f"{CUDA_STYLE_LIB_DIR}/libcuda.so.1"] == real
+    assert by_target["/usr/local/nvidia/bin/nvidia-smi"] == f"{HOST}/usr/local/nvidia/bin/nvidia-smi"

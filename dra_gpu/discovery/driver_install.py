@@ -71,8 +71,18 @@ LIBRARY_DIRS = (
     "lib/aarch64-linux-gnu",
     "lib/x86_64-linux-gnu/nvidia/current",
     "lib/aarch64-linux-gnu/nvidia/current",
+    # GKE's driver installer (and images that carry the driver, as CUDA-style images expect it).
+    "usr/local/nvidia/lib64",
 )
-BINARY_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin")
+BINARY_DIRS = (
+    "usr/local/sbin",
+    "usr/local/bin",
+    "usr/sbin",
+    "usr/bin",
+    "sbin",
+    "bin",
+    "usr/local/nvidia/bin",
+)
 # GSP firmware; R615 adds ucode files: `ucodes_ga10x.bin`, `ucodes_tu10x.bin` (NVIDIA's changelog
 # says `ucode_*.bin`; both names are matched).
 FIRMWARE_PATTERNS = ("gsp*.bin", "ucode*.bin")
