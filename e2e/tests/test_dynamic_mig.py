@@ -48,11 +48,12 @@ def instances(gpu_uuid: str | None = None) -> list[dict]:
 
 
 def gpu_uuid(dyn, device: str) -> str:
+    """The UUID of a dynamic-MIG GPU, from its placements (the GPU itself is not published)."""
     _, items = our_slices(dyn)
     for s in items:
         for d in s["spec"].get("devices") or []:
-            if d["name"] == device:
-                return d["attributes"]["uuid"]["string"]
+            if d["name"].startswith(f"{device}-mig-"):
+                return d["attributes"]["parentUUID"]["string"]
     raise AssertionError(f"no device {device}")
 
 
