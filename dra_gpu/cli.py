@@ -238,6 +238,9 @@ def cmd_inventory(args: argparse.Namespace) -> int:
         print(f"dra-gpu: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except NvmlUnavailableError as exc:
+        if args.profile:
+            print(f"dra-gpu: simulated node {args.profile}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         print(
             f"dra-gpu: {exc}. No NVIDIA driver on this machine? Use a simulated node: "
             f"--profile NAME (one of {', '.join(BUILTIN_PROFILES)}) or --profile FILE.",
