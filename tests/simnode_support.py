@@ -93,7 +93,7 @@ def run_child(
 def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     try:
         conn.send((True, fn(*args)))
-    except BaseException:  # noqa: BLE001 - everything goes back to the test
+    except BaseException:
         conn.send((False, traceback.format_exc()))
     finally:
         conn.close()
