@@ -22,6 +22,7 @@ from dra_gpu.plugin.sharing import node_sharing
 from dra_gpu.plugin.timeslice import LEVELS
 from dra_gpu.simnode.builder import nvml_library
 from dra_gpu.simnode.node import SimulatedNodeError, prepare_simulated_node
+from dra_gpu.simnode.state import read_state
 from tests.simnode_support import in_child, needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
 pytestmark = [needs_toolchain, needs_root, pytest.mark.usefixtures("nvml_h")]
@@ -51,6 +52,7 @@ def test_compute_modes_and_time_slices_are_the_simulated_kernels(tmp_path: Path)
     dev_root = tmp_path / "simulated-root"
     gpus = in_child(set_modes_and_slices, dev_root)
     assert in_child(read_mode, dev_root, gpus[0]) == EXCLUSIVE_PROCESS
+    assert read_state(dev_root / "dev").compute_mode(gpus[0]) == EXCLUSIVE_PROCESS
     # NVIDIA's nvidia-smi of the driver root, run as the plugin runs it (LD_PRELOAD of the one
     # library, told the node's device directory), sees what the plugin set.
     node = prepare_simulated_node("hgx-2x4", dev_root)
