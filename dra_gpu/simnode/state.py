@@ -65,15 +65,16 @@ def read_state(dev_dir: Path | str, profile: NodeProfile | None = None) -> SimSt
             state.instances[uuid] = []
         elif word == "gi":
             uuid, gi, profile_id, start = rest[:4]
-            inst = {"profile": names.get(int(profile_id), profile_id), "placement": int(start),
-                    "giId": int(gi), "ciId": None, "uuid": None}  # fmt: skip
-            state.instances.setdefault(uuid, []).append(inst)
-            by_gi[(uuid, int(gi))] = inst
+            name = names.get(int(profile_id), profile_id)
+            made: dict[str, Any] = {"profile": name, "placement": int(start), "giId": int(gi)}
+            made.update(ciId=None, uuid=None)
+            state.instances.setdefault(uuid, []).append(made)
+            by_gi[(uuid, int(gi))] = made
         elif word == "ci":
             uuid, gi, ci, mode, mig_uuid = rest[:5]
-            inst = by_gi.get((uuid, int(gi)))
-            if inst is not None:
-                inst.update(ciId=int(ci), uuid=mig_uuid)
+            found = by_gi.get((uuid, int(gi)))
+            if found is not None:
+                found.update(ciId=int(ci), uuid=mig_uuid)
                 state.compute_modes[mig_uuid] = int(mode)
     return state
 
