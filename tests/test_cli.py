@@ -168,3 +168,17 @@ def test_node_commands_read_the_same_paths_from_the_environment(monkeypatch: pyt
     assert plugin["driver_root"] == doctor["driver_root"] == "/x/driver"
     assert plugin["plugin_dir"] == health["plugin_dir"] == "/x/plugin"
     assert plugin["driver_name"] == health["driver_name"] == "gpu.example.com"
+
+
+def test_nvml_probe_of_a_simulated_node_runs_its_simulated_driver() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dra_gpu.discovery.nvml_probe", "--profile", "dgx-h100-mig"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "nvmlDeviceGetCount = 8" in out.stdout
+    # As real NVML answers: nvmlDeviceGetAttributes is for MIG device handles only.
+    assert "[0] nvmlDeviceGetAttributes ! NVMLError_NotSupported" in out.stdout
