@@ -33,7 +33,6 @@ class NodeBackend:
     pcie_root: Callable[[str], str | None] | None = None  # None: sysfs
     tool_env: dict[str, str] = field(default_factory=dict)  # more environment for NVIDIA's tools
     events: SimulatedEvents | None = None  # a simulated node's event injection; None on a real one
-    profile: str | None = None  # the simulated node's profile, for messages
 
     @property
     def simulated(self) -> bool:
@@ -61,5 +60,4 @@ def open_backend(profile: str | None, driver_root: Path | None, dev_root: Path) 
         pcie_root=node.pcie_root(),
         tool_env=node.env(),
         events=node.events(),
-        profile=profile,
     )

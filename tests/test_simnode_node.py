@@ -83,8 +83,11 @@ def make_and_destroy_an_instance(dev_root: Path) -> tuple[list[str], list[str], 
     assert isinstance(placement, MigPlacement)
     mig = MigInstances(backend.nvml)
     gi = mig.create_gpu_instance(gpu.uuid, placement)
-    mig.create_compute_instance(gpu.uuid, gi, placement)
+    ci = mig.create_compute_instance(gpu.uuid, gi, placement)
     during = listing()
+    (made,) = read_state(dev_root / "dev", load_profile("dgx-h100-mig")).instances[gpu.uuid]
+    assert made["profile"] == "3g.40gb" and (made["placement"], made["giId"], made["ciId"]) == (4, gi, ci)
+    assert made["uuid"] == mig.mig_device(gpu.uuid, gi, ci, placement).uuid
     assert mig.destroy(gpu.uuid, gi, placement.profile.profile_id, placement.start)
     return before, during, listing()
 
