@@ -140,6 +140,23 @@ async def _application_xid_is_counted_not_tainted(hgx: Node) -> None:
 @pytest.mark.usefixtures("nvml_h")
 @needs_root
 @needs_toolchain
+def test_a_recovery_action_taints_with_the_action_nvml_reports(tmp_path: Path) -> None:
+    on_hgx(tmp_path, _a_recovery_action_taints_with_the_action_nvml_reports)
+
+
+async def _a_recovery_action_taints_with_the_action_nvml_reports(hgx: Node) -> None:
+    # nvml.h: the event's eventData is 0 (only XIDs carry data); the action is NVML's field.
+    reply = await hgx.ask(op="simulate", event="recovery-action", gpu="1", action="gpu-reset")
+    dev = reply["device"]
+    taints = await hgx.until("the recovery-action taint", lambda: hgx.taints().get(dev))
+    assert taints[0]["value"] == "recovery-gpu-reset" and taints[0]["effect"] == "NoSchedule"
+    await hgx.ask(op="simulate", event="recover", gpu="1")  # the GPU was reset: no action pending
+    await hgx.until("the taint to go after the hold-down", lambda: not hgx.taints(), timeout=3)
+
+
+@pytest.mark.usefixtures("nvml_h")
+@needs_root
+@needs_toolchain
 def test_ecc_and_operator_override(tmp_path: Path) -> None:
     on_hgx(tmp_path, _ecc_and_operator_override)
 
