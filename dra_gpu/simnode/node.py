@@ -18,7 +18,6 @@ A simulated node runs the same NVML code path as a real one (its driver root's
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from dra_gpu.discovery.kernel_devices import CAPS, UVM
 from dra_gpu.discovery.profiles import NodeProfile, load_profile
 from dra_gpu.simnode import inject
 from dra_gpu.simnode.builder import SimDriverError, default_cache_dir, ensure_driver_root
-from dra_gpu.simnode.devnodes import NVIDIA_MAJOR, make_device_nodes
+from dra_gpu.simnode.devnodes import NVIDIA_MAJOR, make_char, make_device_nodes
 
 DEV_DIR_ENV = "DRA_GPU_SIM_DEV_DIR"
 PROC_DIR_ENV = "DRA_GPU_SIM_PROC_DIR"
@@ -96,25 +95,13 @@ class SimulatedEvents:
         inject.set_gpu_lost(self.dev_dir, gpu_uuid, lost)
 
 
-def _char(path: Path, major: int, minor: int) -> None:
-    want = os.makedev(major, minor)
-    try:
-        st = os.stat(path)
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
-            return
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    os.mknod(path, 0o666 | stat.S_IFCHR, want)
-
-
 def make_kernel_files(profile: NodeProfile, dev_root: Path) -> None:
     """The device nodes a loaded driver makes (nvidiactl, one per GPU, uvm, modeset) under
     `<dev_root>/dev` and the kernel's list of their majors in `<dev_root>/proc/devices`."""
     dev = make_device_nodes(dev_root / "dev", [g.minor for g in profile.gpus])
-    _char(dev / "nvidia-uvm", UVM_MAJOR, 0)
-    _char(dev / "nvidia-uvm-tools", UVM_MAJOR, 1)
-    _char(dev / "nvidia-modeset", NVIDIA_MAJOR, MODESET_MINOR)
+    make_char(dev / "nvidia-uvm", UVM_MAJOR, 0)
+    make_char(dev / "nvidia-uvm-tools", UVM_MAJOR, 1)
+    make_char(dev / "nvidia-modeset", NVIDIA_MAJOR, MODESET_MINOR)
     proc = dev_root / "proc"
     proc.mkdir(parents=True, exist_ok=True)
     text = (
