@@ -1,9 +1,10 @@
 """GPU health: event to taint visible in the apiserver, and the monitor's CPU when idle.
 
-- Latency: the plugin's health half (fake NVML of hgx-2x4, monitor threads, taint book, slice
-  publisher) publishes a bench node's slice through the real apiserver; each round injects an XID
-  (as `dra-gpu health simulate` does) and times until a watch on the slice shows the taint; the
-  taint is then cleared by the operator override and the round waits until that is visible too.
+- Latency: the plugin's health half (the in-process Python fake NVML of hgx-2x4, monitor threads,
+  taint book, slice publisher) publishes a bench node's slice through the real apiserver; each
+  round injects an XID (as `dra-gpu health simulate` does) and times until a watch on the slice
+  shows the taint; the taint is then cleared by the operator override and the round waits until
+  that is visible too.
 - Idle CPU: the process's CPU time over a quiet period with the monitor running (8 GPU threads,
   the default 5 s check interval), as a percentage of one core.
 
@@ -26,7 +27,7 @@ from typing import Any
 import pynvml
 from prometheus_client import CollectorRegistry
 
-from dra_gpu.discovery import discover_node
+from dra_gpu.discovery import discover, load_profile, simulated_nvml
 from dra_gpu.health.node import HealthConfig, HealthNode, taint_key
 from dra_gpu.kube import RESOURCE_V1, Kube
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
@@ -42,10 +43,9 @@ def tainted(obj: dict[str, Any], device: str) -> bool:
 
 
 async def latency(kube: Kube, events: int, plugin_dir: Path) -> list[float]:
-    inv = discover_node(NODE, "hgx-2x4")
-    health = HealthNode(
-        HealthConfig(check_interval=5.0), DRIVER, inv, plugin_dir, CollectorRegistry(), "hgx-2x4"
-    )
+    nvml, pcie_root = simulated_nvml(load_profile("hgx-2x4"))  # the in-process fake
+    inv = discover(nvml, NODE, pcie_root)
+    health = HealthNode(HealthConfig(check_interval=5.0), DRIVER, inv, plugin_dir, CollectorRegistry(), nvml)
     driver = GpuDriver(DRIVER, NODE, inv, preparer=None, health=health.manager)  # type: ignore[arg-type]
     pub = SlicePublisher(kube, DRIVER, NODE, driver.resource_slices, PluginMetrics())
     await pub.start()
@@ -59,7 +59,7 @@ async def latency(kube: Kube, events: int, plugin_dir: Path) -> list[float]:
             items, version = await kube.list_slices(selector)
             watch = kube.watch_objects(f"{RESOURCE_V1}/resourceslices", version, 30, selector)
             t0 = time.perf_counter()
-            health.fake.inject_event(gpu.uuid, pynvml.nvmlEventTypeXidCriticalError, 74)
+            nvml.inject_event(gpu.uuid, pynvml.nvmlEventTypeXidCriticalError, 74)
             async with asyncio.timeout(10):
                 async for _kind, obj in watch:
                     if tainted(obj, gpu.device_name):
@@ -77,8 +77,9 @@ async def latency(kube: Kube, events: int, plugin_dir: Path) -> list[float]:
 
 
 async def idle_cpu(seconds: float, plugin_dir: Path) -> float:
-    inv = discover_node(NODE, "hgx-2x4")
-    health = HealthNode(HealthConfig(), DRIVER, inv, plugin_dir, CollectorRegistry(), "hgx-2x4")
+    nvml, pcie_root = simulated_nvml(load_profile("hgx-2x4"))
+    inv = discover(nvml, NODE, pcie_root)
+    health = HealthNode(HealthConfig(), DRIVER, inv, plugin_dir, CollectorRegistry(), nvml)
     await health.start()
     await asyncio.sleep(1)
     c0, t0 = time.process_time(), time.monotonic()

@@ -13,22 +13,25 @@ import argparse
 import asyncio
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from dra_gpu.api import API_VERSION
 from dra_gpu.discovery import discover_node
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
-from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
+from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.plugin.sharing import node_sharing
 from dra_gpu.simnode.builder import ensure_driver_root
+from tests.fake_node import create_simulated, fake_sharing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +88,7 @@ async def run(rounds: int, work: Path, cache: Path) -> None:
         DeviceNodes(dev_root),
         claims,
         driver_files,
-        node_sharing(mps_root, driver_files, PROFILE, dev_root),
+        fake_sharing(mps_root, driver_files, PROFILE, dev_root),
     )
     device = inventory.gpus[0].device_name
     prepare_ms: list[float] = []

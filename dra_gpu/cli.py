@@ -88,12 +88,7 @@ def _add_node_commands(sub: Any) -> None:
     )
     inv.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
     inv.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
-    inv.add_argument(
-        "--driver-root",
-        default=os.environ.get("NVIDIA_DRIVER_ROOT", "/"),
-        help="where the NVIDIA driver's files are installed ($NVIDIA_DRIVER_ROOT; GPU operator: "
-        "/run/nvidia/driver); default: /",
-    )
+    add_node_flags(inv, "driver-root")
     inv.add_argument(
         "--slices", action="store_true", help="print the ResourceSlice objects that would be published"
     )
@@ -176,14 +171,15 @@ def _add_node_commands(sub: Any) -> None:
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     from dra_gpu.discovery import NvmlUnavailableError, ProfileError
     from dra_gpu.health.command import health_config
+    from dra_gpu.node_flags import dev_root, driver_root
     from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
     from dra_gpu.plugin.server import PluginConfig, run
+    from dra_gpu.simnode.node import SimulatedNodeError
 
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
         return EXIT_USAGE
     plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
-    dev_root = Path(args.dev_root or (plugin_dir / "simulated-root" if args.profile else "/"))
     cfg = PluginConfig(
         node_name=args.node_name,
         driver=args.driver_name,
@@ -192,9 +188,9 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
         plugin_dir=plugin_dir,
         registry_dir=Path(args.registry_dir),
         cdi_dir=Path(args.cdi_dir),
-        dev_root=dev_root,
+        dev_root=dev_root(args.dev_root, plugin_dir, args.profile),
         http_address=args.http_address,
-        driver_root=Path(args.driver_root),
+        driver_root=driver_root(args.driver_root),
         host_driver_root=args.host_driver_root,
         cdi_hook_path=args.cdi_hook_path,
         sweep_interval=args.sweep_interval,
@@ -210,25 +206,41 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     except (CheckpointVersionError, CheckpointRebuildError) as exc:
         print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
         return EXIT_STATE
-    except (NvmlUnavailableError, ProfileError, ValueError) as exc:
+    except (NvmlUnavailableError, ProfileError, SimulatedNodeError, ValueError) as exc:
         print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
 
 def cmd_inventory(args: argparse.Namespace) -> int:
+    import tempfile
+
     import yaml
 
-    from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
+    from dra_gpu.discovery import NvmlUnavailableError, ProfileError
     from dra_gpu.discovery.driver_install import describe as describe_installation
     from dra_gpu.discovery.driver_install import discover_installation
     from dra_gpu.discovery.profiles import BUILTIN_PROFILES
     from dra_gpu.inventory_report import render
+    from dra_gpu.node_backend import open_backend
+    from dra_gpu.node_flags import driver_root
+    from dra_gpu.simnode.node import SimulatedNodeError
     from dra_gpu.slices import SliceLimitError, build_slices
 
     node = args.node_name or default_node_name()
     try:
-        inventory = discover_node(node, args.profile, dynamic_mig=args.dynamic_mig)
+        # A simulated node's device nodes go into a directory of this run only (its boot state).
+        with tempfile.TemporaryDirectory(prefix="dra-gpu-inventory-") as scratch:
+            backend = open_backend(
+                args.profile, driver_root(args.driver_root), Path(scratch if args.profile else "/")
+            )
+            inventory = backend.discover(node, dynamic_mig=args.dynamic_mig)
+    except SimulatedNodeError as exc:
+        print(f"dra-gpu: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except NvmlUnavailableError as exc:
+        if args.profile:
+            print(f"dra-gpu: simulated node {args.profile}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         print(
             f"dra-gpu: {exc}. No NVIDIA driver on this machine? Use a simulated node: "
             f"--profile NAME (one of {', '.join(BUILTIN_PROFILES)}) or --profile FILE.",
@@ -257,7 +269,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
                 print(f"{s['metadata']['name']}: {what}")
         return EXIT_OK
     installation = (
-        discover_installation(Path(args.driver_root), inventory.driver_version)
+        discover_installation(backend.driver_root, inventory.driver_version)
         if inventory.driver_version
         else None
     )
@@ -271,7 +283,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     else:
         print(render(inventory))
         print()
-        print("\n".join(describe_installation(installation, args.driver_root)))
+        print("\n".join(describe_installation(installation, str(backend.driver_root))))
     return EXIT_OK
 
 

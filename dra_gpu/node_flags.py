@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from dra_gpu.model import DEFAULT_DRIVER_NAME
@@ -44,9 +45,11 @@ def _specs() -> dict[str, dict[str, Any]]:
             "--profile: <plugin-dir>/simulated-root, where the simulated nodes are made)",
         },
         "driver-root": {
-            "default": env("NVIDIA_DRIVER_ROOT", "/"),
-            "help": "where the NVIDIA driver's files are installed, as this process sees it "
-            "($NVIDIA_DRIVER_ROOT; GPU operator: /run/nvidia/driver); default: /",
+            "default": env("NVIDIA_DRIVER_ROOT"),
+            "help": "where the NVIDIA driver's files are installed, as this process sees it; NVML is "
+            "its libnvidia-ml.so.1 ($NVIDIA_DRIVER_ROOT; GPU operator: /run/nvidia/driver); "
+            "default: / (with --profile: the profile's simulated driver, built on first use with "
+            "the C compiler and cached)",
         },
     }
 
@@ -56,3 +59,14 @@ def add_node_flags(parser: argparse.ArgumentParser, *names: str) -> None:
     specs = _specs()
     for name in names or tuple(specs):
         parser.add_argument(f"--{name}", **specs[name])
+
+
+def driver_root(value: str | None) -> Path | None:
+    """--driver-root as a path; None when not given (the backend then picks "/" or, on a simulated
+    node, the profile's simulated driver)."""
+    return Path(value) if value else None
+
+
+def dev_root(value: str | None, plugin_dir: Path, profile: str | None) -> Path:
+    """--dev-root, else "/" (a simulated node: `<plugin dir>/simulated-root`)."""
+    return Path(value or (plugin_dir / "simulated-root" if profile else "/"))

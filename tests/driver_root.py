@@ -94,3 +94,31 @@ def debian_root(suite_or_version: str) -> Path:
         root = roots.driver_root(suite_or_version)
     assert root is not None
     return root
+
+
+def with_simulated_nvml(root: Path, dest: Path, profile: str | Path, cache: Path) -> Path:
+    """A copy of the driver root `root` at `dest` (hard links where the filesystem allows) whose
+    NVML (`libnvidia-ml.so.<version>`, the file behind `libnvidia-ml.so.1`) is the simulated one
+    of `profile` (reporting the profile's driver version): the rest of NVIDIA's files stay real.
+    A simulated node loads its driver root's NVML, and NVIDIA's real library must never be
+    initialised here (as root it would make device nodes in the host's /dev)."""
+    import os
+    import shutil
+
+    from dra_gpu.discovery import load_profile
+    from dra_gpu.simnode.builder import ensure_nvml_library
+
+    version = load_profile(str(profile)).driver_version
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(root, dest, symlinks=True, copy_function=link_or_copy)
+    real = [p for p in dest.rglob(f"libnvidia-ml.so.{version}") if p.is_file() and not p.is_symlink()]
+    assert len(real) == 1, f"{root}: libnvidia-ml.so.{version} files: {real}"
+    real[0].unlink()
+    shutil.copy2(ensure_nvml_library(cache, str(profile)).resolve(), real[0])
+    return dest

@@ -7,13 +7,15 @@ child's device-node directory is a temporary one with real character devices (mk
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +88,35 @@ def run_child(
     )
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-4000:]
     return pickle.loads(proc.stdout)
+
+
+def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        conn.send((True, fn(*args)))
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def in_child(fn: Callable[..., Any], *args: Any, timeout: float = 180) -> Any:
+    """`fn(*args)` in a fresh Python (spawned: nothing of this process's NVML in it), for a test
+    that loads a simulated node's libnvidia-ml.so.1 in-process (one per process); its return value,
+    or an AssertionError with the child's traceback. `fn` must be importable (a module function)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise AssertionError(f"{fn.__name__} did not finish in {timeout:.0f}s")
+        ok, value = parent.recv()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if not ok:
+        raise AssertionError(f"{fn.__name__} failed in its child process:\n{value}")
+    return value

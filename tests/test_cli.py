@@ -13,6 +13,12 @@ import pytest
 import yaml
 from conftest import DATA
 
+from tests.simnode_support import needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
+
+# A simulated node runs its simulated driver's libnvidia-ml.so.1 (compiled on first use, device
+# nodes made with mknod).
+pytestmark = [needs_toolchain, needs_root, pytest.mark.usefixtures("nvml_h")]
+
 DRA_GPU = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
 
 
@@ -98,25 +104,34 @@ def test_user_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
     assert f"{bad}: GPU 0: field 'uuid' is required" in out.stderr
 
 
-def test_inventory_shows_the_driver_installation(tmp_path: Path) -> None:
-    from tests.driver_root import make_root
+def test_inventory_shows_the_driver_installation() -> None:
+    from dra_gpu.simnode.builder import default_cache_dir, ensure_driver_root
 
-    root = make_root(tmp_path / "driver", "570.133.20")
+    # Without --driver-root: the profile's simulated driver, whose NVML answered.
+    data = json.loads(run("inventory", "--profile", "hgx-2x4", "-o", "json").stdout)
+    inst = data["driverInstallation"]
+    assert inst["version"] == "570.133.20" and inst["libraries"] == 9 and inst["error"] is None
+    assert Path(inst["root"]) == ensure_driver_root(default_cache_dir(), "hgx-2x4")
+    # A given driver root: its libnvidia-ml.so.1 is the one loaded; files an older driver left
+    # behind are shown with their version.
+    root = ensure_driver_root(default_cache_dir(), "hgx-2x4", stale_version="550.54.15")
     table = run("inventory", "--profile", "hgx-2x4", "--node-name", "n", "--driver-root", str(root))
     assert table.returncode == 0, table.stderr
     line = next(x for x in table.stdout.splitlines() if x.startswith("Driver installation"))
-    assert f"(root {root}): version 570.133.20, 3 libraries, 2 binaries, 1 firmware files" in line
-    assert "missing (optional): libnvidia-nvvm.so.570.133.20" in table.stdout
-    data = json.loads(
-        run("inventory", "--profile", "hgx-2x4", "--driver-root", str(root), "-o", "json").stdout
-    )
-    inst = data["driverInstallation"]
-    assert inst["version"] == "570.133.20" and inst["libraries"] == 3 and inst["error"] is None
-    # Another driver's libraries only: the mismatch is shown, with both versions.
-    old = make_root(tmp_path / "old", "550.54.15")
-    mismatch = run("inventory", "--profile", "hgx-2x4", "--driver-root", str(old), "-o", "json")
-    err = json.loads(mismatch.stdout)["driverInstallation"]["error"]
-    assert "version mismatch" in err and "550.54.15" in err and "570.133.20" in err
+    assert f"(root {root}): version 570.133.20, 9 libraries, 5 binaries, 2 firmware files" in line
+    assert "other versions present: 550.54.15" in table.stdout
+    assert "missing (optional): libnvidia-nscq.so.570.133.20" in table.stdout
+
+
+def test_a_driver_root_without_nvml_is_named(tmp_path: Path) -> None:
+    from tests.driver_root import make_root
+
+    # NVML is the driver root's own libnvidia-ml.so.1, on a simulated node too.
+    root = make_root(tmp_path / "driver", "570.133.20")  # stub libraries: no NVML functions
+    (root / "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1").unlink()
+    out = run("inventory", "--profile", "hgx-2x4", "--driver-root", str(root))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"no libnvidia-ml.so.1 under the driver root {root}" in out.stderr
 
 
 def test_version_names_the_installed_package() -> None:
@@ -153,3 +168,17 @@ def test_node_commands_read_the_same_paths_from_the_environment(monkeypatch: pyt
     assert plugin["driver_root"] == doctor["driver_root"] == "/x/driver"
     assert plugin["plugin_dir"] == health["plugin_dir"] == "/x/plugin"
     assert plugin["driver_name"] == health["driver_name"] == "gpu.example.com"
+
+
+def test_nvml_probe_of_a_simulated_node_runs_its_simulated_driver() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dra_gpu.discovery.nvml_probe", "--profile", "dgx-h100-mig"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "nvmlDeviceGetCount = 8" in out.stdout
+    # As real NVML answers: nvmlDeviceGetAttributes is for MIG device handles only.
+    assert "[0] nvmlDeviceGetAttributes ! NVMLError_NotSupported" in out.stdout

@@ -26,7 +26,8 @@ import pytest
 
 from dra_gpu.discovery.driver_install import DriverInstallation, discover_installation, read_soname
 from dra_gpu.plugin.driver_files import CUDA_STYLE_BIN_DIR, CUDA_STYLE_LIB_DIR, container_edits
-from tests.driver_root import DEB, debian_driver_roots, debian_root, make_root
+from tests.driver_root import DEB, debian_driver_roots, debian_root, make_root, with_simulated_nvml
+from tests.simnode_support import needs_root, nvml_h  # noqa: F401 - a fixture
 
 V = "570.133.20"
 HOST = "/run/nvidia/driver"  # the driver root as the runtime sees it (the plugin sees it elsewhere)
@@ -252,10 +253,14 @@ def test_a_link_loop_is_no_file(tmp_path: Path) -> None:
     assert found.error is None and "nvidia-smi" in found.missing_optional
 
 
+@needs_cc
+@needs_root
+@pytest.mark.usefixtures("nvml_h")
 @pytest.mark.parametrize(("suite", "version"), DEBIAN, ids=[s for s, _ in DEBIAN])
 def test_dra_gpu_inventory_on_the_debian_root(suite: str, version: str, tmp_path: Path) -> None:
     """`dra-gpu inventory --driver-root` on Debian's files, for a node whose NVML reports their
-    version (a simulated node of that driver version)."""
+    version (a simulated node of that driver version: the root's NVML is the simulated library of
+    that version, as on the e2e's real-node mode; NVIDIA's real one is never initialised here)."""
     import json
     import subprocess
     import sys
@@ -269,6 +274,7 @@ def test_dra_gpu_inventory_on_the_debian_root(suite: str, version: str, tmp_path
     doc["driverVersion"] = version
     profile = tmp_path / "node.yaml"
     profile.write_text(yaml.safe_dump(doc))
+    root = with_simulated_nvml(root, tmp_path / "root", profile, tmp_path / "cache")
     base = [
         sys.executable,
         "-m",

@@ -1,4 +1,8 @@
-"""GPU discovery: NVML (or a simulated node served through a pynvml-shaped fake) -> Inventory."""
+"""GPU discovery: NVML -> Inventory (`discover`, run on the node backend's NVML: the driver root's
+libnvidia-ml.so.1, `dra_gpu.node_backend`).
+
+`FakeNvml`, a pynvml-shaped Python stand-in serving a profile in-process, is for pure unit tests
+and benchmarks only (`simulated_nvml`, `discover_node`): no node command uses it."""
 
 from __future__ import annotations
 
@@ -17,14 +21,13 @@ __all__ = [
     "discover",
     "discover_node",
     "load_profile",
-    "open_nvml",
     "simulated_nvml",
 ]
 
 
 def simulated_nvml(profile: NodeProfile, root: Path | None = None) -> tuple[FakeNvml, Any]:
-    """The fake NVML of a profile and the PCIe-root lookup that stands in for sysfs; `root`
-    keeps its MIG state (instances outlive the process, as the kernel's do)."""
+    """The Python fake NVML of a profile and the PCIe-root lookup that stands in for sysfs (unit
+    tests); `root` keeps its MIG state (instances outlive the object, as the kernel's do)."""
     roots = {g.pci_bus_id.lower(): g.pcie_root for g in profile.gpus}
 
     def pcie_root(bus_id: str) -> str | None:
@@ -37,21 +40,9 @@ def simulated_nvml(profile: NodeProfile, root: Path | None = None) -> tuple[Fake
     return FakeNvml(profile, root), pcie_root
 
 
-def open_nvml(profile: str | None = None, sim_root: Path | None = None) -> tuple[Any, Any]:
-    """(nvml, pcie-root lookup or None): a simulated node's fake (`profile`: a built-in name or a
-    file; `sim_root` keeps its MIG state) or this machine's pynvml."""
-    if profile is not None:
-        return simulated_nvml(load_profile(profile), sim_root)
-    try:
-        import pynvml
-    except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
-        raise NvmlUnavailableError(f"NVML is not available: {exc}") from exc
-    return pynvml, None
-
-
 def discover_node(
-    node_name: str, profile: str | None = None, dynamic_mig: bool = False, sim_root: Path | None = None
+    node_name: str, profile: str, dynamic_mig: bool = False, sim_root: Path | None = None
 ) -> Inventory:
-    """Discover a simulated node (`profile`: a built-in name or a file) or this machine's GPUs."""
-    nvml, pcie_root = open_nvml(profile, sim_root)
+    """A profile's inventory through the Python fake, in-process (unit tests, benchmarks)."""
+    nvml, pcie_root = simulated_nvml(load_profile(profile), sim_root)
     return discover(nvml, node_name, pcie_root, dynamic_mig)

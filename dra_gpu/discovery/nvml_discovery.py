@@ -1,7 +1,8 @@
 """NVML -> Inventory.
 
-`discover()` takes the `pynvml` module or anything shaped like it (the simulated node's
-`FakeNvml`), so there is one code path for real and simulated GPUs. Optional data that a GPU does
+`discover()` takes the `pynvml` module (bound to the driver root's libnvidia-ml.so.1 on a real
+and a simulated node alike: `dra_gpu.node_backend`) or anything shaped like it (unit tests'
+`FakeNvml`). Optional data that a GPU does
 not support is left out; a GPU whose core calls fail is left out with a log line naming it.
 """
 
@@ -311,7 +312,7 @@ class _Discovery:
 def discover(
     nvml: Any, node_name: str, pcie_root: PcieRootResolver | None = None, dynamic_mig: bool = False
 ) -> Inventory:
-    """Build the node's Inventory through `nvml` (pynvml or FakeNvml).
+    """Build the node's Inventory through `nvml` (pynvml, or a unit test's FakeNvml).
 
     Initialises NVML for the duration of the call and shuts it down again (NVML's init is
     reference-counted, so a long-lived caller that holds its own init keeps its handles).

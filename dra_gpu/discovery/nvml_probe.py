@@ -1,7 +1,8 @@
 """Print what NVML answers to every call discovery makes, raw, one line per call.
 
-`python -m dra_gpu.discovery.nvml_probe [--profile NAME|PATH]` on a GPU machine shows what a real
-driver returns (values, error classes, quirks), so the simulated NVML can be checked against it.
+`python -m dra_gpu.discovery.nvml_probe [--profile NAME|PATH] [--driver-root DIR]` on a GPU machine
+shows what a real driver returns (values, error classes, quirks), so the simulated NVML can be
+checked against it (`--profile`: the simulated node's own library, through the same path).
 """
 
 from __future__ import annotations
@@ -118,23 +119,31 @@ def probe(nv: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from dra_gpu.discovery.nvml_discovery import NvmlUnavailableError
+    from dra_gpu.node_backend import open_backend
+    from dra_gpu.simnode.node import SimulatedNodeError
+
     p = argparse.ArgumentParser(prog="python -m dra_gpu.discovery.nvml_probe")
-    p.add_argument("--profile", help="probe a simulated node instead of real NVML")
+    p.add_argument("--profile", help="probe a simulated node (its simulated driver's NVML)")
+    p.add_argument("--driver-root", help="the driver installation whose NVML to load (default: /)")
     args = p.parse_args(argv)
-    nv: Any
-    if args.profile:
-        from dra_gpu.discovery import load_profile, simulated_nvml
-
-        nv, _ = simulated_nvml(load_profile(args.profile))
-    else:
-        import pynvml
-
-        nv = pynvml
-    try:
-        probe(nv)
-    except nv.NVMLError as exc:
-        print(f"NVML is not available: {exc}", file=sys.stderr)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="dra-gpu-probe-") as scratch:
+        try:
+            backend = open_backend(
+                args.profile, Path(args.driver_root) if args.driver_root else None, Path(scratch)
+            )
+        except (NvmlUnavailableError, SimulatedNodeError) as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+        nv = backend.nvml
+        try:
+            probe(nv)
+        except nv.NVMLError as exc:
+            print(f"NVML is not available: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

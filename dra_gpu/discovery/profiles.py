@@ -1,7 +1,8 @@
 """Simulated node profiles: YAML data describing a node's GPUs as NVML would report them.
 
 A profile is loaded by name (one of the files shipped in `profiles/`) or from a path, checked
-strictly, and served through `FakeNvml`. Every problem is reported with the file, the GPU and the
+strictly, and served by the simulated driver's libnvidia-ml.so.1 built from it (`dra_gpu.simnode`;
+in pure unit tests, by `FakeNvml`). Every problem is reported with the file, the GPU and the
 field it is about.
 """
 

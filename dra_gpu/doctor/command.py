@@ -70,6 +70,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     results: list[Result] = []
     if args.only != "cluster":
         from dra_gpu.doctor.node_checks import run_node_checks
+        from dra_gpu.node_flags import dev_root, driver_root
 
         plugin_dir = Path(args.plugin_dir) if args.plugin_dir else default_plugin_dir(args.driver_name)
         node = NodeSettings(
@@ -79,8 +80,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             plugin_dir=plugin_dir,
             registry_dir=Path(args.registry_dir),
             cdi_dir=Path(args.cdi_dir),
-            dev_root=Path(args.dev_root or (plugin_dir / "simulated-root" if args.profile else "/")),
-            driver_root=Path(args.driver_root),
+            dev_root=dev_root(args.dev_root, plugin_dir, args.profile),
+            driver_root=driver_root(args.driver_root),
             containerd_config=Path(args.containerd_config),
             timeout=min(args.timeout, 5.0),
         )

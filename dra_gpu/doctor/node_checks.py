@@ -13,11 +13,12 @@ import json
 import os
 import re
 import stat
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.discovery import NvmlUnavailableError, ProfileError, discover_node
+from dra_gpu.discovery import NvmlUnavailableError, ProfileError
 from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_majors, uvm_missing
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
@@ -25,6 +26,8 @@ from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
 from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
 from dra_gpu.doctor.settings import NodeSettings
 from dra_gpu.model import Inventory
+from dra_gpu.node_backend import open_backend
+from dra_gpu.simnode.node import SimulatedNodeError
 
 NVIDIA_MAJOR = 195  # /dev/nvidia<minor> and /dev/nvidiactl; uvm and caps majors are dynamic
 CONTROL_NODES = ("dev/nvidiactl", "dev/nvidia-uvm", "dev/nvidia-uvm-tools")
@@ -33,20 +36,34 @@ _KERNEL_VERSION = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)
 _CAP_MINOR = re.compile(r"DeviceFileMinor:\s*(\d+)")
 
 
+def node_inventory(settings: NodeSettings) -> tuple[Inventory, Path]:
+    """The node's GPUs through its backend (the driver root's NVML) and that driver root.
+
+    A simulated node's NVML is opened over device nodes of this run only (the profile's boot
+    state): doctor looks at the nodes and files the plugin made under --dev-root, never makes them."""
+    with tempfile.TemporaryDirectory(prefix="dra-gpu-doctor-") as scratch:
+        dev_root = Path(scratch) if settings.profile else settings.dev_root
+        backend = open_backend(settings.profile, settings.driver_root, dev_root)
+        return backend.discover(settings.node_name), backend.driver_root
+
+
 class NodeFacts:
     """What discovery found once, shared by the checks (None and the reason when it failed)."""
 
     def __init__(self, settings: NodeSettings) -> None:
         self.settings = settings
         self.inventory: Inventory | None = None
+        self.driver_root = settings.driver_root or Path("/")
         self.problem = ""  # why there is no inventory
         self.no_nvml = False  # NVML could not be loaded at all: not a GPU node (or no driver)
         try:
-            self.inventory = discover_node(settings.node_name, settings.profile)
+            self.inventory, self.driver_root = node_inventory(settings)
         except NvmlUnavailableError as exc:
             self.problem, self.no_nvml = str(exc), True
         except ProfileError as exc:
             self.problem = f"invalid profile {settings.profile!r}: {exc}"
+        except SimulatedNodeError as exc:
+            self.problem = str(exc)
 
     @property
     def simulated(self) -> bool:
@@ -133,7 +150,7 @@ def check_driver_files(facts: NodeFacts) -> Iterable[Result]:
     if inv is None or not inv.driver_version:
         yield skip(name, "no driver version from NVML")
         return
-    root = facts.settings.driver_root
+    root = facts.driver_root
     found = discover_installation(root, inv.driver_version)
     if found.error:
         yield fail(

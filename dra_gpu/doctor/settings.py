@@ -26,12 +26,12 @@ def mig_class_name(driver: str) -> str:
 class NodeSettings:
     node_name: str
     driver: str
-    profile: str | None  # a simulated node (fake NVML) instead of the real NVML
+    profile: str | None  # a simulated node (its simulated driver's NVML)
     plugin_dir: Path
     registry_dir: Path
     cdi_dir: Path
     dev_root: Path  # root of dev/ and proc/: "/" on a real node
-    driver_root: Path  # where the driver's user-space files are installed
+    driver_root: Path | None  # the driver's user-space files; None: "/" (simulated: its own)
     containerd_config: Path
     timeout: float = 3.0  # seconds for each call to the plugin's sockets
 

@@ -106,7 +106,7 @@ def add_health_command(sub: Any) -> None:
     t.add_argument("--cause", default="operator", help="the taint's value (a label value)")
     c = ops.add_parser("clear", help="remove a device's taint now (forced or not)")
     c.add_argument("device")
-    s = ops.add_parser("simulate", help="simulated node only: make its fake NVML report an event")
+    s = ops.add_parser("simulate", help="simulated node only: make its simulated kernel report an event")
     s.add_argument("event", choices=SIMULATED_EVENTS)
     s.add_argument("--gpu", required=True, help="GPU index, UUID or device name; or a MIG device's")
     s.add_argument("--xid", type=int, help="the XID (event xid)")

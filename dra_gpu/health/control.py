@@ -3,8 +3,10 @@
 
 One JSON object per line each way. `taint` and `clear` are the operator's overrides, on any node
 (in a pod: `kubectl exec` into the plugin). `simulate` exists only on a simulated node: it makes
-the fake NVML deliver an XID, an ECC error, a lost GPU, a recovery action or the recovery, so the
-running plugin sees them exactly as it would see NVML's.
+the node's simulated kernel report an XID, an ECC error, a lost GPU, a recovery action or the
+recovery (`dra_gpu.simnode.inject`, into the node's device-node directory), which the plugin's
+monitor then receives through NVML (`nvmlEventSetWait_v2`, `GPU_IS_LOST`, the recovery-action
+field) exactly as on a real node.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dra_gpu.health.classification import Effect
 from dra_gpu.health.manager import RECOVERY_ACTIONS, HealthManager
 from dra_gpu.health.monitor import NO_ID
 from dra_gpu.model import Gpu, Inventory
+from dra_gpu.simnode.node import SimulatedEvents
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +54,13 @@ def _find_gpu(inventory: Inventory, target: str) -> tuple[Gpu, int, int]:
 
 
 class ControlServer:
-    def __init__(self, path: Path, manager: HealthManager, inventory: Inventory, fake_nvml: Any) -> None:
+    def __init__(
+        self, path: Path, manager: HealthManager, inventory: Inventory, events: SimulatedEvents | None
+    ) -> None:
         self.path = path
         self.manager = manager
         self.inventory = inventory
-        self.fake = fake_nvml  # None on a real node
+        self.events = events  # None on a real node
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -128,7 +133,7 @@ class ControlServer:
         return out
 
     def simulate(self, req: dict[str, Any]) -> dict[str, Any]:
-        if self.fake is None:
+        if self.events is None:
             raise ControlError(
                 "simulate: this plugin watches real NVML; events can be simulated only "
                 "on a simulated node (--profile)"
@@ -137,33 +142,34 @@ class ControlServer:
         gpu, gi, ci = _find_gpu(self.inventory, str(req.get("gpu", "")))
         if req.get("gi") is not None:
             gi, ci = int(req["gi"]), int(req.get("ci", NO_ID) if req.get("ci") is not None else NO_ID)
-        fake, uuid = self.fake, gpu.uuid
+        kernel, uuid = self.events, gpu.uuid
         if event == "xid":
             xid = int(req["xid"])
-            delivered = fake.inject_event(uuid, pynvml.nvmlEventTypeXidCriticalError, xid, gi, ci)
+            delivered = kernel.inject_event(uuid, pynvml.nvmlEventTypeXidCriticalError, xid, gi, ci)
             if xid in LOST_XIDS:
-                fake.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
-                fake.set_lost(uuid, True)
+                kernel.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
+                kernel.set_lost(uuid, True)
             elif xid in RESET_XIDS:
-                fake.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+                kernel.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
         elif event == "ecc":
-            delivered = fake.inject_event(uuid, pynvml.nvmlEventTypeDoubleBitEccError, 0, gi, ci)
-            fake.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+            delivered = kernel.inject_event(uuid, pynvml.nvmlEventTypeDoubleBitEccError, 0, gi, ci)
+            kernel.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
         elif event == "lose":
-            fake.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
-            fake.set_lost(uuid, True)
+            kernel.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
+            kernel.set_lost(uuid, True)
             delivered = 1
         elif event == "recover":
-            fake.set_lost(uuid, False)
-            fake.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
+            kernel.set_lost(uuid, False)
+            kernel.set_recovery_action(uuid, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
             delivered = 1
         elif event == "recovery-action":
             names = {v: k for k, v in RECOVERY_ACTIONS.items()}
             action = names.get(str(req.get("action")))
             if action is None:
                 raise ControlError(f"action: {req.get('action')!r}; valid: {', '.join(names)}")
-            fake.set_recovery_action(uuid, action)
-            delivered = fake.inject_event(uuid, pynvml.nvmlEventTypeGpuRecoveryAction, action)
+            kernel.set_recovery_action(uuid, action)
+            # nvml.h: eventData is 0 for events other than XIDs; the action is read from the field.
+            delivered = kernel.inject_event(uuid, pynvml.nvmlEventTypeGpuRecoveryAction, 0)
         else:
             raise ControlError(f"event: {event!r}; valid: {', '.join(SIMULATED_EVENTS)}")
         log.warning("simulated gpu event event=%s gpu=%s request=%s", event, uuid, json.dumps(req))

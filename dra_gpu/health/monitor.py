@@ -204,21 +204,24 @@ class GpuWatcher:
             if _is_lost(exc):
                 self._emit(Seen.LOST, detail=str(exc))
             return
-        action: int | None = None
         try:
-            (value,) = self._query(
-                "recovery-action",
-                self.nvml.nvmlDeviceGetFieldValues,
-                self._handle,
-                [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION],
-            )
-            if value.nvmlReturn == pynvml.NVML_SUCCESS:
-                action = int(value.value.uiVal)
+            action = self._recovery_action()
         except pynvml.NVMLError as exc:
             if _is_lost(exc):
                 self._emit(Seen.LOST, detail=str(exc))
                 return
+            action = None
         self._emit(Seen.ALIVE, recovery_action=action)
+
+    def _recovery_action(self) -> int | None:
+        """NVML's NVML_FI_DEV_GET_GPU_RECOVERY_ACTION of the GPU (None: not reported)."""
+        (value,) = self._query(
+            "recovery-action",
+            self.nvml.nvmlDeviceGetFieldValues,
+            self._handle,
+            [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION],
+        )
+        return int(value.value.uiVal) if value.nvmlReturn == pynvml.NVML_SUCCESS else None
 
     def _wait_once(self, seconds: float) -> None:
         if self._set is None:
@@ -244,10 +247,17 @@ class GpuWatcher:
             return
         kind = _EVENT_KINDS.get(int(event.eventType))
         if kind is not None:
+            data = int(event.eventData)
+            if kind is EventKind.RECOVERY_ACTION:
+                # nvml.h: eventData is 0 for any event but an XID; the action is NVML's field.
+                try:
+                    data = self._recovery_action() or 0
+                except pynvml.NVMLError as exc:
+                    log.warning("recovery action unreadable gpu=%s error=%r", self.uuid, str(exc))
             self._emit(
                 Seen.EVENT,
                 kind=kind,
-                data=int(event.eventData),
+                data=data,
                 gpu_instance=int(event.gpuInstanceId),
                 compute_instance=int(event.computeInstanceId),
             )

@@ -1,5 +1,6 @@
-"""The health half of the kubelet plugin, assembled: NVML (or the simulated node's fake), the
-monitor threads, the taint book under the plugin dir, the manager and the control socket."""
+"""The health half of the kubelet plugin, assembled: the monitor threads on the node's NVML, the
+taint book under the plugin dir, the manager and the control socket (on a simulated node with its
+event injection, for `dra-gpu health simulate`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from dra_gpu.discovery import load_profile, simulated_nvml
 from dra_gpu.health.classification import Classifier
 from dra_gpu.health.control import SOCKET_NAME, ControlServer
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Monitor
 from dra_gpu.health.taint_book import HoldDown, TaintBook
 from dra_gpu.model import Inventory
+from dra_gpu.simnode.node import SimulatedEvents
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,13 @@ class HealthNode:
         inventory: Inventory,
         plugin_dir: Path,
         registry: CollectorRegistry,
-        profile: str | None,
+        nvml: Any,
+        events: SimulatedEvents | None = None,
     ) -> None:
+        """`nvml`: the node's (pynvml bound to its driver root's library); `events`: a simulated
+        node's event injection (None on a real node)."""
         self.cfg = cfg
-        self.profile = profile
+        self._nvml = nvml
         self.book = TaintBook(
             plugin_dir / STATE_FILE,
             [g.device_name for g in inventory.gpus if not g.mig_enabled]
@@ -66,12 +70,10 @@ class HealthNode:
             registry,
             tick=min(1.0, cfg.check_interval),
         )
-        self.nvml: Any = None
-        self.fake: Any = None
+        self.nvml: Any = None  # while the monitor holds NVML initialised
         self.monitor: Monitor | None = None
-        self.control = ControlServer(plugin_dir / SOCKET_NAME, self.manager, inventory, None)
+        self.control = ControlServer(plugin_dir / SOCKET_NAME, self.manager, inventory, events)
         self._task: asyncio.Task[None] | None = None
-        self._real_nvml = False
 
     def subscribe(self, callback: Callable[[], Awaitable[object]]) -> None:
         self.manager.subscribers.append(callback)
@@ -79,8 +81,8 @@ class HealthNode:
     async def start(self) -> None:
         self.manager.bind(asyncio.get_running_loop())
         if self.cfg.enabled:
-            self.nvml = await asyncio.to_thread(self._open_nvml)
-        self.control.fake = self.fake
+            await asyncio.to_thread(self._nvml.nvmlInit)
+            self.nvml = self._nvml
         await self.control.start()
         self._task = asyncio.create_task(self.manager.run(), name="health")
         if self.nvml is not None:
@@ -97,17 +99,6 @@ class HealthNode:
             )
         else:
             log.warning("health monitor disabled: devices are tainted only by an operator")
-
-    def _open_nvml(self) -> Any:
-        if self.profile is not None:
-            self.fake, _ = simulated_nvml(load_profile(self.profile))
-            self.fake.nvmlInit()
-            return self.fake
-        import pynvml
-
-        pynvml.nvmlInit()
-        self._real_nvml = True
-        return pynvml
 
     async def stop(self) -> None:
         if self.monitor is not None:

@@ -1,4 +1,5 @@
-"""GPU compute modes through NVML (pynvml, or the simulated node's fake NVML).
+"""GPU compute modes through NVML (the node's pynvml: the driver keeps the mode, so
+nvidia-smi and a restarted plugin see it; unit tests: FakeNvml).
 
 MPS needs its GPUs in EXCLUSIVE_PROCESS (the MPS server is then the one context on them); time
 slicing needs DEFAULT. The mode is not persistent across reboots but is across processes, so the
@@ -38,7 +39,7 @@ class ComputeModes:
     """Read and set compute modes by device UUID (GPU or MIG device)."""
 
     def __init__(self, nvml: Any) -> None:
-        self.nvml = nvml  # the pynvml module or a FakeNvml
+        self.nvml = nvml  # the node's pynvml (unit tests: a FakeNvml)
         self._lock = threading.Lock()  # NVML init/shutdown pairs from several threads
 
     def _call(self, uuid: str, what: str, fn: Any, *args: Any) -> Any:

@@ -1,8 +1,9 @@
-"""The character devices a container needs for a GPU or MIG device, and their simulation.
+"""The character devices a container needs for a GPU or MIG device.
 
 On a real node `dev_root` is "/" and the NVIDIA driver made the nodes. On a simulated node the
-plugin makes real character devices with mknod under `<dev_root>/dev` (and the MIG capability
-files the driver would expose under `<dev_root>/proc`), so the runtime injects something real.
+simulator made real character devices with mknod under `<dev_root>/dev`, and its NVML keeps the
+MIG capability files the driver would expose under `<dev_root>/proc` (`dra_gpu.simnode.node`),
+so the runtime injects something real.
 
 Nodes whose numbers the kernel publishes go into the spec as numbers (`type: c`, `major`,
 `minor`), so the runtime makes them in the container and no host node is needed: the MIG
@@ -34,17 +35,13 @@ from typing import Any
 from dra_gpu.discovery.driver_install import BINARY_DIRS
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, UVM_MINORS, char_majors, uvm_missing
 from dra_gpu.discovery.root_paths import regular_file_in_root
-from dra_gpu.model import Gpu, Inventory, MigDevice
+from dra_gpu.model import Gpu, MigDevice
 from dra_gpu.plugin.cdi import DeviceNode
 
 log = logging.getLogger(__name__)
 
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
-# The uvm and caps majors are assigned dynamically by the kernel; these are for simulation only.
-SIM_UVM_MAJOR = 509
-SIM_CAPS_MAJOR = 508
-NVIDIA_MODESET_MINOR = 254
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 OPTIONAL_CONTROL_NODES = ("/dev/nvidia-modeset",)  # only with the nvidia-modeset module loaded
 MODPROBE_TIMEOUT = 10.0
@@ -228,52 +225,3 @@ def _modprobe_args(path: str) -> list[str] | None:
 def _how(path: str) -> str:
     args = _modprobe_args(path)
     return f" (nvidia-modprobe {' '.join(args)} would)" if args else ""
-
-
-def _mknod(path: Path, major: int, minor: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    want = os.makedev(major, minor)
-    try:
-        st = os.stat(path)
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
-            return
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    os.mknod(path, 0o666 | stat.S_IFCHR, want)
-
-
-def create_simulated(inventory: Inventory, dev_root: Path) -> int:
-    """Make the nodes (and MIG capability files) of a simulated node; returns how many nodes."""
-    dev = dev_root / "dev"
-    count = 0
-    # The kernel's list of the simulated driver's character devices (major numbers).
-    proc_devices = dev_root / "proc/devices"
-    proc_devices.parent.mkdir(parents=True, exist_ok=True)
-    proc_devices.write_text(
-        f"Character devices:\n  1 mem\n{NVIDIA_MAJOR} nvidia-frontend\n{SIM_CAPS_MAJOR} {CAPS}\n"
-        f"{SIM_UVM_MAJOR} {UVM}\n\nBlock devices:\n  8 sd\n"
-    )
-    _mknod(dev / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
-    _mknod(dev / "nvidia-uvm", SIM_UVM_MAJOR, 0)
-    _mknod(dev / "nvidia-uvm-tools", SIM_UVM_MAJOR, 1)
-    _mknod(dev / "nvidia-modeset", NVIDIA_MAJOR, NVIDIA_MODESET_MINOR)
-    count += 4
-    cap_minor = 1
-    for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
-        _mknod(dev / f"nvidia{gpu.minor}", NVIDIA_MAJOR, gpu.minor)
-        count += 1
-        # Dynamic MIG instances get theirs from the simulated driver when it makes them.
-        for mig in [] if gpu.dynamic_mig else gpu.mig_devices:
-            base = dev_root / "proc/driver/nvidia/capabilities" / f"gpu{gpu.minor}" / "mig"
-            for access in (
-                base / f"gi{mig.gpu_instance_id}" / "access",
-                base / f"gi{mig.gpu_instance_id}" / f"ci{mig.compute_instance_id}" / "access",
-            ):
-                access.parent.mkdir(parents=True, exist_ok=True)
-                access.write_text(f"DeviceFileMinor: {cap_minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
-                _mknod(dev / "nvidia-caps" / f"nvidia-cap{cap_minor}", SIM_CAPS_MAJOR, cap_minor)
-                cap_minor += 1
-                count += 1
-    log.info("simulated device nodes ready dev_root=%s nodes=%d", dev_root, count)
-    return count

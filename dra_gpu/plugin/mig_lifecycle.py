@@ -46,7 +46,7 @@ class LiveInstance:
 
 
 class MigInstances:
-    """MIG instance lifecycle on one node's GPUs (`nvml`: pynvml or the simulated node's fake)."""
+    """MIG instance lifecycle on one node's GPUs (`nvml`: the node's pynvml; unit tests: FakeNvml)."""
 
     def __init__(self, nvml: Any) -> None:
         self.nv = nvml

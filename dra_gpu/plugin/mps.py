@@ -96,11 +96,13 @@ class MpsDaemons:
         self,
         root: Path,
         locate: Callable[[], DriverProgram],
+        extra_env: dict[str, str] | None = None,
         ready_timeout: float = 5.0,
         command_timeout: float = 5.0,
     ) -> None:
         self.root = root
         self.locate = locate  # the control binary and how it runs, found late
+        self.extra_env = extra_env or {}  # e.g. a simulated node's device-node directory
         self.ready_timeout = ready_timeout
         self.command_timeout = command_timeout
 
@@ -125,6 +127,7 @@ class MpsDaemons:
             env = program.env(os.environ.get("PATH", "/usr/bin:/bin"))
         except DriverProgramError as exc:
             raise MpsError(f"MPS daemon {daemon_id}: {CONTROL_BINARY}: {exc}") from exc
+        env.update(self.extra_env)
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir(daemon_id))
         env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir(daemon_id))
         if uuids:

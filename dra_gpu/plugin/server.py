@@ -15,7 +15,6 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dra_gpu.discovery import discover, open_nvml
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube, small_tls_read_buffers
@@ -23,10 +22,11 @@ from dra_gpu.kubeletplugin.heap_trim import limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
+from dra_gpu.node_backend import open_backend
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.claim_cache import ClaimCache
-from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated, find_modprobe
+from dra_gpu.plugin.device_nodes import DeviceNodes, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from dra_gpu.plugin.mig_binding import MigBinder
@@ -49,7 +49,9 @@ class PluginConfig:
     cdi_dir: Path
     dev_root: Path
     http_address: str  # host:port; "" disables the HTTP endpoint
-    driver_root: Path = Path("/")  # the NVIDIA driver's files, as this process sees them
+    # The NVIDIA driver's files, as this process sees them; None: "/" (a simulated node: the
+    # profile's simulated driver, built on first use).
+    driver_root: Path | None = None
     host_driver_root: str | None = None  # the same root as the container runtime sees it
     cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
     sweep_interval: float = 600.0
@@ -77,20 +79,21 @@ class KubeletPlugin:
     async def run(self) -> None:
         cfg = self.cfg
         cfg.check()
-        # A simulated node keeps its MIG state under its dev root, as the kernel keeps a GPU's.
-        nvml, pcie_root = await asyncio.to_thread(
-            open_nvml, cfg.profile, cfg.dev_root if cfg.profile else None
-        )
-        inventory = await asyncio.to_thread(discover, nvml, cfg.node_name, pcie_root, cfg.dynamic_mig)
+        # One NVML for the whole plugin: the driver root's libnvidia-ml.so.1 (a simulated node's
+        # device nodes are made first, under its dev root).
+        backend = await asyncio.to_thread(open_backend, cfg.profile, cfg.driver_root, cfg.dev_root)
+        inventory = await asyncio.to_thread(backend.discover, cfg.node_name, cfg.dynamic_mig)
         mig = (
-            await asyncio.to_thread(MigInstances, nvml)
+            await asyncio.to_thread(MigInstances, backend.nvml)
             if any(g.dynamic_mig for g in inventory.gpus)
             else None
         )
-        if cfg.profile is not None:
-            await asyncio.to_thread(create_simulated, inventory, cfg.dev_root)
         driver_files = await asyncio.to_thread(
-            DriverFiles, cfg.driver_root, inventory.driver_version, cfg.host_driver_root, cfg.cdi_hook_path
+            DriverFiles,
+            backend.driver_root,
+            inventory.driver_version,
+            cfg.host_driver_root,
+            cfg.cdi_hook_path,
         )
         kube = await Kube.connect(cfg.kubeconfig)
         cfg.plugin_dir.mkdir(parents=True, exist_ok=True)
@@ -107,10 +110,10 @@ class KubeletPlugin:
             inventory,
             checkpoint,
             CdiSpecs(cfg.cdi_dir, cfg.driver),
-            DeviceNodes(cfg.dev_root, modprobe=find_modprobe(cfg.driver_root)),
+            DeviceNodes(cfg.dev_root, modprobe=find_modprobe(backend.driver_root)),
             kube,
             driver_files,
-            sharing=node_sharing(cfg.plugin_dir / "mps", driver_files, cfg.profile, cfg.dev_root),
+            sharing=node_sharing(cfg.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env),
             mig=mig,
             cache=claims,
         )
@@ -119,7 +122,13 @@ class KubeletPlugin:
         counts = await asyncio.to_thread(preparer.reconcile)
         log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
         health = HealthNode(
-            cfg.health, cfg.driver, inventory, cfg.plugin_dir, self.metrics.registry, cfg.profile
+            cfg.health,
+            cfg.driver,
+            inventory,
+            cfg.plugin_dir,
+            self.metrics.registry,
+            backend.nvml,
+            backend.events,
         )
         claim_status = None
         if cfg.health.claim_status:

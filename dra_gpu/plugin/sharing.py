@@ -27,8 +27,6 @@ from typing import Any
 
 from dra_gpu import failpoints
 from dra_gpu.api import GpuConfig
-from dra_gpu.discovery.fake_nvml import FakeNvml
-from dra_gpu.discovery.profiles import load_profile
 from dra_gpu.kube_client import parse_quantity
 from dra_gpu.plugin.compute_mode import (
     DEFAULT,
@@ -326,23 +324,16 @@ class Sharing:
         return stopped
 
 
-def node_sharing(mps_root: Path, driver_files: DriverFiles, profile: str | None, dev_root: Path) -> Sharing:
-    """The node's sharing: daemons under `mps_root`, compute modes through NVML (on a simulated
-    node its fake, which keeps them in `<dev root>/nvidia-state.json` as a driver keeps them
-    across processes), time slices through the driver's nvidia-smi (on a simulated node told
-    where the node's device nodes are, as the simulated driver's programs are)."""
-    nvml: Any
-    tool_env = {}
-    if profile is not None:
-        # root: the node's MIG state, so that MIG devices the plugin made are found by UUID.
-        nvml = FakeNvml(load_profile(profile), root=dev_root, state_file=dev_root / "nvidia-state.json")
-        tool_env["DRA_GPU_SIM_DEV_DIR"] = str(dev_root / "dev")
-    else:
-        import pynvml
-
-        nvml = pynvml
+def node_sharing(
+    mps_root: Path, driver_files: DriverFiles, nvml: Any, tool_env: dict[str, str] | None = None
+) -> Sharing:
+    """The node's sharing: daemons under `mps_root`, compute modes through the node's NVML (the
+    driver keeps them across processes: nvidia-smi and a restarted plugin see them), time slices
+    through the driver's nvidia-smi. `tool_env`: what NVIDIA's tools must be told besides (a
+    simulated node's device-node directory)."""
+    tool_env = dict(tool_env or {})
     return Sharing(
-        MpsDaemons(mps_root, program_locator(driver_files, CONTROL_BINARY)),
+        MpsDaemons(mps_root, program_locator(driver_files, CONTROL_BINARY), tool_env),
         ComputeModes(nvml),
         TimeSlices(program_locator(driver_files, NVIDIA_SMI), tool_env),
     )

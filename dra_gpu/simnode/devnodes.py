@@ -13,8 +13,9 @@ NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 
 
-def _node(path: Path, minor: int) -> None:
-    want = os.makedev(NVIDIA_MAJOR, minor)
+def make_char(path: Path, major: int, minor: int) -> None:
+    """A character device `major:minor` at `path` (replacing anything else there)."""
+    want = os.makedev(major, minor)
     try:
         st = os.stat(path)
         if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
@@ -29,9 +30,9 @@ def make_device_nodes(devdir: Path, minors: Iterable[int]) -> Path:
     """`nvidiactl` and `nvidia<minor>` for each minor in `devdir` (made if missing); returns it."""
     devdir = Path(devdir)
     devdir.mkdir(parents=True, exist_ok=True)
-    _node(devdir / "nvidiactl", NVIDIACTL_MINOR)
+    make_char(devdir / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
     for minor in minors:
         if not 0 <= minor < NVIDIACTL_MINOR:
             raise ValueError(f"GPU minor {minor} must be in 0..254 (255 is nvidiactl)")
-        _node(devdir / f"nvidia{minor}", minor)
+        make_char(devdir / f"nvidia{minor}", NVIDIA_MAJOR, minor)
     return devdir

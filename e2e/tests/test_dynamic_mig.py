@@ -25,10 +25,13 @@ from test_kubelet_plugin import (
     template,
 )
 
+from dra_gpu.discovery import load_profile
+from dra_gpu.simnode.state import read_state, reboot
+
 pytestmark = pytest.mark.e2e
 
 PROFILE = "dgx-h100-mig"
-MIG_STATE = PLUGIN_DIR / "simulated-root" / "sim-nvml" / "mig-state.json"
+SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"  # the simulated kernel's state is kept there
 GPU0, GPU1 = "gpu-0000-18-00-0", "gpu-0000-2a-00-0"
 SHOW = "ls -l /dev/nvidia-caps/; env | grep ^NVIDIA; sleep 3600"
 FAILPOINT = "mig-after-gpu-instance"
@@ -40,11 +43,8 @@ def profile_is(name: str) -> str:
 
 def instances(gpu_uuid: str | None = None) -> list[dict]:
     """The simulated GPUs' MIG instances (the state the simulated driver keeps, like the kernel)."""
-    try:
-        doc = json.loads(MIG_STATE.read_text())
-    except FileNotFoundError:
-        return []
-    return [i for uuid, insts in doc["gpus"].items() if gpu_uuid in (None, uuid) for i in insts]
+    doc = read_state(SIM_DEV, load_profile(PROFILE)).instances
+    return [i for uuid, insts in doc.items() if gpu_uuid in (None, uuid) for i in insts]
 
 
 def gpu_uuid(dyn, device: str) -> str:
@@ -98,7 +98,7 @@ def mig_plugin(target, core, dyn, tmp_path_factory):
     if not target.local:
         pytest.skip("the plugin runs as a host process only on the local e2e cluster")
     node = core.list_node().items[0].metadata.name
-    MIG_STATE.unlink(missing_ok=True)  # a fresh GPU, as after a reboot
+    reboot(SIM_DEV)  # a fresh GPU, as after a reboot
     p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
     p.profile = PROFILE
     p.extra_args = ["--dynamic-mig"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from support import wait_for
-from test_dynamic_mig import MIG_STATE, instances, profile_is, running_log, visible
+from test_dynamic_mig import SIM_DEV, instances, profile_is, running_log, visible
 from test_kubelet_plugin import (
     CDI_DIR,
     DRIVER,
@@ -35,7 +35,9 @@ from test_kubelet_plugin import (
     our_slices,
     template,
 )
-from test_sharing import COMPUTE_MODES, MPS_ROOT, mps_config
+from test_sharing import MPS_ROOT, mps_config
+
+from dra_gpu.simnode.state import read_state, reboot
 
 pytestmark = pytest.mark.e2e
 
@@ -135,14 +137,11 @@ def assert_consistent(dyn) -> dict[str, int]:
 
 
 def mig_state() -> dict[str, list[dict]]:
-    try:
-        return json.loads(MIG_STATE.read_text())["gpus"]
-    except FileNotFoundError:
-        return {}
+    return read_state(SIM_DEV).instances
 
 
 def nothing_left(uid: str) -> bool:
-    modes = json.loads(COMPUTE_MODES.read_text()).get("computeModes", {}) if COMPUTE_MODES.exists() else {}
+    modes = read_state(SIM_DEV).compute_modes
     return (
         uid not in spec_uids()
         and uid not in checkpoint_claims()
@@ -166,7 +165,7 @@ def faulty(target, core, dyn, tmp_path_factory):
     if not target.local:
         pytest.skip("the plugin runs as a host process only on the local e2e cluster")
     node = core.list_node().items[0].metadata.name
-    MIG_STATE.unlink(missing_ok=True)  # fresh GPUs, as after a reboot
+    reboot(SIM_DEV)  # fresh GPUs, as after a reboot
     p = Plugin(target.kubeconfig, node, tmp_path_factory.mktemp("plugin") / "plugin.log")
     ensure_device_classes(dyn)
     yield p

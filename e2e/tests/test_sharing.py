@@ -6,7 +6,6 @@ after the pod."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -24,10 +23,11 @@ from test_kubelet_plugin import (
     template,
 )
 
+from dra_gpu.simnode.state import read_state
+
 pytestmark = pytest.mark.e2e
 
 MPS_ROOT = PLUGIN_DIR / "mps"
-COMPUTE_MODES = PLUGIN_DIR / "simulated-root" / "nvidia-state.json"
 SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"
 EXCLUSIVE_PROCESS, DEFAULT = 3, 0
 
@@ -72,9 +72,8 @@ def alive(pid: int) -> bool:
 
 
 def compute_mode(uuid: str) -> int:
-    if not COMPUTE_MODES.exists():
-        return DEFAULT
-    return int(json.loads(COMPUTE_MODES.read_text())["computeModes"].get(uuid, DEFAULT))
+    """What the simulated kernel keeps (the plugin set it through NVML)."""
+    return read_state(SIM_DEV).compute_modes.get(uuid, DEFAULT)
 
 
 def pod_log(core, namespace, name) -> str:
@@ -136,10 +135,10 @@ def test_mps_daemon_answers_the_claims_limits_survives_a_sigkilled_plugin_and_is
 def time_slice(uuid: str) -> str:
     """What the simulated driver's nvidia-smi says about a GPU's time slice on the host."""
     root = Path(sim_driver_root(PROFILE))
-    libdir = next(p.parent for p in root.glob("usr/lib/*/libnvidia-ml.so.1"))
+    nvml = next(root.glob("usr/lib/*/libnvidia-ml.so.1"))
     out = subprocess.run(
         [str(root / "usr/bin/nvidia-smi"), "compute-policy", "-l", "-i", uuid],
-        env={"DRA_GPU_SIM_DEV_DIR": str(SIM_DEV), "LD_LIBRARY_PATH": str(libdir)},
+        env={"DRA_GPU_SIM_DEV_DIR": str(SIM_DEV), "LD_PRELOAD": str(nvml)},  # as the plugin runs it
         capture_output=True,
         text=True,
         timeout=10,

@@ -34,8 +34,8 @@ from dra_gpu.doctor.plugin_probe import GET_INFO, decode_plugin_info
 from dra_gpu.doctor.report import Status
 from dra_gpu.doctor.settings import NodeSettings
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
-from dra_gpu.plugin.device_nodes import create_simulated
 from tests.driver_root import make_root
+from tests.fake_node import create_simulated
 
 DRIVER = "gpu.dra-gpu.io"
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from dra_gpu.cli import main
 from dra_gpu.doctor.report import Status, exit_code, fail, guarded, ok, render_json, render_table, skip, warn
+from tests.simnode_support import needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
 
 def test_table_has_a_fix_line_under_each_problem() -> None:
@@ -90,3 +94,34 @@ def test_the_plugin_and_the_controller_never_import_doctor() -> None:
     for package in ("plugin", "controller"):
         for path in (root / package).rglob("*.py"):
             assert "dra_gpu.doctor" not in path.read_text(encoding="utf-8"), path
+
+
+@needs_toolchain
+@needs_root
+@pytest.mark.usefixtures("nvml_h")
+def test_doctor_on_a_simulated_node_runs_its_simulated_driver(tmp_path: Path) -> None:
+    """`dra-gpu doctor --profile` as a user runs it: NVML is the simulated driver's library; the
+    device nodes and MIG capability files are those the plugin's node has under --dev-root."""
+    from dra_gpu.simnode.node import prepare_simulated_node
+
+    dev_root = tmp_path / "plugin" / "simulated-root"
+    node = prepare_simulated_node("dgx-a100-mig", dev_root)  # what the plugin does at start
+    env = {**os.environ, **node.env()}
+    probe = [sys.executable, "-m", "dra_gpu.discovery.nvml_probe", "--driver-root", str(node.driver_root)]
+    nvml = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+    assert nvml.returncode == 0 and "nvmlDeviceGetCount = 8" in nvml.stdout, nvml.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "dra_gpu.cli", "doctor", "--only", "node", "--profile", "dgx-a100-mig",
+         "--plugin-dir", str(tmp_path / "plugin"), "--cdi-dir", str(tmp_path / "cdi"), "-o", "json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    results = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    assert results["node/nvml"]["status"] == "OK", results["node/nvml"]
+    assert "8 GPUs, 10 MIG devices, driver 570.124.06" in results["node/nvml"]["detail"]
+    assert results["node/device-nodes"]["status"] == "OK", results["node/device-nodes"]
+    assert "MIG capabilities of 10 MIG devices" in results["node/device-nodes"]["detail"]
+    assert results["node/driver-files"]["status"] == "OK", results["node/driver-files"]
+    (dev_root / "proc/driver/nvidia/capabilities/gpu0/mig/gi1/access").unlink()
+    again = subprocess.run(out.args, capture_output=True, text=True, timeout=120)
+    results = {r["check"]: r for r in json.loads(again.stdout)["checks"]}
+    assert results["node/device-nodes"]["status"] == "FAIL"

@@ -1,6 +1,8 @@
 """The health half of the plugin on a simulated node, end to end without Kubernetes: events
-injected through the control socket (as `dra-gpu health simulate` does) become taints, kubelet
-health and metrics, and clear after recovery and the hold-down."""
+injected through the control socket (as `dra-gpu health simulate` does) go into the simulated
+kernel, reach the monitor through the simulated libnvidia-ml.so.1 (nvmlEventSetWait_v2,
+GPU_IS_LOST, the recovery-action field) and become taints, kubelet health and metrics, and clear
+after recovery and the hold-down. One simulated NVML per process: each test runs in a child."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dra_gpu.cli import main
-from dra_gpu.discovery import discover_node
 from dra_gpu.health.control import SOCKET_NAME, request
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.health.taint_book import HoldDown
+from dra_gpu.node_backend import open_backend
+from tests.simnode_support import in_child, needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
 DRIVER = "gpu.dra-gpu.io"
 KEY = f"{DRIVER}/unhealthy"
@@ -57,15 +60,25 @@ async def start(profile: str, plugin_dir: Path, hold: float = 0.3) -> Node:
     cfg = HealthConfig(
         check_interval=0.05, hold_down=HoldDown(initial=hold, maximum=4 * hold, flap_window=10)
     )
-    health = HealthNode(cfg, DRIVER, discover_node("node-a", profile), plugin_dir, registry, profile)
+    backend = open_backend(profile, None, plugin_dir / "simulated-root")  # the node's one NVML
+    inventory = backend.discover("node-a")
+    health = HealthNode(cfg, DRIVER, inventory, plugin_dir, registry, backend.nvml, backend.events)
     node = Node(health, registry, plugin_dir)
     health.subscribe(node.changed)
     await health.start()
     return node
 
 
+def run_async(fn: Callable[[Path], Awaitable[None]], tmp_path: Path) -> None:
+    asyncio.run(fn(tmp_path))  # type: ignore[arg-type]
+
+
 def on_hgx(tmp_path: Path, body: Callable[[Node], Awaitable[None]]) -> None:
-    """Run `body` against a started hgx-2x4 health node (no pytest-asyncio here: asyncio.run)."""
+    """Run `body` against a started hgx-2x4 health node, in a child (no pytest-asyncio here)."""
+    in_child(_on_hgx, tmp_path, body)
+
+
+def _on_hgx(tmp_path: Path, body: Callable[[Node], Awaitable[None]]) -> None:
 
     async def run() -> None:
         node = await start("hgx-2x4", tmp_path)
@@ -80,6 +93,9 @@ def on_hgx(tmp_path: Path, body: Callable[[Node], Awaitable[None]]) -> None:
 GPU2 = "gpu-0000-2a-00-0"
 
 
+@pytest.mark.usefixtures("nvml_h")
+@needs_root
+@needs_toolchain
 def test_xid_79_taints_no_execute_and_clears_after_recovery_and_hold_down(tmp_path: Path) -> None:
     on_hgx(tmp_path, _xid_79_taints_no_execute_and_clears_after_recovery_and_hold_down)
 
@@ -107,6 +123,9 @@ async def _xid_79_taints_no_execute_and_clears_after_recovery_and_hold_down(hgx:
     assert hgx.health.manager.health()[gpu2] == (True, "")
 
 
+@pytest.mark.usefixtures("nvml_h")
+@needs_root
+@needs_toolchain
 def test_application_xid_is_counted_not_tainted(tmp_path: Path) -> None:
     on_hgx(tmp_path, _application_xid_is_counted_not_tainted)
 
@@ -118,6 +137,26 @@ async def _application_xid_is_counted_not_tainted(hgx: Node) -> None:
     assert hgx.taints() == {}
 
 
+@pytest.mark.usefixtures("nvml_h")
+@needs_root
+@needs_toolchain
+def test_a_recovery_action_taints_with_the_action_nvml_reports(tmp_path: Path) -> None:
+    on_hgx(tmp_path, _a_recovery_action_taints_with_the_action_nvml_reports)
+
+
+async def _a_recovery_action_taints_with_the_action_nvml_reports(hgx: Node) -> None:
+    # nvml.h: the event's eventData is 0 (only XIDs carry data); the action is NVML's field.
+    reply = await hgx.ask(op="simulate", event="recovery-action", gpu="1", action="gpu-reset")
+    dev = reply["device"]
+    taints = await hgx.until("the recovery-action taint", lambda: hgx.taints().get(dev))
+    assert taints[0]["value"] == "recovery-gpu-reset" and taints[0]["effect"] == "NoSchedule"
+    await hgx.ask(op="simulate", event="recover", gpu="1")  # the GPU was reset: no action pending
+    await hgx.until("the taint to go after the hold-down", lambda: not hgx.taints(), timeout=3)
+
+
+@pytest.mark.usefixtures("nvml_h")
+@needs_root
+@needs_toolchain
 def test_ecc_and_operator_override(tmp_path: Path) -> None:
     on_hgx(tmp_path, _ecc_and_operator_override)
 
@@ -139,8 +178,11 @@ async def _ecc_and_operator_override(hgx: Node) -> None:
     assert not bad["ok"] and "nope" in bad["error"]
 
 
+@pytest.mark.usefixtures("nvml_h")
+@needs_root
+@needs_toolchain
 def test_mig_events_taint_the_mig_device_or_all_of_the_parent(tmp_path: Path) -> None:
-    asyncio.run(_mig_events_taint_the_mig_device_or_all_of_the_parent(tmp_path))
+    in_child(run_async, _mig_events_taint_the_mig_device_or_all_of_the_parent, tmp_path)
 
 
 async def _mig_events_taint_the_mig_device_or_all_of_the_parent(tmp_path: Path) -> None:
@@ -160,13 +202,18 @@ async def _mig_events_taint_the_mig_device_or_all_of_the_parent(tmp_path: Path) 
         await node.health.stop()
 
 
+@pytest.mark.usefixtures("nvml_h")
+@needs_root
+@needs_toolchain
 def test_taints_survive_a_restart(tmp_path: Path) -> None:
-    asyncio.run(_taints_survive_a_restart(tmp_path))
+    in_child(run_async, _taints_survive_a_restart, tmp_path)
 
 
 async def _taints_survive_a_restart(tmp_path: Path) -> None:
     node = await start("hgx-2x4", tmp_path, hold=0.5)
-    await node.ask(op="simulate", event="xid", gpu="3", xid=74)
+    # XID 92 taints and asks for no recovery action (74 would: a GPU reset pending in the
+    # simulated kernel keeps a device unhealthy across the restart, as on a real node).
+    await node.ask(op="simulate", event="xid", gpu="3", xid=92)
     await node.until("the taint", lambda: node.taints())
     await node.health.stop()
     again = await start("hgx-2x4", tmp_path, hold=0.5)

@@ -21,11 +21,11 @@ from dra_gpu.discovery import discover_node
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
-from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
+from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.plugin.sharing import node_sharing
 from tests.driver_root import make_root
+from tests.fake_node import create_simulated, fake_sharing
 
 DRIVER = "gpu.dra-gpu.io"
 NODE = "node-a"
@@ -115,7 +115,7 @@ def make_core(
     driver_files = DriverFiles(driver_root, inventory.driver_version)
     # MPS pipe dirs hold a UNIX socket: a short root keeps its path under 108 bytes.
     mps_root = mps_root or Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
-    sharing = node_sharing(mps_root, driver_files, PROFILE, root / "devroot")
+    sharing = fake_sharing(mps_root, driver_files, PROFILE, root / "devroot")
     preparer = Preparer(
         DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"), claims, driver_files, sharing
     )

@@ -31,6 +31,7 @@ from plugin.conftest import NODE, PluginCore, claim, gpu_names, make_core, mig_n
 from plugin.test_dynamic_mig_prepare import GPU0, start_node
 from plugin.test_failpoints_crash import h100_root  # noqa: F401 - a fixture
 from plugin.test_sharing import alive, daemon_of, mps_config
+from tests.simnode_support import needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
 DATA = Path(__file__).parents[1] / "data"
 PREVIOUS = DATA / "checkpoint-previous-release.json"
@@ -106,7 +107,10 @@ def test_a_newer_format_is_refused_and_left_byte_identical(tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json"]  # nothing moved aside
 
 
-def test_the_plugin_refuses_to_start_on_a_newer_checkpoint(tmp_path: Path, driver_root: Path) -> None:
+@needs_toolchain
+@needs_root
+@pytest.mark.usefixtures("nvml_h")
+def test_the_plugin_refuses_to_start_on_a_newer_checkpoint(tmp_path: Path) -> None:
     plugin_dir = tmp_path / "plugin"
     blob = newer_checkpoint(plugin_dir / "checkpoint.json")
     kubeconfig = tmp_path / "kubeconfig"
@@ -125,9 +129,7 @@ def test_the_plugin_refuses_to_start_on_a_newer_checkpoint(tmp_path: Path, drive
             "--node-name",
             NODE,
             "--profile",
-            "dgx-a100-mig",
-            "--driver-root",
-            str(driver_root),
+            "dgx-a100-mig",  # its simulated driver (built on first use)
             "--kubeconfig",
             str(kubeconfig),
             "--plugin-dir",

@@ -20,7 +20,7 @@ from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
-from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
+from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.plan import PrepareError
@@ -28,6 +28,7 @@ from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import MIG_GPU_INSTANCE, MIG_PLANNED
 from plugin.conftest import DRIVER, NODE, ClaimStore, claim, validate_cdi
 from tests.driver_root import make_root
+from tests.fake_node import create_simulated
 
 PROFILE = "dgx-h100-mig"
 GPU0 = "gpu-0000-18-00-0"

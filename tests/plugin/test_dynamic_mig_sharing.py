@@ -17,13 +17,13 @@ from dra_gpu.discovery.fake_nvml import FakeNvml
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
-from dra_gpu.plugin.device_nodes import DeviceNodes, create_simulated
+from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.plugin.sharing import node_sharing
 from plugin.conftest import DRIVER, NODE, ClaimStore, claim, stop_daemons
 from plugin.test_dynamic_mig_prepare import h100_driver_root  # noqa: F401 - a fixture
+from tests.fake_node import create_simulated, fake_sharing
 
 pytestmark = pytest.mark.skipif(
     subprocess.run(["which", "cc"], capture_output=True).returncode != 0, reason="needs cc"
@@ -64,7 +64,7 @@ def test_an_mps_claim_on_a_dynamic_mig_instance(
         DeviceNodes(dev_root),
         claims,
         driver_files,
-        sharing=node_sharing(mps_root, driver_files, PROFILE, dev_root),
+        sharing=fake_sharing(mps_root, driver_files, PROFILE, dev_root),
         mig=MigInstances(nv),
     )
     try:

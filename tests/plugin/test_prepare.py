@@ -15,9 +15,9 @@ import pytest
 from dra_gpu.api import API_VERSION
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
-from dra_gpu.plugin.device_nodes import SIM_CAPS_MAJOR, SIM_UVM_MAJOR
 from dra_gpu.plugin.plan import PrepareError
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, validate_cdi
+from tests.fake_node import SIM_CAPS_MAJOR, SIM_UVM_MAJOR
 
 
 def ref_of(c: dict) -> ClaimRef:

@@ -19,7 +19,6 @@ from dra_gpu.api import API_VERSION, decode
 from dra_gpu.discovery import discover_node
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
-from dra_gpu.plugin.device_nodes import create_simulated
 from dra_gpu.plugin.driver_programs import DriverProgram
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
@@ -36,6 +35,7 @@ from plugin.conftest import (
     stop_daemons,
 )
 from tests.driver_root import DEB, make_root
+from tests.fake_node import create_simulated
 
 pytestmark = pytest.mark.skipif(
     subprocess.run(["which", "cc"], capture_output=True).returncode != 0, reason="needs cc"

@@ -17,6 +17,9 @@
  *   .nvidia-sim/recovery/<uuid>     NVML_FI_DEV_GET_GPU_RECOVERY_ACTION of the GPU (a number).
  *   .nvidia-sim/processes/<uuid>    pids running on a GPU or MIG device, one a line.
  *
+ * With $DRA_GPU_SIM_PROC_DIR set (a simulated node's proc/), the library also keeps the MIG
+ * capability files the kernel module lists there while an instance exists (sync_caps below).
+ *
  * Which functions the library exports depends on the driver version it reports: the builder
  * links it with a version script made from its table (function -> first driver version), so
  * a caller gets "function not found" exactly where the real library of that version lacks it.
@@ -238,6 +241,83 @@ static nvmlReturn_t load_state(struct node_state *s) {
     return r;
 }
 
+/* ---- MIG capability files (what the kernel module lists under /proc) -------------------- */
+/* While a GPU or compute instance exists the kernel module lists
+ * /proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/access and .../gi<G>/ci<C>/access; their
+ * DeviceFileMinor is the minor of /dev/nvidia-caps/nvidia-cap<N>, fixed per (GPU, GI, CI) as in
+ * the driver's mig-minors table (config 1, monitor 2, then per GPU 15 GIs of 9 minors each: the
+ * GI's access, then CIs 0-7). NVML makes no device node: a CDI spec carries it by number.
+ * Simulated under $DRA_GPU_SIM_PROC_DIR when it is set (else nothing is written), rewritten from
+ * the state at init and after every change, under the state's exclusive lock. */
+#define CAPS_GIS_PER_GPU 15
+#define CAPS_PER_GI 9
+
+static unsigned caps_minor(unsigned gpu_minor, unsigned gi, int ci) {
+    unsigned base = 3 + gpu_minor * CAPS_GIS_PER_GPU * CAPS_PER_GI + gi * CAPS_PER_GI;
+    return ci < 0 ? base : base + 1 + (unsigned)ci;
+}
+
+static void make_dirs(const char *dir) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s", dir);
+    for (char *p = path + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            mkdir(path, 0755);
+            *p = '/';
+        }
+    mkdir(path, 0755);
+}
+
+static void write_access(const char *dir, unsigned minor) {
+    char path[4300], tmp[4400], text[128], old[128];
+    snprintf(path, sizeof path, "%s/access", dir);
+    snprintf(text, sizeof text, "DeviceFileMinor: %u\nDeviceFileMode: 292\nDeviceFileModify: 1\n", minor);
+    FILE *f = fopen(path, "re");
+    if (f) {
+        size_t n = fread(old, 1, sizeof old - 1, f);
+        old[n] = 0;
+        fclose(f);
+        if (!strcmp(old, text)) return;
+    }
+    make_dirs(dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    f = fopen(tmp, "we");
+    if (!f) return;
+    fputs(text, f);
+    if (fclose(f) == 0 && chmod(tmp, 0444) == 0 && rename(tmp, path) == 0) return;
+    unlink(tmp);
+}
+
+static void remove_access(const char *dir) {
+    char path[4300];
+    snprintf(path, sizeof path, "%s/access", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
+static void sync_caps(const struct node_state *s) {
+    const char *proc = getenv("DRA_GPU_SIM_PROC_DIR");
+    if (!proc || !*proc) return;
+    for (unsigned g = 0; g < SIM_NGPUS; g++) {
+        unsigned minor = SIM_GPUS[g].minor;
+        for (unsigned id = 1; id <= MAX_GI; id++) {
+            const struct gi_state *gi = &s->gpu[g].gi[id];
+            char gi_dir[4096], ci_dir[4200];
+            snprintf(gi_dir, sizeof gi_dir, "%s/driver/nvidia/capabilities/gpu%u/mig/gi%u", proc, minor, id);
+            if (gi->used) write_access(gi_dir, caps_minor(minor, id, -1));
+            for (unsigned ci = 0; ci < MAX_CI; ci++) {
+                snprintf(ci_dir, sizeof ci_dir, "%s/ci%u", gi_dir, ci);
+                if (gi->used && gi->has_ci && gi->ci_id == ci)
+                    write_access(ci_dir, caps_minor(minor, id, (int)ci));
+                else
+                    remove_access(ci_dir);
+            }
+            if (!gi->used) remove_access(gi_dir);
+        }
+    }
+}
+
 static nvmlReturn_t write_state_unlocked(const struct node_state *s) {
     char path[4096], tmp[4200];
     sim_path(path, sizeof path, "state");
@@ -266,6 +346,7 @@ static nvmlReturn_t write_state_unlocked(const struct node_state *s) {
         unlink(tmp);
         return NVML_ERROR_NO_PERMISSION;
     }
+    sync_caps(s);
     return NVML_SUCCESS;
 }
 
@@ -446,6 +527,16 @@ static nvmlReturn_t sim_failpoint(const char *fn, int gpu) {
 
 /* ---- init, errors, system --------------------------------------------------------------- */
 
+/* The capability files of the instances there are (the boot state's pre-made ones included). */
+static void init_caps(void) {
+    const char *proc = getenv("DRA_GPU_SIM_PROC_DIR");
+    if (!proc || !*proc) return;
+    static struct node_state s; /* large; callers hold init_lock */
+    int fd = open_lock(1);
+    if (read_state_unlocked(&s) == NVML_SUCCESS) sync_caps(&s);
+    close_lock(fd);
+}
+
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
     for (unsigned i = 0; i < SIM_NERRORS; i++) /* the profile's nvmlErrors.nvmlInit */
@@ -459,6 +550,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
         nvisible = 0; /* the device list is fixed at init, like the real one */
         for (unsigned i = 0; i < SIM_NGPUS; i++)
             if (sim_gpu_present(&SIM_GPUS[i])) visible[nvisible++] = i;
+        init_caps();
     }
     refs++;
     pthread_mutex_unlock(&init_lock);

@@ -26,6 +26,8 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t, char *, unsigned int);
 nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t, unsigned int *);
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t, nvmlPciInfo_t *);
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *);
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t, int *); /* nvmlComputeMode_t */
+enum { COMPUTEMODE_DEFAULT = 0, COMPUTEMODE_PROHIBITED = 2, COMPUTEMODE_EXCLUSIVE_PROCESS = 3 };
 
 enum { EXIT_BAD_ARGS = 2, EXIT_NO_DEVICES = 6 };
 
@@ -33,6 +35,7 @@ struct gpu {
     unsigned index, minor;
     char name[96], uuid[96], driver[80], bus_id[32];
     unsigned long long mem_mib;
+    int compute_mode;
 };
 
 static void read_gpu(unsigned i, struct gpu *g) {
@@ -47,11 +50,12 @@ static void read_gpu(unsigned i, struct gpu *g) {
     nvmlDeviceGetMinorNumber(d, &g->minor);
     if (nvmlDeviceGetPciInfo_v3(d, &pci) == 0) strcpy(g->bus_id, pci.busId);
     if (nvmlDeviceGetMemoryInfo(d, &mem) == 0) g->mem_mib = mem.total >> 20;
+    if (nvmlDeviceGetComputeMode(d, &g->compute_mode) != 0) g->compute_mode = -1;
     nvmlSystemGetDriverVersion(g->driver, sizeof g->driver);
 }
 
 /* The `--query-gpu` fields: name, accepted alias, CSV header (the unit stays with nounits). */
-enum kind { F_INDEX, F_UUID, F_NAME, F_DRIVER, F_BUS_ID, F_MINOR, F_MEM_TOTAL };
+enum kind { F_INDEX, F_UUID, F_NAME, F_DRIVER, F_BUS_ID, F_MINOR, F_MEM_TOTAL, F_COMPUTE_MODE };
 static const struct { const char *name, *alias, *header; enum kind kind; } FIELDS[] = {
     {"index", "index", "index", F_INDEX},
     {"uuid", "gpu_uuid", "uuid", F_UUID},
@@ -60,6 +64,7 @@ static const struct { const char *name, *alias, *header; enum kind kind; } FIELD
     {"pci.bus_id", "gpu_bus_id", "pci.bus_id", F_BUS_ID},
     {"minor_number", "minor_number", "minor_number", F_MINOR},
     {"memory.total", "memory.total", "memory.total [MiB]", F_MEM_TOTAL},
+    {"compute_mode", "compute_mode", "compute_mode", F_COMPUTE_MODE},
 };
 #define NFIELDS (int)(sizeof FIELDS / sizeof FIELDS[0])
 
@@ -78,6 +83,12 @@ static void print_value(enum kind k, const struct gpu *g, int units) {
     case F_BUS_ID: printf("%s", g->bus_id); break;
     case F_MINOR: printf("%u", g->minor); break;
     case F_MEM_TOTAL: printf(units ? "%llu MiB" : "%llu", g->mem_mib); break;
+    case F_COMPUTE_MODE:
+        printf("%s", g->compute_mode == COMPUTEMODE_DEFAULT             ? "Default"
+                     : g->compute_mode == COMPUTEMODE_EXCLUSIVE_PROCESS ? "Exclusive_Process"
+                     : g->compute_mode == COMPUTEMODE_PROHIBITED        ? "Prohibited"
+                                                                        : "[N/A]");
+        break;
     }
 }
 

@@ -1,0 +1,63 @@
+"""The node's GPU backend, opened once by a node command's composition root (the kubelet plugin,
+`inventory`, `doctor`, the NVML probe) and handed to discovery, MIG instances, compute modes and
+sharing, and health's event monitor.
+
+NVML is the driver root's `libnvidia-ml.so.1`, loaded by full path with `pynvml` on top
+(`discovery.nvml_library`), on a real node and on a simulated one alike. A simulated node
+(`--profile`) differs only in what `dra_gpu.simnode.node` prepares: which driver root, its
+device-node directory (told to the library and to NVIDIA's tools through `tool_env`), the
+PCIe-root lookup (the profile's data instead of sysfs), and an event injector for
+`dra-gpu health simulate`. Nothing else branches on whether the node is simulated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dra_gpu.discovery.nvml_discovery import discover
+from dra_gpu.discovery.nvml_library import load_nvml
+from dra_gpu.model import Inventory
+from dra_gpu.simnode.node import SimulatedEvents, prepare_simulated_node
+
+REAL_DRIVER_ROOT = Path("/")
+
+
+@dataclass(frozen=True)
+class NodeBackend:
+    nvml: Any  # pynvml, bound to the driver root's libnvidia-ml.so.1
+    driver_root: Path  # the NVIDIA driver's files, as this process sees them
+    dev_root: Path  # root of dev/ and proc/ ("/" on a real node)
+    pcie_root: Callable[[str], str | None] | None = None  # None: sysfs
+    tool_env: dict[str, str] = field(default_factory=dict)  # more environment for NVIDIA's tools
+    events: SimulatedEvents | None = None  # a simulated node's event injection; None on a real one
+
+    @property
+    def simulated(self) -> bool:
+        return self.events is not None
+
+    def discover(self, node_name: str, dynamic_mig: bool = False) -> Inventory:
+        return discover(self.nvml, node_name, self.pcie_root, dynamic_mig)
+
+
+def open_backend(profile: str | None, driver_root: Path | None, dev_root: Path) -> NodeBackend:
+    """The node's backend. `profile`: a simulated node (a built-in name or a file), prepared under
+    `dev_root` with `driver_root` or, when None, its simulated driver root (built on first use).
+    Real node: NVML of `driver_root` (default "/").
+
+    NvmlUnavailableError: no NVML in the driver root; ProfileError: an invalid profile;
+    SimulatedNodeError: a simulated node that cannot be had (says what is missing)."""
+    if profile is None:
+        root = driver_root or REAL_DRIVER_ROOT
+        return NodeBackend(load_nvml(root), root, dev_root)
+    node = prepare_simulated_node(profile, dev_root, driver_root)
+    return NodeBackend(
+        load_nvml(node.driver_root),
+        node.driver_root,
+        dev_root,
+        pcie_root=node.pcie_root(),
+        tool_env=node.env(),
+        events=node.events(),
+    )
