@@ -83,11 +83,10 @@ class KubeletPlugin:
         # device nodes are made first, under its dev root).
         backend = await asyncio.to_thread(open_backend, cfg.profile, cfg.driver_root, cfg.dev_root)
         inventory = await asyncio.to_thread(backend.discover, cfg.node_name, cfg.dynamic_mig)
-        mig = (
-            await asyncio.to_thread(MigInstances, backend.nvml)
-            if any(g.dynamic_mig for g in inventory.gpus)
-            else None
-        )
+        dynamic_mig = any(g.dynamic_mig for g in inventory.gpus)
+        # Always: a claim prepared while dynamic MIG was on keeps its instances after it is turned
+        # off, and its unprepare must still destroy them.
+        mig = await asyncio.to_thread(MigInstances, backend.nvml)
         driver_files = await asyncio.to_thread(
             DriverFiles,
             backend.driver_root,
@@ -101,7 +100,7 @@ class KubeletPlugin:
         # One watch of the claims serves the prepare path and dynamic MIG's binding conditions.
         claims = (
             ClaimCache(kube, cfg.driver, cfg.node_name, backoff=BACKOFF)
-            if cfg.claim_watch or mig is not None
+            if cfg.claim_watch or dynamic_mig
             else None
         )
         preparer = Preparer(
@@ -154,7 +153,7 @@ class KubeletPlugin:
         http = await self._start_http(helper)
         sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
         # Dynamic MIG: instances are made between allocation and binding (binding conditions).
-        binder = MigBinder(cfg.driver, cfg.node_name, preparer, kube) if mig is not None else None
+        binder = MigBinder(cfg.driver, cfg.node_name, preparer, kube) if dynamic_mig else None
         if binder is not None and claims is not None:
             claims.subscribe(binder.on_list, binder.on_event)
         watching = asyncio.create_task(claims.run(), name="claim-watch") if claims is not None else None

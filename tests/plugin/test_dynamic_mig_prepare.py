@@ -61,11 +61,13 @@ class Node:
         return start_node(self.root, self.driver_root, self.claims)
 
 
-def start_node(root: Path, driver_root: Path, claims: ClaimStore | None = None) -> Node:
+def start_node(
+    root: Path, driver_root: Path, claims: ClaimStore | None = None, dynamic_mig: bool = True
+) -> Node:
     """A plugin process on the node: the fake reads the MIG state the last one left."""
     dev_root = root / "devroot"
     nv = FakeNvml(load_profile(PROFILE), dev_root)
-    inventory = discover(nv, NODE, lambda _bus: None, dynamic_mig=True)
+    inventory = discover(nv, NODE, lambda _bus: None, dynamic_mig=dynamic_mig)
     create_simulated(inventory, dev_root)
     checkpoint = Checkpoint(root / "plugin" / "checkpoint.json", boot_id="boot-1")
     cdi = CdiSpecs(root / "cdi", DRIVER)
@@ -404,3 +406,15 @@ def test_the_whole_gpu_of_a_dynamic_mig_gpu_is_never_prepared(node: Node) -> Non
     with pytest.raises(PrepareError, match=GPU0):
         asyncio.run(node.preparer.prepare(ref))
     assert node.live() == [] and not node.checkpoint.has(ref.uid) and not node.cdi.path(ref.uid).exists()
+
+
+def test_an_instance_recorded_under_dynamic_mig_is_destroyed_after_it_was_turned_off(node: Node) -> None:
+    """An operator turns dynamic MIG off with a claim prepared: the restarted plugin still
+    destroys that claim's instance at unprepare (it had failed there for ever)."""
+    ref = node.add(claim(uid(), [f"{GPU0}-mig-3g40gb-4"]))
+    asyncio.run(node.preparer.prepare(ref))
+    assert len(node.live()) == 1
+    off = start_node(node.root, node.driver_root, node.claims, dynamic_mig=False)
+    off.preparer.reconcile()
+    asyncio.run(off.preparer.unprepare(ref))
+    assert off.live() == [] and not off.checkpoint.has(ref.uid) and not off.cdi.path(ref.uid).exists()
