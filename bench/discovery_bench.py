@@ -11,7 +11,9 @@ import statistics
 import time
 import tracemalloc
 
-from dra_gpu.discovery import discover, load_profile, simulated_nvml
+from dra_gpu.discovery import discover
+from dra_gpu.simnode.fake import simulated_nvml
+from dra_gpu.simnode.profiles import load_profile
 from dra_gpu.slices import build_slices
 
 PROFILES = ("hgx-2x4", "dgx-h100", "dgx-a100-mig")

@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 from dra_gpu.controller.allocator import place  # noqa: E402
 from dra_gpu.controller.allocator_view import Cluster  # noqa: E402
 from dra_gpu.controller.rules import Validator  # noqa: E402
-from dra_gpu.discovery import discover_node  # noqa: E402
 from dra_gpu.dynamic_mig import PLACEMENT_ORDERS, Device, PlacementOrder  # noqa: E402
 from dra_gpu.model import DEFAULT_DRIVER_NAME as DRIVER  # noqa: E402
 from dra_gpu.model import Gpu  # noqa: E402
+from dra_gpu.simnode.fake import discover_node  # noqa: E402
 from dra_gpu.slices import SliceBuilder  # noqa: E402
 
 NODE = "node-a"

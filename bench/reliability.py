@@ -163,7 +163,7 @@ def quantities(n: int, rng: random.Random) -> list[str]:
 
 
 def profiles(n: int, rng: random.Random) -> list[str]:
-    from dra_gpu.discovery.profiles import ProfileError, parse_profile
+    from dra_gpu.simnode.profiles import ProfileError, parse_profile
 
     base = yaml.safe_load(profile([gpu(0, nvlinkCount=2, mig={"enabled": False}), gpu(1)]))
 

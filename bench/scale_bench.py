@@ -311,11 +311,11 @@ async def run_publishers(nodes: int, kubeconfig: str, ready_file: str, claim_wat
     from kubernetes.aio import client as kclient
     from kubernetes.aio import config as kconfig
 
-    from dra_gpu.discovery import discover_node
     from dra_gpu.durable import atomic_write
     from dra_gpu.kubeletplugin.metrics import PluginMetrics
     from dra_gpu.kubeletplugin.publisher import SlicePublisher
     from dra_gpu.plugin.claim_cache import ClaimCache
+    from dra_gpu.simnode.fake import discover_node
     from dra_gpu.slices import build_slices
 
     configuration = kclient.Configuration()

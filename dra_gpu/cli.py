@@ -72,10 +72,10 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
 
 
 def _add_node_commands(sub: Any) -> None:
-    from dra_gpu.discovery.profiles import BUILTIN_PROFILES
     from dra_gpu.doctor.command import add_doctor_command
     from dra_gpu.health.command import add_health_command, add_health_flags
     from dra_gpu.node_flags import add_node_flags
+    from dra_gpu.simnode.profiles import BUILTIN_PROFILES
 
     inv = sub.add_parser("inventory", help="discover this node's GPUs (or a simulated node's)")
     inv.add_argument(
@@ -169,12 +169,13 @@ def _add_node_commands(sub: Any) -> None:
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
-    from dra_gpu.discovery import NvmlUnavailableError, ProfileError
+    from dra_gpu.discovery import NvmlUnavailableError
     from dra_gpu.health.command import health_config
     from dra_gpu.node_flags import dev_root, driver_root
     from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
     from dra_gpu.plugin.server import PluginConfig, run
     from dra_gpu.simnode.node import SimulatedNodeError
+    from dra_gpu.simnode.profiles import ProfileError
 
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
@@ -216,14 +217,14 @@ def cmd_inventory(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from dra_gpu.discovery import NvmlUnavailableError, ProfileError
+    from dra_gpu.discovery import NvmlUnavailableError
     from dra_gpu.discovery.driver_install import describe as describe_installation
     from dra_gpu.discovery.driver_install import discover_installation
-    from dra_gpu.discovery.profiles import BUILTIN_PROFILES
     from dra_gpu.inventory_report import render
     from dra_gpu.node_backend import open_backend
     from dra_gpu.node_flags import driver_root
     from dra_gpu.simnode.node import SimulatedNodeError
+    from dra_gpu.simnode.profiles import BUILTIN_PROFILES, ProfileError
     from dra_gpu.slices import SliceLimitError, build_slices
 
     node = args.node_name or default_node_name()

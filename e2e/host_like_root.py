@@ -51,10 +51,9 @@ from types import ModuleType
 E2E = Path(__file__).resolve().parent
 sys.path.insert(0, str(E2E.parent))  # the checkout's dra_gpu, also when run as a script
 
-from dra_gpu.discovery import load_profile  # noqa: E402
-from dra_gpu.discovery.profiles import NodeProfile  # noqa: E402
 from dra_gpu.simnode.builder import default_cache_dir, ensure_nvml_library  # noqa: E402
 from dra_gpu.simnode.devnodes import make_device_nodes  # noqa: E402
+from dra_gpu.simnode.profiles import NodeProfile, load_profile  # noqa: E402
 
 SUITE = "trixie"
 DRIVER_VERSION = "550.163.01"

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dra_gpu.discovery import discover, simulated_nvml
-from dra_gpu.discovery.profiles import parse_profile
+from dra_gpu.discovery import discover
 from dra_gpu.model import Inventory
+from dra_gpu.simnode.fake import simulated_nvml
+from dra_gpu.simnode.profiles import parse_profile
 
 DATA = Path(__file__).parent / "data"
 

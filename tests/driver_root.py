@@ -105,8 +105,8 @@ def with_simulated_nvml(root: Path, dest: Path, profile: str | Path, cache: Path
     import os
     import shutil
 
-    from dra_gpu.discovery import load_profile
     from dra_gpu.simnode.builder import ensure_nvml_library
+    from dra_gpu.simnode.profiles import load_profile
 
     version = load_profile(str(profile)).driver_version
 

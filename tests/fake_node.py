@@ -12,15 +12,15 @@ import os
 import stat
 from pathlib import Path
 
-from dra_gpu.discovery.fake_nvml import FakeNvml
 from dra_gpu.discovery.kernel_devices import CAPS, UVM
-from dra_gpu.discovery.profiles import load_profile
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.sharing import Sharing, node_sharing
+from dra_gpu.simnode.fake_nvml import FakeNvml
 from dra_gpu.simnode.node import CAPS_MAJOR as SIM_CAPS_MAJOR
 from dra_gpu.simnode.node import MODESET_MINOR as NVIDIA_MODESET_MINOR
 from dra_gpu.simnode.node import UVM_MAJOR as SIM_UVM_MAJOR
+from dra_gpu.simnode.profiles import load_profile
 
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255

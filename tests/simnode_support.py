@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.discovery import load_profile
 from dra_gpu.simnode.builder import default_cache_dir, ensure_nvml_library
 from dra_gpu.simnode.devnodes import make_device_nodes
 from dra_gpu.simnode.nvml_header import HEADER_ENV, NvmlHeaderError, nvml_header
+from dra_gpu.simnode.profiles import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "tests" / "data" / "h200.yaml"

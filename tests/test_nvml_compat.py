@@ -15,21 +15,21 @@ import pytest
 import yaml
 from conftest import discover_doc
 
-from dra_gpu.discovery import simulated_nvml
 from dra_gpu.discovery.nvml_compat import (
     FALLBACKS,
     driver_branch,
     exported_in,
     gpu_instance_profile_info_by_id,
 )
-from dra_gpu.discovery.profiles import parse_profile
 from dra_gpu.model import Inventory
+from dra_gpu.simnode.fake import simulated_nvml
+from dra_gpu.simnode.profiles import parse_profile
 
 BY_ID = "nvmlDeviceGetGpuInstanceProfileInfoByIdV"
 
 
 def _mig_doc(driver: str, nvml_errors: dict[str, str] | None = None) -> dict[str, Any]:
-    ref = resources.files("dra_gpu.discovery").joinpath("profiles/dgx-a100-mig.yaml")
+    ref = resources.files("dra_gpu.simnode").joinpath("profiles/dgx-a100-mig.yaml")
     doc: dict[str, Any] = yaml.safe_load(ref.read_text(encoding="utf-8"))
     doc["driverVersion"] = driver
     if nvml_errors:

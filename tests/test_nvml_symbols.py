@@ -52,9 +52,9 @@ from tests.simnode_support import (
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = Path(dra_gpu.__file__).resolve().parent
 NVML_NAME = re.compile(r"nvml[A-Z]\w*")
-# The pynvml-shaped simulated node: its nvml* names are its own methods, not calls into NVML.
-# The simulators: what they name is what they serve, not what the product calls.
-NOT_CALLS = re.compile(r"discovery/fake_[^/]*\.py|simnode/.*\.py")
+# The simulators (dra_gpu/simnode: the C library's builder and the pynvml-shaped fake, whose nvml*
+# names are its own methods): what they name is what they serve, not what the product calls.
+NOT_CALLS = re.compile(r"simnode/.*\.py")
 REGISTRY = "discovery/nvml_compat.py"  # its strings are C symbol names, not calls
 
 

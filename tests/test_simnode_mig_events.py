@@ -174,7 +174,7 @@ say(step="lost", wait=wait(10000), memory=memory,
 def test_injected_events_reach_an_event_set_in_another_process(libcache: Path, tmp_path: Path) -> None:  # noqa: F811
     lib = library(libcache, "dgx-h100")
     dev = devdir_for(tmp_path / "dev", "dgx-h100")
-    from dra_gpu.discovery import load_profile
+    from dra_gpu.simnode.profiles import load_profile
 
     uuids = [g.uuid for g in load_profile("dgx-h100").gpus]
     inject.inject_xid(dev, uuids[0], 31)  # before the set exists: never delivered to it

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu.discovery import load_profile
 from dra_gpu.model import MigPlacement
 from dra_gpu.node_backend import open_backend
 from dra_gpu.plugin.compute_mode import EXCLUSIVE_PROCESS, ComputeModes
@@ -22,6 +21,7 @@ from dra_gpu.plugin.sharing import node_sharing
 from dra_gpu.plugin.timeslice import LEVELS
 from dra_gpu.simnode.builder import nvml_library
 from dra_gpu.simnode.node import SimulatedNodeError, prepare_simulated_node
+from dra_gpu.simnode.profiles import load_profile
 from dra_gpu.simnode.state import read_state
 from tests.simnode_support import in_child, needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 

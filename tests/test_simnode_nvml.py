@@ -31,7 +31,8 @@ pytestmark = [needs_toolchain, needs_root]
 
 PROFILES = ["dgx-a100-mig", "dgx-h100-mig", "hgx-2x4", "dgx-h100", "mixed", "pcie-pairs", str(H200)]
 EQUIVALENCE = """
-from dra_gpu.discovery import load_profile, simulated_nvml
+from dra_gpu.simnode.fake import simulated_nvml
+from dra_gpu.simnode.profiles import load_profile
 from dra_gpu.discovery.nvml_discovery import discover
 fake, pcie_root = simulated_nvml(load_profile(sys.argv[2]))
 real = discover(pynvml, "node-a", pcie_root, dynamic_mig=True)

@@ -11,8 +11,8 @@ import pytest
 from conftest import bus, discover_doc, gpu_uuid
 
 from dra_gpu.attributes import cuda_version, normalise_version
-from dra_gpu.discovery import discover_node
 from dra_gpu.kubernetes_values import format_quantity
+from dra_gpu.simnode.fake import discover_node
 from dra_gpu.slices import SliceLimitError, build_slices, validate_device
 
 GPU_ATTRIBUTES = {
@@ -197,7 +197,7 @@ def test_invalid_node_or_driver_name_is_rejected() -> None:
 
 
 def test_memory_shares_publish_whole_gpus_with_request_policies() -> None:
-    from dra_gpu.discovery import discover_node
+    from dra_gpu.simnode.fake import discover_node
     from dra_gpu.slices import build_slices as build
 
     inv = discover_node("node-a", "hgx-2x4")
@@ -227,7 +227,8 @@ def _readme_capacities(device: str) -> set[str]:
 def test_whole_gpus_publish_the_capacities_the_readme_lists_and_no_sm_count(profile: str) -> None:
     """NVML gives no whole GPU's SM count (nvmlDeviceGetAttributes answers NOT_SUPPORTED but for
     MIG devices): `multiprocessors` is left out on whole GPUs, not guessed, and the README says so."""
-    from dra_gpu.discovery import FakeNvml, load_profile
+    from dra_gpu.simnode.fake import FakeNvml
+    from dra_gpu.simnode.profiles import load_profile
 
     nvml = FakeNvml(load_profile(profile))
     nvml.nvmlInit()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.discovery import NvmlUnavailableError, ProfileError
+from dra_gpu.discovery import NvmlUnavailableError
 from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_majors, uvm_missing
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
@@ -28,6 +28,7 @@ from dra_gpu.doctor.settings import NodeSettings
 from dra_gpu.model import Inventory
 from dra_gpu.node_backend import open_backend
 from dra_gpu.simnode.node import SimulatedNodeError
+from dra_gpu.simnode.profiles import ProfileError
 
 NVIDIA_MAJOR = 195  # /dev/nvidia<minor> and /dev/nvidiactl; uvm and caps majors are dynamic
 CONTROL_NODES = ("dev/nvidiactl", "dev/nvidia-uvm", "dev/nvidia-uvm-tools")

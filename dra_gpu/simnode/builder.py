@@ -15,7 +15,7 @@ a GPU only where its /dev/nvidia<minor> character device (major 195) exists, so 
 exactly the device nodes it was given. DRA_GPU_SIM_DEV_DIR (default /dev) moves that lookup and
 the node's kernel-side state files (.nvidia-sim/); it exists for simulated nodes and tests.
 
-Python stdlib and a C compiler only (plus the profile loader of dra_gpu.discovery). Every root
+Python stdlib and a C compiler only (plus the profile loader, profiles.py). Every root
 is built in a temporary directory and renamed into place.
 """
 
@@ -32,9 +32,9 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from dra_gpu.discovery.profiles import NVML_ERROR_CODES, GpuSpec, MigProfileSpec, NodeProfile, load_profile
 from dra_gpu.simnode import exports
 from dra_gpu.simnode.nvml_header import NvmlHeaderError, header_digest, nvml_header
+from dra_gpu.simnode.profiles import NVML_ERROR_CODES, GpuSpec, MigProfileSpec, NodeProfile, load_profile
 
 SRC = Path(__file__).resolve().parent / "src"
 CFLAGS = ["-O1", "-fPIC", "-s", "-Wall", "-std=gnu11"]

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dra_gpu.discovery.kernel_devices import CAPS, UVM
-from dra_gpu.discovery.profiles import NodeProfile, load_profile
 from dra_gpu.simnode import inject
 from dra_gpu.simnode.builder import SimDriverError, default_cache_dir, ensure_driver_root
 from dra_gpu.simnode.devnodes import NVIDIA_MAJOR, make_char, make_device_nodes
+from dra_gpu.simnode.profiles import NodeProfile, load_profile
 
 DEV_DIR_ENV = "DRA_GPU_SIM_DEV_DIR"
 PROC_DIR_ENV = "DRA_GPU_SIM_PROC_DIR"

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.discovery.profiles import NodeProfile
 from dra_gpu.simnode.inject import sim_dir
+from dra_gpu.simnode.profiles import NodeProfile
 
 DEFAULT_COMPUTE_MODE = 0
 

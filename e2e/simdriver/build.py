@@ -16,7 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from dra_gpu.discovery.profiles import ProfileError, load_profile
 from dra_gpu.simnode.builder import (  # noqa: F401 - re-exported for the builder's callers
     DEFAULT_CUDA_VERSION,
     LIBRARIES,
@@ -31,6 +30,7 @@ from dra_gpu.simnode.builder import (  # noqa: F401 - re-exported for the builde
     profile_of_gpus,
     profile_versions,
 )
+from dra_gpu.simnode.profiles import ProfileError, load_profile
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -203,7 +203,7 @@ def peer_driver(target, dyn):
 def published(target, core, dyn):
     """Simulated slices of both profiles on the real node, and the classes for them (for the
     test_controller_*.py files; each publishes them for itself and removes them at its end)."""
-    from dra_gpu.discovery import discover_node
+    from dra_gpu.simnode.fake import discover_node
     from dra_gpu.slices import build_slices
 
     node = core.list_node().items[0].metadata.name

@@ -25,7 +25,7 @@ from test_kubelet_plugin import (
     template,
 )
 
-from dra_gpu.discovery import load_profile
+from dra_gpu.simnode.profiles import load_profile
 from dra_gpu.simnode.state import read_state, reboot
 
 pytestmark = pytest.mark.e2e

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dra_gpu.discovery import discover_node
+from dra_gpu.simnode.fake import discover_node
 from dra_gpu.slices import build_slices
 
 DRIVER = "gpu.dra-gpu.io"

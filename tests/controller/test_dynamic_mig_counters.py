@@ -8,7 +8,7 @@ from typing import Any
 from dra_gpu.controller.commands import explain_inputs
 from dra_gpu.controller.inputs import Inputs
 from dra_gpu.controller.rules import Validator
-from dra_gpu.discovery import discover_node
+from dra_gpu.simnode.fake import discover_node
 from dra_gpu.slices import build_slices
 
 from .objects import DRIVER, GPU_CLASS, allocated

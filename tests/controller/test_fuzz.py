@@ -27,8 +27,8 @@ from dra_gpu.controller.rules import Validator
 from dra_gpu.controller.schemas import ADMISSION_REVIEW
 from dra_gpu.decoding import check_bounds, load_yaml_all
 from dra_gpu.decoding import decode as decode_shape
-from dra_gpu.discovery.profiles import ProfileError, parse_profile
 from dra_gpu.kubernetes_values import parse_quantity
+from dra_gpu.simnode.profiles import ProfileError, parse_profile
 from tests.mutation import fuzz_settings, paths
 
 from .objects import GPU_CLASS, claim, node_slices

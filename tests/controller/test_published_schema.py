@@ -12,8 +12,8 @@ import pytest
 
 from dra_gpu.attributes import STANDARD_ATTRIBUTES, STANDARD_DOMAIN
 from dra_gpu.controller.rules import Validator
-from dra_gpu.discovery import discover_node
-from dra_gpu.discovery.profiles import BUILTIN_PROFILES
+from dra_gpu.simnode.fake import discover_node
+from dra_gpu.simnode.profiles import BUILTIN_PROFILES
 from dra_gpu.slices import build_slices
 
 from .objects import DRIVER

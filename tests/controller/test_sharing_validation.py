@@ -8,8 +8,8 @@ from typing import Any
 from dra_gpu.api import API_VERSION
 from dra_gpu.controller.published_devices import policy_amount
 from dra_gpu.controller.rules import ProblemKind, Validator
-from dra_gpu.discovery import discover_node
 from dra_gpu.kubernetes_values import parse_quantity
+from dra_gpu.simnode.fake import discover_node
 from dra_gpu.slices import build_slices
 
 from .objects import DRIVER, GPU_CLASS, claim

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu.discovery import discover_node
 from dra_gpu.doctor import node_checks
 from dra_gpu.doctor.settings import NodeSettings
 from dra_gpu.model import Inventory
+from dra_gpu.simnode.fake import discover_node
 
 
 @pytest.fixture(autouse=True)

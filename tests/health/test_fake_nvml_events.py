@@ -8,7 +8,8 @@ import time
 import pynvml
 import pytest
 
-from dra_gpu.discovery import FakeNvml, load_profile
+from dra_gpu.simnode.fake import FakeNvml
+from dra_gpu.simnode.profiles import load_profile
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from dra_gpu.discovery import discover_node
 from dra_gpu.health.classification import Classifier, Effect, EventKind
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Observation, Seen
@@ -16,6 +15,7 @@ from dra_gpu.health.taint_book import TaintBook
 from dra_gpu.kubeletplugin.driver import Health
 from dra_gpu.model import Gpu
 from dra_gpu.plugin.gpu_driver import GpuDriver
+from dra_gpu.simnode.fake import discover_node
 from dra_gpu.slices import build_slices
 
 DRIVER = "gpu.dra-gpu.io"

@@ -8,9 +8,10 @@ from typing import Any
 
 import pynvml
 
-from dra_gpu.discovery import FakeNvml, load_profile
 from dra_gpu.health.classification import EventKind
 from dra_gpu.health.monitor import Monitor, Observation, Seen
+from dra_gpu.simnode.fake import FakeNvml
+from dra_gpu.simnode.profiles import load_profile
 
 
 class NoEvents(FakeNvml):
@@ -96,10 +97,10 @@ def test_only_a_lost_gpu_taints_other_nvml_errors_are_retried_and_counted() -> N
     the errors still arrives. GPU_IS_LOST taints NoExecute."""
     from prometheus_client import CollectorRegistry
 
-    from dra_gpu.discovery import discover_node
     from dra_gpu.health.classification import Classifier, Effect
     from dra_gpu.health.manager import HealthManager
     from dra_gpu.health.taint_book import TaintBook
+    from dra_gpu.simnode.fake import discover_node
 
     inv = discover_node("node-a", "hgx-2x4")
     registry = CollectorRegistry()

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import dra_gpu.kubeletplugin
 
-GPU_SPECIFIC = ("dra_gpu.plugin", "dra_gpu.discovery", "dra_gpu.model", "dra_gpu.api", "dra_gpu.slices")
+GPU_SPECIFIC = (
+    "dra_gpu.plugin",
+    "dra_gpu.discovery",
+    "dra_gpu.simnode",
+    "dra_gpu.model",
+    "dra_gpu.api",
+    "dra_gpu.slices",
+)
 
 
 def test_the_layer_imports_nothing_gpu_specific() -> None:

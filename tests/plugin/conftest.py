@@ -17,13 +17,13 @@ import jsonschema
 import pytest
 import referencing
 
-from dra_gpu.discovery import discover_node
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
+from dra_gpu.simnode.fake import discover_node
 from tests.driver_root import make_root
 from tests.fake_node import create_simulated, fake_sharing
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from dra_gpu.discovery import discover, load_profile
-from dra_gpu.discovery.fake_nvml import FakeNvml
+from dra_gpu.discovery import discover
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.cdi import CdiSpecs
@@ -26,6 +25,8 @@ from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import MIG_GPU_INSTANCE, MIG_PLANNED
+from dra_gpu.simnode.fake_nvml import FakeNvml
+from dra_gpu.simnode.profiles import load_profile
 from plugin.conftest import DRIVER, NODE, ClaimStore, claim, validate_cdi
 from tests.driver_root import make_root
 from tests.fake_node import create_simulated
@@ -241,7 +242,7 @@ def test_an_instance_in_use_is_not_destroyed_and_the_claim_stays(node: Node) -> 
 
 def test_failpoints_and_simulated_failures_parse_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
     from dra_gpu import failpoints
-    from dra_gpu.discovery.fake_nvml import parse_failures
+    from dra_gpu.simnode.fake_nvml import parse_failures
 
     monkeypatch.setenv(failpoints.ENV, "a=error")
     with pytest.raises(failpoints.FailpointError):

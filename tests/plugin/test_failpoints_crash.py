@@ -70,7 +70,7 @@ def mps_pids(mps_root: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def h100_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dra_gpu.discovery import load_profile
+    from dra_gpu.simnode.profiles import load_profile
 
     return make_root(tmp_path_factory.mktemp("driver") / "root", load_profile("dgx-h100-mig").driver_version)
 

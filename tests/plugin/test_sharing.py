@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from dra_gpu.api import API_VERSION, decode
-from dra_gpu.discovery import discover_node
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
 from dra_gpu.plugin.driver_programs import DriverProgram
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
+from dra_gpu.simnode.fake import discover_node
 from plugin.conftest import (
     DRIVER,
     NODE,

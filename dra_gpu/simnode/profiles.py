@@ -2,8 +2,8 @@
 
 A profile is loaded by name (one of the files shipped in `profiles/`) or from a path, checked
 strictly, and served by the simulated driver's libnvidia-ml.so.1 built from it (`dra_gpu.simnode`;
-in pure unit tests, by `FakeNvml`). Every problem is reported with the file, the GPU and the
-field it is about.
+in in-process tests and benchmarks, by `FakeNvml`, `fake.py`). Every problem is reported with
+the file, the GPU and the field it is about.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class NodeProfile:
 def load_profile(name_or_path: str) -> NodeProfile:
     """Load a built-in profile by name, or a profile file by path."""
     if name_or_path in BUILTIN_PROFILES:
-        ref = resources.files("dra_gpu.discovery").joinpath(f"profiles/{name_or_path}.yaml")
+        ref = resources.files("dra_gpu.simnode").joinpath(f"profiles/{name_or_path}.yaml")
         return parse_profile(ref.read_text(encoding="utf-8"), source=f"{name_or_path}.yaml")
     path = Path(name_or_path)
     if not path.exists():

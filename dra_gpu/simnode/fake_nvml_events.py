@@ -1,9 +1,10 @@
 """The event and health half of the fake NVML: event sets that deliver injected events, a GPU
 that can be lost, and the recovery-action field.
 
-Kept apart from fake_nvml.py's inventory calls; FakeNvml mixes it in. The `inject_*` and
-`set_*` methods are not NVML: they are how a simulated node's XIDs, ECC errors, lost GPUs and
-recoveries get in (tests, and `dra-gpu health simulate` through the plugin's control socket).
+Kept apart from fake_nvml.py's inventory calls; FakeNvml mixes it in. The
+`inject_*` and `set_*` methods are not NVML: they are how XIDs, ECC errors, lost GPUs and
+recoveries get into the fake (in-process tests, the plugin's control socket among them; a
+simulated node's commands inject through `dra_gpu.simnode.inject`).
 Like NVML, `nvmlEventSetWait` blocks the calling thread until an event or the timeout.
 """
 

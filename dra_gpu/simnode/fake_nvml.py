@@ -20,16 +20,16 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from dra_gpu.discovery.fake_mig import Instance, MigStateError, SimulatedMig
-from dra_gpu.discovery.fake_nvml_events import FakeNvmlEvents
 from dra_gpu.discovery.nvml_compat import exported_in
-from dra_gpu.discovery.profiles import (
+from dra_gpu.durable import atomic_write
+from dra_gpu.simnode.fake_mig import Instance, MigStateError, SimulatedMig
+from dra_gpu.simnode.fake_nvml_events import FakeNvmlEvents
+from dra_gpu.simnode.profiles import (
     NODE_FAILURE_ENV,
     NVML_ERROR_CODES,
     GpuSpec,
     NodeProfile,
 )
-from dra_gpu.durable import atomic_write
 
 F = TypeVar("F", bound=Callable[..., Any])
 

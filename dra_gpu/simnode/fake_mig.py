@@ -23,8 +23,8 @@ from typing import Any
 
 import pynvml
 
-from dra_gpu.discovery.profiles import MEMORY_SLICES, GpuSpec, MigProfileSpec, NodeProfile
 from dra_gpu.durable import atomic_write
+from dra_gpu.simnode.profiles import MEMORY_SLICES, GpuSpec, MigProfileSpec, NodeProfile
 
 log = logging.getLogger(__name__)
 
