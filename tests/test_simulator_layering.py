@@ -25,6 +25,7 @@ def _under(module: str, package: str) -> bool:
 
 def test_the_graph_sees_the_simulator() -> None:
     graph = import_graph()
+    assert "dra_gpu.simnode.fake_nvml_mig" in graph["dra_gpu.simnode.fake_nvml"]
     assert "dra_gpu.simnode.fake_nvml_events" in graph["dra_gpu.simnode.fake_nvml"]
     assert "dra_gpu.simnode.fake_nvml" in graph["dra_gpu.simnode.fake"]
     assert "dra_gpu.simnode.profiles" in graph["dra_gpu.simnode.builder"]

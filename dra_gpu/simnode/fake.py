@@ -1,8 +1,8 @@
 """The Python fake of a simulated node, for in-process tests and benchmarks: the product never uses
 it (a node command on `--profile` loads the C library of `dra_gpu.simnode`, see README.md).
 
-`FakeNvml` is a pynvml-shaped stand-in serving a profile in-process (`fake_nvml.py`, with its event
-calls in `fake_nvml_events.py`, its MIG state in `fake_mig.py`).
+`FakeNvml` is a pynvml-shaped stand-in serving a profile in-process (`fake_nvml.py`, with its MIG
+and event calls in `fake_nvml_mig.py` and `fake_nvml_events.py`, its MIG state in `fake_mig.py`).
 """
 
 from __future__ import annotations

@@ -4,135 +4,41 @@ It has the same function names, returns the same pynvml ctypes structs and raise
 `NVMLError` subclasses as `pynvml`, so discovery runs unchanged against it. Constants, struct
 classes and exception classes are pynvml's own. An `nvml*` function the fake does not implement
 raises `NVMLError_FunctionNotFound`, as an old driver would, rather than reaching the real library.
+
+For in-process tests and benchmarks only (`dra_gpu.simnode.fake`): a simulated node's commands
+load the C library built from the same profile. Its MIG calls are in fake_nvml_mig.py, its event
+and health calls in fake_nvml_events.py, the handles and the call wrapper in fake_nvml_base.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
-import logging
 import os
 import uuid as uuidlib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pynvml
 
-from dra_gpu.discovery.nvml_compat import exported_in
 from dra_gpu.durable import atomic_write
-from dra_gpu.simnode.fake_mig import Instance, MigStateError, SimulatedMig
-from dra_gpu.simnode.fake_nvml_events import FakeNvmlEvents
-from dra_gpu.simnode.profiles import (
-    NODE_FAILURE_ENV,
-    NVML_ERROR_CODES,
-    GpuSpec,
-    NodeProfile,
+from dra_gpu.simnode.fake_mig import SimulatedMig
+from dra_gpu.simnode.fake_nvml_base import (
+    HOPPER,
+    _GpuHandle,
+    _MigHandle,
+    _nvml_call,
+    _pci_info,
+    _raise,
+    parse_failures,
 )
+from dra_gpu.simnode.fake_nvml_events import FakeNvmlEvents
+from dra_gpu.simnode.fake_nvml_mig import FakeNvmlMig
+from dra_gpu.simnode.profiles import NODE_FAILURE_ENV, NodeProfile
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-log = logging.getLogger(__name__)
-
-MAX_MIG_DEVICES = 7
-HOPPER = 9
-# Full-GI compute-instance profile index by compute slices (NVML_COMPUTE_INSTANCE_PROFILE_*).
-CI_PROFILE_BY_SLICES = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
+__all__ = ["FakeNvml", "parse_failures"]
 
 
-def parse_failures(text: str) -> dict[str, int]:
-    """`nvmlFunction=ErrorName,...` (names as in a profile's nvmlErrors) -> one-shot failures."""
-    out: dict[str, int] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        fn, _, err = item.partition("=")
-        if not fn.startswith("nvml") or err not in NVML_ERROR_CODES:
-            raise ValueError(
-                f"{NODE_FAILURE_ENV}: {item!r} is not nvmlFunction=Error "
-                f"(errors: {', '.join(sorted(NVML_ERROR_CODES))})"
-            )
-        out[fn] = NVML_ERROR_CODES[err]
-    return out
-
-
-class _GpuHandle:
-    def __init__(self, spec: GpuSpec) -> None:
-        self.spec = spec
-
-
-class _MigHandle:
-    def __init__(self, parent: _GpuHandle, instance: Instance) -> None:
-        self.parent = parent
-        self.instance = instance
-        self.spec = parent.spec  # errors injected on the parent apply to its MIG devices too
-
-
-class _GpuInstanceHandle:
-    def __init__(self, parent: _GpuHandle, instance: Instance) -> None:
-        self.parent = parent
-        self.instance = instance
-        self.spec = parent.spec
-
-
-class _ComputeInstanceHandle:
-    def __init__(self, gi: _GpuInstanceHandle) -> None:
-        self.gi = gi
-        self.instance = gi.instance
-        self.spec = gi.spec
-
-
-class _Process:
-    """What nvmlDeviceGetComputeRunningProcesses lists (the fields dra-gpu reads)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.usedGpuMemory = 0
-
-
-def _raise(code: int) -> None:
-    raise pynvml.NVMLError(code)
-
-
-def _pci_info(bus_id: str) -> Any:
-    """An nvmlPciInfo_t as NVML fills it: upper-case hex, 8-digit domain in `busId` (bytes)."""
-    info = pynvml.nvmlPciInfo_t()
-    dom, bus, rest = bus_id.split(":")
-    dev, fn = rest.split(".")
-    info.busId = f"{int(dom, 16):08X}:{int(bus, 16):02X}:{int(dev, 16):02X}.{fn}".encode()
-    info.domain, info.bus, info.device = int(dom, 16), int(bus, 16), int(dev, 16)
-    return info
-
-
-def _nvml_call(fn: F) -> F:
-    """Checks init state and the profile's injected errors before the call."""
-
-    @functools.wraps(fn)
-    def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
-        if not self._initialised:
-            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
-        handle = args[0] if args else None
-        spec = getattr(handle, "spec", None)
-        code = self._fail_once.pop(fn.__name__, None)
-        if code is not None:
-            _raise(code)
-        if isinstance(spec, GpuSpec):
-            code = spec.nvml_errors.get(fn.__name__, spec.nvml_errors.get("*"))
-            if code is not None:
-                _raise(code)
-        self._check_lost(handle)  # a simulated lost GPU (health events)
-        code = self.profile.nvml_errors.get(fn.__name__)
-        if code is not None:
-            _raise(code)
-        try:
-            return fn(self, *args, **kwargs)
-        except MigStateError as exc:
-            log.info("simulated nvml refused call=%s reason=%s", fn.__name__, exc)
-            raise pynvml.NVMLError(exc.code) from exc
-
-    return wrapper  # type: ignore[return-value]
-
-
-class FakeNvml(FakeNvmlEvents):
+class FakeNvml(FakeNvmlMig, FakeNvmlEvents):
     """Drop-in for the `pynvml` module, backed by a NodeProfile.
 
     `root`: the simulated node's root; its MIG state is kept there (see fake_mig) and survives
@@ -346,212 +252,6 @@ class FakeNvml(FakeNvmlEvents):
 
     def nvmlDeviceGetAttributes(self, h: Any) -> Any:
         return self.nvmlDeviceGetAttributes_v2(h)
-
-    # -- MIG -----------------------------------------------------------------------------------
-
-    @_nvml_call
-    def nvmlDeviceGetMigMode(self, h: _GpuHandle) -> list[int]:
-        if not h.spec.mig_capable:
-            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        mode = int(h.spec.mig_enabled)
-        return [mode, mode]
-
-    @_nvml_call
-    def nvmlDeviceGetMaxMigDeviceCount(self, h: _GpuHandle) -> int:
-        if not h.spec.mig_capable:
-            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return MAX_MIG_DEVICES if h.spec.mig_enabled else 0  # a real H200 says 0 when disabled
-
-    def _mig_devices(self, h: _GpuHandle) -> list[Instance]:
-        """Instances with a compute instance, i.e. MIG devices, in GPU-instance order."""
-        return sorted((i for i in self.mig.gpus[h.spec.uuid] if i.ci_id is not None), key=lambda i: i.gi_id)
-
-    @_nvml_call
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: _GpuHandle, index: int) -> _MigHandle:
-        if not 0 <= index < MAX_MIG_DEVICES:
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        devices = self._mig_devices(h)
-        if index >= len(devices):
-            _raise(pynvml.NVML_ERROR_NOT_FOUND)
-        return _MigHandle(h, devices[index])
-
-    @_nvml_call
-    def nvmlDeviceIsMigDeviceHandle(self, h: Any) -> ctypes.c_uint:
-        return ctypes.c_uint(1 if isinstance(h, _MigHandle) else 0)  # pynvml returns the c_uint
-
-    @_nvml_call
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: _MigHandle) -> _GpuHandle:
-        if not isinstance(h, _MigHandle):
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return h.parent
-
-    @_nvml_call
-    def nvmlDeviceGetGpuInstanceId(self, h: _MigHandle) -> int:
-        if not isinstance(h, _MigHandle):
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return h.instance.gi_id
-
-    @_nvml_call
-    def nvmlDeviceGetComputeInstanceId(self, h: _MigHandle) -> int:
-        if not isinstance(h, _MigHandle):
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return int(h.instance.ci_id or 0)
-
-    @_nvml_call
-    def nvmlDeviceGetComputeRunningProcesses(self, h: Any) -> list[_Process]:
-        if isinstance(h, _MigHandle):
-            return [_Process(pid) for pid in h.instance.processes]
-        if isinstance(h, _GpuHandle):
-            return [_Process(pid) for i in self.mig.gpus[h.spec.uuid] for pid in i.processes]
-        _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        raise AssertionError("unreachable")
-
-    @_nvml_call
-    def nvmlDeviceGetGpuInstanceById(self, h: _GpuHandle, gi_id: int) -> _GpuInstanceHandle:
-        if not h.spec.mig_capable:
-            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        for inst in self.mig.gpus[h.spec.uuid]:
-            if inst.gi_id == gi_id:
-                return _GpuInstanceHandle(h, inst)
-        _raise(pynvml.NVML_ERROR_NOT_FOUND)
-        raise AssertionError("unreachable")
-
-    def _live(self, gi: Any) -> Instance:
-        """The instance behind a GI/CI handle; a destroyed one is an invalid argument, as in NVML."""
-        if not isinstance(gi, _GpuInstanceHandle | _ComputeInstanceHandle):
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if gi.instance not in self.mig.gpus[gi.spec.uuid]:
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return gi.instance  # type: ignore[no-any-return]
-
-    @_nvml_call
-    def nvmlGpuInstanceGetInfo(self, gi: _GpuInstanceHandle) -> Any:
-        inst = self._live(gi)
-        p = self.profile.mig_profiles[inst.profile]
-        info = pynvml.c_nvmlGpuInstanceInfo_t()
-        info.id, info.profileId = inst.gi_id, p.profile_id
-        info.placement.start, info.placement.size = inst.placement, p.placement_size
-        return info
-
-    def _profile_info(self, h: _GpuHandle, match: Callable[[Any], bool]) -> Any:
-        if not h.spec.mig_capable:
-            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        for p in self.profile.mig_profiles.values():
-            if match(p):
-                info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
-                info.version = 0  # the driver leaves it zero (seen on an H200)
-                info.id, info.sliceCount = p.profile_id, p.slice_count
-                info.instanceCount = p.max_instances
-                info.multiprocessorCount, info.memorySizeMB = p.multiprocessors, p.memory_mib
-                info.copyEngineCount, info.decoderCount = p.copy_engines, p.decoders
-                info.encoderCount, info.jpegCount, info.ofaCount = p.encoders, p.jpeg, p.ofa
-                info.name = f"MIG {p.name}".encode()
-                return info
-        _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-
-    @_nvml_call
-    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: _GpuHandle, profile: int, version: int = 2) -> Any:
-        if version not in (1, 2):
-            _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        return self._profile_info(h, lambda p: p.index == profile)
-
-    @_nvml_call
-    def nvmlDeviceGetGpuInstanceProfileInfoById(self, h: _GpuHandle, profile_id: int) -> Any:
-        # Its C symbol (...ByIdV) first ships with driver 580: older libraries lack it.
-        if not exported_in("nvmlDeviceGetGpuInstanceProfileInfoByIdV", self.profile.driver_version):
-            _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        return self._profile_info(h, lambda p: p.profile_id == profile_id)
-
-    @_nvml_call
-    def nvmlDeviceGetGpuInstancePossiblePlacements(
-        self, h: _GpuHandle, profile_id: int, placements_ref: Any, count_ref: Any
-    ) -> int:
-        """Every placement of the profile, used or not (as NVML documents); the caller allocates.
-        A null `placements_ref` asks for the count only."""
-        if not h.spec.mig_capable:
-            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        spec = self.mig.spec(profile_id)
-        count = getattr(count_ref, "_obj", count_ref)  # byref(c_uint) or the c_uint itself
-        if placements_ref is None:
-            count.value = len(spec.placements)
-            return int(pynvml.NVML_SUCCESS)
-        if count.value < len(spec.placements):
-            count.value = len(spec.placements)
-            _raise(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        for i, start in enumerate(spec.placements):
-            placements_ref[i].start, placements_ref[i].size = start, spec.placement_size
-        count.value = len(spec.placements)
-        return int(pynvml.NVML_SUCCESS)
-
-    @_nvml_call
-    def nvmlDeviceCreateGpuInstanceWithPlacement(
-        self, h: _GpuHandle, profile_id: int, placement: Any
-    ) -> _GpuInstanceHandle:
-        if not h.spec.mig_capable:
-            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        p = getattr(placement, "_obj", placement)  # byref(struct) or the struct
-        inst = self.mig.create_gpu_instance(h.spec, profile_id, int(p.start), int(p.size))
-        return _GpuInstanceHandle(h, inst)
-
-    @_nvml_call
-    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
-        self, gi: _GpuInstanceHandle, profile: int, eng_profile: int, version: int = 2
-    ) -> Any:
-        inst = self._live(gi)
-        if version not in (1, 2):
-            _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        spec = self.profile.mig_profiles[inst.profile]
-        found = next((n for n, idx in CI_PROFILE_BY_SLICES.items() if idx == profile), None)
-        if found is None or found > spec.slice_count or eng_profile != 0:
-            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        slices = int(found or 0)
-        info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
-        info.id, info.sliceCount = profile, slices
-        info.instanceCount = spec.slice_count // max(slices, 1)
-        info.multiprocessorCount = spec.multiprocessors * slices // max(spec.slice_count, 1)
-        info.name = f"{slices}c.{spec.name}".encode()
-        return info
-
-    @_nvml_call
-    def nvmlGpuInstanceCreateComputeInstance(self, gi: _GpuInstanceHandle, profile_id: int) -> Any:
-        inst = self._live(gi)
-        slices = next((n for n, idx in CI_PROFILE_BY_SLICES.items() if idx == profile_id), None)
-        if slices is None:
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        self.mig.create_compute_instance(gi.spec, inst, int(slices))  # type: ignore[arg-type]
-        return _ComputeInstanceHandle(gi)
-
-    @_nvml_call
-    def nvmlGpuInstanceGetComputeInstanceById(self, gi: _GpuInstanceHandle, ci_id: int) -> Any:
-        inst = self._live(gi)
-        if inst.ci_id is None or inst.ci_id != ci_id:
-            _raise(pynvml.NVML_ERROR_NOT_FOUND)
-        return _ComputeInstanceHandle(gi)
-
-    @_nvml_call
-    def nvmlComputeInstanceGetInfo(self, ci: _ComputeInstanceHandle) -> Any:
-        inst = self._live(ci)
-        if inst.ci_id is None:
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        spec = self.profile.mig_profiles[inst.profile]
-        info = pynvml.c_nvmlComputeInstanceInfo_t()
-        info.id, info.profileId = int(inst.ci_id or 0), CI_PROFILE_BY_SLICES.get(spec.slice_count, 0)
-        info.placement.start, info.placement.size = 0, spec.slice_count
-        return info
-
-    @_nvml_call
-    def nvmlComputeInstanceDestroy(self, ci: _ComputeInstanceHandle) -> int:
-        inst = self._live(ci)
-        if inst.ci_id is None:
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        self.mig.destroy_compute_instance(ci.spec, inst)
-        return int(pynvml.NVML_SUCCESS)
-
-    @_nvml_call
-    def nvmlGpuInstanceDestroy(self, gi: _GpuInstanceHandle) -> int:
-        inst = self._live(gi)
-        self.mig.destroy_gpu_instance(gi.spec, inst)
-        return int(pynvml.NVML_SUCCESS)
 
     # -- NVLink and topology -------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The event and health half of the fake NVML: event sets that deliver injected events, a GPU
 that can be lost, and the recovery-action field.
 
-Kept apart from fake_nvml.py's inventory calls; FakeNvml mixes it in. The
+Kept apart from fake_nvml.py's inventory calls; FakeNvml mixes it in, beside fake_nvml_mig. The
 `inject_*` and `set_*` methods are not NVML: they are how XIDs, ECC errors, lost GPUs and
 recoveries get into the fake (in-process tests, the plugin's control socket among them; a
 simulated node's commands inject through `dra_gpu.simnode.inject`).
