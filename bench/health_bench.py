@@ -27,6 +27,7 @@ from typing import Any
 import pynvml
 from prometheus_client import CollectorRegistry
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.discovery import discover
 from dra_gpu.health.node import HealthConfig, HealthNode, taint_key
 from dra_gpu.kube import RESOURCE_V1, Kube
@@ -47,8 +48,11 @@ def tainted(obj: dict[str, Any], device: str) -> bool:
 async def latency(kube: Kube, events: int, plugin_dir: Path) -> list[float]:
     nvml, pcie_root = simulated_nvml(load_profile("hgx-2x4"))  # the in-process fake
     inv = discover(nvml, NODE, pcie_root)
-    health = HealthNode(HealthConfig(check_interval=5.0), DRIVER, inv, plugin_dir, CollectorRegistry(), nvml)
-    driver = GpuDriver(DRIVER, NODE, inv, preparer=None, health=health.manager)  # type: ignore[arg-type]
+    catalog = DeviceCatalog.build(inv)
+    health = HealthNode(
+        HealthConfig(check_interval=5.0), DRIVER, catalog, plugin_dir, CollectorRegistry(), nvml
+    )
+    driver = GpuDriver(DRIVER, NODE, catalog, preparer=None, health=health.manager)  # type: ignore[arg-type]
     pub = SlicePublisher(kube, DRIVER, NODE, driver.resource_slices, PluginMetrics())
     await pub.start()
     health.subscribe(pub.refresh)
@@ -81,7 +85,9 @@ async def latency(kube: Kube, events: int, plugin_dir: Path) -> list[float]:
 async def idle_cpu(seconds: float, plugin_dir: Path) -> float:
     nvml, pcie_root = simulated_nvml(load_profile("hgx-2x4"))
     inv = discover(nvml, NODE, pcie_root)
-    health = HealthNode(HealthConfig(), DRIVER, inv, plugin_dir, CollectorRegistry(), nvml)
+    health = HealthNode(
+        HealthConfig(), DRIVER, DeviceCatalog.build(inv), plugin_dir, CollectorRegistry(), nvml
+    )
     await health.start()
     await asyncio.sleep(1)
     c0, t0 = time.process_time(), time.monotonic()

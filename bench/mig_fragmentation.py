@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from dra_gpu.controller.allocator import place  # noqa: E402
 from dra_gpu.controller.allocator_view import Cluster  # noqa: E402
 from dra_gpu.controller.rules import Validator  # noqa: E402
+from dra_gpu.device_catalog import DeviceCatalog  # noqa: E402
 from dra_gpu.dynamic_mig import PLACEMENT_ORDERS, Device, PlacementOrder  # noqa: E402
 from dra_gpu.model import DEFAULT_DRIVER_NAME as DRIVER  # noqa: E402
 from dra_gpu.model import Gpu  # noqa: E402
@@ -105,7 +106,7 @@ def claim_spec(profile: str) -> dict[str, Any]:
 
 def run(order: str, arrivals: list[Arrival]) -> dict[str, Any]:
     inventory = discover_node(NODE, "dgx-h100-mig", dynamic_mig=True)
-    slices = SliceBuilder(inventory, DRIVER, order=ORDERS[order]).slices()
+    slices = SliceBuilder(DeviceCatalog.build(inventory, order=ORDERS[order]), DRIVER).slices()
     env = Validator(DRIVER, slices, [MIG_CLASS]).env
     cluster = Cluster(env, slices, {"mig.dra-gpu.io": MIG_CLASS}, set())
     specs = {p: claim_spec(p) for p, _ in MIX}

@@ -23,6 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dra_gpu.api import API_VERSION
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
@@ -82,7 +83,7 @@ async def run(rounds: int, work: Path, cache: Path) -> None:
     preparer = Preparer(
         DRIVER,
         NODE,
-        inventory,
+        DeviceCatalog.build(inventory),
         Checkpoint(work / "plugin" / "checkpoint.json"),
         CdiSpecs(work / "cdi", DRIVER),
         DeviceNodes(dev_root),

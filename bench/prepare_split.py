@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.prepare_bench import bench_profile  # noqa: E402
+from dra_gpu.device_catalog import DeviceCatalog  # noqa: E402
 from dra_gpu.kubeletplugin.driver import ClaimRef  # noqa: E402
 from dra_gpu.plugin.cdi import CdiSpecs  # noqa: E402
 from dra_gpu.plugin.checkpoint import Checkpoint  # noqa: E402
@@ -90,7 +91,7 @@ def setup(work: Path) -> tuple[Preparer, list[ClaimRef]]:
     preparer = Preparer(
         DRIVER,
         NODE,
-        inventory,
+        DeviceCatalog.build(inventory),
         Checkpoint(work / "plugin" / "checkpoint.json", boot_id="bench"),
         CdiSpecs(work / "cdi", DRIVER),
         DeviceNodes(work / "devroot"),

@@ -1,4 +1,5 @@
-"""Inventory -> resource.k8s.io/v1 ResourceSlice objects (plain dicts, ready for the API).
+"""The node's DeviceCatalog -> resource.k8s.io/v1 ResourceSlice objects (plain dicts, ready for
+the API).
 
 One pool per node, named after the node. Devices get stable DNS-label names derived from the PCI
 address. The API's limits are enforced here, before anything is sent, with errors that name the
@@ -20,14 +21,13 @@ from dra_gpu.attributes import (
     cuda_version,
     normalise_version,
 )
+from dra_gpu.device_catalog import SHARE_MEMORY_STEP, CatalogDevice, DeviceCatalog, DeviceKind
 from dra_gpu.dynamic_mig import (
     FAILED_CONDITION,
     READY_CONDITION,
-    PlacementOrder,
     consumes,
     counter_set,
     placement_consumption,
-    two_ended_order,
 )
 from dra_gpu.kubernetes_values import (
     DNS_LABEL,
@@ -50,10 +50,9 @@ MAX_CONSUMES_ENTRIES = 2
 MAX_STRING_VALUE = 64
 MAX_VERSION_VALUE = 64
 INT64 = (-(2**63), 2**63 - 1)
-# Memory shares (consumable capacity): requests are rounded up to whole GiB; a claim that asks
-# for no memory gets all of it (a whole GPU), one that asks for no compute share gets no
-# reserved share (its work is time-shared with the other shares').
-SHARE_MEMORY_STEP = 1 << 30
+# Memory shares (consumable capacity): requests are rounded up to whole GiB (SHARE_MEMORY_STEP); a
+# claim that asks for no memory gets all of it (a whole GPU), one that asks for no compute share
+# gets no reserved share (its work is time-shared with the other shares').
 COMPUTE_SHARE_TOTAL = 100
 
 
@@ -104,21 +103,14 @@ def share_capacity(memory_bytes: int) -> dict[str, dict[str, Any]]:
 
 
 class SliceBuilder:
-    """Builds the devices and slices of one node for one driver."""
+    """Builds the devices and slices of one node for one driver, from the node's catalog."""
 
-    def __init__(
-        self,
-        inventory: Inventory,
-        driver: str = DEFAULT_DRIVER_NAME,
-        memory_shares: bool = False,
-        order: PlacementOrder = two_ended_order,
-    ) -> None:
+    def __init__(self, catalog: DeviceCatalog, driver: str = DEFAULT_DRIVER_NAME) -> None:
         if not DNS_SUBDOMAIN.match(driver) or len(driver) > 63:
             raise SliceLimitError(f"driver name {driver!r}: must be a DNS subdomain of <= 63 chars")
-        self.inv = inventory
+        self.catalog = catalog
+        self.inv = catalog.inventory
         self.driver = driver
-        self.memory_shares = memory_shares  # whole GPUs allocatable to several claims by memory
-        self.order = order
         self.node_versions = self._node_versions()
 
     def _node_versions(self) -> dict[str, dict[str, Any]]:
@@ -153,7 +145,8 @@ class SliceBuilder:
             attrs[f"{STANDARD_DOMAIN}/pcieRoot"] = _standard_attribute("pcieRoot", gpu.pcie_root)
         return attrs
 
-    def gpu_device(self, gpu: Gpu) -> dict[str, Any]:
+    def gpu_device(self, gpu: Gpu, shared: bool = False) -> dict[str, Any]:
+        """A whole GPU; `shared`: allocatable to several claims by memory (memory shares)."""
         attrs: dict[str, dict[str, Any]] = {
             "type": _attribute("type", "gpu"),
             "uuid": _attribute("uuid", gpu.uuid),
@@ -170,7 +163,7 @@ class SliceBuilder:
         if gpu.multiprocessors is not None:
             capacity["multiprocessors"] = _capacity("multiprocessors", str(gpu.multiprocessors))
         device: dict[str, Any] = {"name": gpu.device_name, "attributes": attrs, "capacity": capacity}
-        if self.memory_shares and gpu.memory_bytes is not None and gpu.memory_bytes >= SHARE_MEMORY_STEP:
+        if shared and gpu.memory_bytes is not None and gpu.memory_bytes >= SHARE_MEMORY_STEP:
             device["allowMultipleAllocations"] = True
             capacity.update(share_capacity(gpu.memory_bytes))
             # Unconstrained capacities default to all of it per allocation: it would stop sharing.
@@ -232,26 +225,21 @@ class SliceBuilder:
             "bindingFailureConditions": [FAILED_CONDITION],
         }
 
-    def dynamic_devices(self, gpus: list[Gpu]) -> list[dict[str, Any]]:
-        """Dynamic-MIG GPUs: every placement (not the whole GPU: in MIG mode it runs no CUDA work
-        without an instance; see dra_gpu.dynamic_mig)."""
-        return [self.placement_device(gpu, placement) for gpu, placement in self.order(gpus)]
+    def device(self, device: CatalogDevice) -> dict[str, Any]:
+        """The published object of one of the catalog's devices."""
+        if device.kind is DeviceKind.PLACEMENT:
+            assert device.placement is not None
+            return self.placement_device(device.gpu, device.placement)
+        if device.kind is DeviceKind.MIG:
+            assert device.mig is not None
+            return self.mig_device(device.gpu, device.mig)
+        return self.gpu_device(device.gpu, device.shared)
 
     def device_groups(self) -> list[list[dict[str, Any]]]:
         """Devices in the scheduler's first-fit order, grouped so a group starts a new slice:
-        whole GPUs, pre-made MIG devices, then the dynamic-MIG devices."""
-        gpus = sorted(self.inv.gpus, key=lambda g: g.index)
-        groups = [[self.gpu_device(g) for g in gpus if not g.mig_enabled]]
-        groups.append(
-            [
-                self.mig_device(g, m)
-                for g in gpus
-                if g.mig_enabled and not g.dynamic_mig
-                for m in g.mig_devices
-            ]
-        )
-        groups.append(self.dynamic_devices([g for g in gpus if g.dynamic_mig]))
-        groups = [g for g in groups if g]
+        whole GPUs, pre-made MIG devices, then the dynamic-MIG devices (every placement; not the
+        whole GPU: in MIG mode it runs no CUDA work without an instance, see dra_gpu.dynamic_mig)."""
+        groups = [[self.device(d) for d in group] for group in self.catalog.groups()]
         names: set[str] = set()
         for group in groups:
             for dev in group:
@@ -267,14 +255,11 @@ class SliceBuilder:
 
     def counter_sets(self) -> list[dict[str, Any]]:
         out = []
-        for gpu in sorted(self.inv.gpus, key=lambda g: g.index):
-            if gpu.dynamic_mig:
-                cs = counter_set(gpu)
-                if len(cs["counters"]) > MAX_COUNTERS_PER_SET:  # type: ignore[arg-type]
-                    raise SliceLimitError(
-                        f"counter set {cs['name']}: more than {MAX_COUNTERS_PER_SET} counters"
-                    )
-                out.append(cs)
+        for gpu in sorted(self.catalog.dynamic_gpus, key=lambda g: g.index):
+            cs = counter_set(gpu)
+            if len(cs["counters"]) > MAX_COUNTERS_PER_SET:  # type: ignore[arg-type]
+                raise SliceLimitError(f"counter set {cs['name']}: more than {MAX_COUNTERS_PER_SET} counters")
+            out.append(cs)
         return out
 
     def slice_name(self, i: int) -> str:
@@ -353,7 +338,8 @@ def build_slices(
     taints: Mapping[str, list[dict[str, Any]]] | None = None,
     memory_shares: bool = False,
 ) -> list[dict[str, Any]]:
-    return SliceBuilder(inventory, driver, memory_shares).slices(generation, taints)
+    """The slices of an inventory's catalog (see DeviceCatalog.build)."""
+    return SliceBuilder(DeviceCatalog.build(inventory, memory_shares), driver).slices(generation, taints)
 
 
 def validate_device(dev: dict[str, Any]) -> None:

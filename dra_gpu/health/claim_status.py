@@ -26,9 +26,9 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.kube import Kube, KubeError
-from dra_gpu.model import Gpu, Inventory, MigDevice
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +60,19 @@ class ClaimStatusWriter:
         self,
         kube: Kube,
         driver_name: str,
-        inventory: Inventory,
+        catalog: DeviceCatalog,
         health: HealthManager | None,
         prepared_claims: Callable[[], list[tuple[str, str, str, list[dict[str, Any]]]]],
         retry_initial: float = 0.2,
         prepared_delay: float = PREPARED_DELAY_S,
     ) -> None:
-        """`prepared_claims`: (namespace, name, uid, devices as the checkpoint stores them)."""
+        """`catalog`: the node's devices (a device it does not list gets no status entry);
+        `prepared_claims`: (namespace, name, uid, ClaimRecord.status_devices())."""
         self.kube = kube
         self.driver = driver_name
         self.health = health
         self.prepared_claims = prepared_claims
-        self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
-        for gpu in inventory.gpus:
-            if not gpu.mig_enabled:
-                self.devices[gpu.device_name] = (gpu, None)
-            for mig in gpu.mig_devices:
-                self.devices[gpu.mig_device_name(mig)] = (gpu, mig)
+        self.catalog = catalog
         self._written: dict[str, str] = {}  # claim uid -> the status last applied (JSON)
         # claim uid -> (device, condition type) -> (its status, since when)
         self._since: dict[str, dict[tuple[str, str], tuple[str, float]]] = {}
@@ -92,16 +88,16 @@ class ClaimStatusWriter:
         self._pending: dict[str, asyncio.Task[None]] = {}  # claim uid -> its write in flight
         self._wire = asyncio.Semaphore(WRITES_IN_FLIGHT)
 
-    def data(self, device: str) -> dict[str, Any]:
-        gpu, mig = self.devices[device]
-        out: dict[str, Any] = {
-            "uuid": mig.uuid if mig else gpu.uuid,
-            "productName": gpu.product_name,
-            "index": gpu.index,
-            "minor": gpu.minor,
-        }
-        if mig is not None:
-            out.update(migProfile=mig.profile, parentUUID=gpu.uuid)
+    def data(self, device: str, mig_uuid: str | None = None) -> dict[str, Any]:
+        """`mig_uuid`: a dynamic-MIG device's instance, as its claim's record has it."""
+        d = self.catalog[device]
+        gpu = d.gpu
+        uuid = d.mig.uuid if d.mig is not None else mig_uuid if d.is_mig else gpu.uuid
+        out: dict[str, Any] = {"productName": gpu.product_name, "index": gpu.index, "minor": gpu.minor}
+        if uuid is not None:
+            out = {"uuid": uuid, **out}
+        if d.is_mig:
+            out.update(migProfile=d.profile, parentUUID=gpu.uuid)
         return out
 
     def _condition(
@@ -125,14 +121,14 @@ class ClaimStatusWriter:
         entries = []
         for d in devices:
             device = str(d["deviceName"])
-            if device not in self.devices:
+            if device not in self.catalog:
                 continue
             healthy, message = verdicts.get(device, (True, ""))
             entry: dict[str, Any] = {
                 "driver": self.driver,
                 "pool": str(d["poolName"]),
                 "device": device,
-                "data": self.data(device),
+                "data": self.data(device, d.get("migUUID")),
                 "conditions": [
                     self._condition(uid, device, "Ready", True, "Prepared", "prepared on the node"),
                     self._condition(

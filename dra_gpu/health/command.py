@@ -108,7 +108,11 @@ def add_health_command(sub: Any) -> None:
     c.add_argument("device")
     s = ops.add_parser("simulate", help="simulated node only: make its simulated kernel report an event")
     s.add_argument("event", choices=SIMULATED_EVENTS)
-    s.add_argument("--gpu", required=True, help="GPU index, UUID or device name; or a MIG device's")
+    s.add_argument(
+        "--gpu",
+        required=True,
+        help="GPU index, UUID or device name; or a MIG device's or a dynamic-MIG placement's",
+    )
     s.add_argument("--xid", type=int, help="the XID (event xid)")
     s.add_argument("--action", help="event recovery-action: none, gpu-reset, node-reboot, ...")
     s.add_argument("--gi", type=int, help="GPU-instance ID of the event (MIG)")

@@ -22,10 +22,11 @@ from typing import Any
 
 import pynvml
 
+from dra_gpu.device_catalog import DeviceCatalog, MadeInstances
 from dra_gpu.health.classification import Effect
 from dra_gpu.health.manager import RECOVERY_ACTIONS, HealthManager
 from dra_gpu.health.monitor import NO_ID
-from dra_gpu.model import Gpu, Inventory
+from dra_gpu.model import Gpu
 from dra_gpu.simnode.node import SimulatedEvents
 
 log = logging.getLogger(__name__)
@@ -41,25 +42,27 @@ class ControlError(ValueError):
     """A request the plugin refuses; the message names the field."""
 
 
-def _find_gpu(inventory: Inventory, target: str) -> tuple[Gpu, int, int]:
-    """(GPU, gi, ci) for a GPU index, UUID or device name, or a MIG device's UUID or name."""
-    for gpu in inventory.gpus:
+def _find_gpu(catalog: DeviceCatalog, target: str, made: MadeInstances) -> tuple[Gpu, int, int]:
+    """(GPU, gi, ci) for a GPU index, UUID or device name, a MIG device's UUID or name, or a
+    dynamic-MIG placement's name (its instance's IDs while a claim holds one, else the GPU's)."""
+    for gpu in catalog.gpus:
         if target in (str(gpu.index), gpu.uuid, gpu.device_name):
             return gpu, NO_ID, NO_ID
         for mig in gpu.mig_devices:
             if target in (mig.uuid, gpu.mig_device_name(mig)):
                 return gpu, mig.gpu_instance_id, mig.compute_instance_id
-    known = ", ".join(f"{g.index}={g.device_name}" for g in inventory.gpus)
+    device = catalog.get(target)
+    if device is not None and device.placement is not None:
+        held = [gi for (uuid, gi), name in made.items() if uuid == device.gpu.uuid and name == target]
+        return device.gpu, held[0] if held else NO_ID, NO_ID
+    known = ", ".join(f"{g.index}={g.device_name}" for g in catalog.gpus)
     raise ControlError(f"gpu: {target!r} is no GPU index, UUID or device name of this node ({known})")
 
 
 class ControlServer:
-    def __init__(
-        self, path: Path, manager: HealthManager, inventory: Inventory, events: SimulatedEvents | None
-    ) -> None:
+    def __init__(self, path: Path, manager: HealthManager, events: SimulatedEvents | None) -> None:
         self.path = path
         self.manager = manager
-        self.inventory = inventory
         self.events = events  # None on a real node
         self._server: asyncio.AbstractServer | None = None
 
@@ -139,7 +142,8 @@ class ControlServer:
                 "on a simulated node (--profile)"
             )
         event = req.get("event")
-        gpu, gi, ci = _find_gpu(self.inventory, str(req.get("gpu", "")))
+        made = self.manager.made_instances() if self.manager.made_instances is not None else {}
+        gpu, gi, ci = _find_gpu(self.manager.catalog, str(req.get("gpu", "")), made)
         if req.get("gi") is not None:
             gi, ci = int(req["gi"]), int(req.get("ci", NO_ID) if req.get("ci") is not None else NO_ID)
         kernel, uuid = self.events, gpu.uuid

@@ -1,10 +1,11 @@
 """Turns the monitor's observations into device taints and kubelet health, on the event loop.
 
 Observations come from the monitor's threads through a queue; each is mapped to the published
-devices it concerns (a whole GPU; for a GPU in MIG mode, the MIG device its GPU/compute-instance
-IDs name, or all of its MIG devices for a parent-level event), classified, and recorded in the
-taint book. A change notifies the subscribers (the slice publisher, the health stream). A periodic
-tick clears the taints whose hold-down has passed.
+devices it concerns (the node's DeviceCatalog says which: a whole GPU; for a GPU in MIG mode, the
+MIG device or dynamic-MIG placement its GPU/compute-instance IDs name, or all of its MIG devices
+or placements for a parent-level event), classified, and recorded in the taint book. A change
+notifies the subscribers (the slice publisher, the health stream). A periodic tick clears the
+taints whose hold-down has passed.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from dra_gpu.device_catalog import DeviceCatalog, MadeInstances
 from dra_gpu.health.classification import Classifier, Effect, EventKind, Verdict
 from dra_gpu.health.monitor import NO_ID, Observation, Seen
 from dra_gpu.health.taint_book import TaintBook
-from dra_gpu.model import Inventory
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,6 @@ RECOVERY_ACTIONS = {
     6: "bus-reset",
     7: "system-reboot",
 }
-
-
-@dataclass(frozen=True)
-class DeviceRef:
-    name: str
-    gpu_instance: int = NO_ID
-    compute_instance: int = NO_ID
 
 
 class HealthMetrics:
@@ -72,13 +65,18 @@ class HealthMetrics:
 class HealthManager:
     def __init__(
         self,
-        inventory: Inventory,
+        catalog: DeviceCatalog,
         taint_key: str,
         book: TaintBook,
         classifier: Classifier,
         registry: CollectorRegistry,
         tick: float = 1.0,
+        made_instances: Callable[[], MadeInstances] | None = None,
     ) -> None:
+        """`made_instances`: the dynamic-MIG instances claims hold now (GPU UUID, GPU-instance
+        ID) -> placement device; None: none are made on this node."""
+        self.catalog = catalog
+        self.made_instances = made_instances
         self.taint_key = taint_key
         self.book = book
         self.classifier = classifier
@@ -87,15 +85,6 @@ class HealthManager:
         self.lost: set[str] = set()  # GPU UUIDs
         self.unmonitored: set[str] = set()
         self.failing: set[tuple[str, str]] = set()  # (GPU UUID, call) failing since its last answer
-        self.by_gpu: dict[str, list[DeviceRef]] = {}
-        for gpu in inventory.gpus:
-            if gpu.mig_enabled:
-                self.by_gpu[gpu.uuid] = [
-                    DeviceRef(gpu.mig_device_name(m), m.gpu_instance_id, m.compute_instance_id)
-                    for m in gpu.mig_devices
-                ]
-            else:
-                self.by_gpu[gpu.uuid] = [DeviceRef(gpu.device_name)]
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         self.subscribers: list[Callable[[], Awaitable[object]]] = []
         self.last_change = 0.0  # monotonic, for the benchmark
@@ -104,10 +93,10 @@ class HealthManager:
             self.metrics.healthy.labels(name).set(0 if name in book.tainted() else 1)
 
     def device_names(self) -> list[str]:
-        return [d.name for refs in self.by_gpu.values() for d in refs]
+        return self.catalog.names()
 
     def gpu_uuids(self) -> list[str]:
-        return list(self.by_gpu)
+        return [g.uuid for g in self.catalog.gpus]
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -120,15 +109,11 @@ class HealthManager:
         self._loop.call_soon_threadsafe(self.queue.put_nowait, obs)
 
     def devices_of(self, obs: Observation) -> list[str]:
-        refs = self.by_gpu.get(obs.gpu_uuid, [])
-        if obs.gpu_instance != NO_ID and any(r.gpu_instance != NO_ID for r in refs):
-            return [
-                r.name
-                for r in refs
-                if r.gpu_instance == obs.gpu_instance
-                and (obs.compute_instance == NO_ID or r.compute_instance == obs.compute_instance)
-            ]
-        return [r.name for r in refs]  # a parent-level event: the GPU, or all its MIG devices
+        """The devices an observation concerns (DeviceCatalog.reached_by)."""
+        gi = None if obs.gpu_instance == NO_ID else obs.gpu_instance
+        ci = None if obs.compute_instance == NO_ID else obs.compute_instance
+        made = self.made_instances() if gi is not None and self.made_instances is not None else None
+        return self.catalog.reached_by(obs.gpu_uuid, gi, ci, made)
 
     def handle(self, obs: Observation) -> bool:
         """Apply one observation; True when the taints changed."""
@@ -243,7 +228,7 @@ class HealthManager:
     def health(self) -> dict[str, tuple[bool, str]]:
         """device -> (healthy, message)."""
         out: dict[str, tuple[bool, str]] = {}
-        lost_devices = {r.name for u in self.lost for r in self.by_gpu.get(u, [])}
+        lost_devices = {d.name for u in self.lost for d in self.catalog.of_gpu(u)}
         for name in self.device_names():
             state = self.book.devices[name]
             if state.tainted:

@@ -14,12 +14,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from dra_gpu.device_catalog import DeviceCatalog, MadeInstances
 from dra_gpu.health.classification import Classifier
 from dra_gpu.health.control import SOCKET_NAME, ControlServer
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Monitor
 from dra_gpu.health.taint_book import HoldDown, TaintBook
-from dra_gpu.model import Inventory
 from dra_gpu.simnode.node import SimulatedEvents
 
 log = logging.getLogger(__name__)
@@ -46,33 +46,32 @@ class HealthNode:
         self,
         cfg: HealthConfig,
         driver_name: str,
-        inventory: Inventory,
+        catalog: DeviceCatalog,
         plugin_dir: Path,
         registry: CollectorRegistry,
         nvml: Any,
         events: SimulatedEvents | None = None,
+        made_instances: Callable[[], MadeInstances] | None = None,
     ) -> None:
-        """`nvml`: the node's (pynvml bound to its driver root's library); `events`: a simulated
-        node's event injection (None on a real node)."""
+        """`catalog`: the node's published devices, each of which health can taint; `nvml`: the
+        node's (pynvml bound to its driver root's library); `events`: a simulated node's event
+        injection (None on a real node); `made_instances`: the dynamic-MIG instances claims
+        hold (see HealthManager)."""
         self.cfg = cfg
         self._nvml = nvml
-        self.book = TaintBook(
-            plugin_dir / STATE_FILE,
-            [g.device_name for g in inventory.gpus if not g.mig_enabled]
-            + [g.mig_device_name(m) for g in inventory.gpus if g.mig_enabled for m in g.mig_devices],
-            cfg.hold_down,
-        )
+        self.book = TaintBook(plugin_dir / STATE_FILE, catalog.names(), cfg.hold_down)
         self.manager = HealthManager(
-            inventory,
+            catalog,
             taint_key(driver_name),
             self.book,
             cfg.classifier,
             registry,
             tick=min(1.0, cfg.check_interval),
+            made_instances=made_instances,
         )
         self.nvml: Any = None  # while the monitor holds NVML initialised
         self.monitor: Monitor | None = None
-        self.control = ControlServer(plugin_dir / SOCKET_NAME, self.manager, inventory, events)
+        self.control = ControlServer(plugin_dir / SOCKET_NAME, self.manager, events)
         self._task: asyncio.Task[None] | None = None
 
     def subscribe(self, callback: Callable[[], Awaitable[object]]) -> None:

@@ -185,6 +185,16 @@ class ClaimMig:
             if m.gi_id is not None
         }
 
+    def made_instances(self) -> dict[tuple[str, int], str]:
+        """(GPU UUID, GPU-instance ID) -> the placement device whose instance it is, for every
+        instance a claim records (health: an event NVML attributes to it taints that device)."""
+        return {
+            (m.parent_uuid, m.gi_id): m.device
+            for r in self.journal.records()
+            for m in r.mig_steps
+            if m.gi_id is not None
+        }
+
     def destroy_orphans(self) -> int:
         """Destroy MIG instances on dynamic-MIG GPUs that no claim records, unless in use."""
         if self.mig is None:

@@ -1,19 +1,19 @@
 """The GPU driver as the kubelet-plugin layer sees it: the Preparer for claims, the node's
-Inventory for the ResourceSlices and the devices whose health is reported (the health manager's
-taints go into the slices and its verdicts into the kubelet's health stream)."""
+DeviceCatalog for the ResourceSlices and the devices whose health is reported (the health
+manager's taints go into the slices and its verdicts into the kubelet's health stream)."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.kubeletplugin.driver import ClaimRef, DeviceHealth, Health
-from dra_gpu.model import Inventory
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import PreparedDevice
-from dra_gpu.slices import build_slices
+from dra_gpu.slices import SliceBuilder
 
 
 class GpuDriver:
@@ -21,24 +21,20 @@ class GpuDriver:
         self,
         driver_name: str,
         node_name: str,
-        inventory: Inventory,
+        catalog: DeviceCatalog,
         preparer: Preparer,
         health: HealthManager | None = None,
         claim_status: ClaimStatusWriter | None = None,
-        memory_shares: bool = False,  # whole GPUs shareable by memory (consumable capacity)
     ) -> None:
         self.health = health
         self.claim_status = claim_status
         self.driver_name = driver_name
-        self.memory_shares = memory_shares
         self.pool_name = node_name  # one pool per node, named after it
-        self.inventory = inventory
+        self.catalog = catalog
+        self.slices = SliceBuilder(catalog, driver_name)
+        self.slices.device_groups()  # the apiserver's limits, checked once at start
         self.preparer = preparer
-        self.device_names = [
-            d["name"]
-            for s in build_slices(inventory, driver_name, memory_shares=memory_shares)
-            for d in s["spec"].get("devices") or []
-        ]
+        self.device_names = catalog.names()
 
     def _in_flight(self) -> contextlib.AbstractContextManager[None]:
         """Claim statuses wait while a prepare or unprepare is in flight."""
@@ -48,7 +44,9 @@ class GpuDriver:
         with self._in_flight():
             devices = await self.preparer.prepare(claim)
         if self.claim_status is not None:
-            self.claim_status.prepared(claim.namespace, claim.name, claim.uid, [d.to_dict() for d in devices])
+            record = self.preparer.journal.get(claim.uid)
+            status = record.status_devices() if record is not None else [d.to_dict() for d in devices]
+            self.claim_status.prepared(claim.namespace, claim.name, claim.uid, status)
         return devices
 
     async def unprepare(self, claim: ClaimRef) -> None:
@@ -62,7 +60,7 @@ class GpuDriver:
 
     def resource_slices(self, generation: int) -> list[dict[str, Any]]:
         taints = self.health.slice_taints() if self.health is not None else None
-        return build_slices(self.inventory, self.driver_name, generation, taints, self.memory_shares)
+        return self.slices.slices(generation, taints)
 
     def device_health(self) -> list[DeviceHealth]:
         """The health monitor's verdicts; every device healthy when no monitor runs."""

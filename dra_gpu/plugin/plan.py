@@ -18,8 +18,9 @@ from typing import Any
 
 from dra_gpu.api import ConfigError, GpuConfig, decode
 from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
-from dra_gpu.model import Gpu, Inventory, MigDevice, MigPlacement
+from dra_gpu.model import Gpu, MigDevice, MigPlacement
 from dra_gpu.plugin.allocation import Allocation, ShapeError
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
@@ -78,13 +79,14 @@ _Configs = list[tuple[list[str], GpuConfig, str]]  # (requests, config, where)
 
 
 class Planner:
-    """The node's devices and everything a plan reads (device nodes, the driver's files)."""
+    """The node's devices (its catalog) and everything a plan reads (device nodes, the driver's
+    files)."""
 
     def __init__(
         self,
         driver: str,
         node_name: str,
-        inventory: Inventory,
+        catalog: DeviceCatalog,
         cdi: CdiSpecs,
         nodes: DeviceNodes,
         driver_files: DriverFiles,
@@ -96,18 +98,13 @@ class Planner:
         self.nodes = nodes
         self.driver_files = driver_files
         self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
-        self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {}
-        self.placements: dict[str, tuple[Gpu, MigPlacement]] = {}
-        self.dynamic_gpus = [g for g in inventory.gpus if g.dynamic_mig]
-        for gpu in inventory.gpus:
-            if not gpu.mig_enabled:  # a MIG-mode GPU runs no CUDA work whole (dynamic MIG too)
-                self.devices[gpu.device_name] = (gpu, None)
-            if gpu.dynamic_mig:
-                for p in gpu.mig_placements():
-                    self.placements[gpu.mig_name(p.profile.name, p.start)] = (gpu, p)
-            else:
-                for made in gpu.mig_devices:
-                    self.devices[gpu.mig_device_name(made)] = (gpu, made)
+        self.catalog = catalog
+        # Whole GPUs and MIG devices made beforehand; dynamic MIG placements (made on demand).
+        self.devices: dict[str, tuple[Gpu, MigDevice | None]] = {
+            d.name: (d.gpu, d.mig) for d in catalog if d.placement is None
+        }
+        self.placements: dict[str, tuple[Gpu, MigPlacement]] = catalog.placements()
+        self.dynamic_gpus = catalog.dynamic_gpus
 
     def allocated_here(self, claim: Mapping[str, Any]) -> set[str]:
         """The devices of this node's pool the claim's allocation holds."""

@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from dra_gpu import failpoints
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.model import Inventory, MigDevice
+from dra_gpu.model import MigDevice
 from dra_gpu.plugin.allocation import Allocation
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
@@ -60,7 +61,7 @@ class Preparer:
         self,
         driver: str,
         node_name: str,
-        inventory: Inventory,
+        catalog: DeviceCatalog,
         checkpoint: Checkpoint,
         cdi: CdiSpecs,
         nodes: DeviceNodes,
@@ -77,7 +78,7 @@ class Preparer:
         self.cache = cache  # the prepare path's claims; the sweeper always asks the apiserver
         self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
         self.mig = mig
-        self.planner = Planner(driver, node_name, inventory, cdi, nodes, driver_files, sharing)
+        self.planner = Planner(driver, node_name, catalog, cdi, nodes, driver_files, sharing)
         if self.planner.placements and mig is None:
             raise ValueError("dynamic MIG needs NVML's MIG calls (MigInstances)")
         self.journal = Journal(checkpoint, cdi)

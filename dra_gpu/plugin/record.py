@@ -252,6 +252,18 @@ class ClaimRecord:
         """The devices the claim holds (those held for admin access excepted)."""
         return {d.device_name for d in self.devices if not d.admin_access}
 
+    def status_devices(self) -> list[dict[str, Any]]:
+        """The devices as the claim's status is written from them: as recorded, and a dynamic-MIG
+        device's instance UUID (`migUUID`) once made."""
+        made = {m.device: m.uuid for m in self.mig_steps if m.uuid is not None}
+        out = []
+        for d in self.devices:
+            entry = d.to_dict()
+            if d.device_name in made:
+                entry["migUUID"] = made[d.device_name]
+            out.append(entry)
+        return out
+
     @property
     def settled(self) -> bool:
         """Completed or bound: kept across restarts (anything else is rolled back)."""

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube, small_tls_read_buffers
@@ -83,7 +84,9 @@ class KubeletPlugin:
         # device nodes are made first, under its dev root).
         backend = await asyncio.to_thread(open_backend, cfg.profile, cfg.driver_root, cfg.dev_root)
         inventory = await asyncio.to_thread(backend.discover, cfg.node_name, cfg.dynamic_mig)
-        dynamic_mig = any(g.dynamic_mig for g in inventory.gpus)
+        # The node's devices, derived once for the slices, prepare, health and claim status.
+        catalog = DeviceCatalog.build(inventory, cfg.memory_shares)
+        dynamic_mig = bool(catalog.dynamic_gpus)
         # Always: a claim prepared while dynamic MIG was on keeps its instances after it is turned
         # off, and its unprepare must still destroy them.
         mig = await asyncio.to_thread(MigInstances, backend.nvml)
@@ -106,7 +109,7 @@ class KubeletPlugin:
         preparer = Preparer(
             cfg.driver,
             cfg.node_name,
-            inventory,
+            catalog,
             checkpoint,
             CdiSpecs(cfg.cdi_dir, cfg.driver),
             DeviceNodes(cfg.dev_root, modprobe=find_modprobe(backend.driver_root)),
@@ -123,26 +126,25 @@ class KubeletPlugin:
         health = HealthNode(
             cfg.health,
             cfg.driver,
-            inventory,
+            catalog,
             cfg.plugin_dir,
             self.metrics.registry,
             backend.nvml,
             backend.events,
+            made_instances=preparer.instances.made_instances,
         )
         claim_status = None
         if cfg.health.claim_status:
 
             def prepared_claims() -> list[tuple[str, str, str, list[dict[str, Any]]]]:
                 return [
-                    (r.namespace, r.name, r.uid, [d.to_dict() for d in r.devices])
+                    (r.namespace, r.name, r.uid, r.status_devices())
                     for r in checkpoint.records()
                     if r.state == COMPLETED
                 ]
 
-            claim_status = ClaimStatusWriter(kube, cfg.driver, inventory, health.manager, prepared_claims)
-        driver = GpuDriver(
-            cfg.driver, cfg.node_name, inventory, preparer, health.manager, claim_status, cfg.memory_shares
-        )
+            claim_status = ClaimStatusWriter(kube, cfg.driver, catalog, health.manager, prepared_claims)
+        driver = GpuDriver(cfg.driver, cfg.node_name, catalog, preparer, health.manager, claim_status)
         helper = KubeletPluginHelper(cfg.driver, cfg.node_name, driver, kube, cfg.sockets, self.metrics)
         await helper.start()
         health.subscribe(helper.publisher.refresh)

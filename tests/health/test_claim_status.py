@@ -9,6 +9,7 @@ from typing import Any
 from fake_kube import until
 from prometheus_client import CollectorRegistry
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.claim_status import WRITES_IN_FLIGHT, ClaimStatusWriter
 from dra_gpu.health.classification import Classifier, EventKind
 from dra_gpu.health.manager import HealthManager
@@ -44,7 +45,9 @@ def one_gpu_writer(kube: RecordingKube, **kwargs: Any) -> tuple[ClaimStatusWrite
     """A writer for hgx-2x4 without a health monitor, and the devices of a one-GPU claim."""
     inv = discover_node("node-a", "hgx-2x4")
     devices = [{"deviceName": inv.gpus[0].device_name, "poolName": "node-a"}]
-    writer = ClaimStatusWriter(kube, DRIVER, inv, None, lambda: [("ns", "c", "uid-1", devices)], **kwargs)  # type: ignore[arg-type]
+    writer = ClaimStatusWriter(
+        kube, DRIVER, DeviceCatalog.build(inv), None, lambda: [("ns", "c", "uid-1", devices)], **kwargs
+    )  # type: ignore[arg-type]
     return writer, devices
 
 
@@ -53,17 +56,20 @@ def test_status_follows_prepare_and_health(tmp_path: Path) -> None:
         inv = discover_node("node-a", "dgx-a100-mig")
         gpu = inv.gpus[1]
         mig = gpu.mig_devices[2]
-        names = [g.device_name for g in inv.gpus if not g.mig_enabled]
-        names += [g.mig_device_name(m) for g in inv.gpus for m in g.mig_devices]
+        catalog = DeviceCatalog.build(inv)
         manager = HealthManager(
-            inv, f"{DRIVER}/unhealthy", TaintBook(None, names), Classifier(), CollectorRegistry()
+            catalog,
+            f"{DRIVER}/unhealthy",
+            TaintBook(None, catalog.names()),
+            Classifier(),
+            CollectorRegistry(),
         )
         kube = RecordingKube(fail=[503])  # a transient failure is retried
         devices = [{"deviceName": gpu.mig_device_name(mig), "poolName": "node-a", "shareId": "s-1"}]
         writer = ClaimStatusWriter(
             kube,  # type: ignore[arg-type]
             DRIVER,
-            inv,
+            catalog,
             manager,
             lambda: [("ns", "c", "uid-1", devices)],
         )

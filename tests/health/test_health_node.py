@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dra_gpu.cli import main
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.control import SOCKET_NAME, request
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.health.taint_book import HoldDown
@@ -62,7 +63,9 @@ async def start(profile: str, plugin_dir: Path, hold: float = 0.3) -> Node:
     )
     backend = open_backend(profile, None, plugin_dir / "simulated-root")  # the node's one NVML
     inventory = backend.discover("node-a")
-    health = HealthNode(cfg, DRIVER, inventory, plugin_dir, registry, backend.nvml, backend.events)
+    health = HealthNode(
+        cfg, DRIVER, DeviceCatalog.build(inventory), plugin_dir, registry, backend.nvml, backend.events
+    )
     node = Node(health, registry, plugin_dir)
     health.subscribe(node.changed)
     await health.start()

@@ -8,6 +8,7 @@ from typing import Any
 
 import pynvml
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.classification import EventKind
 from dra_gpu.health.monitor import Monitor, Observation, Seen
 from dra_gpu.simnode.fake import FakeNvml
@@ -105,7 +106,9 @@ def test_only_a_lost_gpu_taints_other_nvml_errors_are_retried_and_counted() -> N
     inv = discover_node("node-a", "hgx-2x4")
     registry = CollectorRegistry()
     names = [g.device_name for g in inv.gpus]
-    manager = HealthManager(inv, "gpu.dra-gpu.io/unhealthy", TaintBook(None, names), Classifier(), registry)
+    manager = HealthManager(
+        DeviceCatalog.build(inv), "gpu.dra-gpu.io/unhealthy", TaintBook(None, names), Classifier(), registry
+    )
     nvml = Flaky(load_profile("hgx-2x4"))
     nvml.nvmlInit()
     first, second = (g.uuid for g in nvml.profile.gpus[:2])

@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 import referencing
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
@@ -117,7 +118,15 @@ def make_core(
     mps_root = mps_root or Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
     sharing = fake_sharing(mps_root, driver_files, PROFILE, root / "devroot")
     preparer = Preparer(
-        DRIVER, NODE, inventory, checkpoint, cdi, DeviceNodes(root / "devroot"), claims, driver_files, sharing
+        DRIVER,
+        NODE,
+        DeviceCatalog.build(inventory),
+        checkpoint,
+        cdi,
+        DeviceNodes(root / "devroot"),
+        claims,
+        driver_files,
+        sharing,
     )
     return PluginCore(root, inventory, claims, checkpoint, cdi, preparer, driver_root, mps_root)
 

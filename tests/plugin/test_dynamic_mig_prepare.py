@@ -14,6 +14,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.discovery import discover
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.model import Inventory
@@ -76,7 +77,7 @@ def start_node(
     preparer = Preparer(
         DRIVER,
         NODE,
-        inventory,
+        DeviceCatalog.build(inventory),
         checkpoint,
         cdi,
         DeviceNodes(dev_root),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dra_gpu.api.v1alpha1 import API_VERSION
+from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.discovery import discover
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import CdiSpecs
@@ -59,7 +60,7 @@ def test_an_mps_claim_on_a_dynamic_mig_instance(
     preparer = Preparer(
         DRIVER,
         NODE,
-        inventory,
+        DeviceCatalog.build(inventory),
         Checkpoint(tmp_path / "plugin" / "checkpoint.json", boot_id="boot-1"),
         CdiSpecs(tmp_path / "cdi", DRIVER),
         DeviceNodes(dev_root),

@@ -34,7 +34,7 @@ async def with_servers(core: PluginCore, body: Any) -> Any:
     sock_dir = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))  # unix paths must be < 108 bytes
     try:
         metrics = PluginMetrics()
-        node = NodeService(GpuDriver(DRIVER, NODE, core.inventory, core.preparer), metrics)
+        node = NodeService(GpuDriver(DRIVER, NODE, core.preparer.planner.catalog, core.preparer), metrics)
         dra = sock_dir / "dra.sock"
         dra.write_text("stale socket from a previous run")
         dra_server = await serve_unix(

@@ -83,7 +83,9 @@ class Fuzz:
         self.loop.run_until_complete(self._start())
 
     async def _start(self) -> None:
-        node = NodeService(GpuDriver(DRIVER, NODE, self.core.inventory, self.core.preparer), PluginMetrics())
+        node = NodeService(
+            GpuDriver(DRIVER, NODE, self.core.preparer.planner.catalog, self.core.preparer), PluginMetrics()
+        )
         self.dra = self.sock_dir / "dra.sock"
         self.server = await serve_unix(
             self.dra,
