@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,10 +27,6 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
-
-
-def default_node_name() -> str:
-    return os.environ.get("NODE_NAME") or socket.gethostname().lower()
 
 
 def _flag(value: str | None) -> bool:
@@ -171,7 +166,7 @@ def _add_node_commands(sub: Any) -> None:
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     from dra_gpu.discovery import NvmlUnavailableError
     from dra_gpu.health.command import health_config
-    from dra_gpu.node_flags import dev_root, driver_root
+    from dra_gpu.node_settings import NodeSettings
     from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
     from dra_gpu.plugin.server import PluginConfig, run
     from dra_gpu.simnode.node import SimulatedNodeError
@@ -180,28 +175,17 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
         return EXIT_USAGE
-    plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
-    cfg = PluginConfig(
-        node_name=args.node_name,
-        driver=args.driver_name,
-        profile=args.profile,
-        kubeconfig=args.kubeconfig,
-        plugin_dir=plugin_dir,
-        registry_dir=Path(args.registry_dir),
-        cdi_dir=Path(args.cdi_dir),
-        dev_root=dev_root(args.dev_root, plugin_dir, args.profile),
-        http_address=args.http_address,
-        driver_root=driver_root(args.driver_root),
-        host_driver_root=args.host_driver_root,
-        cdi_hook_path=args.cdi_hook_path,
-        sweep_interval=args.sweep_interval,
-        sweep_grace=args.sweep_grace,
-        memory_shares=args.memory_shares,
-        claim_watch=args.claim_watch,
-        dynamic_mig=args.dynamic_mig,
-    )
     try:
-        cfg.health = health_config(args)
+        cfg = PluginConfig(
+            node=NodeSettings.from_args(args),
+            kubeconfig=args.kubeconfig,
+            http_address=args.http_address,
+            cdi_hook_path=args.cdi_hook_path,
+            sweep_interval=args.sweep_interval,
+            sweep_grace=args.sweep_grace,
+            health=health_config(args),
+            claim_watch=args.claim_watch,
+        )
         cfg.check()
         return run(cfg)
     except (CheckpointVersionError, CheckpointRebuildError) as exc:
@@ -222,19 +206,18 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     from dra_gpu.discovery.driver_install import discover_installation
     from dra_gpu.inventory_report import render
     from dra_gpu.node_backend import open_backend
-    from dra_gpu.node_flags import driver_root
+    from dra_gpu.node_settings import NodeSettings
     from dra_gpu.simnode.node import SimulatedNodeError
     from dra_gpu.simnode.profiles import BUILTIN_PROFILES, ProfileError
     from dra_gpu.slices import SliceLimitError, build_slices
 
-    node = args.node_name or default_node_name()
+    node = NodeSettings.from_args(args)
     try:
         # A simulated node's device nodes go into a directory of this run only (its boot state).
         with tempfile.TemporaryDirectory(prefix="dra-gpu-inventory-") as scratch:
-            backend = open_backend(
-                args.profile, driver_root(args.driver_root), Path(scratch if args.profile else "/")
-            )
-            inventory = backend.discover(node, dynamic_mig=args.dynamic_mig)
+            dev_root = Path(scratch) if node.simulated else node.dev_root
+            backend = open_backend(node.profile, node.driver_root, dev_root, node.cache_dir)
+            inventory = backend.discover(node.node_name, dynamic_mig=node.dynamic_mig)
     except SimulatedNodeError as exc:
         print(f"dra-gpu: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -253,7 +236,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.slices:
         try:
-            slices = build_slices(inventory, args.driver_name, memory_shares=args.memory_shares)
+            slices = build_slices(inventory, node.driver, memory_shares=node.memory_shares)
         except SliceLimitError as exc:
             print(f"dra-gpu: cannot build ResourceSlices: {exc}", file=sys.stderr)
             return EXIT_INVALID

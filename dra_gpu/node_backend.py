@@ -20,9 +20,8 @@ from typing import Any
 from dra_gpu.discovery.nvml_discovery import discover
 from dra_gpu.discovery.nvml_library import load_nvml
 from dra_gpu.model import Inventory
+from dra_gpu.node_settings import REAL_DRIVER_ROOT
 from dra_gpu.simnode.node import SimulatedEvents, prepare_simulated_node
-
-REAL_DRIVER_ROOT = Path("/")
 
 
 @dataclass(frozen=True)
@@ -42,17 +41,19 @@ class NodeBackend:
         return discover(self.nvml, node_name, self.pcie_root, dynamic_mig)
 
 
-def open_backend(profile: str | None, driver_root: Path | None, dev_root: Path) -> NodeBackend:
+def open_backend(
+    profile: str | None, driver_root: Path | None, dev_root: Path, cache_dir: Path | None = None
+) -> NodeBackend:
     """The node's backend. `profile`: a simulated node (a built-in name or a file), prepared under
-    `dev_root` with `driver_root` or, when None, its simulated driver root (built on first use).
-    Real node: NVML of `driver_root` (default "/").
+    `dev_root` with `driver_root` or, when None, its simulated driver root (built on first use in
+    `cache_dir`). Real node: NVML of `driver_root` (default "/").
 
     NvmlUnavailableError: no NVML in the driver root; ProfileError: an invalid profile;
     SimulatedNodeError: a simulated node that cannot be had (says what is missing)."""
     if profile is None:
         root = driver_root or REAL_DRIVER_ROOT
         return NodeBackend(load_nvml(root), root, dev_root)
-    node = prepare_simulated_node(profile, dev_root, driver_root)
+    node = prepare_simulated_node(profile, dev_root, driver_root, cache_dir)
     return NodeBackend(
         load_nvml(node.driver_root),
         node.driver_root,

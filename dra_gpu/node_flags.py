@@ -2,14 +2,14 @@
 
 `kubelet-plugin`, `doctor` and `health` must agree on them (doctor and health look at what a
 running plugin made), so each flag is declared once here and the commands pick the ones they use.
-Defaults are read from the environment when the parser is built, as in the plugin's DaemonSet.
+Defaults are read from the environment when the parser is built, as in the plugin's DaemonSet;
+what a flag left unset comes to is resolved once, in dra_gpu.node_settings.NodeSettings.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 from dra_gpu.model import DEFAULT_DRIVER_NAME
@@ -59,14 +59,3 @@ def add_node_flags(parser: argparse.ArgumentParser, *names: str) -> None:
     specs = _specs()
     for name in names or tuple(specs):
         parser.add_argument(f"--{name}", **specs[name])
-
-
-def driver_root(value: str | None) -> Path | None:
-    """--driver-root as a path; None when not given (the backend then picks "/" or, on a simulated
-    node, the profile's simulated driver)."""
-    return Path(value) if value else None
-
-
-def dev_root(value: str | None, plugin_dir: Path, profile: str | None) -> Path:
-    """--dev-root, else "/" (a simulated node: `<plugin dir>/simulated-root`)."""
-    return Path(value or (plugin_dir / "simulated-root" if profile else "/"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,7 @@ from dra_gpu.doctor.settings import (
     DEFAULT_CONTAINERD_CONFIG,
     DEFAULT_NODE_SELECTOR,
     ClusterSettings,
-    NodeSettings,
-    default_plugin_dir,
+    NodeCheckSettings,
 )
 from dra_gpu.node_flags import add_node_flags
 
@@ -70,20 +68,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     results: list[Result] = []
     if args.only != "cluster":
         from dra_gpu.doctor.node_checks import run_node_checks
-        from dra_gpu.node_flags import dev_root, driver_root
+        from dra_gpu.node_settings import NodeSettings
 
-        plugin_dir = Path(args.plugin_dir) if args.plugin_dir else default_plugin_dir(args.driver_name)
-        node = NodeSettings(
-            node_name=args.node_name or socket.gethostname().lower(),
-            driver=args.driver_name,
-            profile=args.profile,
-            plugin_dir=plugin_dir,
-            registry_dir=Path(args.registry_dir),
-            cdi_dir=Path(args.cdi_dir),
-            dev_root=dev_root(args.dev_root, plugin_dir, args.profile),
-            driver_root=driver_root(args.driver_root),
-            containerd_config=Path(args.containerd_config),
-            timeout=min(args.timeout, 5.0),
+        node = NodeCheckSettings.of(
+            NodeSettings.from_args(args), Path(args.containerd_config), timeout=min(args.timeout, 5.0)
         )
         results += run_node_checks(node)
     if args.only != "node":

@@ -24,7 +24,7 @@ from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_major
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
 from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
-from dra_gpu.doctor.settings import NodeSettings
+from dra_gpu.doctor.settings import NodeCheckSettings
 from dra_gpu.model import Inventory
 from dra_gpu.node_backend import open_backend
 from dra_gpu.simnode.node import SimulatedNodeError
@@ -37,21 +37,21 @@ _KERNEL_VERSION = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)
 _CAP_MINOR = re.compile(r"DeviceFileMinor:\s*(\d+)")
 
 
-def node_inventory(settings: NodeSettings) -> tuple[Inventory, Path]:
+def node_inventory(settings: NodeCheckSettings) -> tuple[Inventory, Path]:
     """The node's GPUs through its backend (the driver root's NVML) and that driver root.
 
     A simulated node's NVML is opened over device nodes of this run only (the profile's boot
     state): doctor looks at the nodes and files the plugin made under --dev-root, never makes them."""
     with tempfile.TemporaryDirectory(prefix="dra-gpu-doctor-") as scratch:
         dev_root = Path(scratch) if settings.profile else settings.dev_root
-        backend = open_backend(settings.profile, settings.driver_root, dev_root)
+        backend = open_backend(settings.profile, settings.driver_root, dev_root, settings.cache_dir)
         return backend.discover(settings.node_name), backend.driver_root
 
 
 class NodeFacts:
     """What discovery found once, shared by the checks (None and the reason when it failed)."""
 
-    def __init__(self, settings: NodeSettings) -> None:
+    def __init__(self, settings: NodeCheckSettings) -> None:
         self.settings = settings
         self.inventory: Inventory | None = None
         self.driver_root = settings.driver_root or Path("/")
@@ -455,7 +455,7 @@ NODE_CHECKS: tuple[tuple[str, Callable[[NodeFacts], Iterable[Result]]], ...] = (
 )
 
 
-def run_node_checks(settings: NodeSettings) -> list[Result]:
+def run_node_checks(settings: NodeCheckSettings) -> list[Result]:
     facts = NodeFacts(settings)
     if facts.inventory is None and facts.no_nvml and not facts.driver_present():
         why = (

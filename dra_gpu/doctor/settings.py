@@ -1,20 +1,19 @@
 """Where doctor looks: the same paths and names the kubelet plugin was started with.
 
-Defined here from the command-line flags (not imported from the plugin) so that doctor checks a
-node exactly as the plugin was configured, real or simulated, without depending on its internals.
+The node's part is the plugin's NodeSettings, resolved from the same flags by the same code, so
+doctor checks a node exactly as the plugin was configured, real or simulated, without depending on
+the plugin's internals; the node checks add containerd's config and their time limit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+
+from dra_gpu.node_settings import NodeSettings
 
 DEFAULT_NODE_SELECTOR = "nvidia.com/gpu.present=true"  # the chart's DaemonSet nodeSelector
 DEFAULT_CONTAINERD_CONFIG = "/etc/containerd/config.toml"
-
-
-def default_plugin_dir(driver: str) -> Path:
-    return Path(f"/var/lib/kubelet/plugins/{driver}")
 
 
 def mig_class_name(driver: str) -> str:
@@ -23,29 +22,16 @@ def mig_class_name(driver: str) -> str:
 
 
 @dataclass(frozen=True)
-class NodeSettings:
-    node_name: str
-    driver: str
-    profile: str | None  # a simulated node (its simulated driver's NVML)
-    plugin_dir: Path
-    registry_dir: Path
-    cdi_dir: Path
-    dev_root: Path  # root of dev/ and proc/: "/" on a real node
-    driver_root: Path | None  # the driver's user-space files; None: "/" (simulated: its own)
-    containerd_config: Path
+class NodeCheckSettings(NodeSettings):
+    """The node's settings and what only the node checks need."""
+
+    containerd_config: Path = Path(DEFAULT_CONTAINERD_CONFIG)
     timeout: float = 3.0  # seconds for each call to the plugin's sockets
 
-    @property
-    def dra_socket(self) -> Path:
-        return self.plugin_dir / "dra.sock"
-
-    @property
-    def registration_socket(self) -> Path:
-        return self.registry_dir / f"{self.driver}-reg.sock"
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.plugin_dir / "checkpoint.json"
+    @classmethod
+    def of(cls, node: NodeSettings, containerd_config: Path, timeout: float) -> NodeCheckSettings:
+        own = {f.name: getattr(node, f.name) for f in fields(NodeSettings)}
+        return cls(**own, containerd_config=containerd_config, timeout=timeout)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from dra_gpu.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
@@ -16,6 +15,7 @@ from dra_gpu.health.control import SIMULATED_EVENTS, SOCKET_NAME, request
 from dra_gpu.health.node import HealthConfig
 from dra_gpu.health.taint_book import HoldDown
 from dra_gpu.node_flags import add_node_flags
+from dra_gpu.node_settings import NodeSettings
 
 
 def add_health_flags(plug: argparse.ArgumentParser) -> None:
@@ -120,7 +120,7 @@ def add_health_command(sub: Any) -> None:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    plugin_dir = Path(args.plugin_dir or f"/var/lib/kubelet/plugins/{args.driver_name}")
+    plugin_dir = NodeSettings.from_args(args).plugin_dir
     body: dict[str, Any] = {"op": args.health_op}
     if args.health_op == "taint":
         body.update(device=args.device, effect=args.effect, cause=args.cause)

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import signal
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +23,7 @@ from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
 from dra_gpu.node_backend import open_backend
+from dra_gpu.node_settings import NodeSettings
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.claim_cache import ClaimCache
@@ -39,35 +39,31 @@ log = logging.getLogger(__name__)
 NOT_REGISTERED = "not ready: the kubelet has not confirmed the registration\n"
 
 
-@dataclass
+@dataclass(frozen=True)
 class PluginConfig:
-    node_name: str
-    driver: str
-    profile: str | None
-    kubeconfig: str | None
-    plugin_dir: Path
-    registry_dir: Path
-    cdi_dir: Path
-    dev_root: Path
-    http_address: str  # host:port; "" disables the HTTP endpoint
-    # The NVIDIA driver's files, as this process sees them; None: "/" (a simulated node: the
-    # profile's simulated driver, built on first use).
-    driver_root: Path | None = None
-    host_driver_root: str | None = None  # the same root as the container runtime sees it
+    """The node's settings and what only the plugin has."""
+
+    node: NodeSettings
+    kubeconfig: str | None = None  # None: in-cluster
+    http_address: str = ""  # host:port; "" disables the HTTP endpoint
     cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
-    dynamic_mig: bool = False  # publish MIG placements, create instances at prepare
     health: HealthConfig = field(default_factory=HealthConfig)
-    memory_shares: bool = False  # whole GPUs shareable by memory (consumable capacity)
     claim_watch: bool = True  # prepare reads claims from a watch (dynamic MIG watches anyway)
 
     @property
     def sockets(self) -> Sockets:
-        return Sockets.for_driver(self.driver, self.plugin_dir, self.registry_dir)
+        return Sockets.for_driver(self.node.driver, self.node.plugin_dir, self.node.registry_dir)
 
     def check(self) -> None:
         self.sockets.check()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 class KubeletPlugin:
@@ -78,14 +74,21 @@ class KubeletPlugin:
         self.ready = asyncio.Event()
 
     async def run(self) -> None:
-        cfg = self.cfg
+        """The composition root: each component is started, then its teardown registered on one
+        exit stack, so what started is stopped in the reverse order however the run ends. The
+        order of the starts is the reverse of the order of the stops: the health monitor first
+        (no more slice updates), then the kubelet's sockets (no more prepares), the claim watch,
+        the binder, the claim statuses, the sweeper, the HTTP endpoint and, last, the API client."""
+        cfg, node = self.cfg, self.cfg.node
         cfg.check()
         # One NVML for the whole plugin: the driver root's libnvidia-ml.so.1 (a simulated node's
         # device nodes are made first, under its dev root).
-        backend = await asyncio.to_thread(open_backend, cfg.profile, cfg.driver_root, cfg.dev_root)
-        inventory = await asyncio.to_thread(backend.discover, cfg.node_name, cfg.dynamic_mig)
+        backend = await asyncio.to_thread(
+            open_backend, node.profile, node.driver_root, node.dev_root, node.cache_dir
+        )
+        inventory = await asyncio.to_thread(backend.discover, node.node_name, node.dynamic_mig)
         # The node's devices, derived once for the slices, prepare, health and claim status.
-        catalog = DeviceCatalog.build(inventory, cfg.memory_shares)
+        catalog = DeviceCatalog.build(inventory, node.memory_shares)
         dynamic_mig = bool(catalog.dynamic_gpus)
         # Always: a claim prepared while dynamic MIG was on keeps its instances after it is turned
         # off, and its unprepare must still destroy them.
@@ -94,100 +97,97 @@ class KubeletPlugin:
             DriverFiles,
             backend.driver_root,
             inventory.driver_version,
-            cfg.host_driver_root,
+            node.host_driver_root,
             cfg.cdi_hook_path,
         )
-        kube = await Kube.connect(cfg.kubeconfig)
-        cfg.plugin_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint = await asyncio.to_thread(Checkpoint, cfg.plugin_dir / "checkpoint.json")
-        # One watch of the claims serves the prepare path and dynamic MIG's binding conditions.
-        claims = (
-            ClaimCache(kube, cfg.driver, cfg.node_name, backoff=BACKOFF)
-            if cfg.claim_watch or dynamic_mig
-            else None
-        )
-        preparer = Preparer(
-            cfg.driver,
-            cfg.node_name,
-            catalog,
-            checkpoint,
-            CdiSpecs(cfg.cdi_dir, cfg.driver),
-            DeviceNodes(cfg.dev_root, modprobe=find_modprobe(backend.driver_root)),
-            kube,
-            driver_files,
-            sharing=node_sharing(cfg.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env),
-            mig=mig,
-            cache=claims,
-        )
-        if checkpoint.rebuild_pending:  # the file was corrupt: records from the specs and the API
-            await preparer.rebuild(kube)
-        counts = await asyncio.to_thread(preparer.reconcile)
-        log.info("checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items()))
-        health = HealthNode(
-            cfg.health,
-            cfg.driver,
-            catalog,
-            cfg.plugin_dir,
-            self.metrics.registry,
-            backend.nvml,
-            backend.events,
-            made_instances=preparer.instances.made_instances,
-        )
-        claim_status = None
-        if cfg.health.claim_status:
+        async with contextlib.AsyncExitStack() as stack:
+            kube = await Kube.connect(cfg.kubeconfig)
+            stack.push_async_callback(kube.close)
+            node.plugin_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint = await asyncio.to_thread(Checkpoint, node.checkpoint)
+            # One watch of the claims serves the prepare path and dynamic MIG's binding conditions.
+            claims = (
+                ClaimCache(kube, node.driver, node.node_name, backoff=BACKOFF)
+                if cfg.claim_watch or dynamic_mig
+                else None
+            )
+            preparer = Preparer(
+                node.driver,
+                node.node_name,
+                catalog,
+                checkpoint,
+                CdiSpecs(node.cdi_dir, node.driver),
+                DeviceNodes(node.dev_root, modprobe=find_modprobe(backend.driver_root)),
+                kube,
+                driver_files,
+                sharing=node_sharing(node.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env),
+                mig=mig,
+                cache=claims,
+            )
+            if checkpoint.rebuild_pending:  # the file was corrupt: records from the specs and the API
+                await preparer.rebuild(kube)
+            counts = await asyncio.to_thread(preparer.reconcile)
+            log.info(
+                "checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items())
+            )
+            health = HealthNode(
+                cfg.health,
+                node.driver,
+                catalog,
+                node.plugin_dir,
+                self.metrics.registry,
+                backend.nvml,
+                backend.events,
+                made_instances=preparer.instances.made_instances,
+            )
+            claim_status = None
+            if cfg.health.claim_status:
 
-            def prepared_claims() -> list[tuple[str, str, str, list[dict[str, Any]]]]:
-                return [
-                    (r.namespace, r.name, r.uid, r.status_devices())
-                    for r in checkpoint.records()
-                    if r.state == COMPLETED
-                ]
+                def prepared_claims() -> list[tuple[str, str, str, list[dict[str, Any]]]]:
+                    return [
+                        (r.namespace, r.name, r.uid, r.status_devices())
+                        for r in checkpoint.records()
+                        if r.state == COMPLETED
+                    ]
 
-            claim_status = ClaimStatusWriter(kube, cfg.driver, catalog, health.manager, prepared_claims)
-        driver = GpuDriver(cfg.driver, cfg.node_name, catalog, preparer, health.manager, claim_status)
-        helper = KubeletPluginHelper(cfg.driver, cfg.node_name, driver, kube, cfg.sockets, self.metrics)
-        await helper.start()
-        health.subscribe(helper.publisher.refresh)
-        health.subscribe(helper.health_changed)
-        if claim_status is not None:
-            health.subscribe(claim_status.sync)
-        await health.start()
-        http = await self._start_http(helper)
-        sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
-        # Dynamic MIG: instances are made between allocation and binding (binding conditions).
-        binder = MigBinder(cfg.driver, cfg.node_name, preparer, kube) if dynamic_mig else None
-        if binder is not None and claims is not None:
-            claims.subscribe(binder.on_list, binder.on_event)
-        watching = asyncio.create_task(claims.run(), name="claim-watch") if claims is not None else None
-        log.info(
-            "kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
-            cfg.driver,
-            cfg.node_name,
-            cfg.sockets.dra,
-            cfg.sockets.registration,
-        )
-        self.ready.set()
-        helper.heap.once_idle()  # the start-up's garbage, once it has settled
-        try:
-            await self.stopping.wait()
-        finally:
-            log.info("kubelet plugin stopping")
-            await health.stop()
-            await helper.stop()
-            if watching is not None:
-                watching.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watching
-            if binder is not None:
-                await binder.stop()
-            if claim_status is not None:
-                await claim_status.close()
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+                claim_status = ClaimStatusWriter(kube, node.driver, catalog, health.manager, prepared_claims)
+            driver = GpuDriver(node.driver, node.node_name, catalog, preparer, health.manager, claim_status)
+            helper = KubeletPluginHelper(node.driver, node.node_name, driver, kube, cfg.sockets, self.metrics)
+            http = await self._start_http(helper)
             if http is not None:
-                await http.cleanup()
-            await kube.close()
+                stack.push_async_callback(http.cleanup)
+            sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
+            stack.push_async_callback(_cancel, sweeper)
+            if claim_status is not None:
+                stack.push_async_callback(claim_status.close)
+            # Dynamic MIG: instances are made between allocation and binding (binding conditions).
+            if dynamic_mig:
+                binder = MigBinder(node.driver, node.node_name, preparer, kube)
+                stack.push_async_callback(binder.stop)
+                if claims is not None:
+                    claims.subscribe(binder.on_list, binder.on_event)
+            if claims is not None:
+                watching = asyncio.create_task(claims.run(), name="claim-watch")
+                stack.push_async_callback(_cancel, watching)
+            await helper.start()
+            stack.push_async_callback(helper.stop)
+            health.subscribe(helper.publisher.refresh)
+            health.subscribe(helper.health_changed)
+            if claim_status is not None:
+                health.subscribe(claim_status.sync)
+            await health.start()
+            stack.push_async_callback(health.stop)
+            stack.callback(log.info, "kubelet plugin stopping")
+            log.info(
+                "kubelet plugin serving driver=%s node=%s dra_socket=%s registration_socket=%s",
+                node.driver,
+                node.node_name,
+                cfg.sockets.dra,
+                cfg.sockets.registration,
+            )
+            self.ready.set()
+            helper.heap.once_idle()  # the start-up's garbage, once it has settled
+            await self.stopping.wait()
 
     async def _sweep(self, preparer: Preparer) -> None:
         while True:

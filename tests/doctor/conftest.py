@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dra_gpu.doctor import node_checks
-from dra_gpu.doctor.settings import NodeSettings
+from dra_gpu.doctor.settings import NodeCheckSettings as NodeSettings
 from dra_gpu.model import Inventory
 from dra_gpu.simnode.fake import discover_node
 

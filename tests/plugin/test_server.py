@@ -20,6 +20,7 @@ from fake_kube import FakeApiServer
 from dra_gpu.kube import Kube
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.node_settings import NodeSettings
 from dra_gpu.plugin import server
 from dra_gpu.plugin.server import KubeletPlugin, PluginConfig
 from dra_gpu.simnode.builder import default_cache_dir, ensure_driver_root, nvml_library
@@ -63,16 +64,18 @@ def serve_a_simulated_node(tmp_path: Path) -> None:
     server.Kube.connect = classmethod(connect)  # type: ignore[method-assign,assignment]
     port = free_port()
     cfg = PluginConfig(
-        node_name=NODE,
-        driver=DRIVER,
-        profile="dgx-a100-mig",
+        NodeSettings(
+            node_name=NODE,
+            driver=DRIVER,
+            profile="dgx-a100-mig",
+            plugin_dir=tmp_path / "p",
+            registry_dir=tmp_path / "r",
+            cdi_dir=tmp_path / "cdi",
+            dev_root=tmp_path / "dev",
+            driver_root=None,  # the profile's simulated driver, built on first use
+        ),
         kubeconfig=None,
-        plugin_dir=tmp_path / "p",
-        registry_dir=tmp_path / "r",
-        cdi_dir=tmp_path / "cdi",
-        dev_root=tmp_path / "dev",
         http_address=f"127.0.0.1:{port}",
-        driver_root=None,  # the profile's simulated driver, built on first use
         sweep_interval=0.05,
     )
 
@@ -103,7 +106,7 @@ def serve_a_simulated_node(tmp_path: Path) -> None:
                 gpu3 = "gpu-0000-4e-00-0"
                 assert taints(gpu3) == []
                 simulate = await asyncio.create_subprocess_exec(
-                    DRA_GPU, "health", "--plugin-dir", str(cfg.plugin_dir), "simulate", "xid",
+                    DRA_GPU, "health", "--plugin-dir", str(cfg.node.plugin_dir), "simulate", "xid",
                     "--xid", "74", "--gpu", "3",
                 )  # fmt: skip
                 assert await simulate.wait() == 0
