@@ -101,7 +101,7 @@ async def run(rounds: int, work: Path, cache: Path) -> None:
             claims[("bench", c["metadata"]["name"])] = c
             ref = ClaimRef("bench", uid, c["metadata"]["name"])
             t0 = time.perf_counter()
-            await preparer.prepare(ref)
+            await preparer.prepare(ref, claims[(ref.namespace, ref.name)])
             t1 = time.perf_counter()
             await preparer.unprepare(ref)
             t2 = time.perf_counter()

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.prepare_bench import bench_profile  # noqa: E402
 from dra_gpu.device_catalog import DeviceCatalog  # noqa: E402
+from dra_gpu.kubeletplugin.claims import ClaimFetcher  # noqa: E402
 from dra_gpu.kubeletplugin.driver import ClaimRef  # noqa: E402
 from dra_gpu.plugin.cdi import CdiSpecs  # noqa: E402
 from dra_gpu.plugin.checkpoint import Checkpoint  # noqa: E402
@@ -125,13 +126,18 @@ def timed(
     return wrapped
 
 
+async def prepare(preparer: Preparer, ref: ClaimRef) -> None:
+    """As the kubelet-plugin layer does: the claim read (here from memory), then the prepare."""
+    await preparer.prepare(ref, await ClaimFetcher(preparer.claims).fetch(ref))
+
+
 async def run(preparer: Preparer, refs: list[ClaimRef], rounds: int) -> tuple[list[float], float]:
     total: list[float] = []
     cpu0 = time.process_time()
     for i in range(rounds):
         ref = refs[i % len(refs)]
         t = time.perf_counter()
-        await preparer.prepare(ref)
+        await prepare(preparer, ref)
         total.append(time.perf_counter() - t)
         await preparer.unprepare(ref)
     return total, (time.process_time() - cpu0) / rounds
@@ -139,7 +145,7 @@ async def run(preparer: Preparer, refs: list[ClaimRef], rounds: int) -> tuple[li
 
 async def inflight(preparer: Preparer, refs: list[ClaimRef]) -> float:
     t = time.perf_counter()
-    await asyncio.gather(*(preparer.prepare(r) for r in refs))
+    await asyncio.gather(*(prepare(preparer, r) for r in refs))
     wall = time.perf_counter() - t
     await asyncio.gather(*(preparer.unprepare(r) for r in refs))
     return len(refs) / wall

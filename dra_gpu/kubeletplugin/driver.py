@@ -1,7 +1,8 @@
 """What a DRA driver implements to plug into this layer (Go: kubeletplugin.DRAPlugin).
 
 The layer speaks the kubelet's protocols and the Kubernetes API; the driver only answers for
-claims, names the devices it publishes and says how healthy they are. One claim at a time: the
+claims (the layer reads each claim and checks its UID first, dra_gpu.kubeletplugin.claims), names
+the devices it publishes and says how healthy they are. One claim at a time: the
 layer fans a kubelet batch out concurrently, so one claim's failure or bug never fails the batch,
 and it counts and times every claim the same way for every driver.
 """
@@ -9,7 +10,7 @@ and it counts and times every claim the same way for every driver.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,8 +61,9 @@ class DeviceHealth:
 
 
 class Driver(Protocol):
-    async def prepare(self, claim: ClaimRef) -> Sequence[Device]:
-        """The claim's devices with their CDI IDs; idempotent. Raises ClaimError for a bad claim."""
+    async def prepare(self, ref: ClaimRef, claim: Mapping[str, Any]) -> Sequence[Device]:
+        """The claim's devices with their CDI IDs; idempotent. `claim`: the ResourceClaim as read
+        for this call, its UID the kubelet's. Raises ClaimError for a bad claim."""
         ...
 
     async def unprepare(self, claim: ClaimRef) -> None:

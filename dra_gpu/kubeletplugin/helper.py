@@ -28,6 +28,7 @@ from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.driver import Driver
 from dra_gpu.kubeletplugin.health import HEALTH_RESEND_SECONDS, HealthService
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
@@ -97,11 +98,13 @@ class KubeletPluginHelper:
         sockets: Sockets,
         metrics: PluginMetrics,
         health_resend_seconds: float = HEALTH_RESEND_SECONDS,
+        claims: ClaimFetcher | None = None,
     ) -> None:
+        """`claims`: where a prepare's claim is read; default: a GET through `kube`."""
         self.driver_name = driver_name
         self.sockets = sockets
         self.publisher = SlicePublisher(kube, driver_name, node_name, driver.resource_slices, metrics)
-        node = NodeService(driver, metrics)
+        node = NodeService(driver, claims or ClaimFetcher(kube), metrics)
         self.heap = node.heap
         self.health = HealthService(driver.device_health, health_resend_seconds)
         self.health_v1 = HealthService(driver.device_health, health_resend_seconds, pb=health_v1_pb)

@@ -1,8 +1,9 @@
 """The DRA node service (NodePrepareResources / NodeUnprepareResources), v1 and v1beta1.
 
 Both API versions call into one NodeService; only the message module differs. Each claim of a
-kubelet batch goes to the driver concurrently and gets its own answer: a ClaimError's message, or
-"internal error: ..." for anything else, so a bug fails one claim rather than the whole batch.
+kubelet batch is read (ClaimFetcher: its UID checked) and goes to the driver concurrently, and gets
+its own answer: a ClaimError's message, or "internal error: ..." for anything else, so a bug fails
+one claim rather than the whole batch.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef, Device, Driver
 from dra_gpu.kubeletplugin.heap_trim import HeapTrimmer
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
@@ -27,8 +29,11 @@ T = TypeVar("T")
 
 
 class NodeService:
-    def __init__(self, driver: Driver, metrics: PluginMetrics, heap: HeapTrimmer | None = None) -> None:
+    def __init__(
+        self, driver: Driver, claims: ClaimFetcher, metrics: PluginMetrics, heap: HeapTrimmer | None = None
+    ) -> None:
         self.driver = driver
+        self.claims = claims
         self.metrics = metrics
         self.heap = heap or HeapTrimmer()
         # Counted when scraped, not after every call: a count over all claims per call was
@@ -58,7 +63,7 @@ class NodeService:
 
     async def prepare(self, request: Any, pb: Any) -> Any:
         refs, ambiguous = _distinct(request.claims)
-        outcomes = await _each(refs, lambda r: self._one("prepare", r, self.driver.prepare))
+        outcomes = await _each(refs, lambda r: self._one("prepare", r, self._prepare))
         response = pb.NodePrepareResourcesResponse()
         for uid, error in ambiguous.items():
             response.claims[uid].error = error
@@ -70,6 +75,9 @@ class NodeService:
             for d in devices or ():
                 entry.devices.append(_device(pb, d))
         return response
+
+    async def _prepare(self, ref: ClaimRef) -> Sequence[Device]:
+        return await self.driver.prepare(ref, await self.claims.fetch(ref))
 
     async def unprepare(self, request: Any, pb: Any) -> Any:
         refs, ambiguous = _distinct(request.claims)

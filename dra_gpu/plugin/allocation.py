@@ -103,7 +103,7 @@ class Allocation:
         )
 
     @classmethod
-    def checked(cls, claim: dict[str, Any]) -> Allocation:
+    def checked(cls, claim: Mapping[str, Any]) -> Allocation:
         """`of`, after checking the status's shape (ShapeError: the first problem)."""
         problem = status_problem(claim)
         if problem:

@@ -7,6 +7,7 @@ AttributeError deep inside prepare. A bad shape is a claim error that names the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from dra_gpu.decoding import Bool, ListOf, MapOf, Obj, Quantity, Str, decode
@@ -26,7 +27,7 @@ CONFIG = Obj({"source": Str(), "requests": ListOf(Str()), "opaque": Obj({"driver
 STATUS = Obj({"allocation": Obj({"devices": Obj({"results": ListOf(RESULT), "config": ListOf(CONFIG)})})})
 
 
-def status_problem(claim: dict[str, Any]) -> str | None:
+def status_problem(claim: Mapping[str, Any]) -> str | None:
     """The first problem of the claim's status ("status.allocation...: must be ..."), or None."""
     problems = decode(claim.get("status") or {}, STATUS, "status")
     if not problems:

@@ -5,6 +5,7 @@ manager's taints go into the slices and its verdicts into the kubelet's health s
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 from dra_gpu.device_catalog import DeviceCatalog
@@ -40,13 +41,13 @@ class GpuDriver:
         """Claim statuses wait while a prepare or unprepare is in flight."""
         return self.claim_status.preparing() if self.claim_status is not None else contextlib.nullcontext()
 
-    async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
+    async def prepare(self, ref: ClaimRef, claim: Mapping[str, Any]) -> list[PreparedDevice]:
         with self._in_flight():
-            devices = await self.preparer.prepare(claim)
+            devices = await self.preparer.prepare(ref, claim)
         if self.claim_status is not None:
-            record = self.preparer.journal.get(claim.uid)
+            record = self.preparer.journal.get(ref.uid)
             status = record.status_devices() if record is not None else [d.to_dict() for d in devices]
-            self.claim_status.prepared(claim.namespace, claim.name, claim.uid, status)
+            self.claim_status.prepared(ref.namespace, ref.name, ref.uid, status)
         return devices
 
     async def unprepare(self, claim: ClaimRef) -> None:

@@ -116,7 +116,7 @@ class Planner:
         return [r.device for r in here if r.device in self.placements]
 
     @staticmethod
-    def allocation(ref: ClaimRef, claim: dict[str, Any]) -> Allocation:
+    def allocation(ref: ClaimRef, claim: Mapping[str, Any]) -> Allocation:
         """The claim's allocation, parsed once for its plans; a bad shape is the claim's error."""
         try:
             return Allocation.checked(claim)

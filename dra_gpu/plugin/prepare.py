@@ -16,8 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 from dra_gpu import failpoints
 from dra_gpu.device_catalog import DeviceCatalog
@@ -42,12 +42,6 @@ log = logging.getLogger(__name__)
 STARTED, BOUND, COMPLETED = ClaimState.STARTED, ClaimState.BOUND, ClaimState.COMPLETED
 
 
-class ClaimLookup(Protocol):
-    """Claims kept current by a watch (claim_cache.ClaimCache); None means: ask the apiserver."""
-
-    def lookup(self, ref: ClaimRef) -> dict[str, Any] | None: ...
-
-
 async def _together(*steps: Awaitable[Any]) -> None:
     """Run steps concurrently and wait for all of them, then raise the first failure (a roll-back
     must not race a write still in flight)."""
@@ -69,13 +63,11 @@ class Preparer:
         driver_files: DriverFiles,
         sharing: Sharing | None = None,
         mig: MigInstances | None = None,
-        cache: ClaimLookup | None = None,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
         self.checkpoint = checkpoint
         self.cdi = cdi
-        self.cache = cache  # the prepare path's claims; the sweeper always asks the apiserver
         self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
         self.mig = mig
         self.planner = Planner(driver, node_name, catalog, cdi, nodes, driver_files, sharing)
@@ -143,23 +135,13 @@ class Preparer:
 
     # -- prepare -------------------------------------------------------------------------------
 
-    async def prepare(self, ref: ClaimRef) -> list[PreparedDevice]:
+    async def prepare(self, ref: ClaimRef, claim: Mapping[str, Any]) -> list[PreparedDevice]:
+        """`claim`: the ResourceClaim as the kubelet-plugin layer read it, its UID the kubelet's."""
         async with self._lock(ref.uid):
             record = self.journal.get(ref.uid)  # records are frozen: no copy
             if record is not None and record.state == COMPLETED:
                 await self.claim_sharing.ensure(ref, record)
                 return list(record.devices)  # idempotent: no writes
-            claim = self.cache.lookup(ref) if self.cache is not None else None
-            if claim is None:
-                claim = await self.claims.get_claim(ref.namespace, ref.name)
-            if claim is None:
-                raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
-            uid = claim.get("metadata", {}).get("uid")
-            if uid != ref.uid:
-                raise PrepareError(
-                    f"ResourceClaim {ref.namespace}/{ref.name} got replaced: "
-                    f"uid is {uid}, the kubelet asked for {ref.uid}"
-                )
             allocation = self.planner.allocation(ref, claim)
             if record is not None and record.state == BOUND:
                 done = await self._complete_bound(ref, allocation, record)

@@ -18,6 +18,7 @@ from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube, small_tls_read_buffers
+from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.heap_trim import limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
@@ -122,7 +123,6 @@ class KubeletPlugin:
                 driver_files,
                 sharing=node_sharing(node.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env),
                 mig=mig,
-                cache=claims,
             )
             if checkpoint.rebuild_pending:  # the file was corrupt: records from the specs and the API
                 await preparer.rebuild(kube)
@@ -152,7 +152,15 @@ class KubeletPlugin:
 
                 claim_status = ClaimStatusWriter(kube, node.driver, catalog, health.manager, prepared_claims)
             driver = GpuDriver(node.driver, node.node_name, catalog, preparer, health.manager, claim_status)
-            helper = KubeletPluginHelper(node.driver, node.node_name, driver, kube, cfg.sockets, self.metrics)
+            helper = KubeletPluginHelper(
+                node.driver,
+                node.node_name,
+                driver,
+                kube,
+                cfg.sockets,
+                self.metrics,
+                claims=ClaimFetcher(kube, claims),  # the watch's claims, else a GET
+            )
             http = await self._start_http(helper)
             if http is not None:
                 stack.push_async_callback(http.cleanup)

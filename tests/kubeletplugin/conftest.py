@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,21 @@ def slice_of(name: str, devices: list[str], generation: int, count: int = 1) -> 
 
 
 @dataclass
+class FakeClaims:
+    """The apiserver's ResourceClaims, by name: each exists with the UID `uids` gives it (default
+    `uid-<name>`), except those named `gone-*`."""
+
+    uids: dict[str, str] = field(default_factory=dict)
+    gets: int = 0
+
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.gets += 1
+        if name.startswith("gone-"):
+            return None
+        return {"metadata": {"namespace": namespace, "name": name, "uid": self.uids.get(name, f"uid-{name}")}}
+
+
+@dataclass
 class FakeDriver:
     """Devices `dev-0`..; a claim named `bad-*` fails with a ClaimError, `bug-*` with a bug."""
 
@@ -45,7 +61,8 @@ class FakeDriver:
     prepared: dict[str, list[Device]] = field(default_factory=dict)
     calls: list[tuple[str, str]] = field(default_factory=list)
 
-    async def prepare(self, claim: ClaimRef) -> list[Device]:
+    async def prepare(self, claim: ClaimRef, resource_claim: Mapping[str, Any]) -> list[Device]:
+        assert resource_claim["metadata"]["uid"] == claim.uid  # the layer checked it
         self.calls.append(("prepare", claim.name))
         await asyncio.sleep(0)  # claims of one batch run concurrently
         _fail_if_asked(claim)

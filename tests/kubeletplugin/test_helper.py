@@ -22,16 +22,18 @@ from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
-from .conftest import DRIVER, NODE, FakeDriver
+from .conftest import DRIVER, NODE, FakeClaims, FakeDriver
 
 
 @dataclass
 class Running:
     helper: KubeletPluginHelper
     driver: FakeDriver
+    claims: FakeClaims
     api: FakeApiServer
     metrics: PluginMetrics
     registration: Any  # grpc.aio channels to the two sockets
@@ -44,9 +46,16 @@ def run_plugin(tmp_path: Path, test: Callable[[Running], Awaitable[None]]) -> No
     sockets.dra.write_text("a stale socket file from an earlier run")
 
     async def body() -> None:
-        api, driver, metrics = FakeApiServer(), FakeDriver(), PluginMetrics()
+        api, driver, metrics, claims = FakeApiServer(), FakeDriver(), PluginMetrics(), FakeClaims()
         helper = KubeletPluginHelper(
-            DRIVER, NODE, driver, api.kube(), sockets, metrics, health_resend_seconds=0.05
+            DRIVER,
+            NODE,
+            driver,
+            api.kube(),
+            sockets,
+            metrics,
+            health_resend_seconds=0.05,
+            claims=ClaimFetcher(claims),
         )
         await helper.start()
         try:
@@ -54,7 +63,7 @@ def run_plugin(tmp_path: Path, test: Callable[[Running], Awaitable[None]]) -> No
                 grpc.aio.insecure_channel(f"unix://{sockets.registration}") as reg,
                 grpc.aio.insecure_channel(f"unix://{sockets.dra}") as dra,
             ):
-                await test(Running(helper, driver, api, metrics, reg, dra))
+                await test(Running(helper, driver, claims, api, metrics, reg, dra))
         finally:
             await helper.stop()
         assert not sockets.dra.exists() and not sockets.registration.exists()
@@ -136,9 +145,33 @@ def test_prepare_and_unprepare_answer_each_claim(tmp_path: Path, version: str) -
     run_plugin(tmp_path, test)
 
 
+def test_the_layer_reads_each_claim_and_refuses_one_gone_or_replaced(tmp_path: Path) -> None:
+    """As the upstream helper: the driver is handed the claim the kubelet named, never one deleted
+    or created again under the same name since (another UID)."""
+
+    async def test(p: Running) -> None:
+        p.claims.uids["swapped"] = "uid-newer"
+        names = ("good", "gone-1", "swapped")
+        request = v1_pb.NodePrepareResourcesRequest(
+            claims=[v1_pb.Claim(namespace="ns", uid=f"uid-{n}", name=n) for n in names]
+        )
+        resp = await v1_grpc.DRAPluginStub(p.dra).NodePrepareResources(request, timeout=45)
+        assert {uid: c.error for uid, c in resp.claims.items()} == {
+            "uid-good": "",
+            "uid-gone-1": "ResourceClaim ns/gone-1 not found",
+            "uid-swapped": "ResourceClaim ns/swapped got replaced: uid is uid-newer, "
+            "the kubelet asked for uid-swapped",
+        }
+        assert p.driver.calls == [("prepare", "good")] and p.claims.gets == 3
+        assert p.metrics.requests.labels("prepare", "error")._value.get() == 2
+
+    run_plugin(tmp_path, test)
+
+
 def test_a_batch_runs_concurrently(tmp_path: Path) -> None:
     async def test(p: Running) -> None:
         names = [f"c{i}" for i in range(50)]
+        p.claims.uids.update((n, n) for n in names)
         request = v1_pb.NodePrepareResourcesRequest(
             claims=[v1_pb.Claim(namespace="ns", uid=n, name=n) for n in names]
         )

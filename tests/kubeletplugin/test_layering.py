@@ -10,10 +10,13 @@ import dra_gpu.kubeletplugin
 GPU_SPECIFIC = (
     "dra_gpu.plugin",
     "dra_gpu.discovery",
-    "dra_gpu.simnode",
     "dra_gpu.model",
     "dra_gpu.api",
     "dra_gpu.slices",
+    "dra_gpu.device_catalog",
+    "dra_gpu.health",
+    "dra_gpu.node_backend",
+    "dra_gpu.simnode",
 )
 
 

@@ -18,12 +18,15 @@ import pytest
 import referencing
 
 from dra_gpu.device_catalog import DeviceCatalog
+from dra_gpu.kubeletplugin.claims import ClaimFetcher, ClaimLookup
+from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
+from dra_gpu.plugin.record import PreparedDevice
 from dra_gpu.simnode.fake import discover_node
 from tests.driver_root import make_root
 from tests.fake_node import create_simulated, fake_sharing
@@ -47,6 +50,14 @@ class ClaimStore(dict[tuple[str, str], dict[str, Any]]):
 
     async def list_claims(self) -> list[dict[str, Any]]:
         return [json.loads(json.dumps(c)) for c in self.values()]
+
+
+async def prepare_claim(
+    preparer: Preparer, ref: ClaimRef, cache: ClaimLookup | None = None
+) -> list[PreparedDevice]:
+    """A prepare as the kubelet-plugin layer makes it: the claim read (the watch's `cache`, else the
+    preparer's claim source), its UID checked, then the driver's prepare."""
+    return await preparer.prepare(ref, await ClaimFetcher(preparer.claims, cache).fetch(ref))
 
 
 def claim(

@@ -17,7 +17,7 @@ import pytest
 
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.plan import PrepareError
-from plugin.conftest import PluginCore, claim, gpu_names
+from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_prepare_fails_cleanly_then_succeeds_when_the_dir_recovers(
     async def kubelet() -> list:  # one event loop, as in the plugin
         for _ in range(2):  # the kubelet retries; each try fails the same clean way
             with pytest.raises(PrepareError) as err:
-                await core.preparer.prepare(ref)
+                await prepare_claim(core.preparer, ref)
             message = str(err.value)
             assert str(core.cdi.path(ref.uid)) in message and expected in message, message
             assert_nothing_left(core, ref)
@@ -82,7 +82,7 @@ def test_prepare_fails_cleanly_then_succeeds_when_the_dir_recovers(
             filler.unlink()
         else:
             subprocess.run(["mount", "-o", "remount,rw", str(tmpfs_cdi)], check=True)
-        devices = await core.preparer.prepare(ref)
+        devices = await prepare_claim(core.preparer, ref)
         assert set(core.cdi.owned()) == {ref.uid}
         await core.preparer.unprepare(ref)
         return devices
@@ -99,7 +99,7 @@ def test_unprepare_on_a_read_only_dir_keeps_the_claim_until_its_spec_is_gone(
     ref = ClaimRef("default", c["metadata"]["uid"], c["metadata"]["name"])
 
     async def kubelet() -> None:
-        await core.preparer.prepare(ref)
+        await prepare_claim(core.preparer, ref)
         subprocess.run(["mount", "-o", "remount,ro", str(tmpfs_cdi)], check=True)
         for _ in range(2):  # each retry fails the same way, and the claim stays recorded
             with pytest.raises(PrepareError, match=os.strerror(errno.EROFS)):

@@ -27,7 +27,7 @@ from dra_gpu.plugin.checkpoint import (
     CheckpointVersionError,
     _checksum,
 )
-from plugin.conftest import NODE, PluginCore, claim, gpu_names, make_core, mig_names
+from plugin.conftest import NODE, PluginCore, claim, gpu_names, make_core, mig_names, prepare_claim
 from plugin.test_dynamic_mig_prepare import GPU0, start_node
 from plugin.test_failpoints_crash import h100_root  # noqa: F401 - a fixture
 from plugin.test_sharing import alive, daemon_of, mps_config
@@ -81,7 +81,10 @@ def test_previous_release_checkpoint_loads_and_is_served(tmp_path: Path, core: P
     async def again() -> None:
         for r in records.values():
             ref = ClaimRef(r.namespace, r.uid, r.name)
-            devices = await loaded.preparer.prepare(ref)  # the kubelet's retry: same devices
+            # Its claim is still in the API (the layer reads it); the answer is the record's.
+            meta = {"namespace": r.namespace, "name": r.name, "uid": r.uid}
+            loaded.claims[(r.namespace, r.name)] = {"metadata": meta}
+            devices = await prepare_claim(loaded.preparer, ref)  # the kubelet's retry: same devices
             assert [d.device_name for d in devices] == sorted(r.device_names)
             await loaded.preparer.unprepare(ref)
 
@@ -166,7 +169,7 @@ def prepared(core: PluginCore) -> list[dict[str, Any]]:
     async def prepare_all() -> None:
         for c in claims:
             core.add(c)
-            await core.preparer.prepare(ref_of(c))
+            await prepare_claim(core.preparer, ref_of(c))
 
     asyncio.run(prepare_all())
     return claims
@@ -209,12 +212,12 @@ def test_a_corrupt_checkpoint_is_rebuilt_and_loses_nothing(core: PluginCore, how
 
     async def kubelet() -> None:
         for c in claims:  # a retried prepare answers from the rebuilt record, then unprepare
-            assert await restarted.preparer.prepare(ref_of(c))
+            assert await prepare_claim(restarted.preparer, ref_of(c))
         # The devices are known to be held again: a second claim for one is refused.
         thief = claim("dddddddd-0000-4000-8000-000000000005", [gpu_names(core)[0]], name="thief")
         restarted.add(thief)
         with pytest.raises(Exception, match="already prepared for claim"):
-            await restarted.preparer.prepare(ref_of(thief))
+            await prepare_claim(restarted.preparer, ref_of(thief))
         for c in claims:
             await restarted.preparer.unprepare(ref_of(c))
 
@@ -249,7 +252,7 @@ def test_a_corrupt_checkpoint_keeps_dynamic_mig_instances_made_and_bound(
     prepared_ref = node.add(claim("ffffffff-0000-4000-8000-000000000001", [f"{GPU0}-mig-3g40gb-4"], name="p"))
     bound_claim = claim("ffffffff-0000-4000-8000-000000000002", [f"{GPU0}-mig-1g10gb-0"], name="b")
     bound_ref = node.add(bound_claim)
-    asyncio.run(node.preparer.prepare(prepared_ref))
+    asyncio.run(prepare_claim(node.preparer, prepared_ref))
     asyncio.run(node.preparer.bind(bound_ref, bound_claim))  # made before the pod is bound, no spec
     made = sorted((i.gi_id, i.uuid) for i in node.live())
     spec = node.cdi.path(prepared_ref.uid).read_bytes()
@@ -264,7 +267,7 @@ def test_a_corrupt_checkpoint_keeps_dynamic_mig_instances_made_and_bound(
     states = {r.name: r.state for r in again.checkpoint.records()}
     assert states == {"p": COMPLETED, "b": BOUND}
 
-    devices = asyncio.run(again.preparer.prepare(bound_ref))  # the kubelet's prepare of the bound one
+    devices = asyncio.run(prepare_claim(again.preparer, bound_ref))  # the kubelet's prepare of the bound one
     assert [d.device_name for d in devices] == [f"{GPU0}-mig-1g10gb-0"]
     assert sorted((i.gi_id, i.uuid) for i in again.live()) == made  # nothing made twice
     for ref in (prepared_ref, bound_ref):

@@ -1,6 +1,6 @@
-"""The claim watch on the prepare path: a prepare of a claim the watch delivered makes no GET, and
-every case the cache cannot vouch for (another node, another UID, not reserved, deleted, not
-listed yet) is read from the apiserver."""
+"""The claim watch on the prepare path (the kubelet-plugin layer's ClaimFetcher reads it): a prepare
+of a claim the watch delivered makes no GET, and every case the cache cannot vouch for (another
+node, another UID, not reserved, deleted, not listed yet) is read from the apiserver."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dra_gpu.kube import Backoff
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.claim_cache import ClaimCache
 
-from .conftest import DRIVER, NODE, PluginCore, claim, gpu_names
+from .conftest import DRIVER, NODE, PluginCore, claim, gpu_names, prepare_claim
 
 CLAIMS = "resourceclaims"
 
@@ -48,7 +48,6 @@ def test_a_prepare_of_a_watched_claim_makes_no_get(core: PluginCore) -> None:
         api = FakeApiServer()
         cache = ClaimCache(api.kube(), DRIVER, NODE)
         core.preparer.claims = api.kube()
-        core.preparer.cache = cache
         gpu = gpu_names(core)[0]
         one = reserved(claim("ignored", [gpu], name="one"))
         # What an apiserver adds, which the cache does not keep: prepare does not read it.
@@ -58,7 +57,7 @@ def test_a_prepare_of_a_watched_claim_makes_no_get(core: PluginCore) -> None:
 
         async def test() -> None:
             await until(lambda: len(cache) == 1)
-            devices = await core.preparer.prepare(ref_of(stored))
+            devices = await prepare_claim(core.preparer, ref_of(stored), cache)
             assert [d.device_name for d in devices] == [gpu]
             assert api.count("GET", CLAIMS) == 1  # the list; no GET of the claim
             assert cache.hits == 1
@@ -75,7 +74,6 @@ def test_what_the_cache_cannot_vouch_for_is_read_from_the_apiserver(core: Plugin
         api = FakeApiServer()
         cache = ClaimCache(api.kube(), DRIVER, NODE, backoff=Backoff(initial=0.01, maximum=0.05))
         core.preparer.claims = api.kube()
-        core.preparer.cache = cache
         a, b, c = gpu_names(core)[:3]
         elsewhere = api.put(CLAIMS, reserved(claim("x", [a], name="elsewhere", node="node-b")))
         unreserved = api.put(CLAIMS, claim("x", [b], name="unreserved"))
@@ -90,7 +88,7 @@ def test_what_the_cache_cannot_vouch_for_is_read_from_the_apiserver(core: Plugin
             assert cache.lookup(newer) is None
             assert cache.lookup(ref_of(replaced)) is not None
             gets = api.count("GET", CLAIMS)
-            devices = await core.preparer.prepare(ref_of(unreserved))  # read from the apiserver
+            devices = await prepare_claim(core.preparer, ref_of(unreserved), cache)  # read from the apiserver
             assert [d.device_name for d in devices] == [b]
             assert api.count("GET", CLAIMS) == gets + 1
             # Deallocated, then deleted: dropped at once.

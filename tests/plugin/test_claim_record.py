@@ -21,7 +21,7 @@ from dra_gpu.plugin.record import (
     MigStep,
     PreparedDevice,
 )
-from plugin.conftest import PluginCore, claim, gpu_names, mig_names
+from plugin.conftest import PluginCore, claim, gpu_names, mig_names, prepare_claim
 
 PREVIOUS = Path(__file__).parent.parent / "data" / "checkpoint-previous-release.json"
 
@@ -76,7 +76,7 @@ def test_a_claim_prepared_now_is_written_in_the_previous_release_shape(core: Plu
         c = claim(f"00000000-0000-4000-8000-00000000000{i}", [device])
         core.add(c)
         meta = c["metadata"]
-        asyncio.run(core.preparer.prepare(ClaimRef(meta["namespace"], meta["uid"], meta["name"])))
+        asyncio.run(prepare_claim(core.preparer, ClaimRef(meta["namespace"], meta["uid"], meta["name"])))
         path = core.root / "plugin" / "checkpoint.json"
         written = json.loads(path.read_text())["data"]["claims"][meta["uid"]]
         for old in previous.values():

@@ -19,7 +19,7 @@ from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kubeletplugin.driver import Health
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from dra_gpu.simnode.profiles import load_profile
-from plugin.conftest import DRIVER, NODE, claim
+from plugin.conftest import DRIVER, NODE, claim, prepare_claim
 from plugin.test_dynamic_mig_prepare import GPU0, PROFILE, start_node
 from tests.driver_root import make_root
 
@@ -42,7 +42,7 @@ def test_an_xid_on_a_dynamic_mig_gpu_taints_its_placements(tmp_path: Path, h100_
     node = start_node(tmp_path, h100_driver_root)
     node.preparer.reconcile()
     ref = node.add(claim(str(uuid.uuid4()), [IN_USE]))
-    asyncio.run(node.preparer.prepare(ref))
+    asyncio.run(prepare_claim(node.preparer, ref))
     (inst,) = node.live()
     gpu0, gpu1 = node.inventory.gpus[0], node.inventory.gpus[1]
     catalog = node.preparer.planner.catalog

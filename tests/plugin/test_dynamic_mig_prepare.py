@@ -28,7 +28,7 @@ from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import MIG_GPU_INSTANCE, MIG_PLANNED
 from dra_gpu.simnode.fake_nvml import FakeNvml
 from dra_gpu.simnode.profiles import load_profile
-from plugin.conftest import DRIVER, NODE, ClaimStore, claim, validate_cdi
+from plugin.conftest import DRIVER, NODE, ClaimStore, claim, prepare_claim, validate_cdi
 from tests.driver_root import make_root
 from tests.fake_node import create_simulated
 
@@ -108,7 +108,7 @@ def uid() -> str:
 def test_prepare_makes_the_instance_and_unprepare_destroys_it(node: Node) -> None:
     c = claim(uid(), [f"{GPU0}-mig-3g40gb-4"])
     ref = node.add(c)
-    asyncio.run(node.preparer.prepare(ref))
+    asyncio.run(prepare_claim(node.preparer, ref))
     (inst,) = node.live()
     assert (inst.profile, inst.placement, inst.ci_id) == ("3g.40gb", 4, 0)
     spec = json.loads(node.cdi.path(ref.uid).read_text())
@@ -128,7 +128,7 @@ def test_prepare_makes_the_instance_and_unprepare_destroys_it(node: Node) -> Non
     (m,) = rec.mig_instances
     assert m["step"] == "ready" and m["uuid"] == inst.uuid and m["giId"] == inst.gi_id
     # Prepared again: same answer, nothing new made.
-    asyncio.run(node.preparer.prepare(ref))
+    asyncio.run(prepare_claim(node.preparer, ref))
     assert len(node.live()) == 1
 
     asyncio.run(node.preparer.unprepare(ref))
@@ -140,7 +140,7 @@ def test_prepare_makes_the_instance_and_unprepare_destroys_it(node: Node) -> Non
 def test_two_3g_claims_share_a_gpu(node: Node) -> None:
     refs = [node.add(claim(uid(), [f"{GPU0}-mig-3g40gb-{s}"])) for s in (0, 4)]
     for r in refs:
-        asyncio.run(node.preparer.prepare(r))
+        asyncio.run(prepare_claim(node.preparer, r))
     assert sorted(i.placement for i in node.live()) == [0, 4]
     assert len({i.uuid for i in node.live()}) == 2
 
@@ -151,9 +151,9 @@ def test_a_failed_step_fails_prepare_and_leaves_nothing(node: Node) -> None:
     with pytest.raises(
         PrepareError, match=r"compute instance.*2g\.20gb.*Unknown Error.*nothing was left behind"
     ):
-        asyncio.run(node.preparer.prepare(ref))
+        asyncio.run(prepare_claim(node.preparer, ref))
     assert node.live() == [] and not node.checkpoint.has(ref.uid) and not node.cdi.path(ref.uid).exists()
-    asyncio.run(node.preparer.prepare(ref))  # the kubelet's retry succeeds
+    asyncio.run(prepare_claim(node.preparer, ref))  # the kubelet's retry succeeds
     assert len(node.live()) == 1
 
 
@@ -165,7 +165,7 @@ def test_a_placement_taken_outside_the_driver_is_named(node: Node) -> None:
         PrepareError,
         match=rf"3g\.40gb GPU instance at memory slices 4-7.*held by GPU instance {outside.gi_id}",
     ):
-        asyncio.run(node.preparer.prepare(ref))
+        asyncio.run(prepare_claim(node.preparer, ref))
     assert [i.gi_id for i in node.live()] == [outside.gi_id]
     assert not node.checkpoint.has(ref.uid)
 
@@ -206,13 +206,13 @@ def test_restart_rolls_back_an_instance_made_halfway(node: Node, step: str) -> N
     counts = after.preparer.reconcile()
     assert counts["rolledBack"] == 1 and counts["orphansDestroyed"] == 0
     assert after.live() == [] and not after.checkpoint.has(ref.uid)
-    asyncio.run(after.preparer.prepare(ref))  # the kubelet's retry gets the device
+    asyncio.run(prepare_claim(after.preparer, ref))  # the kubelet's retry gets the device
     assert [i.placement for i in after.live()] == [0]
 
 
 def test_a_kept_claims_instance_survives_restart_and_orphans_go_unless_busy(node: Node) -> None:
     ref = node.add(claim(uid(), [f"{GPU0}-mig-1g10gb-6"]))
-    asyncio.run(node.preparer.prepare(ref))
+    asyncio.run(prepare_claim(node.preparer, ref))
     gpu = load_profile(PROFILE).gpus[0]
     idle = node.nv.mig.create_gpu_instance(gpu, 19, 0, 1)
     busy = node.nv.mig.create_gpu_instance(gpu, 19, 1, 1)
@@ -228,7 +228,7 @@ def test_a_kept_claims_instance_survives_restart_and_orphans_go_unless_busy(node
 
 def test_an_instance_in_use_is_not_destroyed_and_the_claim_stays(node: Node) -> None:
     ref = node.add(claim(uid(), [f"{GPU0}-mig-1g10gb-0"]))
-    asyncio.run(node.preparer.prepare(ref))
+    asyncio.run(prepare_claim(node.preparer, ref))
     (inst,) = node.live()
     inst.processes.append(777)  # the container is still running on it
     with pytest.raises(
@@ -270,7 +270,7 @@ def test_instances_made_at_binding_are_used_by_prepare_and_kept_across_restarts(
     assert asyncio.run(node.preparer.bind(ref, c)) == made  # idempotent: nothing new
     after = node.restart()
     assert after.preparer.reconcile()["rolledBack"] == 0  # a bound claim is kept
-    asyncio.run(after.preparer.prepare(ref))
+    asyncio.run(prepare_claim(after.preparer, ref))
     (same,) = after.live()
     assert same.uuid == inst.uuid
     spec = json.loads(after.cdi.path(ref.uid).read_text())
@@ -361,7 +361,7 @@ def test_the_binder_waits_for_a_departing_claims_instance(node: Node) -> None:
 
     old = claim(uid(), [f"{GPU0}-mig-3g40gb-0"])
     old_ref = node.add(old)
-    asyncio.run(node.preparer.prepare(old_ref))
+    asyncio.run(prepare_claim(node.preparer, old_ref))
     new = _waiting_claim([f"{GPU0}-mig-1g10gb-0"])  # overlaps the 3g.40gb at 0
     ref = node.add(new)
     binder = MigBinder(DRIVER, NODE, node.preparer, _Kube(node.claims))  # type: ignore[arg-type]
@@ -387,7 +387,7 @@ def test_the_binder_takes_over_a_placement_whose_claim_is_gone(node: Node) -> No
 
     old = claim(uid(), [f"{GPU0}-mig-3g40gb-0"], name="finished")
     old_ref = node.add(old)
-    asyncio.run(node.preparer.prepare(old_ref))
+    asyncio.run(prepare_claim(node.preparer, old_ref))
     del node.claims[(old_ref.namespace, old_ref.name)]
     new = _waiting_claim([f"{GPU0}-mig-1g10gb-0"])  # overlaps the 3g.40gb at 0
     ref = node.add(new)
@@ -406,7 +406,7 @@ def test_the_whole_gpu_of_a_dynamic_mig_gpu_is_never_prepared(node: Node) -> Non
     offer it) is refused, and nothing is made or written."""
     ref = node.add(claim(uid(), [GPU0]))
     with pytest.raises(PrepareError, match=GPU0):
-        asyncio.run(node.preparer.prepare(ref))
+        asyncio.run(prepare_claim(node.preparer, ref))
     assert node.live() == [] and not node.checkpoint.has(ref.uid) and not node.cdi.path(ref.uid).exists()
 
 
@@ -414,7 +414,7 @@ def test_an_instance_recorded_under_dynamic_mig_is_destroyed_after_it_was_turned
     """An operator turns dynamic MIG off with a claim prepared: the restarted plugin still
     destroys that claim's instance at unprepare (it had failed there for ever)."""
     ref = node.add(claim(uid(), [f"{GPU0}-mig-3g40gb-4"]))
-    asyncio.run(node.preparer.prepare(ref))
+    asyncio.run(prepare_claim(node.preparer, ref))
     assert len(node.live()) == 1
     off = start_node(node.root, node.driver_root, node.claims, dynamic_mig=False)
     off.preparer.reconcile()

@@ -23,7 +23,7 @@ from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.simnode.fake_nvml import FakeNvml
 from dra_gpu.simnode.profiles import load_profile
-from plugin.conftest import DRIVER, NODE, ClaimStore, claim, stop_daemons
+from plugin.conftest import DRIVER, NODE, ClaimStore, claim, prepare_claim, stop_daemons
 from plugin.test_dynamic_mig_prepare import h100_driver_root  # noqa: F401 - a fixture
 from tests.fake_node import create_simulated, fake_sharing
 
@@ -76,7 +76,7 @@ def test_an_mps_claim_on_a_dynamic_mig_instance(
         ref = ClaimRef("default", u, c["metadata"]["name"])
         if bind_first:
             assert list(asyncio.run(preparer.bind(ref, c))) == [f"{GPU0}-mig-3g40gb-4"]
-        asyncio.run(preparer.prepare(ref))
+        asyncio.run(prepare_claim(preparer, ref))
         (inst,) = nv.mig.gpus[inventory.gpus[0].uuid]
         rec = preparer.checkpoint.get(ref.uid)
         assert rec is not None and rec.state == COMPLETED and rec.raw.get("sharing")

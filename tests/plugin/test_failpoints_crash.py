@@ -17,7 +17,7 @@ import pytest
 
 from dra_gpu import failpoints
 from dra_gpu.plugin.checkpoint import COMPLETED
-from plugin.conftest import PluginCore, claim, gpu_names
+from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
 from plugin.test_dynamic_mig_prepare import GPU0, Node, start_node
 from plugin.test_sharing import alive, compute_mode, mps_config, ref_of
 from tests.driver_root import make_root
@@ -92,15 +92,15 @@ def test_killed_at_a_failpoint_then_restarted_leaves_nothing(
     ref = ref_of(c)
 
     if failpoint in UNPREPARE:
-        asyncio.run(node.preparer.prepare(ref))
+        asyncio.run(prepare_claim(node.preparer, ref))
         killed_at(failpoint, lambda: node.preparer.unprepare(ref))
     else:
-        killed_at(failpoint, lambda: node.preparer.prepare(ref))
+        killed_at(failpoint, lambda: prepare_claim(node.preparer, ref))
     again = node.restart()
     again.preparer.reconcile()
     if failpoint not in UNPREPARE:
         # The kubelet's retry: prepared once, with the devices asked for, and nothing else.
-        devices = asyncio.run(again.preparer.prepare(ref))
+        devices = asyncio.run(prepare_claim(again.preparer, ref))
         assert [d.device_name for d in devices] == [
             c["status"]["allocation"]["devices"]["results"][0]["device"]
         ]

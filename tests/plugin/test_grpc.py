@@ -20,6 +20,7 @@ from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
+from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.driver import DeviceHealth, Health
 from dra_gpu.kubeletplugin.health import HealthService
 from dra_gpu.kubeletplugin.helper import serve_unix
@@ -34,7 +35,8 @@ async def with_servers(core: PluginCore, body: Any) -> Any:
     sock_dir = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))  # unix paths must be < 108 bytes
     try:
         metrics = PluginMetrics()
-        node = NodeService(GpuDriver(DRIVER, NODE, core.preparer.planner.catalog, core.preparer), metrics)
+        driver = GpuDriver(DRIVER, NODE, core.preparer.planner.catalog, core.preparer)
+        node = NodeService(driver, ClaimFetcher(core.claims), metrics)
         dra = sock_dir / "dra.sock"
         dra.write_text("stale socket from a previous run")
         dra_server = await serve_unix(

@@ -33,6 +33,7 @@ from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.helper import serve_unix
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.node_service import DraV1beta1Service, DraV1Service, NodeService
@@ -83,9 +84,8 @@ class Fuzz:
         self.loop.run_until_complete(self._start())
 
     async def _start(self) -> None:
-        node = NodeService(
-            GpuDriver(DRIVER, NODE, self.core.preparer.planner.catalog, self.core.preparer), PluginMetrics()
-        )
+        driver = GpuDriver(DRIVER, NODE, self.core.preparer.planner.catalog, self.core.preparer)
+        node = NodeService(driver, ClaimFetcher(self.core.claims), PluginMetrics())
         self.dra = self.sock_dir / "dra.sock"
         self.server = await serve_unix(
             self.dra,

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from dra_gpu.api import API_VERSION
-from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
 from dra_gpu.plugin.plan import PrepareError
-from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, validate_cdi
+from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, prepare_claim, validate_cdi
 from tests.fake_node import SIM_CAPS_MAJOR, SIM_UVM_MAJOR
 
 
@@ -30,7 +30,7 @@ def uid() -> str:
 
 
 def prepare(core: PluginCore, c: dict):
-    return asyncio.run(core.preparer.prepare(ref_of(c)))
+    return asyncio.run(prepare_claim(core.preparer, ref_of(c)))
 
 
 def test_prepare_writes_a_valid_cdi_spec_and_a_completed_record(core: PluginCore) -> None:
@@ -170,8 +170,9 @@ def test_prepare_is_idempotent_and_writes_nothing_the_second_time(core: PluginCo
     first = prepare(core, c)
     u = c["metadata"]["uid"]
     stamps = (core.cdi.path(u).stat().st_mtime_ns, core.checkpoint.path.stat().st_mtime_ns)
-    del core.claims[("default", c["metadata"]["name"])]  # not even a read is needed
-    assert prepare(core, c) == first
+    # The record answers: the claim the layer read is not looked at again (here: no allocation).
+    again = asyncio.run(core.preparer.prepare(ref_of(c), {"metadata": {"uid": u}}))
+    assert again == first
     assert (core.cdi.path(u).stat().st_mtime_ns, core.checkpoint.path.stat().st_mtime_ns) == stamps
 
 
@@ -261,14 +262,14 @@ def test_bad_claims_are_refused_with_a_reason(core: PluginCore, mutate, message:
     ref = ref_of(c)
     mutate(c)
     core.add(c)
-    with pytest.raises(PrepareError, match=message):
-        asyncio.run(core.preparer.prepare(ref))
+    with pytest.raises(ClaimError, match=message):  # a PrepareError, or the layer's refusal
+        asyncio.run(prepare_claim(core.preparer, ref))
     assert core.checkpoint.records() == []
 
 
 def test_missing_claim_is_refused(core: PluginCore) -> None:
-    with pytest.raises(PrepareError, match="default/ghost not found"):
-        asyncio.run(core.preparer.prepare(ClaimRef("default", uid(), "ghost")))
+    with pytest.raises(ClaimError, match="default/ghost not found"):
+        asyncio.run(prepare_claim(core.preparer, ClaimRef("default", uid(), "ghost")))
 
 
 def mps(pct: int) -> dict:
@@ -335,8 +336,8 @@ def test_concurrent_claims_and_repeated_calls(core: PluginCore) -> None:
         core.add(c)
 
     async def run() -> list:
-        calls = [core.preparer.prepare(ref_of(c)) for c in claims]
-        calls += [core.preparer.prepare(ref_of(claims[0])) for _ in range(5)]  # same claim, 5x
+        calls = [prepare_claim(core.preparer, ref_of(c)) for c in claims]
+        calls += [prepare_claim(core.preparer, ref_of(claims[0])) for _ in range(5)]  # same claim, 5x
         return await asyncio.gather(*calls)
 
     results = asyncio.run(run())
@@ -354,7 +355,7 @@ def test_racing_claims_for_one_device_prepare_exactly_one(core: PluginCore) -> N
 
     async def run() -> list:
         return await asyncio.gather(
-            *(core.preparer.prepare(ref_of(c)) for c in claims), return_exceptions=True
+            *(prepare_claim(core.preparer, ref_of(c)) for c in claims), return_exceptions=True
         )
 
     results = asyncio.run(run())

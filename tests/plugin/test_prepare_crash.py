@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from dra_gpu.plugin.checkpoint import COMPLETED
-from plugin.conftest import ClaimStore, PluginCore, claim, gpu_names, make_core, mig_names
+from plugin.conftest import ClaimStore, PluginCore, claim, gpu_names, make_core, mig_names, prepare_claim
 from plugin.test_prepare import ref_of
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -41,9 +41,9 @@ CHILD = textwrap.dedent(
     async def main():
         print("ready", flush=True)
         while True:
-            await asyncio.gather(*(core.preparer.prepare(r) for r in refs))
+            await asyncio.gather(*(prepare_claim(core.preparer, r) for r in refs))
             await asyncio.gather(*(core.preparer.unprepare(r) for r in refs[::2]))
-            await asyncio.gather(*(core.preparer.prepare(r) for r in refs[::2]))
+            await asyncio.gather(*(prepare_claim(core.preparer, r) for r in refs[::2]))
             await asyncio.gather(*(core.preparer.unprepare(r) for r in refs))
 
     asyncio.run(main())
@@ -90,7 +90,7 @@ def test_sigkill_at_any_point_leaves_a_consistent_node(core: PluginCore) -> None
     last.preparer.reconcile()
 
     async def round_trip() -> None:
-        await asyncio.gather(*(last.preparer.prepare(ref_of(c)) for c in claims))
+        await asyncio.gather(*(prepare_claim(last.preparer, ref_of(c)) for c in claims))
         check_consistent(last)
         await asyncio.gather(*(last.preparer.unprepare(ref_of(c)) for c in claims))
 

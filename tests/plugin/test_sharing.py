@@ -32,6 +32,7 @@ from plugin.conftest import (
     gpu_names,
     make_core,
     mig_names,
+    prepare_claim,
     stop_daemons,
 )
 from tests.driver_root import DEB, make_root
@@ -109,7 +110,7 @@ def test_mps_claim_runs_its_daemon_with_the_limits_and_unprepare_stops_it(core: 
     gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
     c = claim(uid(), [g0], config=mps_config(50, "10Gi"))
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     pipe, pid = daemon_of(core, c)
     assert alive(pid)
     assert ask(
@@ -134,12 +135,12 @@ def test_mps_on_a_mig_device_runs_its_daemon_and_leaves_the_compute_mode(core: P
     assert mig is not None
     c = claim(uid(), [m0], config=mps_config(25, None, kind="MigDeviceConfig"))
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     pipe, pid = daemon_of(core, c)
     assert ask(core, pipe, "get_default_active_thread_percentage") == ["25.0"]
     assert compute_mode(core, mig.uuid) == DEFAULT
     os.kill(pid, signal.SIGKILL)
-    asyncio.run(core.preparer.prepare(ref_of(c)))  # restarts the daemon, sets no compute mode
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))  # restarts the daemon, sets no compute mode
     pipe, _ = daemon_of(core, c)
     assert ask(core, pipe, "get_default_active_thread_percentage") == ["25.0"]
     asyncio.run(core.preparer.unprepare(ref_of(c)))
@@ -149,10 +150,10 @@ def test_mps_on_a_mig_device_runs_its_daemon_and_leaves_the_compute_mode(core: P
 def test_a_dead_daemon_is_restarted_before_a_repeated_prepare_returns(core: PluginCore) -> None:
     c = claim(uid(), gpu_names(core)[:1], config=mps_config(30, None))
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     pipe, pid = daemon_of(core, c)
     os.kill(pid, signal.SIGKILL)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     _, new_pid = daemon_of(core, c)
     assert new_pid != pid and alive(new_pid)
     assert ask(core, pipe, "get_default_active_thread_percentage") == ["30.0"]
@@ -163,7 +164,7 @@ def test_restart_readopts_running_daemons_restarts_dead_ones_and_stops_orphans(c
     running, dead, half = (claim(uid(), [g], config=mps_config(40, None)) for g in (g0, g1, g2))
     for c in (running, dead, half):
         core.add(c)
-        asyncio.run(core.preparer.prepare(ref_of(c)))
+        asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     _, running_pid = daemon_of(core, running)
     dead_pipe, dead_pid = daemon_of(core, dead)
     half_pipe, half_pid = daemon_of(core, half)
@@ -180,7 +181,7 @@ def test_restart_readopts_running_daemons_restarts_dead_ones_and_stops_orphans(c
 def test_the_sweeper_stops_the_daemon_of_a_claim_gone_behind_the_kubelets_back(core: PluginCore) -> None:
     c = claim(uid(), gpu_names(core)[:1], config=mps_config(60, None))
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     _, pid = daemon_of(core, c)
     del core.claims[("default", c["metadata"]["name"])]
     clock = [0.0]
@@ -199,7 +200,7 @@ def test_a_daemon_that_cannot_start_fails_prepare_and_leaves_nothing(core: Plugi
     c = claim(uid(), [g0], config=mps_config())
     core.add(c)
     with pytest.raises(PrepareError, match="nvidia-cuda-mps-control not found"):
-        asyncio.run(core.preparer.prepare(ref_of(c)))
+        asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     assert core.checkpoint.records() == []
     assert not core.cdi.path(c["metadata"]["uid"]).exists()
     assert compute_mode(core, gpu.uuid) == DEFAULT
@@ -247,7 +248,7 @@ def test_time_slicing_sets_mode_and_slice_and_unprepare_restores_both(core: Plug
     state.write_text(json.dumps({"computeModes": {gpu.uuid: EXCLUSIVE_PROCESS}}))  # set by someone
     c = claim(uid(), [g0], config=timeslicing("Long"))
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     assert compute_mode(core, gpu.uuid) == DEFAULT
     assert smi_calls(core) == [f"compute-policy -i {gpu.uuid} --set-timeslice 3"]
     asyncio.run(core.preparer.unprepare(ref_of(c)))
@@ -280,7 +281,7 @@ def test_memory_shares_of_one_gpu_get_their_own_cdi_devices_and_daemons_with_the
     b = share(claim(uid(), [g0]), s2, {"memory": "20Gi", "computeShare": "0"})
     for c in (a, b):
         core.add(c)
-        asyncio.run(core.preparer.prepare(ref_of(c)))
+        asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     spec_a = json.loads(core.cdi.path(a["metadata"]["uid"]).read_text())
     assert [d["name"] for d in spec_a["devices"]] == [f"{a['metadata']['uid']}-{g0}-{s1}"]
     pipe_a, pid_a = daemon_of(core, a)
@@ -300,14 +301,14 @@ def test_time_slicing_cannot_enforce_a_memory_share(core: PluginCore) -> None:
     )
     core.add(c)
     with pytest.raises(PrepareError, match="TimeSlicing cannot enforce a memory share"):
-        asyncio.run(core.preparer.prepare(ref_of(c)))
+        asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     assert core.checkpoint.records() == []
 
 
 def test_the_sweeper_restarts_a_dead_daemon_of_a_live_claim(core: PluginCore) -> None:
     c = claim(uid(), gpu_names(core)[:1], config=mps_config(70, None))
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     pipe, pid = daemon_of(core, c)
     os.kill(pid, signal.SIGKILL)
     asyncio.run(core.preparer.sweep(60))
@@ -323,7 +324,7 @@ def test_a_claim_with_an_mps_device_and_a_share_gets_two_distinct_daemons(core: 
         shareID=str(uuid.uuid4()), consumedCapacity={"memory": "8Gi", "computeShare": "20"}
     )
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     record = core.checkpoint.get(c["metadata"]["uid"])
     assert record is not None
     ids = [d["id"] for d in record.raw["sharing"]["mps"]]
@@ -376,7 +377,7 @@ def test_driver_programs_run_with_the_hosts_c_library_in_the_driver_root(host_li
     g0, g1 = gpu_names(core)[:2]
     c = claim(uid(), [g0], config=mps_config(40, None))
     core.add(c)
-    asyncio.run(core.preparer.prepare(ref_of(c)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
     pipe, pid = daemon_of(core, c)
     assert ask(core, pipe, "get_default_active_thread_percentage") == ["40.0"]
     env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
@@ -389,7 +390,7 @@ def test_driver_programs_run_with_the_hosts_c_library_in_the_driver_root(host_li
     gpu = next(g for g in core.inventory.gpus if g.device_name == g1)
     t = claim(uid(), [g1], config=timeslicing("Short"))
     core.add(t)
-    asyncio.run(core.preparer.prepare(ref_of(t)))
+    asyncio.run(prepare_claim(core.preparer, ref_of(t)))
     (call,) = smi_calls(core)
     args, preload = call.split(" preload=")
     assert args == f"compute-policy -i {gpu.uuid} --set-timeslice 1"
