@@ -62,6 +62,22 @@ def serve_a_simulated_node(tmp_path: Path) -> None:
         return kube
 
     server.Kube.connect = classmethod(connect)  # type: ignore[method-assign,assignment]
+    stopped: list[str] = []  # the teardown, in order
+
+    def recorded(cls: type, method: str, label: str) -> None:
+        original = getattr(cls, method)
+
+        async def stop(self: object) -> None:
+            stopped.append(label)
+            await original(self)
+
+        setattr(cls, method, stop)
+
+    recorded(server.HealthNode, "stop", "health")
+    recorded(server.KubeletPluginHelper, "stop", "kubelet sockets")
+    recorded(server.ClaimStatusWriter, "close", "claim statuses")
+    recorded(server.web.AppRunner, "cleanup", "http")
+    recorded(server.Kube, "close", "api client")
     port = free_port()
     cfg = PluginConfig(
         NodeSettings(
@@ -123,6 +139,7 @@ def serve_a_simulated_node(tmp_path: Path) -> None:
             await asyncio.wait_for(task, 30)
         assert not cfg.sockets.registration.exists()
         assert kube.api_client.closed
+        assert stopped == ["health", "kubelet sockets", "claim statuses", "http", "api client"]
 
     asyncio.run(body())
 
