@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dra_gpu.device_catalog import DeviceCatalog, DeviceKind
+from dra_gpu.health.control import _find_gpu
+from dra_gpu.health.monitor import NO_ID
 from dra_gpu.simnode.fake import discover_node
 from dra_gpu.slices import build_slices
 
@@ -74,3 +76,13 @@ def test_which_events_reach_which_devices() -> None:
     assert dynamic.reached_by(gpu.uuid, 2, 0, {(gpu.uuid, 2): held}) == [held]
     # An instance no claim is known to hold: as an event on the GPU.
     assert dynamic.reached_by(gpu.uuid, 5, 0, {(gpu.uuid, 2): held}) == placements
+
+
+def test_a_simulated_event_names_a_placement_by_its_instance() -> None:
+    """`dra-gpu health simulate --gpu <placement>`: the instance a claim made there, else the GPU."""
+    dynamic = DeviceCatalog.build(discover_node("node-a", "dgx-h100-mig", dynamic_mig=True))
+    gpu = dynamic.gpus[1]
+    held = f"{gpu.device_name}-mig-3g40gb-4"
+    assert _find_gpu(dynamic, held, {(gpu.uuid, 2): held}) == (gpu, 2, NO_ID)
+    assert _find_gpu(dynamic, f"{gpu.device_name}-mig-3g40gb-0", {(gpu.uuid, 2): held}) == (gpu, NO_ID, NO_ID)
+    assert _find_gpu(dynamic, "1", {}) == (gpu, NO_ID, NO_ID)
