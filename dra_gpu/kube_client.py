@@ -5,7 +5,7 @@ whole synchronous client (every API class, requests, urllib3, oauthlib, websocke
 `kubernetes.aio`'s (dynamic client, stream, watch, leader election): ~260 modules and ~9 MB of
 the kubelet plugin's resident memory (bench/RESULTS.md), none of which `dra_gpu.kube` calls. It
 needs `Configuration`, `ApiClient` (its generic request path; no generated API class or model),
-and the kubeconfig and in-cluster loaders; `dra_gpu.plugin.sharing` needs `parse_quantity`.
+and the kubeconfig and in-cluster loaders.
 
 So the packages on the way to those modules are registered without running their `__init__`, and
 only the modules named here are imported. A deferred package keeps its real spec and `__path__`;
@@ -85,4 +85,3 @@ for _attribute, _value in (("Configuration", Configuration), ("ApiClient", ApiCl
 _config: Any = importlib.import_module("kubernetes.aio.config")
 load_kube_config: Any = _config.load_kube_config
 load_incluster_config: Any = _config.load_incluster_config
-parse_quantity: Any = importlib.import_module("kubernetes.utils.quantity").parse_quantity

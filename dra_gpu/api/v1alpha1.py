@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dra_gpu.decoding import type_name
 from dra_gpu.kubernetes_values import parse_quantity
 
 GROUP = "gpu.dra-gpu.io"
@@ -85,7 +86,7 @@ DEFAULT_MIG_CONFIG = GpuConfig(kind="MigDeviceConfig", sharing=Sharing())
 
 def _mapping(value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ConfigError(path, f"must be an object, got {_type_name(value)}")
+        raise ConfigError(path, f"must be an object, got {type_name(value)}")
     unknown = sorted(set(value) - allowed)
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
@@ -93,21 +94,9 @@ def _mapping(value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
     return value
 
 
-def _type_name(value: Any) -> str:
-    return {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        type(None): "null",
-    }.get(type(value), "a value")
-
-
 def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str):
-        raise ConfigError(path, f"must be a string, got {_type_name(value)}")
+        raise ConfigError(path, f"must be a string, got {type_name(value)}")
     if value not in choices:
         raise ConfigError(path, f"unknown value {value!r} (valid: {', '.join(choices)})")
     return value
@@ -119,7 +108,7 @@ def _mps(value: Any, path: str) -> Mps:
     if pct is not None:
         p = f"{path}.defaultActiveThreadPercentage"
         if isinstance(pct, bool) or not isinstance(pct, int):
-            raise ConfigError(p, f"must be an integer, got {_type_name(pct)}")
+            raise ConfigError(p, f"must be an integer, got {type_name(pct)}")
         if not 1 <= pct <= 100:
             raise ConfigError(p, f"must be between 1 and 100, got {pct}")
     limit = m.get("defaultPinnedDeviceMemoryLimit")
@@ -127,7 +116,7 @@ def _mps(value: Any, path: str) -> Mps:
     if limit is not None:
         p = f"{path}.defaultPinnedDeviceMemoryLimit"
         if not isinstance(limit, str | int) or isinstance(limit, bool):
-            raise ConfigError(p, f"must be a quantity such as 10Gi, got {_type_name(limit)}")
+            raise ConfigError(p, f"must be a quantity such as 10Gi, got {type_name(limit)}")
         try:
             q = parse_quantity(str(limit))
         except ValueError as exc:

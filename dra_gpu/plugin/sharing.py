@@ -27,7 +27,7 @@ from typing import Any
 
 from dra_gpu import failpoints
 from dra_gpu.api import GpuConfig
-from dra_gpu.kube_client import parse_quantity
+from dra_gpu.kubernetes_values import parse_quantity
 from dra_gpu.plugin.compute_mode import (
     DEFAULT,
     EXCLUSIVE_PROCESS,
