@@ -7,7 +7,9 @@ Each check runs in a child process (one libnvidia-ml.so.1 per process); see simn
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,25 @@ def test_another_drivers_libraries_fail_discovery_naming_both_versions(tmp_path:
     }
     smi = subprocess.run([str(root / "usr/bin/nvidia-smi"), "-L"], env=env, capture_output=True, text=True)
     assert smi.returncode == 18 and "Driver/library version mismatch" in smi.stdout, smi
+
+
+def test_inventory_and_doctor_name_both_versions(tmp_path: Path) -> None:
+    """`dra-gpu inventory` and `dra-gpu doctor` on a simulated node whose driver root is another
+    driver's: both fail naming the libraries' and the kernel module's versions."""
+    root = ensure_driver_root(default_cache_dir(), "hgx-2x4", OTHER)
+    cli = [sys.executable, "-m", "dra_gpu.cli"]
+    node = ["--profile", "hgx-2x4", "--driver-root", str(root)]
+    inv = subprocess.run([*cli, "inventory", *node], capture_output=True, text=True, timeout=120)
+    assert inv.returncode != 0, inv
+    assert "driver version mismatch" in inv.stderr and OTHER in inv.stderr and "570.133.20" in inv.stderr
+    assert "No NVIDIA driver on this machine" not in inv.stderr
+    doctor = subprocess.run(
+        [*cli, "doctor", "--only", "node", *node, "--dev-root", str(tmp_path), "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert doctor.returncode != 0, doctor
+    results = {r["check"]: r for r in json.loads(doctor.stdout)["checks"]}
+    assert results["node/nvml"]["status"] == "FAIL" and OTHER in results["node/nvml"]["detail"]
+    assert "kernel module 570.133.20" in results["node/driver"]["detail"], results["node/driver"]
