@@ -204,6 +204,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     from dra_gpu.discovery import NvmlUnavailableError
     from dra_gpu.discovery.driver_install import describe as describe_installation
     from dra_gpu.discovery.driver_install import discover_installation
+    from dra_gpu.discovery.driver_versions import DriverVersionMismatchError
     from dra_gpu.inventory_report import render
     from dra_gpu.node_backend import open_backend
     from dra_gpu.node_settings import NodeSettings
@@ -219,6 +220,9 @@ def cmd_inventory(args: argparse.Namespace) -> int:
             backend = open_backend(node.profile, node.driver_root, dev_root, node.cache_dir)
             inventory = backend.discover(node.node_name, dynamic_mig=node.dynamic_mig)
     except SimulatedNodeError as exc:
+        print(f"dra-gpu: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DriverVersionMismatchError as exc:  # a driver is there, of two versions
         print(f"dra-gpu: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except NvmlUnavailableError as exc:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.discovery.nvml_discovery import discover
-from dra_gpu.discovery.nvml_library import load_nvml
+from dra_gpu.discovery.driver_versions import NVML_ERROR_LIB_RM_VERSION_MISMATCH, version_mismatch
+from dra_gpu.discovery.nvml_discovery import NvmlUnavailableError, discover
+from dra_gpu.discovery.nvml_library import find_nvml, load_nvml
 from dra_gpu.model import Inventory
 from dra_gpu.node_settings import REAL_DRIVER_ROOT
 from dra_gpu.simnode.node import SimulatedEvents, prepare_simulated_node
@@ -32,13 +33,24 @@ class NodeBackend:
     pcie_root: Callable[[str], str | None] | None = None  # None: sysfs
     tool_env: dict[str, str] = field(default_factory=dict)  # more environment for NVIDIA's tools
     events: SimulatedEvents | None = None  # a simulated node's event injection; None on a real one
+    nvml_library: Path | None = None  # the file libnvidia-ml.so.1 was loaded from (links resolved)
 
     @property
     def simulated(self) -> bool:
         return self.events is not None
 
     def discover(self, node_name: str, dynamic_mig: bool = False) -> Inventory:
-        return discover(self.nvml, node_name, self.pcie_root, dynamic_mig)
+        """The node's inventory. NvmlUnavailableError when NVML cannot be initialised; its
+        DriverVersionMismatchError when NVML refuses the loaded kernel module (another driver's
+        libraries), naming both versions."""
+        try:
+            return discover(self.nvml, node_name, self.pcie_root, dynamic_mig)
+        except NvmlUnavailableError as exc:
+            cause = exc.__cause__
+            if getattr(cause, "value", None) == NVML_ERROR_LIB_RM_VERSION_MISMATCH:
+                library = self.nvml_library or find_nvml(self.driver_root)
+                raise version_mismatch(library, self.driver_root, self.dev_root) from cause
+            raise
 
 
 def open_backend(
@@ -52,7 +64,7 @@ def open_backend(
     SimulatedNodeError: a simulated node that cannot be had (says what is missing)."""
     if profile is None:
         root = driver_root or REAL_DRIVER_ROOT
-        return NodeBackend(load_nvml(root), root, dev_root)
+        return NodeBackend(load_nvml(root), root, dev_root, nvml_library=find_nvml(root))
     node = prepare_simulated_node(profile, dev_root, driver_root, cache_dir)
     return NodeBackend(
         load_nvml(node.driver_root),
@@ -61,4 +73,5 @@ def open_backend(
         pcie_root=node.pcie_root(),
         tool_env=node.env(),
         events=node.events(),
+        nvml_library=find_nvml(node.driver_root),
     )

@@ -20,6 +20,11 @@ from typing import Any
 
 from dra_gpu.discovery import NvmlUnavailableError
 from dra_gpu.discovery.driver_install import discover_installation
+from dra_gpu.discovery.driver_versions import (
+    KERNEL_VERSION_FILE,
+    DriverVersionMismatchError,
+    kernel_module_version,
+)
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_majors, uvm_missing
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
@@ -32,8 +37,6 @@ from dra_gpu.simnode.profiles import ProfileError
 
 NVIDIA_MAJOR = 195  # /dev/nvidia<minor> and /dev/nvidiactl; uvm and caps majors are dynamic
 CONTROL_NODES = ("dev/nvidiactl", "dev/nvidia-uvm", "dev/nvidia-uvm-tools")
-KERNEL_VERSION_FILE = "proc/driver/nvidia/version"
-_KERNEL_VERSION = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)")
 _CAP_MINOR = re.compile(r"DeviceFileMinor:\s*(\d+)")
 
 
@@ -57,8 +60,11 @@ class NodeFacts:
         self.driver_root = settings.driver_root or Path("/")
         self.problem = ""  # why there is no inventory
         self.no_nvml = False  # NVML could not be loaded at all: not a GPU node (or no driver)
+        self.mismatch: DriverVersionMismatchError | None = None  # NVML refused the kernel module
         try:
             self.inventory, self.driver_root = node_inventory(settings)
+        except DriverVersionMismatchError as exc:
+            self.problem, self.mismatch = exc.problem, exc
         except NvmlUnavailableError as exc:
             self.problem, self.no_nvml = str(exc), True
         except ProfileError as exc:
@@ -72,12 +78,7 @@ class NodeFacts:
 
     def kernel_version(self) -> str | None:
         """The loaded kernel module's version from /proc (None when the file is absent)."""
-        try:
-            text = (self.settings.dev_root / KERNEL_VERSION_FILE).read_text(errors="replace")
-        except OSError:
-            return None
-        match = _KERNEL_VERSION.search(text)
-        return match.group(1) if match else "unknown"
+        return kernel_module_version(self.settings.dev_root)
 
     def driver_present(self) -> bool:
         """Traces of an NVIDIA driver although NVML failed: a broken driver, not a non-GPU node."""
@@ -91,6 +92,9 @@ class NodeFacts:
 def check_nvml(facts: NodeFacts) -> Iterable[Result]:
     name = "node/nvml"
     inv = facts.inventory
+    if facts.mismatch is not None:
+        yield fail(name, facts.problem, facts.mismatch.fix)
+        return
     if inv is None:
         if facts.no_nvml and not facts.driver_present():
             yield skip(
@@ -121,6 +125,15 @@ def check_nvml(facts: NodeFacts) -> Iterable[Result]:
 def check_driver(facts: NodeFacts) -> Iterable[Result]:
     name = "node/driver"
     inv = facts.inventory
+    if facts.mismatch is not None:
+        m = facts.mismatch
+        yield fail(
+            name,
+            f"kernel module {m.kernel_version} but the driver libraries (libnvidia-ml) under "
+            f"{facts.driver_root} are {m.library_version}: NVML refuses to initialise",
+            m.fix,
+        )
+        return
     if inv is None:
         yield skip(name, "no NVML answer to compare with")
         return

@@ -8,8 +8,8 @@ A simulated node runs the same NVML code path as a real one (its driver root's
 - the device-node directory: `<dev root>/dev`, where the profile's device nodes are made (real
   character devices) before NVML is loaded, and which the simulated library and NVIDIA's
   (simulated) tools are told through `$DRA_GPU_SIM_DEV_DIR`; the kernel's files under
-  `<dev root>/proc` (`devices`, and the MIG capability files the library keeps there while an
-  instance exists: `$DRA_GPU_SIM_PROC_DIR`);
+  `<dev root>/proc` (`devices`, the module's `driver/nvidia/version`, and the MIG capability
+  files the library keeps there while an instance exists: `$DRA_GPU_SIM_PROC_DIR`);
 - the PCIe-root lookup: the profile's data instead of sysfs;
 - what the kernel would report from outside (XIDs, ECC errors, a lost GPU, recovery actions):
   injected into the device-node directory (`inject`), where the library's event sets see them.
@@ -97,7 +97,8 @@ class SimulatedEvents:
 
 def make_kernel_files(profile: NodeProfile, dev_root: Path) -> None:
     """The device nodes a loaded driver makes (nvidiactl, one per GPU, uvm, modeset) under
-    `<dev_root>/dev` and the kernel's list of their majors in `<dev_root>/proc/devices`."""
+    `<dev_root>/dev`, the kernel's list of their majors in `<dev_root>/proc/devices` and the loaded
+    module's version (the profile's driver version) in `<dev_root>/proc/driver/nvidia/version`."""
     dev = make_device_nodes(dev_root / "dev", [g.minor for g in profile.gpus])
     make_char(dev / "nvidia-uvm", UVM_MAJOR, 0)
     make_char(dev / "nvidia-uvm-tools", UVM_MAJOR, 1)
@@ -111,6 +112,21 @@ def make_kernel_files(profile: NodeProfile, dev_root: Path) -> None:
     tmp = proc / ".devices.tmp"
     tmp.write_text(text)
     tmp.replace(proc / "devices")
+    # The loaded kernel module's version, in the real file's format; a library of another version
+    # fails nvmlInit with NVML_ERROR_LIB_RM_VERSION_MISMATCH.
+    nvidia = proc / "driver" / "nvidia"
+    nvidia.mkdir(parents=True, exist_ok=True)
+    tmp = nvidia / ".version.tmp"
+    tmp.write_text(kernel_version_text(profile.driver_version))
+    tmp.replace(nvidia / "version")
+
+
+def kernel_version_text(version: str) -> str:
+    """`/proc/driver/nvidia/version` of a loaded (proprietary) kernel module of `version`."""
+    return (
+        f"NVRM version: NVIDIA UNIX {os.uname().machine} Kernel Module  {version}  "
+        "Fri Feb 28 00:53:10 UTC 2025\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+    )
 
 
 def prepare_simulated_node(

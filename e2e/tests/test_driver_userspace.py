@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support import CACHE, ROOT, wait_for
+from support import CACHE, ROOT, sim_driver_root, wait_for
 from test_kubelet_plugin import (
     CDI_DIR,
     DRIVER,
@@ -190,11 +191,46 @@ def test_nvidia_uvm_not_loaded_fails_prepare_naming_the_host_fix_until_it_is(
             os.mknod(uvm, st.st_mode, st.st_rdev)
 
 
-def test_a_driver_version_mismatch_fails_prepare_naming_both_versions(
-    hgx, glibc_images, core, dyn, namespace, wait_pod
-):
+def test_another_drivers_libraries_keep_the_plugin_from_starting_naming_both_versions(hgx, dyn):
+    """The libraries of another driver than the loaded kernel module's (upgraded on disk, the old
+    module still loaded; or a driver root that is not the loaded driver's): NVML refuses to
+    initialise (NVML_ERROR_LIB_RM_VERSION_MISMATCH), so the plugin does not start; its log names
+    both versions and what to do, and no spec is written."""
     hgx.stop()
-    hgx.driver_version = "550.54.15"  # the libraries of another driver than the kernel module's
+    hgx.driver_version = "550.54.15"  # the libraries; the simulated kernel module is 570.133.20
+    before = our_specs()
+    try:
+        with pytest.raises(AssertionError, match="plugin exited") as refused:
+            hgx.start()
+        assert hgx.proc is not None and hgx.proc.returncode not in (0, None)
+        log = hgx.log_tail(20)
+        print(f"\n[e2e] plugin refused to start:\n{log}")
+        assert "driver version mismatch" in log and "550.54.15" in log and "570.133.20" in log, log
+        assert "reboot" in log and "--driver-root" in log, log
+        assert "plugin exited" in str(refused.value)
+        assert our_specs() == before
+    finally:
+        hgx.driver_version = None
+        hgx.start()
+    wait_for("the node's 8 GPUs again", lambda: len(device_attrs(dyn)) == 8, timeout=30)
+
+
+def test_libraries_on_disk_of_another_version_than_nvmls_fail_prepare_naming_both_versions(
+    hgx, glibc_images, core, dyn, namespace, wait_pod, tmp_path
+):
+    """NVML works (its library and the kernel module agree), but the driver root's other libraries
+    are another driver's (a half-finished upgrade: libcuda.so.570.133.20 replaced by 550.54.15):
+    the plugin starts and says so, and prepare fails naming both versions."""
+    root = tmp_path / "driver-root"
+    shutil.copytree(sim_driver_root(hgx.profile), root, symlinks=True)
+    (ours,) = root.glob("usr/lib/*/libcuda.so.570.133.20")
+    (other,) = Path(sim_driver_root(hgx.profile, "550.54.15")).glob("usr/lib/*/libcuda.so.550.54.15")
+    ours.unlink()
+    shutil.copy2(other, ours.parent / other.name)
+    (ours.parent / "libcuda.so.1").unlink()
+    (ours.parent / "libcuda.so.1").symlink_to(other.name)
+    hgx.stop()
+    hgx.driver_root = str(root)
     try:
         hgx.start()
         before = our_specs()
@@ -208,5 +244,5 @@ def test_a_driver_version_mismatch_fails_prepare_naming_both_versions(
     finally:
         core.delete_namespaced_pod("mismatch", namespace, grace_period_seconds=0)
         hgx.stop()
-        hgx.driver_version = None
+        hgx.driver_root = None
         hgx.start()

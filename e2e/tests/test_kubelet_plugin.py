@@ -35,6 +35,7 @@ class Plugin:
         self.proc: subprocess.Popen | None = None
         self.profile = PROFILE
         self.driver_version: str | None = None  # None: the profile's own (no mismatch)
+        self.driver_root: str | None = None  # None: the simulated root of driver_version
         self.extra_args: list[str] = []  # more kubelet-plugin flags (e.g. --memory-shares)
         self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS)
 
@@ -51,7 +52,7 @@ class Plugin:
                 "--profile",
                 self.profile,
                 "--driver-root",
-                sim_driver_root(self.profile, self.driver_version),
+                self.driver_root or sim_driver_root(self.profile, self.driver_version),
                 "--kubeconfig",
                 self.kubeconfig,
                 "--plugin-dir",

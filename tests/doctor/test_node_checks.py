@@ -354,3 +354,31 @@ def test_nvidia_uvm_not_loaded_is_shown_with_the_host_side_fix(tmp_path: Path) -
     (r,) = check_nvidia_uvm(facts)
     assert r.status is Status.FAIL and "nvidia-uvm kernel module is not loaded" in r.detail
     assert "`modprobe nvidia-uvm`" in r.fix and "container cannot load" in r.fix
+
+
+def test_nvml_refusing_another_drivers_kernel_module_names_both_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML's init answered LIB_RM_VERSION_MISMATCH (the libraries upgraded on disk, the old module
+    still loaded): both checks fail naming the libraries' and the kernel module's versions."""
+    from dra_gpu.discovery.driver_versions import version_mismatch
+    from dra_gpu.doctor import node_checks as nc
+
+    s = settings(tmp_path)
+    version_file = s.dev_root / "proc/driver/nvidia/version"
+    version_file.parent.mkdir(parents=True)
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  565.57.01  Thu Oct 10 2024\n")
+    library = s.driver_root / "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.570.133.20"
+
+    def refused(_settings: NodeSettings) -> object:
+        raise version_mismatch(library, s.driver_root, s.dev_root)
+
+    monkeypatch.setattr(nc, "node_inventory", refused)
+    facts = NodeFacts(s)
+    (nvml,) = check_nvml(facts)
+    assert nvml.status is Status.FAIL and "driver version mismatch" in nvml.detail, nvml
+    assert "570.133.20" in nvml.detail and "565.57.01" in nvml.detail
+    assert "reboot" in nvml.fix and "--driver-root" in nvml.fix
+    (drv,) = check_driver(facts)
+    assert drv.status is Status.FAIL, drv
+    assert "kernel module 565.57.01" in drv.detail and "570.133.20" in drv.detail

@@ -18,7 +18,10 @@
  *   .nvidia-sim/processes/<uuid>    pids running on a GPU or MIG device, one a line.
  *
  * With $DRA_GPU_SIM_PROC_DIR set (a simulated node's proc/), the library also keeps the MIG
- * capability files the kernel module lists there while an instance exists (sync_caps below).
+ * capability files the kernel module lists there while an instance exists (sync_caps below),
+ * and init reads the loaded kernel module's version from its driver/nvidia/version: another
+ * version than the library's own fails init with NVML_ERROR_LIB_RM_VERSION_MISMATCH, as a real
+ * libnvidia-ml does against another driver's kernel module (no file: no check).
  *
  * Which functions the library exports depends on the driver version it reports: the builder
  * links it with a version script made from its table (function -> first driver version), so
@@ -537,6 +540,35 @@ static void init_caps(void) {
     close_lock(fd);
 }
 
+/* The kernel module's version, as /proc/driver/nvidia/version says it: "NVRM version: NVIDIA
+ * UNIX x86_64 Kernel Module  570.133.20  <date>" (open modules: "... Open Kernel Module for
+ * x86_64  570.133.20  ..."). 0: no file (or no version in it); 1: found, in `out`. */
+static int kernel_module_version(char *out, size_t size) {
+    const char *proc = getenv("DRA_GPU_SIM_PROC_DIR");
+    if (!proc || !*proc) return 0;
+    char path[4096], text[512];
+    snprintf(path, sizeof path, "%s/driver/nvidia/version", proc);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    const char *p = strstr(text, "Kernel Module");
+    if (!p) return 0;
+    p += strlen("Kernel Module");
+    while (*p == ' ' || *p == '\t') p++;
+    if (!strncmp(p, "for ", 4)) { /* "for x86_64" */
+        p += 4;
+        while (*p && *p != ' ' && *p != '\t') p++;
+        while (*p == ' ' || *p == '\t') p++;
+    }
+    size_t len = strspn(p, "0123456789.");
+    if (len == 0 || len >= size) return 0;
+    memcpy(out, p, len);
+    out[len] = 0;
+    return 1;
+}
+
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
     for (unsigned i = 0; i < SIM_NERRORS; i++) /* the profile's nvmlErrors.nvmlInit */
@@ -546,6 +578,11 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
         if (!sim_ctl_present()) {
             pthread_mutex_unlock(&init_lock);
             return NVML_ERROR_DRIVER_NOT_LOADED;
+        }
+        char kernel[64];
+        if (kernel_module_version(kernel, sizeof kernel) && strcmp(kernel, SIM_DRIVER_VERSION)) {
+            pthread_mutex_unlock(&init_lock);
+            return NVML_ERROR_LIB_RM_VERSION_MISMATCH; /* libraries of another driver */
         }
         nvisible = 0; /* the device list is fixed at init, like the real one */
         for (unsigned i = 0; i < SIM_NGPUS; i++)

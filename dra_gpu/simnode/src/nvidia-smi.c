@@ -38,6 +38,17 @@ struct gpu {
     int compute_mode;
 };
 
+/* NVML's init, and what nvidia-smi says when it fails (its exit status is NVML's code). */
+static int init_failed(void) {
+    int rc = nvmlInit_v2();
+    if (rc == 18) /* NVML_ERROR_LIB_RM_VERSION_MISMATCH: libraries of another driver */
+        printf("Failed to initialize NVML: Driver/library version mismatch\n");
+    else if (rc != 0)
+        printf("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+               "Make sure that the latest NVIDIA driver is installed and running.\n\n");
+    return rc;
+}
+
 static void read_gpu(unsigned i, struct gpu *g) {
     nvmlDevice_t d;
     nvmlPciInfo_t pci;
@@ -208,12 +219,8 @@ static int compute_policy(int argc, char **argv) {
         printf("Invalid combination of input arguments. Please run 'nvidia-smi compute-policy -h' for help.\n\n");
         return EXIT_BAD_ARGS;
     }
-    int rc = nvmlInit_v2();
-    if (rc != 0) {
-        printf("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-               "Make sure that the latest NVIDIA driver is installed and running.\n\n");
-        return rc;
-    }
+    int rc = init_failed();
+    if (rc != 0) return rc;
     unsigned count = 0, matched = 0;
     nvmlDeviceGetCount_v2(&count);
     for (unsigned d = 0; d < count; d++) {
@@ -261,12 +268,8 @@ int main(int argc, char **argv) {
         return EXIT_BAD_ARGS;
     }
     if (fields && parse_fields(fields)) return EXIT_BAD_ARGS;
-    int rc = nvmlInit_v2();
-    if (rc != 0) {
-        printf("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-               "Make sure that the latest NVIDIA driver is installed and running.\n\n");
-        return rc;
-    }
+    int rc = init_failed();
+    if (rc != 0) return rc;
     unsigned count = 0;
     nvmlDeviceGetCount_v2(&count);
     if (count == 0) {
