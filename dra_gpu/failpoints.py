@@ -19,8 +19,15 @@ log = logging.getLogger(__name__)
 ENV = "DRA_GPU_FAILPOINTS"
 ACTIONS = ("kill", "error")
 
+# a checkpoint write: its temp file is synced, not yet renamed over the checkpoint (prepare's
+# first write: `started` of a claim with sharing, else `completed` beside the spec); a kill here
+# leaves the temp file, which the next start removes
+CHECKPOINT_AFTER_TEMP = "checkpoint-after-temp"
 # prepare: the `started` record is durable (its CDI spec may or may not be written yet)
 PREPARE_AFTER_STARTED = "prepare-after-started"
+# a round of CDI spec writes: the specs' temp files are synced, none is renamed yet (the claim's
+# record is written beside it: durable or not)
+CDI_SPEC_AFTER_TEMP = "cdi-spec-after-temp"
 # prepare: `started` record and CDI spec both written, sharing not applied, not `completed`
 PREPARE_AFTER_CDI_SPEC = "prepare-after-cdi-spec"
 # prepare: `completed` is durable, the kubelet has not had the answer
@@ -40,7 +47,9 @@ UNPREPARE_AFTER_SHARING = "unprepare-after-sharing"
 UNPREPARE_AFTER_INSTANCES = "unprepare-after-instances"
 
 ALL = (
+    CHECKPOINT_AFTER_TEMP,
     PREPARE_AFTER_STARTED,
+    CDI_SPEC_AFTER_TEMP,
     PREPARE_AFTER_CDI_SPEC,
     PREPARE_AFTER_COMPLETED,
     MPS_AFTER_COMPUTE_MODE,

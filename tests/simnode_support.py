@@ -23,7 +23,7 @@ import pytest
 
 from dra_gpu.simnode.builder import default_cache_dir, ensure_nvml_library
 from dra_gpu.simnode.devnodes import make_device_nodes
-from dra_gpu.simnode.nvml_header import HEADER_ENV, NvmlHeaderError, nvml_header
+from dra_gpu.simnode.nvml_header import HEADER_ENV, NvmlHeaderUnreachable, nvml_header
 from dra_gpu.simnode.profiles import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def nvml_h() -> Iterator[Path]:
     """NVIDIA's nvml.h, named for every build of the session (fetched once into the user cache)."""
     try:
         path = nvml_header(default_cache_dir())
-    except NvmlHeaderError as exc:
+    except NvmlHeaderUnreachable as exc:  # (a wrong DRA_GPU_NVML_H or a bad download fails)
         pytest.skip(f"NVIDIA's nvml.h is not available: {exc}")
     mp = pytest.MonkeyPatch()
     mp.setenv(HEADER_ENV, str(path))

@@ -60,10 +60,9 @@ def debian_root() -> Path:
     missing = [tool for tool in ("mmdebstrap", "dpkg-query") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"the Debian trixie driver root is not cached and {' and '.join(missing)} is missing")
-    try:
-        return Path(DEBIAN.driver_root("trixie"))
-    except DEBIAN.DriverRootError as exc:
-        pytest.skip(f"the Debian trixie driver root cannot be built here: {exc}")
+    if os.geteuid() != 0:
+        pytest.skip("the Debian trixie driver root is not cached, and building it needs root")
+    return Path(DEBIAN.driver_root("trixie"))  # a build that fails, fails the test
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,7 @@ def test_without_network_the_error_names_the_url_and_the_way_out(
 ) -> None:
     monkeypatch.delenv("DRA_GPU_NVML_H", raising=False)
     monkeypatch.setenv("GOPROXY", "http://127.0.0.1:9")  # discard port: nothing listens
-    with pytest.raises(nvml_header.NvmlHeaderError) as err:
+    with pytest.raises(nvml_header.NvmlHeaderUnreachable) as err:
         nvml_header.nvml_header(tmp_path / "cache")
     assert "http://127.0.0.1:9/github.com/!n!v!i!d!i!a/go-nvml/@v/v0.13.4-1.zip" in str(err.value)
     assert "DRA_GPU_NVML_H" in str(err.value)

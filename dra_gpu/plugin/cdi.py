@@ -108,6 +108,10 @@ class CdiSpecs:
     def path(self, claim_uid: str) -> Path:
         return self.dir / f"{self.prefix}{claim_uid}.json"
 
+    def is_spec_name(self, name: str) -> bool:
+        """True for the name of one of this driver's claim spec files (what `path` makes)."""
+        return name.startswith(self.prefix) and name.endswith(".json") and len(name) > len(self.prefix) + 5
+
     def device_id(self, claim_uid: str, device: str) -> str:
         return f"{self.kind}={claim_uid}-{device}"
 

@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dra_gpu import failpoints
 from dra_gpu.durable import atomic_write
 from dra_gpu.plugin.record import ClaimRecord, ClaimState
 
@@ -188,7 +189,7 @@ class Checkpoint:
         return "{" + ",".join(top) + "}"
 
     def write(self, blob: bytes) -> None:
-        atomic_write(self.path, blob)
+        atomic_write(self.path, blob, failpoint=failpoints.CHECKPOINT_AFTER_TEMP)
 
     def stage(self, uid: str, entry: ClaimRecord | Mapping[str, Any] | None) -> None:
         """Change the in-memory state only (the caller writes it). Records are frozen and replaced

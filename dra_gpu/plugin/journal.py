@@ -16,10 +16,12 @@ claims can never both be prepared with the same device.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 from dra_gpu import failpoints
-from dra_gpu.durable import atomic_write, remove_durably
+from dra_gpu.durable import atomic_write, remove_durably, remove_stale_temps
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import SPEC_MODE, CdiSpecs, CdiWriteError
 from dra_gpu.plugin.checkpoint import Checkpoint
@@ -36,7 +38,7 @@ class Journal:
         # Checks across claims and `stage` run under it.
         self.state_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
-        self.spec_rounds = WriteRounds()
+        self.spec_rounds = WriteRounds(failpoint=failpoints.CDI_SPEC_AFTER_TEMP)
         self._staged = 0
         self._written = 0
 
@@ -106,6 +108,17 @@ class Journal:
         return await self.spec_rounds.remove(self.cdi.path(uid))
 
     # -- at once (the start-up reconcile and rebuild, before serving) ----------------------------
+
+    def remove_stale_temps(self, plugin_files: Collection[str] = ()) -> list[Path]:
+        """The temp files of the plugin's own writes that a kill left behind, removed: the claim
+        specs' in the CDI directory, the checkpoint's and `plugin_files`' in the plugin directory
+        (durable.remove_stale_temps; nothing of another program's naming is touched)."""
+        plugin_dir = self.checkpoint.path.parent
+        names = {self.checkpoint.path.name, *plugin_files}
+        return [
+            *remove_stale_temps(self.cdi.dir, self.cdi.is_spec_name),
+            *remove_stale_temps(plugin_dir, names.__contains__),
+        ]
 
     def write_spec_now(self, uid: str, spec: dict[str, Any]) -> None:
         path = self.cdi.path(uid)

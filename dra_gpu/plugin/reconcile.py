@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from tenacity import AsyncRetrying, RetryError, stop_after_delay, wait_exponential, wait_random
 
+from dra_gpu.health.node import STATE_FILE as HEALTH_STATE_FILE
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.allocation import Allocation
 from dra_gpu.plugin.checkpoint import CheckpointRebuildError
@@ -162,6 +163,14 @@ class Reconciler:
     def reconcile(self) -> dict[str, int]:
         """Make the CDI directory agree with the checkpoint (run before serving)."""
         counts = {"rolledBack": 0, "rebuilt": 0, "removed": 0}
+        # First the temp files of writes a kill interrupted (the plugin's own naming only): nothing
+        # else removes them, and no write of this plugin can be under way yet.
+        stale = self.journal.remove_stale_temps((HEALTH_STATE_FILE,))
+        if stale:
+            counts["tempsRemoved"] = len(stale)
+            log.warning(
+                "temp files of writes a kill interrupted removed files=%s", ",".join(str(p) for p in stale)
+            )
         records = {r.uid: r for r in self.journal.records()}
         for rec in list(records.values()):
             if not rec.settled:

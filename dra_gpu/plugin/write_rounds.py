@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dra_gpu import failpoints
 from dra_gpu.durable import fsync_dir, synced_temp
 
 
@@ -33,7 +34,8 @@ class _Change:
 
 
 class WriteRounds:
-    def __init__(self) -> None:
+    def __init__(self, failpoint: str | None = None) -> None:
+        self._failpoint = failpoint  # hit in each round between its temp files and its renames
         self._queue: list[_Change] = []
         self._round: asyncio.Task[None] | None = None
 
@@ -82,6 +84,13 @@ class WriteRounds:
         for c in changes:
             if c.data is not None:
                 self._write_temp(c)
+        if self._failpoint is not None:
+            try:
+                failpoints.hit(self._failpoint)
+            except BaseException:
+                for c in changes:
+                    self._discard_temp(c)
+                raise
         for c in changes:
             if c.error is not None:
                 continue

@@ -29,6 +29,10 @@ class NvmlHeaderError(RuntimeError):
     """The header is neither named, cached nor downloadable; the message says what to provide."""
 
 
+class NvmlHeaderUnreachable(NvmlHeaderError):
+    """Neither named nor cached, and the module proxy cannot be reached (no network)."""
+
+
 def escape_module_path(path: str) -> str:
     """The module proxy's case encoding: each upper-case letter becomes '!' + its lower case."""
     return "".join(f"!{c.lower()}" if c.isupper() else c for c in path)
@@ -52,7 +56,7 @@ def _download(url: str) -> bytes:
         with urllib.request.urlopen(url, timeout=60) as resp:
             data: bytes = resp.read()
     except (urllib.error.URLError, OSError) as exc:
-        raise NvmlHeaderError(
+        raise NvmlHeaderUnreachable(
             f"cannot download NVIDIA's NVML header ({MODULE} {VERSION}) from {url}: {exc}; "
             f"without network access set {HEADER_ENV} to a copy of its pkg/nvml/nvml.h"
         ) from exc

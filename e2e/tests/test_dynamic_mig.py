@@ -75,6 +75,17 @@ def caps_nodes(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("c") and "nvidia-cap" in line]
 
 
+def unschedulable(core, namespace, pod) -> str | None:
+    """The scheduler's verdict that `pod` cannot be placed now (PodScheduled False, reason
+    Unschedulable: it tried the pod against the state it sees), its message; None until then. A
+    wrong allocation cannot come later: the pod is tried again only on a change of that state."""
+    p = core.read_namespaced_pod(pod, namespace)
+    for c in p.status.conditions or []:
+        if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
+            return c.message or "unschedulable"
+    return None
+
+
 def delete_pods(core, namespace, *pods):
     for pod in pods:
         core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
@@ -169,10 +180,10 @@ def test_two_3g_on_one_gpu_and_its_7g_waits(mig_plugin, core, dyn, namespace, bu
         },
     )
     claim_pod(core, namespace, "whole", {"resource_claim_name": "whole-gpu0"}, SHOW, busybox_image)
-    time.sleep(8)
-    pod = core.read_namespaced_pod("whole", namespace)
-    scheduled = next(c for c in pod.status.conditions or [] if c.type == "PodScheduled")
-    assert pod.status.phase == "Pending" and scheduled.status == "False", pod.status
+    wait_for(
+        "the scheduler to find no place for the whole GPU 0", lambda: unschedulable(core, namespace, "whole")
+    )
+    assert core.read_namespaced_pod("whole", namespace).status.phase == "Pending"
     assert not (claims.get(namespace=namespace, name="whole-gpu0").to_dict().get("status") or {}).get(
         "allocation"
     )
@@ -358,7 +369,10 @@ def test_a_trace_sample_places_as_explain_predicts(mig_plugin, core, dyn, namesp
             core, namespace, pod, {"resource_claim_template_name": template_name}, "sleep 3600", busybox_image
         )
         if want is None:
-            time.sleep(5)
+            wait_for(
+                f"step {a.step}: the scheduler to refuse {a.profile}",
+                lambda pod=pod: unschedulable(core, namespace, pod),
+            )
             assert not allocated(dyn, namespace, pod), (
                 f"step {a.step}: {a.profile} was expected to be refused"
             )

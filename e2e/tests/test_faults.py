@@ -3,7 +3,9 @@
 Failpoints: the plugin is SIGKILLed at each failpoint in turn (DRA_GPU_FAILPOINTS=<name>=kill)
 while the kubelet prepares (or unprepares) a claim, started again without it, and the kubelet's
 retry finishes the job. Checked from outside: the pod runs and its container sees its devices; the
-CDI dir holds exactly the specs of live claims; no device is in two claims' records; no MPS
+CDI dir holds exactly the specs of live claims and the plugin dir nothing but what lives there
+(`PLUGIN_DIR_ENTRIES`): no temp file, no stray; a kill inside a write (between its temp file and
+the rename) leaves the temp file, and the next start removes it; no device is in two claims' records; no MPS
 daemon runs that no claim records, no MIG instance exists that no claim records; and after the
 pod is deleted nothing is left (specs, records, daemons, instances, compute modes).
 
@@ -15,6 +17,7 @@ deleted), still get their devices."""
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -50,6 +53,8 @@ SHOW = "ls -l /dev/nvidia*; env | grep -E '^(NVIDIA|CUDA_MPS)'; sleep 3600"
 # (failpoint, claim kind), the names as in dra_gpu/failpoints.py (the e2e tier does not import
 # the package). Every failpoint once at least; the MIG cases last (another node profile).
 CASES = [
+    ("checkpoint-after-temp", "gpu"),
+    ("cdi-spec-after-temp", "gpu"),
     ("prepare-after-started", "gpu"),
     ("prepare-after-cdi-spec", "gpu"),
     ("prepare-after-completed", "gpu"),
@@ -62,6 +67,21 @@ CASES = [
     ("unprepare-after-instances", "mig"),
 ]
 UNPREPARE = ("unprepare-after-sharing", "unprepare-after-instances")
+# A kill inside a write: the temp file it leaves, in which directory.
+IN_A_WRITE = {"checkpoint-after-temp": PLUGIN_DIR, "cdi-spec-after-temp": CDI_DIR}
+# What lives in the plugin dir besides the checkpoint: the gRPC and health sockets, the health
+# taint book, the MPS daemons' root, the simulated node (--profile); and checkpoints moved aside as
+# corrupt, kept for the operator (`checkpoint.json.corrupt-<time>`).
+PLUGIN_DIR_ENTRIES = {
+    "checkpoint.json",
+    "dra.sock",
+    "health.sock",
+    "health-taints.json",
+    "mps",
+    "simulated-root",
+}
+CORRUPT_PREFIX = "checkpoint.json.corrupt-"
+TEMPS_REMOVED = "temp files of writes a kill interrupted removed"  # the plugin's log line
 
 
 # ------------------------------------------------------------------ what the node holds
@@ -109,10 +129,28 @@ def live_claim_uids(dyn) -> set[str]:
     return out
 
 
+def temp_files(directory: Path) -> list[str]:
+    """The plugin's temp files (`.<target>.<8 random>.tmp`) in `directory`."""
+    return sorted(n for n in os.listdir(directory) if n.startswith(".") and n.endswith(".tmp"))
+
+
+def assert_no_strays(records: dict[str, dict]) -> None:
+    """The CDI dir holds, of this driver's files, exactly the completed claims' specs; the plugin
+    dir nothing but what lives there. (Other drivers' CDI files are theirs.)"""
+    completed = {uid for uid, r in records.items() if r.get("state") == "completed"}
+    ours = sorted(n for n in os.listdir(CDI_DIR) if f"k8s.{DRIVER}" in n)
+    assert ours == sorted(f"{SPEC_PREFIX}{uid}.json" for uid in completed), f"{CDI_DIR}: {ours}"
+    strays = sorted(
+        n for n in os.listdir(PLUGIN_DIR) if n not in PLUGIN_DIR_ENTRIES and not n.startswith(CORRUPT_PREFIX)
+    )
+    assert not strays, f"{PLUGIN_DIR}: strays {strays}"
+
+
 def assert_consistent(dyn) -> dict[str, int]:
     """The node's invariants; returns counts for the report."""
     records = checkpoint_claims()
     specs = spec_uids()
+    assert_no_strays(records)
     leaked = specs - live_claim_uids(dyn)
     assert not leaked, f"CDI specs of no live claim: {leaked}"
     completed = {uid for uid, r in records.items() if r.get("state") == "completed"}
@@ -225,8 +263,15 @@ def test_plugin_killed_at_a_failpoint_recovers_and_leaves_nothing(
     wait_for(f"the plugin to die at {failpoint}", lambda: proc.poll() is not None, timeout=120)
     assert proc.returncode == -9, faulty.log_tail()
     assert f"failpoint hit name={failpoint} action=kill" in faulty.log_tail(50)
+    if failpoint in IN_A_WRITE:  # the kill interrupted a write: its temp file is there
+        left = temp_files(IN_A_WRITE[failpoint])
+        assert left, f"no temp file in {IN_A_WRITE[failpoint]}"
+        removals = faulty.log_path.read_text().count(TEMPS_REMOVED)
 
     restart(faulty, dyn, kind, None)
+    if failpoint in IN_A_WRITE:  # ... and the start removed it
+        assert not set(left) & set(temp_files(IN_A_WRITE[failpoint]))
+        assert faulty.log_path.read_text().count(TEMPS_REMOVED) == removals + 1
     if failpoint not in UNPREPARE:
         log = running_log(core, namespace, "victim")
         assert_sees_its_devices(dyn, namespace, "victim", kind, log)

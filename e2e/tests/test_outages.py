@@ -203,7 +203,10 @@ def test_containerd_restart_leaves_running_pods_alone(plugin, core, dyn, namespa
     t0 = time.time()
     cluster("restart-containerd")
     restart_s = time.time() - t0
-    time.sleep(5)  # the kubelet's next relist (PLEG) sees the runtime again
+    # A window, long enough: the kubelet relists the runtime's containers every second (PLEG) once
+    # containerd answers again, and a container found gone or changed is an event that makes it
+    # sync the pod at once (a new container, a new ID in the status); 5 s are several relists.
+    time.sleep(5)
     after = running(core, namespace, "steady")
     assert after is not None, core.read_namespaced_pod("steady", namespace).status
     status = after.status.container_statuses[0]

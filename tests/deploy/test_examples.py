@@ -83,16 +83,7 @@ def test_classic_pod_uses_the_extended_resource(render: Render) -> None:
     assert "resourceClaims" not in pod["spec"]
 
 
-def _has_validate() -> bool:
-    r = subprocess.run(
-        [sys.executable, "-m", "dra_gpu.cli", "validate", "--help"], capture_output=True, text=True
-    )
-    return r.returncode == 0
-
-
 def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
-    if not _has_validate():
-        pytest.skip("`dra-gpu validate` is not in this tree yet")
     classes = tmp_path / "classes.yaml"
     classes.write_text(yaml.safe_dump_all(by_kind(render(), "DeviceClass")))
     files = ["-f", str(classes)]

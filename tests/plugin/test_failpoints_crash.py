@@ -1,7 +1,9 @@
 """The plugin SIGKILLed at each failpoint (in a forked child, so the kill is real), then started
 again over the same directories and GPUs, with the kubelet's retry: the claim is prepared once,
-no CDI spec, record, MPS daemon, compute mode or MIG instance is left behind, and unprepare
-leaves nothing. The same cases run against the real cluster in e2e/tests/test_faults.py."""
+no CDI spec, record, MPS daemon, compute mode or MIG instance is left behind, the CDI and plugin
+directories hold only the live claim's spec and the checkpoint (a kill between a write's temp file
+and its rename leaves the temp file: the start removes it), and unprepare leaves nothing. The
+same cases run against the real cluster in e2e/tests/test_faults.py."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 
 from dra_gpu import failpoints
 from dra_gpu.plugin.checkpoint import COMPLETED
-from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
+from plugin.conftest import PluginCore, assert_only_live_files, claim, gpu_names, prepare_claim, temp_files
 from plugin.test_dynamic_mig_prepare import GPU0, Node, start_node
 from plugin.test_sharing import alive, compute_mode, mps_config, ref_of
 from tests.driver_root import make_root
@@ -27,6 +29,9 @@ UID = "eeeeeeee-0000-4000-8000-000000000001"
 
 # (failpoint, claim kind): every failpoint, each with a claim that reaches it.
 CASES = [
+    (failpoints.CHECKPOINT_AFTER_TEMP, "gpu"),
+    (failpoints.CDI_SPEC_AFTER_TEMP, "gpu"),
+    (failpoints.CHECKPOINT_AFTER_TEMP, "mps"),
     (failpoints.PREPARE_AFTER_STARTED, "gpu"),
     (failpoints.PREPARE_AFTER_CDI_SPEC, "gpu"),
     (failpoints.PREPARE_AFTER_COMPLETED, "gpu"),
@@ -41,6 +46,7 @@ CASES = [
     (failpoints.UNPREPARE_AFTER_INSTANCES, "mig"),
 ]
 UNPREPARE = (failpoints.UNPREPARE_AFTER_SHARING, failpoints.UNPREPARE_AFTER_INSTANCES)
+IN_A_WRITE = (failpoints.CHECKPOINT_AFTER_TEMP, failpoints.CDI_SPEC_AFTER_TEMP)
 
 
 def test_every_failpoint_has_a_case() -> None:
@@ -96,8 +102,11 @@ def test_killed_at_a_failpoint_then_restarted_leaves_nothing(
         killed_at(failpoint, lambda: node.preparer.unprepare(ref))
     else:
         killed_at(failpoint, lambda: prepare_claim(node.preparer, ref))
+    left = temp_files(node.cdi.dir, node.checkpoint.path.parent)
+    assert bool(left) == (failpoint in IN_A_WRITE), left  # the kill interrupted a write, or none
     again = node.restart()
-    again.preparer.reconcile()
+    assert again.preparer.reconcile().get("tempsRemoved", 0) == len(left)
+    assert_only_live_files(again)  # type: ignore[arg-type]
     if failpoint not in UNPREPARE:
         # The kubelet's retry: prepared once, with the devices asked for, and nothing else.
         devices = asyncio.run(prepare_claim(again.preparer, ref))
@@ -111,12 +120,14 @@ def test_killed_at_a_failpoint_then_restarted_leaves_nothing(
         assert all(n == 1 for n in held.values())
         if kind == "mps":
             assert len(mps_pids(core.mps_root)) == 1 and compute_mode(core, gpu_uuid) == EXCLUSIVE_PROCESS
+        assert_only_live_files(again)  # type: ignore[arg-type]
         if isinstance(again, Node):
             (inst,) = again.live()
             (m,) = records[0].mig_instances
             assert (m["giId"], m["uuid"]) == (inst.gi_id, inst.uuid)
     asyncio.run(again.preparer.unprepare(ref))  # (again, for an unprepare case: the kubelet's retry)
     assert again.cdi.owned() == {} and again.checkpoint.records() == []
+    assert_only_live_files(again)  # type: ignore[arg-type]
     assert mps_pids(core.mps_root) == [] and compute_mode(core, gpu_uuid) == DEFAULT
     if isinstance(again, Node):
         assert again.live() == []

@@ -401,6 +401,42 @@ def test_restart_reconciles_checkpoint_and_cdi_dir(core: PluginCore) -> None:
     assert prepare(restarted, done)[0].device_name == g0  # still prepared after the restart
 
 
+def test_start_removes_its_own_stale_temp_files_and_nothing_else(core: PluginCore) -> None:
+    """Temp files a kill left mid-write (the specs' in the CDI directory, the checkpoint's and the
+    health taint book's in the plugin directory) go at the start's reconcile; another program's
+    files of any name stay, and so do directories and links of our temp files' naming."""
+    c = claim(uid(), gpu_names(core)[:1])
+    core.add(c)
+    prepare(core, c)
+    cdi_dir, plugin_dir = core.cdi.dir, core.checkpoint.path.parent
+    ours = [
+        cdi_dir / f".{core.cdi.path(uid()).name}.a1b2c3d_.tmp",
+        cdi_dir / f".{core.cdi.path(c['metadata']['uid']).name}.zz9_0abc.tmp",
+        plugin_dir / ".checkpoint.json.k3j4h5g6.tmp",
+        plugin_dir / ".health-taints.json.q1w2e3r4.tmp",
+    ]
+    foreign = [
+        cdi_dir / ".nvidia.yaml.a1b2c3d4.tmp",  # another program's spec, our naming of temps
+        cdi_dir / ".k8s.gpu.dra-gpu.io-claim_x.yaml.a1b2c3d4.tmp",  # not a name of ours
+        cdi_dir / ".k8s.gpu.dra-gpu.io-claim_x.json.tmp",  # no random part: not mkstemp's
+        cdi_dir / "vendor.json",
+        plugin_dir / ".checkpoint.json.k3j4h5g6.swp",
+        plugin_dir / ".other.json.k3j4h5g6.tmp",
+        plugin_dir / "notes",
+    ]
+    for p in ours + foreign:
+        p.write_text("x")
+    a_dir = plugin_dir / ".checkpoint.json.d1r2e3c4.tmp"
+    a_dir.mkdir()
+    a_link = cdi_dir / f".{core.cdi.path(uid()).name}.l1n2k3s4.tmp"
+    a_link.symlink_to(plugin_dir / "notes")
+    restarted = core.restart()
+    assert restarted.preparer.reconcile()["tempsRemoved"] == len(ours)
+    assert not any(p.exists() for p in ours)
+    assert all(p.exists() for p in foreign) and a_dir.is_dir() and a_link.is_symlink()
+    assert prepare(restarted, c)[0].device_name == gpu_names(core)[0]
+
+
 def test_sweeper_unprepares_claims_gone_for_the_grace_period(core: PluginCore) -> None:
     c = claim(uid(), gpu_names(core)[:1])
     core.add(c)

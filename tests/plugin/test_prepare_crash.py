@@ -1,6 +1,12 @@
-"""A plugin killed (SIGKILL) at any moment of prepare and unprepare: after the restart's
+"""A plugin killed (SIGKILL) at a random moment of prepare and unprepare: after the restart's
 reconciliation every CDI spec belongs to a completed record and every completed record has its
-spec, no device is held twice, and every claim can be prepared and unprepared again."""
+spec, the CDI and plugin directories hold nothing else (the temp file of a write the kill
+interrupted is removed at the start), no device is held twice, and every claim can be prepared
+and unprepared again.
+
+Each kill comes after a random delay, as the next write begins (its temp file appears; a
+checkpoint write's fsync takes about a millisecond, so a later moment mostly misses it): most kills
+must interrupt a write, which the temp files found after the kill show."""
 
 from __future__ import annotations
 
@@ -16,7 +22,18 @@ import time
 from pathlib import Path
 
 from dra_gpu.plugin.checkpoint import COMPLETED
-from plugin.conftest import ClaimStore, PluginCore, claim, gpu_names, make_core, mig_names, prepare_claim
+from plugin.conftest import (
+    ClaimStore,
+    PluginCore,
+    assert_only_live_files,
+    claim,
+    gpu_names,
+    kill_in_a_write,
+    make_core,
+    mig_names,
+    prepare_claim,
+    temp_files,
+)
 from plugin.test_prepare import ref_of
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -26,7 +43,7 @@ CHILD = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
-    from plugin.conftest import ClaimStore, make_core
+    from plugin.conftest import ClaimStore, make_core, prepare_claim
     from dra_gpu.simnode.fake import discover_node
     from dra_gpu.kubeletplugin.driver import ClaimRef
 
@@ -68,7 +85,10 @@ def test_sigkill_at_any_point_leaves_a_consistent_node(core: PluginCore) -> None
     claims = [claim(f"{i:08d}-0000-4000-8000-000000000000", [d]) for i, d in enumerate(devices)]
     rng = random.Random(7)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    for _ in range(8):
+    directories = (core.cdi.dir, core.checkpoint.path.parent)
+    kills = 12
+    in_a_write = []  # per kill: the temp files it left (a write it interrupted)
+    for _ in range(kills):
         child = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(core.root), str(core.driver_root), json.dumps(claims)],
             stdout=subprocess.PIPE,
@@ -77,12 +97,23 @@ def test_sigkill_at_any_point_leaves_a_consistent_node(core: PluginCore) -> None
         try:
             assert child.stdout is not None and child.stdout.readline() == b"ready\n"
             time.sleep(rng.uniform(0.01, 0.25))
+            kill_in_a_write(child.pid, directories)
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(10)
+        assert child.returncode == -signal.SIGKILL, "the plugin died before it was killed"
+        left = temp_files(*directories)
+        in_a_write.append(left)
         restarted = make_core(core.root, core.inventory, ClaimStore(), core.driver_root)
-        restarted.preparer.reconcile()
+        counts = restarted.preparer.reconcile()
+        assert counts.get("tempsRemoved", 0) == len(left), counts
         check_consistent(restarted)
+        assert_only_live_files(restarted)
+    interrupted = sum(1 for left in in_a_write if left)
+    print(
+        f"\n{interrupted} of {kills} kills interrupted a write: {[[p.name for p in t] for t in in_a_write]}"
+    )
+    assert interrupted > kills // 2, f"only {interrupted} of {kills} kills interrupted a write"
     store = ClaimStore()
     for c in claims:
         store[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
@@ -96,3 +127,4 @@ def test_sigkill_at_any_point_leaves_a_consistent_node(core: PluginCore) -> None
 
     asyncio.run(round_trip())
     assert last.checkpoint.records() == [] and last.cdi.owned() == {}
+    assert_only_live_files(last)

@@ -1,4 +1,6 @@
-"""Durable writes in rounds: every change lands whole, fails alone, and in order per path."""
+"""Durable writes in rounds: every change lands whole, fails alone, and in order per path; a
+process killed mid-round leaves each file one whole version and, beside it, only temp files that
+`remove_stale_temps` (the plugin's start) removes."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from dra_gpu import failpoints
+from dra_gpu.durable import remove_stale_temps
 from dra_gpu.plugin.write_rounds import WriteRounds
+from plugin.conftest import kill_in_a_write, temp_files
 
 
 def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -> None:
@@ -82,20 +87,55 @@ def _writer(directory: Path) -> None:
     asyncio.run(forever())
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path, seed: int) -> None:
-    for i in range(8):
-        (tmp_path / f"f{i}").write_bytes((b"0\n" * 40_000)[: 64 * 1024])
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _writer(tmp_path)
-        finally:
-            os._exit(1)
-    time.sleep(random.Random(seed).uniform(0.05, 0.4))
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    for i in range(8):
-        lines = (tmp_path / f"f{i}").read_bytes().split(b"\n")
-        assert len(b"\n".join(lines)) == 64 * 1024
-        assert len(set(lines[:-1])) == 1, f"f{i} mixes versions"
+NAMES = [f"f{i}" for i in range(8)]
+
+
+def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path) -> None:
+    """Six kills, each a random time into a round of writes (after a random delay, the next round
+    to begin); the temp files each leaves show whether it interrupted the round, and most must
+    have."""
+    left_by_kill = []
+    for seed in range(6):
+        directory = tmp_path / f"kill-{seed}"
+        directory.mkdir()
+        for name in NAMES:
+            (directory / name).write_bytes((b"0\n" * 40_000)[: 64 * 1024])
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _writer(directory)
+            finally:
+                os._exit(1)
+        rng = random.Random(seed)
+        time.sleep(rng.uniform(0.05, 0.4))
+        kill_in_a_write(pid, [directory], delay=rng.uniform(0, 0.004))  # into the round
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"seed {seed}: {status}"
+        for name in NAMES:
+            lines = (directory / name).read_bytes().split(b"\n")
+            assert len(b"\n".join(lines)) == 64 * 1024
+            assert len(set(lines[:-1])) == 1, f"seed {seed}: {name} mixes versions"
+        left = temp_files(directory)
+        left_by_kill.append(len(left))
+        assert sorted(remove_stale_temps(directory, NAMES.__contains__)) == left
+        assert sorted(p.name for p in directory.iterdir()) == NAMES, f"seed {seed}: strays"
+    interrupted = sum(1 for n in left_by_kill if n)
+    print(
+        f"\n{interrupted} of {len(left_by_kill)} kills interrupted a write; temp files left: {left_by_kill}"
+    )
+    assert interrupted > len(left_by_kill) // 2, f"temp files left per kill: {left_by_kill}"
+
+
+def test_a_failing_round_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failpoint between a round's temp files and its renames, set to `error`: every change
+    of the round fails, and its temp files are gone."""
+    monkeypatch.setenv(failpoints.ENV, "round=error")
+
+    async def body() -> list[object]:
+        rounds = WriteRounds(failpoint="round")
+        return await asyncio.gather(
+            *(rounds.write(tmp_path / n, b"x\n") for n in NAMES), return_exceptions=True
+        )
+
+    assert all(isinstance(o, failpoints.FailpointError) for o in asyncio.run(body()))
+    assert list(tmp_path.iterdir()) == []

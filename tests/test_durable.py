@@ -1,0 +1,40 @@
+"""Atomic writes: the temp file's naming, and what `remove_stale_temps` removes (its own naming
+for the targets asked, regular files only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dra_gpu import failpoints
+from dra_gpu.durable import atomic_write, remove_stale_temps, synced_temp, temp_target
+
+
+def test_a_temp_file_names_its_target(tmp_path: Path) -> None:
+    for name in ("checkpoint.json", "k8s.gpu.dra-gpu.io-claim_0d3c-11.json", ".hidden", "a.b.c.tmp"):
+        tmp = Path(synced_temp(tmp_path / name, b"x"))
+        assert temp_target(tmp.name) == name
+    assert temp_target("checkpoint.json") is None
+    assert temp_target(".checkpoint.json.tmp") is None
+    assert temp_target(".checkpoint.json.ABCDEFGH.tmp") is None  # mkstemp's letters are lower case
+
+
+def test_only_the_named_targets_temp_files_are_removed(tmp_path: Path) -> None:
+    mine = Path(synced_temp(tmp_path / "mine.json", b"x"))
+    theirs = Path(synced_temp(tmp_path / "theirs.json", b"x"))
+    (tmp_path / "mine.json").write_text("kept")
+    assert remove_stale_temps(tmp_path, {"mine.json"}.__contains__) == [mine]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mine.json", theirs.name])
+    assert remove_stale_temps(tmp_path / "missing", lambda _: True) == []
+
+
+def test_a_failpoint_between_temp_and_rename_leaves_no_temp_on_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(failpoints.ENV, "between=error")
+    with pytest.raises(failpoints.FailpointError):
+        atomic_write(tmp_path / "f", b"new", failpoint="between")
+    assert list(tmp_path.iterdir()) == []
+    atomic_write(tmp_path / "f", b"new", failpoint="elsewhere")
+    assert (tmp_path / "f").read_bytes() == b"new"
