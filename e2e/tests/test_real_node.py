@@ -215,9 +215,11 @@ class Installs:
 
 
 @pytest.fixture(scope="module")
-def installs(image, glibc_images, core, dyn, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    # A short host path: MPS pipe paths and the dev root are named in specs and sockets.
-    base = tmp_path_factory.mktemp("realnode")
+def installs(image, glibc_images, core, dyn):  # noqa: F811 - the fixture imported above
+    # The simulated dev roots, at host paths outside /tmp (the chart gives the plugin its own /tmp).
+    base = Path(os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e")) / "real-node"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
     t0 = time.time()
     inst = Installs(image, core, dyn, base)
     yield inst
