@@ -344,7 +344,11 @@ def test_mps_claim_runs_nvidias_daemon_of_the_driver_root(installs, core, dyn, n
         "mps",
         DEBIAN_IMAGE,
         'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY"; echo get_default_active_thread_percentage | '
-        "nvidia-cuda-mps-control; echo done; sleep 3600",
+        "nvidia-cuda-mps-control; "
+        # A CUDA client through the daemon (NVIDIA's libcuda): no GPU behind it, so 805
+        # (CUDA_ERROR_MPS_CONNECTION_FAILED) once the daemon tried its server.
+        'python3 -c \'import ctypes; print("cuInit", ctypes.CDLL("libcuda.so.1").cuInit(0))\'; '
+        "echo done; sleep 3600",
     )
     try:
         try:
@@ -370,6 +374,11 @@ def test_mps_claim_runs_nvidias_daemon_of_the_driver_root(installs, core, dyn, n
         assert environ["LD_PRELOAD"].startswith(f"{CONTAINER_DRIVER_ROOT}/"), environ
         assert "libcuda.so" in environ["LD_PRELOAD"], environ
         assert libc and not any(p.startswith(CONTAINER_DRIVER_ROOT) for p in libc), libc
+        assert "cuInit 805" in log, log
+        control_log = "".join(
+            p.read_text(errors="replace") for p in (PLUGIN_DIR / "mps").glob("*/log/control.log")
+        )
+        print(f"[real-node] the daemon's control.log:\n{control_log[-1500:]}")
         print(
             f"[real-node] MPS daemon pid {pid}: {exe}, LD_PRELOAD={environ['LD_PRELOAD']}, "
             f"libc {sorted(libc)}"
