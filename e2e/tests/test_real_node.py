@@ -376,10 +376,14 @@ def test_mps_claim_runs_nvidias_daemon_of_the_driver_root(installs, core, dyn, n
         assert "libcuda.so" in environ["LD_PRELOAD"], environ
         assert libc and not any(p.startswith(CONTAINER_DRIVER_ROOT) for p in libc), libc
         assert "cuInit 805" in log, log
-        control_log = "".join(
-            p.read_text(errors="replace") for p in (PLUGIN_DIR / "mps").glob("*/log/control.log")
-        )
-        print(f"[real-node] the daemon's control.log:\n{control_log[-1500:]}")
+        logs = {
+            name: "".join(p.read_text(errors="replace") for p in (PLUGIN_DIR / "mps").glob(f"*/log/{name}"))
+            for name in ("control.log", "server.log")
+        }
+        tails = "\n".join(text[-600:] for text in logs.values())
+        print(f"[real-node] the daemon's logs (tails):\n{tails}")
+        # It found its server on PATH and started it (the server then finds no GPU).
+        assert "Starting new server" in logs["control.log"], logs
         print(
             f"[real-node] MPS daemon pid {pid}: {exe}, LD_PRELOAD={environ['LD_PRELOAD']}, "
             f"libc {sorted(libc)}"
