@@ -60,9 +60,9 @@ from test_kubelet_plugin import (
 )
 from test_sharing import mps_config
 
-from dra_gpu.discovery import load_profile
 from dra_gpu.simnode.inject import inject_xid
 from dra_gpu.simnode.node import make_kernel_files
+from dra_gpu.simnode.profiles import load_profile
 from dra_gpu.simnode.state import read_state
 
 pytestmark = pytest.mark.e2e
