@@ -100,6 +100,29 @@ def test_mig_capability_files_follow_the_instances(tmp_path: Path) -> None:
     assert during == [f"gi{gi}/access={3 + gi * 9}", f"gi{gi}/ci0/access={3 + gi * 9 + 1}"]
 
 
+def loaded_nvml_log(dev_root: Path) -> tuple[list[str], str]:
+    """A plugin process's log records of loading NVML, and the library file it loaded."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dra_gpu").addHandler(handler)
+    logging.getLogger("dra_gpu").setLevel(logging.INFO)
+    backend = open_backend("hgx-2x4", None, dev_root)
+    return [m for m in records if m.startswith("NVML loaded")], str(nvml_library(backend.driver_root))
+
+
+def test_the_library_nvml_was_loaded_from_is_logged(tmp_path: Path) -> None:
+    """One line says which file of the driver root NVML is (what an operator checks first)."""
+    lines, library = in_child(loaded_nvml_log, tmp_path / "simulated-root")
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("NVML loaded library=") and "driver_root=" in lines[0], lines
+    # The file itself (links followed inside the driver root), not the SONAME link.
+    logged = Path(lines[0].split("library=", 1)[1].split()[0])
+    assert logged == Path(library).resolve() or logged.resolve() == Path(library).resolve(), lines
+
+
 def test_no_c_compiler_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(SimulatedNodeError, match=r"no C compiler .*no-such-cc.* --driver-root"):

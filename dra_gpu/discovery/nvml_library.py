@@ -12,6 +12,7 @@ A process holds one NVML: the first driver root loaded wins, and another root is
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from dra_gpu.discovery.driver_install import LIBRARY_DIRS
 from dra_gpu.discovery.nvml_discovery import NvmlUnavailableError
 from dra_gpu.discovery.root_paths import regular_file_in_root
+
+log = logging.getLogger(__name__)
 
 NVML_SONAME = "libnvidia-ml.so.1"
 
@@ -67,6 +70,7 @@ def load_nvml(driver_root: Path) -> Any:
                 "(does the file's SONAME differ, or was NVML loaded before?)"
             )
         _loaded = path
+        log.info("NVML loaded library=%s driver_root=%s", path, driver_root)
         return pynvml
 
 

@@ -31,7 +31,7 @@ from controller_support import (
     device_class,
     ignore_404,
 )
-from support import kubelet_excerpt
+from support import dra_gpu_image, kubelet_excerpt
 
 E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(E2E_DIR, "cluster")
@@ -254,3 +254,10 @@ def published(target, core, dyn):
         for c in classes:
             ignore_404(classes_api.delete, name=c["metadata"]["name"])
         drop_slices()
+
+
+@pytest.fixture(scope="module")
+def image(target):
+    """The `--set` values that make the chart use the dra-gpu image of deploy/Dockerfile, built
+    (or found cached) and imported into the local cluster's containerd."""
+    return dra_gpu_image(target)

@@ -1,17 +1,23 @@
-"""Helpers shared by the e2e scenario files."""
+"""Helpers shared by the e2e scenario files, and the chart-install helpers of the files that run
+the plugin from the image (test_deploy_daemonset.py, test_real_node.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "dra-gpu"
 
 
 def wait_for(what, check, timeout=30.0, interval=0.1):
@@ -73,3 +79,146 @@ def kubelet_excerpt(log: Path, start: float, stop: float, limit: int = 60, width
             if line[0] != "I" or any(w in line for w in DRA_WORDS):
                 picked.append(line.rstrip("\n")[:width])
     return "\n".join(picked[-limit:])
+
+
+def dra_gpu_image(target) -> tuple[str, ...]:
+    """The dra-gpu image, built (or found cached) by e2e/image_build.sh and imported into the local
+    cluster's containerd; returns the `--set` values that make the chart use it (the `image`
+    fixture of conftest.py)."""
+    if not target.local:
+        pytest.skip("the image is imported into the local e2e cluster's containerd")
+    t0 = time.time()
+    r = subprocess.run(["bash", str(ROOT / "e2e" / "image_build.sh")], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"e2e/image_build.sh failed:\n{r.stderr[-4000:]}")
+    sys.path.insert(0, str(ROOT / "e2e"))
+    from harness.components import CACHE, import_dra_gpu_image
+
+    name = import_dra_gpu_image()
+    assert name, "e2e/image_build.sh wrote no image archive"
+    with open(os.path.join(CACHE, "images", "dra-gpu.json")) as f:
+        meta = json.load(f)
+    print(
+        f"\n[image] {name}: rootfs {meta['rootfs_bytes'] / 1e6:.0f} MB, archive "
+        f"{meta['archive_bytes'] / 1e6:.0f} MB, {len(meta['packages'])} Python distributions; "
+        f"build + import {time.time() - t0:.1f} s"
+    )
+    repository, tag = name.rsplit(":", 1)
+    return (f"image.repository={repository}", f"image.tag={tag}", "image.pullPolicy=Never")
+
+
+def reach_apiserver(workload, apiserver_port):
+    """Host network and the apiserver's address: the e2e cluster has no kube-proxy."""
+    spec = workload["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert "command" not in c, "the image's entrypoint runs"
+    c.setdefault("env", [])
+    c["env"] += [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": str(apiserver_port)},
+    ]
+    spec["hostNetwork"] = True
+
+
+def render(release, namespace, *sets):
+    cmd = [helm_binary(), "template", release, str(CHART), "-n", namespace, "--kube-version", "1.37.2"]
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return [o for o in yaml.safe_load_all(out) if o]
+
+
+def container_process(pod):
+    """What runs in the pod's container, seen from the host: its pid, user, effective
+    capabilities, root mount options and command line (containerd's task of the container)."""
+    from harness.processes import ctr
+
+    cid = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    tasks = ctr("-n", "k8s.io", "tasks", "ls").stdout.splitlines()[1:]
+    (pid,) = [int(t.split()[1]) for t in tasks if t.split()[0] == cid]
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    root = next(
+        line.split()
+        for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        if line.split()[4] == "/"
+    )
+    return {
+        "cid": cid,
+        "uid": int(status["Uid"].split()[1]),
+        "cap_eff": int(status["CapEff"].strip(), 16),
+        "root_options": root[5].split(","),
+        "cmdline": Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1],
+        "environ": dict(
+            e.decode().split("=", 1)
+            for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"=" in e
+        ),
+        "pid": pid,
+    }
+
+
+def exec_in(cid, *argv):
+    """Run a command in a running container (containerd's exec, as the container's user)."""
+    from harness.processes import ctr
+
+    r = ctr("-n", "k8s.io", "tasks", "exec", "--exec-id", "e2e-" + uuid.uuid4().hex[:6], cid, *argv)
+    return r.stdout.strip()
+
+
+def assert_runs_the_image(proc, cid):
+    """The image's own interpreter and package: its entrypoint's venv, nothing from the host."""
+    assert proc["cmdline"][:2] == [b"/opt/dra-gpu/bin/python3", b"/opt/dra-gpu/bin/dra-gpu"], proc
+    assert "ro" in proc["root_options"], proc  # readOnlyRootFilesystem
+    assert exec_in(cid, "dra-gpu", "--version") == "dra-gpu 0.1.0"
+    where = exec_in(cid, "python3", "-c", "import dra_gpu, sys; print(dra_gpu.__file__, sys.prefix)")
+    assert where == "/opt/dra-gpu/lib/python3.11/site-packages/dra_gpu/__init__.py /opt/dra-gpu", where
+
+
+def api_for(dyn, o):
+    return dyn.resources.get(api_version=o["apiVersion"], kind=o["kind"])
+
+
+def apply_all(dyn, objs, namespace, applied):
+    """Server-side apply each rendered object, recording it in `applied` for delete_all."""
+    for o in objs:
+        api = api_for(dyn, o)
+        api.server_side_apply(
+            body=o,
+            namespace=namespace if api.namespaced else None,
+            field_manager="dra-gpu-e2e",
+            force_conflicts=True,
+        )
+        applied.append(o)
+
+
+def delete_all(dyn, applied, namespace):
+    from kubernetes.client.exceptions import ApiException
+
+    for o in reversed(applied):
+        api = api_for(dyn, o)
+        with contextlib.suppress(ApiException):
+            api.delete(name=o["metadata"]["name"], namespace=namespace if api.namespaced else None)
+
+
+def wait_ready_pod(core, namespace, selector, timeout, what):
+    """The first pod matching `selector` once Ready; fails with its status, log tail and events."""
+    from kubernetes.client.exceptions import ApiException
+
+    deadline, pod = time.time() + timeout, None
+    while time.time() < deadline:
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+        pod = pods[0] if pods else None
+        if pod and any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
+            return pod
+        time.sleep(1)
+    log = ""
+    if pod:
+        try:
+            log = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=40)
+        except ApiException as exc:
+            log = str(exc)
+    events = core.list_namespaced_event(namespace).items
+    pytest.fail(
+        f"{what} pod not Ready: {pod.status if pod else None}\nlog:\n{log}\nevents:\n"
+        + "\n".join(f"{e.reason}: {e.message}" for e in events)
+    )
