@@ -8,22 +8,18 @@ most of it, no compiler)."""
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 from dra_gpu.discovery.kernel_devices import CAPS, UVM
 from dra_gpu.model import Inventory
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.sharing import Sharing, node_sharing
+from dra_gpu.simnode.devnodes import NVIDIA_MAJOR, NVIDIACTL_MINOR, make_char
 from dra_gpu.simnode.fake_nvml import FakeNvml
 from dra_gpu.simnode.node import CAPS_MAJOR as SIM_CAPS_MAJOR
 from dra_gpu.simnode.node import MODESET_MINOR as NVIDIA_MODESET_MINOR
 from dra_gpu.simnode.node import UVM_MAJOR as SIM_UVM_MAJOR
 from dra_gpu.simnode.profiles import load_profile
-
-NVIDIA_MAJOR = 195
-NVIDIACTL_MINOR = 255
 
 
 def fake_sharing(mps_root: Path, driver_files: DriverFiles, profile: str, dev_root: Path) -> Sharing:
@@ -32,19 +28,6 @@ def fake_sharing(mps_root: Path, driver_files: DriverFiles, profile: str, dev_ro
     node's device nodes are."""
     nvml = FakeNvml(load_profile(profile), root=dev_root, state_file=dev_root / "nvidia-state.json")
     return node_sharing(mps_root, driver_files, nvml, {"DRA_GPU_SIM_DEV_DIR": str(dev_root / "dev")})
-
-
-def _mknod(path: Path, major: int, minor: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    want = os.makedev(major, minor)
-    try:
-        st = os.stat(path)
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
-            return
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    os.mknod(path, 0o666 | stat.S_IFCHR, want)
 
 
 def create_simulated(inventory: Inventory, dev_root: Path) -> int:
@@ -58,14 +41,14 @@ def create_simulated(inventory: Inventory, dev_root: Path) -> int:
         f"Character devices:\n  1 mem\n{NVIDIA_MAJOR} nvidia-frontend\n{SIM_CAPS_MAJOR} {CAPS}\n"
         f"{SIM_UVM_MAJOR} {UVM}\n\nBlock devices:\n  8 sd\n"
     )
-    _mknod(dev / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
-    _mknod(dev / "nvidia-uvm", SIM_UVM_MAJOR, 0)
-    _mknod(dev / "nvidia-uvm-tools", SIM_UVM_MAJOR, 1)
-    _mknod(dev / "nvidia-modeset", NVIDIA_MAJOR, NVIDIA_MODESET_MINOR)
+    make_char(dev / "nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR)
+    make_char(dev / "nvidia-uvm", SIM_UVM_MAJOR, 0)
+    make_char(dev / "nvidia-uvm-tools", SIM_UVM_MAJOR, 1)
+    make_char(dev / "nvidia-modeset", NVIDIA_MAJOR, NVIDIA_MODESET_MINOR)
     count += 4
     cap_minor = 1
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
-        _mknod(dev / f"nvidia{gpu.minor}", NVIDIA_MAJOR, gpu.minor)
+        make_char(dev / f"nvidia{gpu.minor}", NVIDIA_MAJOR, gpu.minor)
         count += 1
         # Dynamic MIG instances get theirs from the simulated driver when it makes them.
         for mig in [] if gpu.dynamic_mig else gpu.mig_devices:
@@ -76,7 +59,7 @@ def create_simulated(inventory: Inventory, dev_root: Path) -> int:
             ):
                 access.parent.mkdir(parents=True, exist_ok=True)
                 access.write_text(f"DeviceFileMinor: {cap_minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
-                _mknod(dev / "nvidia-caps" / f"nvidia-cap{cap_minor}", SIM_CAPS_MAJOR, cap_minor)
+                make_char(dev / "nvidia-caps" / f"nvidia-cap{cap_minor}", SIM_CAPS_MAJOR, cap_minor)
                 cap_minor += 1
                 count += 1
     return count

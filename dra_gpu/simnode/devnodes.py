@@ -15,6 +15,7 @@ NVIDIACTL_MINOR = 255
 
 def make_char(path: Path, major: int, minor: int) -> None:
     """A character device `major:minor` at `path` (replacing anything else there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     want = os.makedev(major, minor)
     try:
         st = os.stat(path)

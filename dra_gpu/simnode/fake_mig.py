@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
-import stat
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import pynvml
 
 from dra_gpu.durable import atomic_write
+from dra_gpu.simnode.devnodes import make_char
 from dra_gpu.simnode.profiles import MEMORY_SLICES, GpuSpec, MigProfileSpec, NodeProfile
 
 log = logging.getLogger(__name__)
@@ -237,17 +236,8 @@ class SimulatedMig:
 
 
 def _mknod(path: Path, major: int, minor: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    want = os.makedev(major, minor)
     try:
-        st = os.stat(path)
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
-            return
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    try:
-        os.mknod(path, 0o666 | stat.S_IFCHR, want)
+        make_char(path, major, minor)
     except PermissionError:
         # Unit tests run unprivileged: a regular file stands in (prepare's check then fails).
         log.debug("mknod not permitted, capability node not made path=%s", path)
