@@ -38,7 +38,7 @@ from dra_gpu.kubernetes_values import (
     format_quantity,
     qualified_name_problem,
 )
-from dra_gpu.model import DEFAULT_DRIVER_NAME, Gpu, Inventory, MigDevice, MigPlacement
+from dra_gpu.model import DEFAULT_DRIVER_NAME, Gpu, Inventory, MigDevice, MigPlacement, MigProfile
 
 log = logging.getLogger(__name__)
 
@@ -170,51 +170,45 @@ class SliceBuilder:
             capacity.pop("multiprocessors", None)
         return device
 
-    def mig_device(self, gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
-        attrs: dict[str, dict[str, Any]] = {
-            "type": _attribute("type", "mig"),
-            "uuid": _attribute("uuid", mig.uuid),
-            "profile": _attribute("profile", mig.profile),
+    def _mig_parts(
+        self, gpu: Gpu, profile: str, uuid: str | None, memory: int, engines: dict[str, int | None]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """A MIG device's attributes and capacity, made (`uuid`) or a placement to make (None)."""
+        attrs: dict[str, dict[str, Any]] = {"type": _attribute("type", "mig")}
+        if uuid is not None:
+            attrs["uuid"] = _attribute("uuid", uuid)
+        attrs |= {
+            "profile": _attribute("profile", profile),
             "parentUUID": _attribute("parentUUID", gpu.uuid),
             "parentIndex": _attribute("parentIndex", gpu.index),
             "parentMinor": _attribute("parentMinor", gpu.minor),
             **self._identity(gpu),
         }
-        capacity = {
-            "memory": _capacity("memory", format_quantity(mig.memory_bytes)),
-            "multiprocessors": _capacity("multiprocessors", str(mig.multiprocessors)),
-        }
-        for name, value in (
-            ("copyEngines", mig.copy_engines),
-            ("decoders", mig.decoders),
-            ("encoders", mig.encoders),
-            ("jpegEngines", mig.jpeg_engines),
-            ("ofaEngines", mig.ofa_engines),
-        ):
+        capacity = {"memory": _capacity("memory", format_quantity(memory))}
+        for name, value in engines.items():
             if value is not None:
                 capacity[name] = _capacity(name, str(value))
+        return attrs, capacity
+
+    @staticmethod
+    def _engines(m: MigDevice | MigProfile) -> dict[str, int | None]:
+        return {
+            "multiprocessors": m.multiprocessors,
+            "copyEngines": m.copy_engines,
+            "decoders": m.decoders,
+            "encoders": m.encoders,
+            "jpegEngines": m.jpeg_engines,
+            "ofaEngines": m.ofa_engines,
+        }
+
+    def mig_device(self, gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
+        attrs, capacity = self._mig_parts(gpu, mig.profile, mig.uuid, mig.memory_bytes, self._engines(mig))
         return {"name": gpu.mig_device_name(mig), "attributes": attrs, "capacity": capacity}
 
     def placement_device(self, gpu: Gpu, placement: MigPlacement) -> dict[str, Any]:
         """A MIG device that does not exist yet: made at prepare, at this placement."""
         p = placement.profile
-        attrs: dict[str, dict[str, Any]] = {
-            "type": _attribute("type", "mig"),
-            "profile": _attribute("profile", p.name),
-            "parentUUID": _attribute("parentUUID", gpu.uuid),
-            "parentIndex": _attribute("parentIndex", gpu.index),
-            "parentMinor": _attribute("parentMinor", gpu.minor),
-            **self._identity(gpu),
-        }
-        capacity = {
-            "memory": _capacity("memory", format_quantity(p.memory_bytes)),
-            "multiprocessors": _capacity("multiprocessors", str(p.multiprocessors)),
-            "copyEngines": _capacity("copyEngines", str(p.copy_engines)),
-            "decoders": _capacity("decoders", str(p.decoders)),
-            "encoders": _capacity("encoders", str(p.encoders)),
-            "jpegEngines": _capacity("jpegEngines", str(p.jpeg_engines)),
-            "ofaEngines": _capacity("ofaEngines", str(p.ofa_engines)),
-        }
+        attrs, capacity = self._mig_parts(gpu, p.name, None, p.memory_bytes, self._engines(p))
         return {
             "name": gpu.mig_name(p.name, placement.start),
             "attributes": attrs,
