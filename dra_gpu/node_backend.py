@@ -12,6 +12,7 @@ PCIe-root lookup (the profile's data instead of sysfs), and an event injector fo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,16 +25,18 @@ from dra_gpu.model import Inventory
 from dra_gpu.node_settings import REAL_DRIVER_ROOT
 from dra_gpu.simnode.node import SimulatedEvents, prepare_simulated_node
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class NodeBackend:
     nvml: Any  # pynvml, bound to the driver root's libnvidia-ml.so.1
     driver_root: Path  # the NVIDIA driver's files, as this process sees them
     dev_root: Path  # root of dev/ and proc/ ("/" on a real node)
+    nvml_library: Path  # the file libnvidia-ml.so.1 was loaded from (links resolved)
     pcie_root: Callable[[str], str | None] | None = None  # None: sysfs
     tool_env: dict[str, str] = field(default_factory=dict)  # more environment for NVIDIA's tools
     events: SimulatedEvents | None = None  # a simulated node's event injection; None on a real one
-    nvml_library: Path | None = None  # the file libnvidia-ml.so.1 was loaded from (links resolved)
 
     @property
     def simulated(self) -> bool:
@@ -48,8 +51,7 @@ class NodeBackend:
         except NvmlUnavailableError as exc:
             cause = exc.__cause__
             if getattr(cause, "value", None) == NVML_ERROR_LIB_RM_VERSION_MISMATCH:
-                library = self.nvml_library or find_nvml(self.driver_root)
-                raise version_mismatch(library, self.driver_root, self.dev_root) from cause
+                raise version_mismatch(self.nvml_library, self.driver_root, self.dev_root) from cause
             raise
 
 
@@ -64,14 +66,23 @@ def open_backend(
     SimulatedNodeError: a simulated node that cannot be had (says what is missing)."""
     if profile is None:
         root = driver_root or REAL_DRIVER_ROOT
-        return NodeBackend(load_nvml(root), root, dev_root, nvml_library=find_nvml(root))
+        library = find_nvml(root)
+        return NodeBackend(_load(library, root), root, dev_root, library)
     node = prepare_simulated_node(profile, dev_root, driver_root, cache_dir)
+    library = find_nvml(node.driver_root)
     return NodeBackend(
-        load_nvml(node.driver_root),
+        _load(library, node.driver_root),
         node.driver_root,
         dev_root,
+        library,
         pcie_root=node.pcie_root(),
         tool_env=node.env(),
         events=node.events(),
-        nvml_library=find_nvml(node.driver_root),
     )
+
+
+def _load(library: Path, driver_root: Path) -> Any:
+    """pynvml bound to `library`, said in one line (what an operator checks first)."""
+    nvml = load_nvml(library)
+    log.info("NVML loaded library=%s driver_root=%s", library, driver_root)
+    return nvml

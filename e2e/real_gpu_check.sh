@@ -263,22 +263,6 @@ inv_out=$WORK/inventory.json
 (cd "$REPO" && PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" -m dra_gpu.cli "${inv_args[@]}" >"$inv_out" 2>"$WORK/inventory.err")
 rc=$?
 how="python -m dra_gpu.cli ${inv_args[*]}"
-if [ $rc -ne 0 ] && grep -q 'NVML is not available' "$WORK/inventory.err"; then
-  echo "  $how: $(tail -n1 "$WORK/inventory.err")"
-  echo "  (this checkout's CLI does not load the driver root's NVML itself: run again with pynvml"
-  echo "   bound first to it by dra_gpu.discovery.nvml_library.load_nvml)"
-  how="load_nvml(R), then dra_gpu.cli.main(${inv_args[*]})"
-  (cd "$REPO" && PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PYTHON" - "$DRIVER_ROOT" "${inv_args[@]}" >"$inv_out" 2>"$WORK/inventory.err" <<'EOF'
-import sys
-from pathlib import Path
-from dra_gpu.discovery.nvml_library import load_nvml
-load_nvml(Path(sys.argv[1]))
-from dra_gpu.cli import main
-sys.exit(main(sys.argv[2:]))
-EOF
-  )
-  rc=$?
-fi
 if [ $rc -ne 0 ]; then
   sed 's/^/  /' "$WORK/inventory.err" | tail -n 5
   if grep -q 'ModuleNotFoundError\|ImportError' "$WORK/inventory.err"; then

@@ -12,7 +12,6 @@ A process holds one NVML: the first driver root loaded wins, and another root is
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -20,8 +19,6 @@ from typing import Any
 from dra_gpu.discovery.driver_install import LIBRARY_DIRS
 from dra_gpu.discovery.nvml_discovery import NvmlUnavailableError
 from dra_gpu.discovery.root_paths import regular_file_in_root
-
-log = logging.getLogger(__name__)
 
 NVML_SONAME = "libnvidia-ml.so.1"
 
@@ -42,10 +39,10 @@ def find_nvml(driver_root: Path) -> Path:
     )
 
 
-def load_nvml(driver_root: Path) -> Any:
-    """`pynvml`, bound to the driver root's `libnvidia-ml.so.1` (loaded once per process)."""
+def load_nvml(path: Path) -> Any:
+    """`pynvml`, bound to the library at `path` (a driver root's `libnvidia-ml.so.1`, as
+    `find_nvml` finds it), loaded once per process."""
     global _loaded
-    path = find_nvml(driver_root)
     with _lock:
         if _loaded is not None:
             if _loaded.resolve() != path.resolve():
@@ -70,7 +67,6 @@ def load_nvml(driver_root: Path) -> Any:
                 "(does the file's SONAME differ, or was NVML loaded before?)"
             )
         _loaded = path
-        log.info("NVML loaded library=%s driver_root=%s", path, driver_root)
         return pynvml
 
 
