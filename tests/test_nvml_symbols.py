@@ -25,16 +25,11 @@ a test that runs the fallback (checked to exist).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
-import os
 import re
-import shutil
-import sys
 import textwrap
 from functools import cache
 from pathlib import Path
-from types import ModuleType
 
 import pynvml
 import pytest
@@ -42,6 +37,7 @@ from elftools.elf.elffile import ELFFile
 
 import dra_gpu
 from dra_gpu.discovery.nvml_compat import FALLBACKS, driver_branch
+from tests.driver_root import debian_driver_roots, debian_root
 from tests.simnode_support import (
     libcache,  # noqa: F401 - fixture
     library,
@@ -58,17 +54,7 @@ NOT_CALLS = re.compile(r"simnode/.*\.py")
 REGISTRY = "discovery/nvml_compat.py"  # its strings are C symbol names, not calls
 
 
-def _load_driver_roots() -> ModuleType:
-    path = REPO / "e2e" / "debian_driver_root.py"
-    spec = importlib.util.spec_from_file_location("debian_driver_root", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-DRIVER_ROOTS = _load_driver_roots()
+DRIVER_ROOTS = debian_driver_roots()
 VERSIONS = [s.driver_version for s in DRIVER_ROOTS.SUITES.values()]
 
 
@@ -136,26 +122,10 @@ def exported_functions(library: Path) -> frozenset[str]:
         )
 
 
-def _cannot_build() -> str | None:
-    missing = [tool for tool in ("mmdebstrap", "dpkg-query") if shutil.which(tool) is None]
-    if missing:
-        return f"needs {' and '.join(missing)} (e2e/build.sh debs installs mmdebstrap)"
-    if os.geteuid() != 0:
-        return "needs root (mmdebstrap runs dpkg in the root)"
-    return None
-
-
 @cache
 def real_nvml(version: str) -> Path:
     """NVIDIA's libnvidia-ml.so.<version> from Debian's packages: the cached root, else built."""
-    suite = DRIVER_ROOTS.suite_for(version)
-    root = DRIVER_ROOTS.cached_driver_root(version)
-    if root is None:
-        reason = _cannot_build()
-        if reason is not None:
-            pytest.skip(f"Debian driver root {suite.name} ({version}) is not cached and building it {reason}")
-        root = DRIVER_ROOTS.driver_root(version)
-    library: Path = DRIVER_ROOTS.root_nvml(root, suite)
+    library: Path = DRIVER_ROOTS.root_nvml(debian_root(version), DRIVER_ROOTS.suite_for(version))
     assert library.is_file(), f"{library} missing from the driver root"
     return library
 
