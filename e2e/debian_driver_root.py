@@ -49,7 +49,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DEBIAN_MIRROR = os.environ.get("E2E_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e/images.py, also when loaded by path
+import images  # the Debian test images' mirror and mmdebstrap filters
+
+DEBIAN_MIRROR = images.DEBIAN_MIRROR
 COMPONENTS = "main,contrib,non-free,non-free-firmware"
 # The driver's user space a node needs: CUDA and NVML, nvidia-smi, MPS, the PTX JIT, GSP firmware,
 # and the persistence daemon (packaged separately, in contrib, with its own version).
@@ -77,19 +80,11 @@ SUITES = {
     "trixie": Suite("trixie", "550.163.01"),
 }
 
-# No docs, man pages, info or locales in the root (the copyrights stay).
+# No docs, man pages, info or locales in the root (the copyrights stay), as in the test images;
+# nor lintian's or reportbug's data.
 PATH_FILTERS = [
-    f"--dpkgopt=path-{kind}=/usr/share/{path}"
-    for kind, path in (
-        ("exclude", "doc/*"),
-        ("include", "doc/*/copyright"),
-        ("exclude", "man/*"),
-        ("exclude", "info/*"),
-        ("exclude", "locale/*"),
-        ("include", "locale/locale.alias"),
-        ("exclude", "lintian/*"),
-        ("exclude", "bug/*"),
-    )
+    *images.MMDEBSTRAP_PATH_FILTERS,
+    *(f"--dpkgopt=path-exclude=/usr/share/{path}" for path in ("lintian/*", "bug/*")),
 ]
 MANIFEST = ".dra-gpu-driver-root.json"
 COMPLETE = ".complete"
