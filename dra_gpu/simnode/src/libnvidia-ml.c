@@ -527,6 +527,8 @@ static nvmlReturn_t sim_failpoint(const char *fn, int gpu) {
         nvmlReturn_t fp_ = sim_failpoint(__func__, (gpu_expr));   \
         if (fp_) return fp_;                                      \
     } while (0)
+/* The same, for a call on a device handle (a bad handle is not any GPU's failure). */
+#define DEVICE_FAILPOINT(dev) FAILPOINT(valid_device(dev) ? (int)(dev)->gpu : -1)
 
 /* ---- init, errors, system --------------------------------------------------------------- */
 
@@ -729,7 +731,7 @@ nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *d
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device_, unsigned int *index) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, index);
     for (unsigned i = 0; i < nvisible; i++)
         if (visible[i] == device->gpu) return *index = i, NVML_SUCCESS;
@@ -738,7 +740,7 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device_, unsigned int *index) {
 
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device_, char *name, unsigned int length) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, name);
     const struct sim_gpu *g = &SIM_GPUS[device->gpu];
     if (!is_mig(device)) return copy_str(name, length, g->name);
@@ -754,7 +756,7 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device_, char *name, unsigned int le
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device_, char *uuid, unsigned int length) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, uuid);
     if (!is_mig(device)) return copy_str(uuid, length, SIM_GPUS[device->gpu].uuid);
     struct node_state s;
@@ -766,7 +768,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device_, char *uuid, unsigned int le
 
 nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device_, unsigned int *minor) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, minor);
     *minor = SIM_GPUS[device->gpu].minor;
     return NVML_SUCCESS;
@@ -774,7 +776,7 @@ nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device_, unsigned int *minor)
 
 nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device_, nvmlBrandType_t *type) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, type);
     *type = (nvmlBrandType_t)SIM_GPUS[device->gpu].brand;
     return NVML_SUCCESS;
@@ -782,7 +784,7 @@ nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device_, nvmlBrandType_t *type) {
 
 nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device_, nvmlDeviceArchitecture_t *arch) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, arch);
     *arch = SIM_GPUS[device->gpu].arch;
     return NVML_SUCCESS;
@@ -790,7 +792,7 @@ nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device_, nvmlDeviceArchitect
 
 nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device_, int *major, int *minor) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, major);
     if (!minor) return NVML_ERROR_INVALID_ARGUMENT;
     *major = (int)SIM_GPUS[device->gpu].cc_major;
@@ -807,7 +809,7 @@ static void fill_pci(nvmlPciInfo_t *pci, unsigned dom, unsigned bus, unsigned de
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device_, nvmlPciInfo_t *pci) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, pci);
     const struct sim_gpu *g = &SIM_GPUS[device->gpu];
     fill_pci(pci, g->domain, g->bus, g->device, g->function);
@@ -819,7 +821,7 @@ nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t d, nvmlPciInfo_t *p) { return nvm
 
 nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device_, unsigned int *node) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, node);
     if (SIM_GPUS[device->gpu].numa < 0) return NVML_ERROR_NOT_SUPPORTED;
     *node = (unsigned)SIM_GPUS[device->gpu].numa;
@@ -846,7 +848,7 @@ static nvmlReturn_t memory_total(Dev device, unsigned long long *total) {
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device_, nvmlMemory_t *memory) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     unsigned long long total;
     CHECK(device, memory);
     nvmlReturn_t r = memory_total(device, &total);
@@ -859,7 +861,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device_, nvmlMemory_t *memory)
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device_, nvmlMemory_v2_t *memory) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     unsigned long long total;
     CHECK(device, memory);
     if (memory->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
@@ -885,7 +887,7 @@ static nvmlReturn_t limits_check(Dev device, const char *ns) {
 
 nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device_, nvmlSetMemoryLimits_v1_t *limits) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     if (!limits) return refs == 0 ? NVML_ERROR_UNINITIALIZED : NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t r = limits_check(device, limits->nameSpace);
     if (r) return r;
@@ -914,7 +916,7 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device_, nvmlSetMemoryLim
 
 nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device_, nvmlGetMemoryLimits_v1_t *limits) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     if (!limits) return refs == 0 ? NVML_ERROR_UNINITIALIZED : NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t r = limits_check(device, limits->nameSpace);
     if (r) return r;
@@ -933,7 +935,7 @@ nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device_, nvmlGetMemoryLim
 
 nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device_, nvmlComputeMode_t *mode) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, mode);
     struct node_state s;
     nvmlReturn_t r = load_state(&s);
@@ -951,7 +953,7 @@ nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device_, nvmlComputeMode_t *m
 
 nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device_, nvmlComputeMode_t mode) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_DEV(device);
     if (mode != NVML_COMPUTEMODE_DEFAULT && mode != NVML_COMPUTEMODE_PROHIBITED &&
         mode != NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
@@ -1012,7 +1014,7 @@ static unsigned gpu_processes(struct node_state *s, Dev device, nvmlProcessInfo_
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device_, unsigned int *infoCount,
                                                     nvmlProcessInfo_t *infos) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, infoCount);
     struct node_state s;
     nvmlReturn_t r = load_state(&s);
@@ -1031,7 +1033,7 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device_, unsig
 
 nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device_, nvmlDeviceAttributes_t *attributes) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, attributes);
     if (!is_mig(device)) return NVML_ERROR_NOT_SUPPORTED; /* "currently only supports MIG device handles" */
     struct node_state s;
@@ -1059,7 +1061,7 @@ nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t
 
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device_, unsigned int *currentMode, unsigned int *pendingMode) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, currentMode);
     if (!pendingMode) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -1072,7 +1074,7 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device_, unsigned int *currentMod
 
 nvmlReturn_t nvmlDeviceSetMigMode(nvmlDevice_t device_, unsigned int mode, nvmlReturn_t *activationStatus) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, activationStatus);
     if (mode != NVML_DEVICE_MIG_DISABLE && mode != NVML_DEVICE_MIG_ENABLE) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -1096,7 +1098,7 @@ nvmlReturn_t nvmlDeviceSetMigMode(nvmlDevice_t device_, unsigned int mode, nvmlR
 
 nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device_, unsigned int *count) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, count);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     struct node_state s;
@@ -1108,7 +1110,7 @@ nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device_, unsigned int *
 
 nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device_, unsigned int index, nvmlDevice_t *migDevice) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, migDevice);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     if (index >= COMPUTE_SLICES) return NVML_ERROR_INVALID_ARGUMENT;
@@ -1128,7 +1130,7 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device_, unsigned 
 
 nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device_, unsigned int *isMigDevice) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, isMigDevice);
     *isMigDevice = is_mig(device) ? 1 : 0;
     return NVML_SUCCESS;
@@ -1136,7 +1138,7 @@ nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device_, unsigned int *isM
 
 nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice_, nvmlDevice_t *device) {
     Dev migDevice = migDevice_.handle;
-    FAILPOINT(valid_device(migDevice) ? (int)migDevice->gpu : -1);
+    DEVICE_FAILPOINT(migDevice);
     CHECK(migDevice, device);
     if (!is_mig(migDevice)) return NVML_ERROR_INVALID_ARGUMENT;
     *device = gpu_handle(migDevice->gpu);
@@ -1145,7 +1147,7 @@ nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice
 
 nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device_, unsigned int *id) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, id);
     if (!is_mig(device)) return NVML_ERROR_INVALID_ARGUMENT;
     *id = (unsigned)device->gi;
@@ -1154,7 +1156,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device_, unsigned int *id) 
 
 nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device_, unsigned int *id) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, id);
     if (!is_mig(device)) return NVML_ERROR_INVALID_ARGUMENT;
     *id = (unsigned)device->ci;
@@ -1194,7 +1196,7 @@ static nvmlReturn_t gi_profile_check(Dev device, const void *info) {
 nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device_, unsigned int profile,
                                                  nvmlGpuInstanceProfileInfo_t *info) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     nvmlReturn_t r = gi_profile_check(device, info);
     if (r) return r;
     if (profile >= NVML_GPU_INSTANCE_PROFILE_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
@@ -1226,7 +1228,7 @@ static nvmlReturn_t gi_profile_v(int p, nvmlGpuInstanceProfileInfo_v2_t *info) {
 nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device_, unsigned int profile,
                                                   nvmlGpuInstanceProfileInfo_v2_t *info) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     nvmlReturn_t r = gi_profile_check(device, info);
     if (r) return r;
     if (profile >= NVML_GPU_INSTANCE_PROFILE_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
@@ -1239,7 +1241,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device_, unsigned
 nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoByIdV(nvmlDevice_t device_, unsigned int profileId,
                                                       nvmlGpuInstanceProfileInfo_v2_t *info) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     nvmlReturn_t r = gi_profile_check(device, info);
     if (r) return r;
     int p = profile_by_id(profileId);
@@ -1251,7 +1253,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(nvmlDevice_t device_,
                                                            nvmlGpuInstancePlacement_t *placements,
                                                            unsigned int *count) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     nvmlReturn_t r = gi_profile_check(device, count);
     if (r) return r;
     int p = profile_by_id(profileId);
@@ -1322,7 +1324,7 @@ nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device_, unsi
                                                       const nvmlGpuInstancePlacement_t *placement,
                                                       nvmlGpuInstance_t *gpuInstance) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, gpuInstance);
     if (!placement) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -1341,7 +1343,7 @@ nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device_, unsi
 nvmlReturn_t nvmlDeviceCreateGpuInstance(nvmlDevice_t device_, unsigned int profileId,
                                          nvmlGpuInstance_t *gpuInstance) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, gpuInstance);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     int p = profile_by_id(profileId);
@@ -1371,7 +1373,7 @@ static struct gi_state *gi_of(struct node_state *s, GI gi) {
 
 nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device_, unsigned int id, nvmlGpuInstance_t *gpuInstance) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, gpuInstance);
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
     struct node_state s;
@@ -1387,7 +1389,7 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device_, unsigned int id,
 nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t device_, unsigned int profileId,
                                        nvmlGpuInstance_t *gpuInstances, unsigned int *count) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, count);
     if (!gpuInstances) return NVML_ERROR_INVALID_ARGUMENT;
     if (!SIM_GPUS[device->gpu].mig_capable) return NVML_ERROR_NOT_SUPPORTED;
@@ -1637,7 +1639,7 @@ static nvmlReturn_t link_check(Dev device, unsigned link, const void *out) {
 
 nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device_, unsigned int link, nvmlEnableState_t *isActive) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     nvmlReturn_t r = link_check(device, link, isActive);
     if (r) return r;
     *isActive = SIM_GPUS[device->gpu].links[link].remote ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
@@ -1646,7 +1648,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device_, unsigned int link, n
 
 nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device_, unsigned int link, nvmlPciInfo_t *pci) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     nvmlReturn_t r = link_check(device, link, pci);
     if (r) return r;
     const char *remote = SIM_GPUS[device->gpu].links[link].remote;
@@ -1662,7 +1664,7 @@ nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int 
 nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device_, unsigned int link,
                                                  nvmlIntNvLinkDeviceType_t *type) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     nvmlReturn_t r = link_check(device, link, type);
     if (r) return r;
     const struct sim_link *l = &SIM_GPUS[device->gpu].links[link];
@@ -1675,7 +1677,7 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1_, nvmlDevi
                                                  nvmlGpuTopologyLevel_t *pathInfo) {
     Dev device1 = device1_.handle;
     Dev device2 = device2_.handle;
-    FAILPOINT(valid_device(device1) ? (int)device1->gpu : -1);
+    DEVICE_FAILPOINT(device1);
     CHECK_GPU(device1, pathInfo);
     CHECK_GPU(device2, pathInfo);
     const struct sim_gpu *a = &SIM_GPUS[device1->gpu], *b = &SIM_GPUS[device2->gpu];
@@ -1689,7 +1691,7 @@ nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1_, nvmlDevi
 
 nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device_, nvmlGpuFabricInfoV_t *gpuFabricInfo) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, gpuFabricInfo);
     const struct sim_gpu *g = &SIM_GPUS[device->gpu];
     unsigned version = gpuFabricInfo->version;
@@ -1716,7 +1718,7 @@ nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device_, nvmlGpuFabricInfo
 
 nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device_, unsigned long long *eventTypes) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_GPU(device, eventTypes);
     *eventTypes = SIM_SUPPORTED_EVENTS;
     return NVML_SUCCESS;
@@ -1746,7 +1748,7 @@ static int valid_set(SET set) { return set && set->magic == MAGIC_SET; }
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device_, unsigned long long eventTypes, nvmlEventSet_t set_) {
     Dev device = device_.handle;
     SET set = set_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK_DEV(device);
     if (!valid_set(set)) return NVML_ERROR_INVALID_ARGUMENT;
     if (is_mig(device)) return NVML_ERROR_NOT_SUPPORTED; /* no per-instance event reporting */
@@ -1827,7 +1829,7 @@ nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigne
 
 nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device_, int valuesCount, nvmlFieldValue_t *values) {
     Dev device = device_.handle;
-    FAILPOINT(valid_device(device) ? (int)device->gpu : -1);
+    DEVICE_FAILPOINT(device);
     CHECK(device, values);
     if (valuesCount < 0) return NVML_ERROR_INVALID_ARGUMENT;
     long long ts = (long long)(now_ns() / 1000ULL);
