@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""A host-like driver root: NVIDIA's real 550.163.01 user space with a simulated NVML.
+"""A host-like driver root: NVIDIA's real user space (550.163.01 or 535.261.03) with a simulated NVML.
 
-    e2e/host_like_root.py [--profile hgx-2x4|dgx-h100-mig|NAME|FILE] [--cache-dir DIR] [--dev-dir DIR]
+    e2e/host_like_root.py [--profile hgx-2x4|dgx-h100-mig|NAME|FILE] [--suite trixie|bookworm]
+                          [--cache-dir DIR] [--dev-dir DIR]
 
-prints the path of a driver root that looks like a real Debian 13 host with NVIDIA's driver
-installed: the trixie root of `e2e/debian_driver_root.py` (NVIDIA's real 550.163.01 `libcuda`,
-`nvidia-smi` behind Debian's alternatives links, the MPS control daemon and server, GSP firmware,
-and the root's own glibc 2.41, unlike the plugin image's), in which only Debian's
-`usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.550.163.01` is replaced by the simulated
-NVML of `dra_gpu.simnode` (compiled against NVIDIA's nvml.h) reporting driver 550.163.01 and CUDA
-12.4 for the profile's GPUs. Same path, same file name: Debian's alternatives links
+prints the path of a driver root that looks like a real Debian host with NVIDIA's driver
+installed: a root of `e2e/debian_driver_root.py` (by default trixie's: NVIDIA's real 550.163.01
+`libcuda`, `nvidia-smi` behind Debian's alternatives links, the MPS control daemon and server, GSP
+firmware, and the root's own glibc 2.41, unlike the plugin image's; `--suite bookworm`: 535.261.03
+and glibc 2.36), in which only Debian's
+`usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.<version>` is replaced by the simulated
+NVML of `dra_gpu.simnode` (compiled against NVIDIA's nvml.h) reporting the suite's driver version
+and its CUDA version (12.4 for 550, 12.2 for 535) for the profile's GPUs. Same path, same file
+name: Debian's alternatives links
 (`usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 -> /etc/alternatives/... -> nvidia/current/
 libnvidia-ml.so.1 -> libnvidia-ml.so.550.163.01`) resolve to it, inside the root. Everything else
 is NVIDIA's and Debian's real files.
@@ -19,12 +22,12 @@ The simulated NVML sees a GPU only through a character device 195:<minor> in its
 and one node per GPU of the profile there (mknod: root). Its kernel-side state (MIG instances,
 injected events) lives in `DIR/.nvidia-sim/`.
 
-Cached as ${DRA_GPU_CACHE:-~/.cache/dra-gpu}/host-like-roots/<profile>-<key>, <key> a hash of the
+Cached as ${DRA_GPU_CACHE:-~/.cache/dra-gpu}/host-like-roots/<profile>[-bookworm]-<key>, <key> a hash of the
 inputs (the Debian root's own key, the simulated library's bytes, the profile, this file's source);
 built in a temporary directory beside it and renamed into place, with a manifest
 `.dra-gpu-host-like-root.json` and a `.complete` marker; older roots of the profile are removed.
 
-Importable: `host_like_root(profile)` returns the root's Path (building what is missing: the
+Importable: `host_like_root(profile, suite=...)` returns the root's Path (building what is missing: the
 Debian root needs root, mmdebstrap and Debian's archive; the library a C compiler and NVIDIA's
 nvml.h), `make_dev_dir(devdir, profile)` the device directory.
 
@@ -41,6 +44,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,13 +59,22 @@ from dra_gpu.simnode.builder import default_cache_dir, ensure_nvml_library  # no
 from dra_gpu.simnode.devnodes import make_device_nodes  # noqa: E402
 from dra_gpu.simnode.profiles import NodeProfile, load_profile  # noqa: E402
 
-SUITE = "trixie"
-DRIVER_VERSION = "550.163.01"
-CUDA_VERSION = 12040  # what NVIDIA's 550 libcuda reports (cuDriverGetVersion): CUDA 12.4
+SUITE = "trixie"  # the default suite
+# What NVIDIA's libcuda of each suite reports (cuDriverGetVersion): CUDA 12.4 (550), 12.2 (535).
+CUDA_VERSIONS = {"550.163.01": 12040, "535.261.03": 12020}
+DRIVER_VERSION = "550.163.01"  # the default suite's
+CUDA_VERSION = CUDA_VERSIONS[DRIVER_VERSION]
 PROFILES = ("hgx-2x4", "dgx-h100-mig")  # offered; any built-in name or profile file works
 DEFAULT_PROFILE = "hgx-2x4"
 NVML_DIR = "usr/lib/x86_64-linux-gnu/nvidia/current"
 NVML_FILE = f"{NVML_DIR}/libnvidia-ml.so.{DRIVER_VERSION}"
+
+
+def nvml_file(version: str) -> str:
+    """Where Debian's package puts NVML of a driver version, relative to the root."""
+    return f"{NVML_DIR}/libnvidia-ml.so.{version}"
+
+
 MANIFEST = ".dra-gpu-host-like-root.json"
 COMPLETE = ".complete"
 
@@ -88,15 +101,22 @@ def cache_dir() -> Path:
     return Path(base) / "host-like-roots"
 
 
-def node_profile(profile: str | Path) -> NodeProfile:
-    """The profile, reporting NVIDIA's Debian driver (550.163.01, CUDA 12.4) instead of its own."""
+def driver_version(suite: str = SUITE) -> str:
+    version: str = _debian_roots().suite_for(suite).driver_version
+    return version
+
+
+def node_profile(profile: str | Path, suite: str = SUITE) -> NodeProfile:
+    """The profile, reporting the suite's NVIDIA driver and CUDA version instead of its own."""
     node = load_profile(str(profile))
-    return dataclasses.replace(node, driver_version=DRIVER_VERSION, cuda_driver_version=CUDA_VERSION)
+    version = driver_version(suite)
+    return dataclasses.replace(node, driver_version=version, cuda_driver_version=CUDA_VERSIONS[version])
 
 
-def simulated_nvml(profile: str | Path, lib_cache: Path | None = None) -> Path:
-    """The simulated libnvidia-ml.so.1 of the profile reporting 550.163.01 (built once, cached)."""
-    lib = ensure_nvml_library(lib_cache or default_cache_dir(), node_profile(profile), DRIVER_VERSION)
+def simulated_nvml(profile: str | Path, lib_cache: Path | None = None, suite: str = SUITE) -> Path:
+    """The simulated libnvidia-ml.so.1 of the profile reporting the suite's driver (built once, cached)."""
+    version = driver_version(suite)
+    lib = ensure_nvml_library(lib_cache or default_cache_dir(), node_profile(profile, suite), version)
     return lib.resolve()
 
 
@@ -108,8 +128,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _label(profile: str | Path) -> str:
-    return Path(str(profile)).stem if str(profile) not in PROFILES else str(profile)
+def _label(profile: str | Path, suite: str = SUITE) -> str:
+    name = Path(str(profile)).stem if str(profile) not in PROFILES else str(profile)
+    suite_name: str = _debian_roots().suite_for(suite).name
+    return name if suite_name == SUITE else f"{name}-{suite_name}"
 
 
 def cache_key(debian_root: Path, nvml: Path, profile: str | Path) -> str:
@@ -122,7 +144,7 @@ def cache_key(debian_root: Path, nvml: Path, profile: str | Path) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _build(debian_root: Path, nvml: Path, dest: Path, profile: str | Path, key: str) -> None:
+def _build(debian_root: Path, nvml: Path, dest: Path, profile: str | Path, key: str, version: str) -> None:
     """Copy the Debian root into the empty directory dest and put the simulated NVML in place."""
     # GNU cp -a keeps links (Debian's absolute alternatives links), modes, owners and hard links.
     proc = subprocess.run(["cp", "-a", f"{debian_root}/.", str(dest)], capture_output=True, text=True)
@@ -130,9 +152,11 @@ def _build(debian_root: Path, nvml: Path, dest: Path, profile: str | Path, key: 
         raise HostLikeRootError(f"copying {debian_root} failed: {proc.stderr.strip()}")
     for marker in (COMPLETE, _debian_roots().MANIFEST):
         (dest / marker).unlink(missing_ok=True)
-    target = dest / NVML_FILE
+    target = dest / nvml_file(version)
     if not target.is_file() or target.is_symlink():
-        raise HostLikeRootError(f"{NVML_FILE} is not a file in {debian_root}: not NVIDIA's Debian layout")
+        raise HostLikeRootError(
+            f"{nvml_file(version)} is not a file in {debian_root}: not NVIDIA's Debian layout"
+        )
     real_sha = _sha256(target)
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.copyfile(nvml, tmp)
@@ -140,12 +164,12 @@ def _build(debian_root: Path, nvml: Path, dest: Path, profile: str | Path, key: 
     os.replace(tmp, target)
     manifest = {
         "profile": str(profile),
-        "driverVersion": DRIVER_VERSION,
-        "cudaDriverVersion": CUDA_VERSION,
+        "driverVersion": version,
+        "cudaDriverVersion": CUDA_VERSIONS[version],
         "key": key,
         "debianRoot": debian_root.name,
         "replaced": {
-            "path": NVML_FILE,
+            "path": nvml_file(version),
             "debianSha256": real_sha,
             "simulatedSha256": _sha256(target),
         },
@@ -155,17 +179,21 @@ def _build(debian_root: Path, nvml: Path, dest: Path, profile: str | Path, key: 
 
 
 def host_like_root(
-    profile: str | Path = DEFAULT_PROFILE, base: Path | None = None, lib_cache: Path | None = None
+    profile: str | Path = DEFAULT_PROFILE,
+    base: Path | None = None,
+    lib_cache: Path | None = None,
+    suite: str = SUITE,
 ) -> Path:
-    """The host-like root of a profile, built once per input hash; concurrent callers wait for one."""
+    """The host-like root of a profile and suite (a Debian suite name or its driver version), built
+    once per input hash; concurrent callers wait for one."""
     debian = _debian_roots()
     try:
-        debian_root = Path(debian.driver_root(SUITE))
+        debian_root = Path(debian.driver_root(suite))
     except debian.DriverRootError as exc:
-        raise HostLikeRootError(f"the Debian {SUITE} driver root: {exc}") from exc
-    nvml = simulated_nvml(profile, lib_cache)
+        raise HostLikeRootError(f"the Debian {suite} driver root: {exc}") from exc
+    nvml = simulated_nvml(profile, lib_cache, suite)
     base = base or cache_dir()
-    label = _label(profile)
+    label = _label(profile, suite)
     key = cache_key(debian_root, nvml, profile)
     root = base / f"{label}-{key}"
     if (root / COMPLETE).is_file():
@@ -177,7 +205,7 @@ def host_like_root(
             return root
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=base))
         try:
-            _build(debian_root, nvml, tmp, profile, key)
+            _build(debian_root, nvml, tmp, profile, key, driver_version(suite))
             tmp.chmod(0o755)
             if root.exists():  # an incomplete leftover of an interrupted rename
                 shutil.rmtree(root)
@@ -186,7 +214,8 @@ def host_like_root(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         for old in base.iterdir():  # one root a profile: the inputs moved on
-            if old.name.startswith(f"{label}-") and old != root and old.is_dir():
+            # <label>-<16 hex>, exactly: "hgx-2x4-" also begins "hgx-2x4-bookworm-<key>".
+            if re.fullmatch(rf"{re.escape(label)}-[0-9a-f]{{16}}", old.name) and old != root and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
     return root
 
@@ -210,12 +239,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"simulated node profile (a built-in name such as {' or '.join(PROFILES)}, or a file; "
         "default %(default)s)",
     )
+    ap.add_argument(
+        "--suite",
+        default=SUITE,
+        help="Debian suite (trixie: 550.163.01, bookworm: 535.261.03; default %(default)s)",
+    )
     ap.add_argument("--cache-dir", type=Path, help="default: $DRA_GPU_CACHE/host-like-roots")
     ap.add_argument("--dev-dir", type=Path, help="also make the simulated device nodes here (root)")
     ap.add_argument("--manifest", action="store_true", help="print the root's manifest after its path")
     args = ap.parse_args(argv)
     try:
-        root = host_like_root(args.profile, args.cache_dir)
+        root = host_like_root(args.profile, args.cache_dir, suite=args.suite)
         if args.dev_dir:
             make_dev_dir(args.dev_dir, args.profile)
     except (HostLikeRootError, RuntimeError, OSError) as exc:

@@ -165,3 +165,32 @@ def test_cached_by_its_inputs(host_root: Path, libcache: Path) -> None:  # noqa:
     assert HOST_LIKE.manifest(mig)["profile"] == "dgx-h100-mig"
     assert (mig / NVML).read_bytes() != (host_root / NVML).read_bytes()  # another GPU table
     assert not [p for p in base.iterdir() if p.name.startswith(".") and p.is_dir()]  # no temp dirs left
+
+
+def test_bookworm_root_reports_535_and_lives_beside_the_trixie_one(
+    host_root: Path,
+    tmp_path: Path,
+    libcache: Path,  # noqa: F811
+) -> None:
+    if DEBIAN.cached_driver_root("bookworm") is None and shutil.which("mmdebstrap") is None:
+        pytest.skip("the Debian bookworm driver root is not cached and mmdebstrap is missing")
+    base = host_root.parent
+    old = HOST_LIKE.host_like_root("hgx-2x4", base, libcache, suite="bookworm")
+    assert old.name.startswith("hgx-2x4-bookworm-") and host_root.is_dir()  # one does not evict the other
+    assert HOST_LIKE.host_like_root("hgx-2x4", base, libcache) == host_root and old.is_dir()
+    manifest = HOST_LIKE.manifest(old)
+    nvml = old / "usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.535.261.03"
+    assert manifest["driverVersion"] == "535.261.03" and manifest["replaced"]["path"] == str(
+        nvml.relative_to(old)
+    )
+    assert regular_file_in_root(old, "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1") == nvml
+    devdir = HOST_LIKE.make_dev_dir(tmp_path / "dev", "hgx-2x4")
+    got = run_child(
+        nvml,
+        devdir,
+        """
+        pynvml.nvmlInit()
+        out((pynvml.nvmlSystemGetDriverVersion(), pynvml.nvmlSystemGetCudaDriverVersion_v2()))
+        """,
+    )
+    assert got == ("535.261.03", 12020)
