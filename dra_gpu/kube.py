@@ -23,10 +23,18 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
 from tenacity.wait import wait_base
 
 from dra_gpu.kube_client import ApiClient, Configuration, load_incluster_config, load_kube_config
+from dra_gpu.kube_list import Keep, ListDecoder
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,13 @@ MAX_CONNECTIONS = 16
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 HTTP_GONE = 410
+# Lists are read in pages of this many objects (`limit` / `continue`), each decoded as it arrives
+# (kube_list.py): a page of the largest claims the apiserver stores (~1.5 MiB each) is ~150 MB on
+# the wire, which a page's deadline still allows on a slow link.
+LIST_PAGE = 100
+LIST_PAGE_TIMEOUT = 60.0
+LIST_RESTARTS = 5  # lists begun again after their continue token expired, before giving up
+READ_CHUNK = 64 * 1024
 
 
 TLS_READ_BUFFER = 64 * 1024
@@ -55,6 +70,10 @@ class KubeError(RuntimeError):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+
+
+class ContinueExpired(KubeError):
+    """410 Gone for a list's next page: its snapshot was compacted; the list must begin again."""
 
 
 async def _json(resp: Any, what: str) -> dict[str, Any]:
@@ -132,9 +151,11 @@ class Kube:
             return None
         return await _json(resp, f"get resourceclaim {namespace}/{name}")
 
-    async def list_claims(self) -> list[dict[str, Any]]:
-        """Every ResourceClaim (no field selector names an allocation's node)."""
-        items, _ = await self.list_objects(f"{RESOURCE_V1}/resourceclaims")
+    async def list_claims(self, keep: Keep | None = None) -> list[dict[str, Any]]:
+        """The ResourceClaims `keep` accepts (default: all); no field selector names an
+        allocation's node, so every claim of the cluster is read, page by page, and dropped unless
+        kept."""
+        items, _ = await self.list_objects(f"{RESOURCE_V1}/resourceclaims", keep=keep)
         return items
 
     async def apply_slice(self, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
@@ -170,13 +191,67 @@ class Kube:
         await _json(resp, f"delete resourceslice {name}")
 
     async def list_objects(
-        self, path: str, field_selector: str | None = None
+        self,
+        path: str,
+        field_selector: str | None = None,
+        *,
+        keep: Keep | None = None,
+        limit: int = LIST_PAGE,
+        backoff: Backoff | None = None,
     ) -> tuple[list[dict[str, Any]], str]:
-        """All objects of a collection (e.g. RESOURCE_V1 + "/resourceclaims") and its resourceVersion."""
-        query = {"fieldSelector": field_selector} if field_selector else None
-        resp = await self._request("GET", path, query)
-        data = await _json(resp, f"list {path}")
-        return list(data.get("items") or []), str(data["metadata"].get("resourceVersion", ""))
+        """The objects of a collection (e.g. RESOURCE_V1 + "/resourceclaims") that `keep` accepts
+        (default: all), and the list's resourceVersion (its last page's: where a watch begins).
+
+        Read in pages of `limit`, each decoded one object at a time, so that only the kept objects
+        are held, whatever the collection's size. A continue token that expired between pages
+        (410 Gone) begins the list again, after a backoff, up to LIST_RESTARTS times."""
+        async for attempt in AsyncRetrying(
+            wait=(backoff or Backoff()).wait(),
+            retry=retry_if_exception_type(ContinueExpired),
+            stop=stop_after_attempt(1 + LIST_RESTARTS),
+            before_sleep=_log_relist(path),
+            reraise=True,
+        ):
+            with attempt:
+                return await self._list_pages(path, field_selector, keep, limit)
+        raise AssertionError("unreachable: the last attempt's error is raised")
+
+    async def _list_pages(
+        self, path: str, field_selector: str | None, keep: Keep | None, limit: int
+    ) -> tuple[list[dict[str, Any]], str]:
+        kept: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            query = {"limit": str(limit)}
+            if field_selector:
+                query["fieldSelector"] = field_selector
+            if token:
+                query["continue"] = token
+            page = await self._list_page(path, query, keep, continued=bool(token))
+            kept += page.items
+            token = str(page.metadata.get("continue") or "")
+            if not token:
+                return kept, str(page.metadata.get("resourceVersion", ""))
+
+    async def _list_page(
+        self, path: str, query: dict[str, str], keep: Keep | None, continued: bool
+    ) -> ListDecoder:
+        resp = await self._request("GET", path, query, timeout=LIST_PAGE_TIMEOUT)
+        if resp.status >= 400:
+            try:
+                await _json(resp, f"list {path}")
+            except KubeError as exc:
+                if continued and exc.status == HTTP_GONE:
+                    raise ContinueExpired(exc.status, exc.message) from exc
+                raise
+        page = ListDecoder(keep)
+        try:
+            async for chunk in resp.content.iter_chunked(READ_CHUNK):
+                page.feed(chunk)
+            page.close()
+        finally:
+            resp.release()
+        return page
 
     async def watch_objects(
         self,
@@ -198,6 +273,8 @@ class Kube:
         if resp.status >= 400:
             await _json(resp, f"watch {path}")
         try:
+            # One event a line, up to 4 MiB (the client's read buffer of 2 MiB, doubled): an object
+            # the apiserver stores is at most ~1.5 MiB (etcd's request limit).
             async for line in resp.content:
                 if line.strip():
                     event = json.loads(line)
@@ -259,12 +336,14 @@ async def list_watch(
     on_event: EventHandler,
     *,
     field_selector: str | None = None,
+    keep: Keep | None = None,
     watch_seconds: int = 300,
     backoff: Backoff = Backoff(),
 ) -> None:
     """List a collection, then watch it from the list's resourceVersion, forever (cancel to stop).
 
-    `on_list(items, resourceVersion)` gets every full list; `on_event(type, object)` every ADDED,
+    `on_list(items, resourceVersion)` gets every full list (of the objects `keep` accepts, when
+    given: the others are dropped as each page is decoded); `on_event(type, object)` every ADDED,
     MODIFIED or DELETED event and returns False to have the collection listed again at once. A new
     list also follows the end of each watch and a 410 Gone (the resourceVersion is too old). Any
     other failure is retried after a backoff that grows until a round (list, then watch to its end)
@@ -277,7 +356,9 @@ async def list_watch(
             before_sleep=_log_retry(path),
         ):
             with attempt:
-                await _list_then_watch(kube, path, on_list, on_event, field_selector, watch_seconds)
+                await _list_then_watch(
+                    kube, path, on_list, on_event, field_selector, keep, watch_seconds, backoff
+                )
 
 
 async def _list_then_watch(
@@ -286,9 +367,11 @@ async def _list_then_watch(
     on_list: ListHandler,
     on_event: EventHandler,
     field_selector: str | None,
+    keep: Keep | None,
     watch_seconds: int,
+    backoff: Backoff,
 ) -> None:
-    items, version = await kube.list_objects(path, field_selector)
+    items, version = await kube.list_objects(path, field_selector, keep=keep, backoff=backoff)
     await on_list(items, version)
     # Each watch (and so each list after it) lasts between one and two `watch_seconds`, like
     # client-go's reflectors: a fleet started together does not list again in step.
@@ -313,6 +396,14 @@ async def _list_then_watch(
         if exc.status != HTTP_GONE:
             raise
         log.info("watch expired, listing again path=%s", path)
+
+
+def _log_relist(path: str) -> Callable[[RetryCallState], None]:
+    def log_it(state: RetryCallState) -> None:
+        delay = state.next_action.sleep if state.next_action else 0.0
+        log.info("list's continue token expired, listing again in %.2fs path=%s", delay, path)
+
+    return log_it
 
 
 def _log_retry(path: str) -> Callable[[RetryCallState], None]:

@@ -1,8 +1,10 @@
 """An in-memory Kubernetes API behind the `ApiClient` interface that `dra_gpu.kube.Kube` calls.
 
 It answers the few requests the driver makes (list, get, server-side apply, delete, watch) the way
-the apiserver does: resourceVersions, field selectors, ADDED/MODIFIED/DELETED events, watches that
-end after timeoutSeconds, 410 Gone for an expired watch, Status bodies on errors. Tests also use it
+the apiserver does: resourceVersions, field selectors, lists in pages (`limit` / `continue`, 410
+Gone for an expired continue token), ADDED/MODIFIED/DELETED events, watches that end after
+timeoutSeconds, 410 Gone for an expired watch, Status bodies on errors. Bodies are read in small
+odd-sized chunks, as from a network, so that decoding across chunk boundaries is exercised. Tests also use it
 to inject failures and hold requests. The real apiserver is exercised by the e2e tier.
 """
 
@@ -13,7 +15,7 @@ import copy
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ _PATH = re.compile(
     r"^/apis/[^/]+/[^/]+/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"
 )
 _SERVER_SET = ("resourceVersion", "uid", "creationTimestamp", "generation")
+BODY_CHUNK = 997  # bytes a body is read in, at most
 
 
 @dataclass
@@ -71,6 +74,7 @@ class FakeApiServer:
     requests: list[Request] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     expire_watches: int = 0  # the next N watches end at once with a 410 Gone ERROR event
+    expire_continues: int = 0  # the next N list requests with a continue token get 410 Gone
     stall_watches: bool = False  # watches never end, as over a connection that went silent
     gates: dict[str, asyncio.Event] = field(default_factory=dict)  # plural -> list/watch wait for it
     on_write: Callable[[dict[str, Any]], None] | None = None  # e.g. drop a field, as a gate that is off
@@ -152,8 +156,7 @@ class FakeApiServer:
         if req.method == "GET" and req.watch:
             return FakeResponse(200, stream=self._watch(plural, ns, req.query))
         if req.method == "GET":
-            items = [o for o in self.items(plural) if _selected(o, ns, req.query.get("fieldSelector"))]
-            return _json(200, {"items": items, "metadata": {"resourceVersion": str(self.version)}})
+            return self._list(plural, ns, req.query)
         if req.method == "PATCH":
             if req.query.get("fieldManager") is None:
                 return _status(422, "fieldManager is required for apply")
@@ -163,6 +166,27 @@ class FakeApiServer:
                 return _status(404, f'{plural} "{name}" not found')
             return _json(200, {"kind": "Status", "status": "Success"})
         return _status(405, f"method {req.method} not allowed")
+
+    def _list(self, plural: str, ns: str, query: dict[str, str]) -> FakeResponse:
+        """A list, or its page after the continue token's key; the token carries the first page's
+        resourceVersion (the apiserver serves every page from that snapshot; this store has only the
+        present, so a page shows objects as they are now)."""
+        selected = sorted(
+            (o for o in self.items(plural) if _selected(o, ns, query.get("fieldSelector"))), key=_key
+        )
+        version, after = self.version, ""
+        if query.get("continue"):
+            if self.expire_continues > 0:
+                self.expire_continues -= 1
+                return _status(410, "The provided continue parameter is too old", reason="Expired")
+            version, after = json.loads(query["continue"])
+            selected = [o for o in selected if _key(o) > after]
+        meta: dict[str, Any] = {"resourceVersion": str(version)}
+        limit = int(query.get("limit") or 0)
+        if 0 < limit < len(selected):
+            selected = selected[:limit]
+            meta["continue"] = json.dumps([version, _key(selected[-1])])
+        return _json(200, {"kind": "List", "metadata": meta, "items": selected})
 
     def _emit(self, plural: str, kind: str, obj: dict[str, Any]) -> None:
         self.events.append(Event(self.version, plural, kind, copy.deepcopy(obj)))
@@ -238,7 +262,7 @@ class FakeResponse:
     def __init__(self, status: int, body: bytes = b"", stream: WatchStream | None = None) -> None:
         self.status = status
         self.body = body
-        self.content = stream
+        self.content: WatchStream | Body = stream or Body(body)
         self.released = False
 
     async def read(self) -> bytes:
@@ -246,8 +270,20 @@ class FakeResponse:
 
     def release(self) -> None:
         self.released = True
-        if self.content is not None:
-            self.content.closed = True
+        self.content.closed = True
+
+
+class Body:
+    """A whole body, streamed in chunks of at most BODY_CHUNK bytes."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.closed = False
+
+    async def iter_chunked(self, n: int) -> AsyncIterator[bytes]:
+        step = min(n, BODY_CHUNK)
+        for start in range(0, len(self.body), step):
+            yield self.body[start : start + step]
 
 
 @dataclass
@@ -317,8 +353,10 @@ def _json(status: int, obj: Any) -> FakeResponse:
     return FakeResponse(status, json.dumps(obj).encode())
 
 
-def _status(code: int, message: str) -> FakeResponse:
+def _status(code: int, message: str, reason: str = "") -> FakeResponse:
     body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
+    if reason:
+        body["reason"] = reason
     return _json(code, body)
 
 

@@ -2,7 +2,10 @@
 from memory instead of a GET on the kubelet's call path.
 
 Only claims with a device of this driver and node in their allocation are kept (the watch sees
-every claim in the cluster: no field selector names an allocation's node). A claim the cache does
+every claim in the cluster: no field selector names an allocation's node). The list is read in
+pages and each claim decoded on its own and dropped at once unless it is this node's
+(kube.list_objects): the plugin's memory does not grow with the cluster's claims, of which a
+namespace user can create many of the largest size the apiserver stores. A claim the cache does
 not answer for (not seen yet, not listed yet, another UID, not reserved) is read from the
 apiserver, as is every read of the stale-claim sweeper, which must see a deletion as it is.
 
@@ -16,8 +19,9 @@ Of a claim only what prepare reads is kept (its name, namespace and UID, `status
 status were most of each claim's memory, and a claim kept as objects left ~25 small long-lived
 objects among a burst's garbage, holding CPython's memory arenas after it (bench/RESULTS.md).
 
-Other parts that need every claim event (dynamic MIG's binding conditions) subscribe to the same
-watch instead of opening their own.
+Other parts that need this node's claims (dynamic MIG's binding conditions) subscribe to the same
+watch instead of opening their own: they get the list's claims of this node, and the events of
+claims that are, or until then were, this node's.
 """
 
 from __future__ import annotations
@@ -84,19 +88,24 @@ class ClaimCache:
             self._claims.pop(key, None)
 
     async def _on_list(self, items: list[dict[str, Any]], version: str) -> None:
+        """`items` are this node's claims: list_watch dropped the others as it decoded them."""
         self._claims = {}
         for claim in items:
             self._keep(claim)
         self.listed = True
-        log.info("claims listed allocated_here=%d of=%d", len(self._claims), len(items))
+        log.info("claims listed allocated_here=%d", len(self._claims))
         for on_list, _ in self._subscribers:
             await on_list(items, version)
 
     async def _on_event(self, kind: str, claim: dict[str, Any]) -> bool:
+        key = self._key(claim)
+        was_here = key in self._claims
         if kind == "DELETED":
-            self._claims.pop(self._key(claim), None)
+            self._claims.pop(key, None)
         elif kind in ("ADDED", "MODIFIED"):
             self._keep(claim)
+        if not (was_here or key in self._claims):
+            return True  # another node's claim: no subscriber's business
         relist = False
         for _, on_event in self._subscribers:
             relist = not await on_event(kind, claim) or relist
@@ -104,7 +113,12 @@ class ClaimCache:
 
     async def run(self) -> None:
         await list_watch(
-            self.kube, f"{RESOURCE_V1}/resourceclaims", self._on_list, self._on_event, backoff=self.backoff
+            self.kube,
+            f"{RESOURCE_V1}/resourceclaims",
+            self._on_list,
+            self._on_event,
+            keep=self._allocated_here,
+            backoff=self.backoff,
         )
 
 

@@ -52,7 +52,9 @@ class ClaimSource(Protocol):
 
 
 class ClaimLister(Protocol):
-    async def list_claims(self) -> list[dict[str, Any]]: ...
+    async def list_claims(
+        self, keep: Callable[[dict[str, Any]], bool] | None = None
+    ) -> list[dict[str, Any]]: ...
 
 
 class Claims(Protocol):
@@ -94,7 +96,7 @@ class Reconciler:
                 reraise=False,
             ):
                 with attempt:
-                    claims = await lister.list_claims()
+                    claims = await lister.list_claims(keep=self._allocated_here)
         except RetryError as exc:
             error = exc.last_attempt.exception()
             raise CheckpointRebuildError(
@@ -103,14 +105,16 @@ class Reconciler:
             ) from exc
         return await asyncio.to_thread(self._rebuild_from, claims)  # files and NVML: blocking
 
+    def _allocated_here(self, claim: dict[str, Any]) -> bool:
+        """Kept of the list (the others are dropped as it is decoded): this node's claims."""
+        return bool(
+            (claim.get("metadata") or {}).get("uid")
+            and Allocation.of(claim).results_for(self.planner.driver, self.planner.node_name)
+        )
+
     def _rebuild_from(self, claims: list[dict[str, Any]]) -> dict[str, int]:
         counts = {"rebuiltClaims": 0, "rebuiltBound": 0, "specsUnconfirmed": 0, "notRebuilt": 0}
-        here = {
-            str(c["metadata"]["uid"]): c
-            for c in claims
-            if (c.get("metadata") or {}).get("uid")
-            and Allocation.of(c).results_for(self.planner.driver, self.planner.node_name)
-        }
+        here = {str(c["metadata"]["uid"]): c for c in claims if self._allocated_here(c)}
         specs = self.journal.cdi.owned()
         for uid in sorted(set(specs) | set(here)):
             claim = here.get(uid)

@@ -9,7 +9,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,8 @@ class ClaimStore(dict[tuple[str, str], dict[str, Any]]):
         claim = self.get((namespace, name))
         return json.loads(json.dumps(claim)) if claim is not None else None
 
-    async def list_claims(self) -> list[dict[str, Any]]:
-        return [json.loads(json.dumps(c)) for c in self.values()]
+    async def list_claims(self, keep: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
+        return [json.loads(json.dumps(c)) for c in self.values() if keep is None or keep(c)]
 
 
 async def prepare_claim(

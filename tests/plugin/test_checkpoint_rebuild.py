@@ -233,7 +233,7 @@ def test_rebuild_without_the_api_removes_nothing_and_stays_pending(core: PluginC
     restarted = core.restart()
 
     class Down:
-        async def list_claims(self) -> list[dict[str, Any]]:
+        async def list_claims(self, keep: object = None) -> list[dict[str, Any]]:
             raise OSError("connection refused")
 
     with pytest.raises(CheckpointRebuildError, match="connection refused"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -106,15 +107,15 @@ def test_what_the_cache_cannot_vouch_for_is_read_from_the_apiserver(core: Plugin
     asyncio.run(body())
 
 
-def test_subscribers_see_every_claim_of_the_one_watch() -> None:
+def test_subscribers_see_this_nodes_claims_of_the_one_watch() -> None:
     async def body() -> None:
         api = FakeApiServer()
         cache = ClaimCache(api.kube(), DRIVER, NODE)
-        lists: list[int] = []
+        lists: list[list[str]] = []
         events: list[tuple[str, str]] = []
 
         async def on_list(items: list[dict[str, Any]], _version: str) -> None:
-            lists.append(len(items))
+            lists.append([i["metadata"]["name"] for i in items])
 
         async def on_event(kind: str, obj: dict[str, Any]) -> bool:
             events.append((kind, obj["metadata"]["name"]))
@@ -122,12 +123,60 @@ def test_subscribers_see_every_claim_of_the_one_watch() -> None:
 
         cache.subscribe(on_list, on_event)
         api.put(CLAIMS, claim("x", ["gpu-0"], name="first", node="node-b"))
+        api.put(CLAIMS, claim("y", ["gpu-0"], name="mine"))
 
         async def test() -> None:
             api.put(CLAIMS, claim("x", ["gpu-1"], name="second", node="node-c"))
-            await until(lambda: len(events) == 1)
-            assert lists == [1] and events == [("ADDED", "second")]
+            api.put(CLAIMS, claim("z", ["gpu-1"], name="mine-too"))
+            api.put(CLAIMS, {**claim("y", ["gpu-0"], name="mine"), "status": {}})  # deallocated
+            await until(lambda: len(events) == 2)
+            assert lists == [["mine"]]
+            assert events == [("ADDED", "mine-too"), ("MODIFIED", "mine")]
             assert api.count("GET", CLAIMS, watch=True) == 1  # one watch for all
+
+        await watching(api, cache, test)
+
+    asyncio.run(body())
+
+
+def test_the_claims_are_listed_in_pages_and_other_nodes_claims_are_not_kept() -> None:
+    """250 claims of the cluster, 1 in 25 on this node (or of another driver on it): the list is
+    read 100 at a time, and only this node's claims of this driver are held, as their slim copy."""
+
+    async def body() -> None:
+        api = FakeApiServer()
+        for i in range(250):
+            node, driver = (NODE, DRIVER) if i % 25 == 0 else ("node-b", DRIVER)
+            if i % 25 == 1:
+                node, driver = NODE, "other.example.com"
+            c = claim(f"uid-{i}", [f"gpu-{i}"], name=f"claim-{i:03d}", node=node, driver=driver)
+            c["spec"] = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}}
+            api.put(CLAIMS, c)
+        cache = ClaimCache(api.kube(), DRIVER, NODE)
+        listed: list[list[dict[str, Any]]] = []
+
+        async def on_list(items: list[dict[str, Any]], _version: str) -> None:
+            listed.append(items)
+
+        async def on_event(_kind: str, _obj: dict[str, Any]) -> bool:
+            return True
+
+        cache.subscribe(on_list, on_event)
+
+        async def test() -> None:
+            pages = [r.query for r in api.requests if r.method == "GET" and not r.watch]
+            assert [q["limit"] for q in pages] == ["100", "100", "100"]
+            assert [bool(q.get("continue")) for q in pages] == [False, True, True]
+            here = [f"claim-{i:03d}" for i in range(0, 250, 25)]
+            assert [i["metadata"]["name"] for i in listed[0]] == here
+            assert sorted(name for _, name in cache._claims) == here
+            kept = [json.loads(k.claim) for k in cache._claims.values()]
+            assert all(set(k) == {"metadata", "status"} for k in kept)  # no spec kept
+            # The watch begins at the list's resourceVersion: a later change arrives, once.
+            watch = next(r for r in api.requests if r.watch)
+            assert watch.query["resourceVersion"] == str(api.version)
+            api.put(CLAIMS, claim("uid-new", ["gpu-x"], name="claim-new"))
+            await until(lambda: len(cache) == 11)
 
         await watching(api, cache, test)
 
