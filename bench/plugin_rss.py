@@ -147,16 +147,11 @@ class RunMemory:
     timing: dict[str, float] | None = None
 
 
-async def one_run(
-    tmp: Path, driver_root: str, profile: Path, settle: float, top: int, burst: Burst | None
-) -> RunMemory:
-    cert, key = make_cert(tmp, "stand-in-apiserver")
-    api = StandInApiServer()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", api.handle)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1)  # the watches end at once
-    # TLS as from an apiserver: each connection's TLS buffers are part of what a burst leaves.
-    port = await serve_tls(runner, cert, key)
+async def start_plugin(
+    tmp: Path, port: int, cert: Path, driver_root: str, profile: Path, *extra: str
+) -> tuple[asyncio.subprocess.Process, Path, Any]:
+    """`dra-gpu kubelet-plugin` (of the current directory's `dra_gpu`) on the bench node, talking to
+    the stand-in apiserver on `port`; its process, plugin directory and open log (tmp/plugin.log)."""
     kubeconfig = tmp / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
@@ -201,9 +196,37 @@ async def one_run(
         str(plugin_dir / "registry"),
         "--http-address",
         "",
+        *extra,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    return proc, plugin_dir, log
+
+
+def bench_node(tmp: Path) -> tuple[str, Path]:
+    """The bench node's profile (prepare_bench.py's) in `tmp` and its simulated driver root (built
+    once, cached)."""
+    profile = tmp / "bench-node.yaml"
+    bench_profile(profile)
+    cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
+    simdriver = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", str(profile)]
+    driver_root = subprocess.run(
+        [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
+    ).stdout.split()[-1]
+    return driver_root, profile
+
+
+async def one_run(
+    tmp: Path, driver_root: str, profile: Path, settle: float, top: int, burst: Burst | None
+) -> RunMemory:
+    cert, key = make_cert(tmp, "stand-in-apiserver")
+    api = StandInApiServer()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", api.handle)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1)  # the watches end at once
+    # TLS as from an apiserver: each connection's TLS buffers are part of what a burst leaves.
+    port = await serve_tls(runner, cert, key)
+    proc, plugin_dir, log = await start_plugin(tmp, port, cert, driver_root, profile)
     try:
         t0 = time.monotonic()
         while api.slices_applied == 0 or not (plugin_dir / "dra.sock").exists():
@@ -242,13 +265,7 @@ def main() -> None:
     args = parser.parse_args()
     burst = Burst(args.rounds, args.inflight, args.bursts) if args.burst else None
     tmp = Path(tempfile.mkdtemp(prefix="dra-rss-"))
-    profile = tmp / "bench-node.yaml"
-    bench_profile(profile)
-    cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
-    simdriver = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", str(profile)]
-    driver_root = subprocess.run(
-        [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
-    ).stdout.split()[-1]
+    driver_root, profile = bench_node(tmp)
     runs = [
         asyncio.run(one_run(tmp, driver_root, profile, args.settle, args.top, burst))
         for _ in range(args.runs)

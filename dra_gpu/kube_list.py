@@ -40,6 +40,8 @@ class ListDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")()
         self._text = ""
         self._pos = 0
+        self._pending: list[str] = []  # text not yet appended to _text (joined once, when tried)
+        self._pending_length = 0
         self._retry_at = 0  # length of the undecoded text at which to try a value again
         self._state = _START
         self._key = ""
