@@ -164,11 +164,12 @@ class ClusterOfClaims(StandInApiServer):
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
         head = {"kind": "ResourceClaimList", "apiVersion": "resource.k8s.io/v1", "metadata": meta}
-        await self._send(response, json.dumps(head).encode()[:-1] + b',"items":[')
-        for i in range(start, end):
-            await self._send(response, (b"," if i > start else b"") + self.claim(i))
-        await self._send(response, b"]}")
-        await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the plugin gave up (its deadline)
+            await self._send(response, json.dumps(head).encode()[:-1] + b',"items":[')
+            for i in range(start, end):
+                await self._send(response, (b"," if i > start else b"") + self.claim(i))
+            await self._send(response, b"]}")
+            await response.write_eof()
         return response
 
     async def _send(self, response: web.StreamResponse, data: bytes) -> None:

@@ -158,12 +158,19 @@ def _add_node_commands(sub: Any) -> None:
         default=float(env("DRA_GPU_SWEEP_GRACE", "60")),
         help="seconds a claim must be gone before the sweeper unprepares it",
     )
+    plug.add_argument(
+        "--enable-failpoints",
+        action="store_true",
+        help="tests only: obey $DRA_GPU_FAILPOINTS (named points where the plugin kills itself or "
+        "fails); without this flag the variable is ignored, with a warning",
+    )
     add_health_flags(plug)
     add_health_command(sub)
     add_doctor_command(sub)
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
+    from dra_gpu import failpoints
     from dra_gpu.discovery import NvmlUnavailableError
     from dra_gpu.health.command import health_config
     from dra_gpu.node_settings import NodeSettings
@@ -175,6 +182,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
         return EXIT_USAGE
+    failpoints.enable(args.enable_failpoints)
     try:
         cfg = PluginConfig(
             node=NodeSettings.from_args(args),

@@ -1,8 +1,11 @@
-"""Named points where a test can make the process fail: `DRA_GPU_FAILPOINTS=name=action,...`.
+"""Named points where a test can make the process fail: `DRA_GPU_FAILPOINTS=name=action,...`, obeyed
+only in a process started with `--enable-failpoints` (`enable()`): the variable alone is ignored,
+with one warning, so that an environment a pod's spec or a node's defaults leak in cannot make a
+production plugin kill itself or fail its prepares.
 
 Actions: `kill` (SIGKILL to the process itself: no clean-up at all, as a crash or an OOM kill)
 and `error` (raise FailpointError). Unset, a failpoint costs one environment lookup. Tests only:
-nothing sets the variable in the chart or the image.
+nothing sets the variable or the flag in the chart or the image.
 
 The kubelet plugin's failpoints are the constants below, in the order a claim meets them (`ALL`),
 each with what exists when it is hit. e2e/tests/test_faults.py kills the plugin at each in turn.
@@ -17,6 +20,7 @@ import signal
 log = logging.getLogger(__name__)
 
 ENV = "DRA_GPU_FAILPOINTS"
+FLAG = "--enable-failpoints"
 ACTIONS = ("kill", "error")
 
 # a checkpoint write: its temp file is synced, not yet renamed over the checkpoint (prepare's
@@ -75,9 +79,24 @@ def _actions() -> dict[str, str]:
     return out
 
 
+class _Switch:
+    enabled = False  # set by FLAG
+    warned = False
+
+
+def enable(on: bool = True) -> None:
+    """Obey ENV in this process (the command line's FLAG); `enable(False)` turns it off again."""
+    _Switch.enabled = on
+
+
 def hit(name: str) -> None:
-    """Fail here if the environment asks for it."""
+    """Fail here if failpoints are enabled and the environment asks for it."""
     if ENV not in os.environ:
+        return
+    if not _Switch.enabled:
+        if not _Switch.warned:
+            _Switch.warned = True
+            log.warning("%s is set but %s was not given: failpoints ignored", ENV, FLAG)
         return
     action = _actions().get(name)
     if action is None:

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dra_gpu import failpoints
 from dra_gpu.discovery import discover
 from dra_gpu.model import Inventory
 from dra_gpu.simnode.fake import simulated_nvml
 from dra_gpu.simnode.profiles import parse_profile
 
 DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture
+def enabled_failpoints() -> Iterator[None]:
+    """Failpoints obeyed in this process, as after the plugin's --enable-failpoints."""
+    failpoints.enable()
+    try:
+        yield
+    finally:
+        failpoints.enable(False)
 
 
 def discover_doc(doc: dict, node: str = "node-a") -> Inventory:

@@ -29,6 +29,7 @@ def test_only_the_named_targets_temp_files_are_removed(tmp_path: Path) -> None:
     assert remove_stale_temps(tmp_path / "missing", lambda _: True) == []
 
 
+@pytest.mark.usefixtures("enabled_failpoints")
 def test_a_failpoint_between_temp_and_rename_leaves_no_temp_on_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

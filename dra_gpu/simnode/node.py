@@ -25,7 +25,7 @@ from pathlib import Path
 from dra_gpu.discovery.kernel_devices import CAPS, UVM
 from dra_gpu.simnode import inject
 from dra_gpu.simnode.builder import SimDriverError, default_cache_dir, ensure_driver_root
-from dra_gpu.simnode.devnodes import NVIDIA_MAJOR, make_char, make_device_nodes
+from dra_gpu.simnode.devnodes import NVIDIA_MAJOR, RealDriverMajorError, make_char, make_device_nodes
 from dra_gpu.simnode.profiles import NodeProfile, load_profile
 
 DEV_DIR_ENV = "DRA_GPU_SIM_DEV_DIR"
@@ -151,6 +151,8 @@ def prepare_simulated_node(
             ) from exc
     try:
         make_kernel_files(node, Path(dev_root))
+    except RealDriverMajorError as exc:
+        raise SimulatedNodeError(f"simulated node {node.name}: {exc}") from exc
     except PermissionError as exc:
         raise SimulatedNodeError(
             f"simulated node {node.name}: cannot make its device nodes under {dev_root}/dev: {exc} "

@@ -296,6 +296,7 @@ def test_a_14gib_model_fits_no_1g_but_runs_on_a_2g(mig_plugin, core, dyn, namesp
 def test_plugin_killed_between_gpu_and_compute_instance(mig_plugin, core, dyn, namespace, busybox_image):
     mig_plugin.stop()
     mig_plugin.env = {"DRA_GPU_FAILPOINTS": f"{FAILPOINT}=kill"}
+    mig_plugin.extra_args = [*mig_plugin.extra_args, "--enable-failpoints"]
     mig_plugin.start()
     template(dyn, namespace, "two-g", device_class=MIG_CLASS, selectors=[profile_is("2g.20gb")])
     claim_pod(core, namespace, "crash", {"resource_claim_template_name": "two-g"}, SHOW, busybox_image)
@@ -310,6 +311,7 @@ def test_plugin_killed_between_gpu_and_compute_instance(mig_plugin, core, dyn, n
     assert steps == ["gpu-instance"]
 
     mig_plugin.env = {}
+    mig_plugin.extra_args = [a for a in mig_plugin.extra_args if a != "--enable-failpoints"]
     mig_plugin.start()
     log = running_log(core, namespace, "crash")
     (made,) = instances()  # the half-made one was rolled back; the kubelet's retry made this one

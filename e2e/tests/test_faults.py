@@ -1,7 +1,8 @@
 """Crash safety of the kubelet plugin in the real cluster.
 
-Failpoints: the plugin is SIGKILLed at each failpoint in turn (DRA_GPU_FAILPOINTS=<name>=kill)
-while the kubelet prepares (or unprepares) a claim, started again without it, and the kubelet's
+Failpoints: the plugin is SIGKILLed at each failpoint in turn (DRA_GPU_FAILPOINTS=<name>=kill
+with --enable-failpoints) while the kubelet prepares (or unprepares) a claim, started again without
+it, and the kubelet's
 retry finishes the job. Checked from outside: the pod runs and its container sees its devices; the
 CDI dir holds exactly the specs of live claims and the plugin dir nothing but what lives there
 (`PLUGIN_DIR_ENTRIES`): no temp file, no stray; a kill inside a write (between its temp file and
@@ -220,7 +221,7 @@ def restart(plugin: Plugin, dyn, kind: str, failpoint: str | None) -> None:
         plugin.stop()
     mig = kind == "mig"
     plugin.profile = MIG_PROFILE if mig else PROFILE
-    plugin.extra_args = ["--dynamic-mig"] if mig else []
+    plugin.extra_args = (["--dynamic-mig"] if mig else []) + (["--enable-failpoints"] if failpoint else [])
     plugin.env = {ENV: f"{failpoint}=kill"} if failpoint else {}
     plugin.start()
     want = 4 if mig else 1

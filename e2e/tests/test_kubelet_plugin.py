@@ -37,7 +37,7 @@ class Plugin:
         self.driver_version: str | None = None  # None: the profile's own (no mismatch)
         self.driver_root: str | None = None  # None: the simulated root of driver_version
         self.extra_args: list[str] = []  # more kubelet-plugin flags (e.g. --memory-shares)
-        self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS)
+        self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS, with --enable-failpoints)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it

@@ -241,6 +241,7 @@ def test_an_instance_in_use_is_not_destroyed_and_the_claim_stays(node: Node) -> 
     assert node.live() == [] and not node.checkpoint.has(ref.uid)
 
 
+@pytest.mark.usefixtures("enabled_failpoints")
 def test_failpoints_and_simulated_failures_parse_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
     from dra_gpu import failpoints
     from dra_gpu.simnode.fake_nvml import parse_failures

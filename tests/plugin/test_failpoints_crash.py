@@ -58,6 +58,7 @@ def killed_at(failpoint: str, step: Callable[[], Awaitable[object]]) -> None:
     pid = os.fork()
     if pid == 0:  # the child: a plugin process
         os.environ[failpoints.ENV] = f"{failpoint}=kill"
+        failpoints.enable()  # the plugin's --enable-failpoints
         try:
             asyncio.run(step())
         finally:

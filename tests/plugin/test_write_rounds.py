@@ -126,6 +126,7 @@ def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path) -> Non
     assert interrupted > len(left_by_kill) // 2, f"temp files left per kill: {left_by_kill}"
 
 
+@pytest.mark.usefixtures("enabled_failpoints")
 def test_a_failing_round_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The failpoint between a round's temp files and its renames, set to `error`: every change
     of the round fails, and its temp files are gone."""
