@@ -100,7 +100,8 @@ base_image() { # KIND PACKAGES: prints the base's name, building or importing it
 # ---------------------------------------------------------------------------- the image
 context_files() { # NUL-separated, sorted: what git sees of what the Dockerfile copies
   git -C "$ROOT" ls-files -z --cached --others --exclude-standard -- \
-    pyproject.toml setup.py README.md protos dra_gpu deploy/Dockerfile .dockerignore \
+    requirements.lock requirements-build.lock pyproject.toml setup.py README.md protos dra_gpu \
+    deploy/Dockerfile .dockerignore \
     | sort -zu | while IFS= read -r -d '' f; do [ -f "$ROOT/$f" ] && printf '%s\0' "$f"; done
 }
 

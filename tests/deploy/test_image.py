@@ -42,3 +42,17 @@ def test_final_stage_is_the_base_plus_the_virtualenv() -> None:
     assert re.findall(r"^COPY .*$", final, re.M) == ["COPY --from=build /opt/dra-gpu /opt/dra-gpu"]
     assert "pip " not in final and "apt-get" not in final
     assert re.search(r"^USER 65532:65532$", final, re.M) and 'ENTRYPOINT ["dra-gpu"]' in final
+
+
+def test_every_python_package_and_the_public_base_are_pinned() -> None:
+    """pip installs only the locks' files (sha256, scripts/lock), builds without an isolated
+    environment (which would fetch its tools unpinned), and the default base is pinned by digest."""
+    installs = re.findall(r"/bin/pip (?:install|wheel) ([^\\]*)", DOCKERFILE)
+    assert installs == [
+        "--require-hashes --only-binary=:all: -r requirements-build.lock ",
+        "--no-deps --no-build-isolation --wheel-dir /wheels . ",
+        "--no-compile --require-hashes --only-binary=:all: -r requirements.lock ",
+        "--no-compile --no-deps --no-index /wheels/dra_gpu-*.whl ",
+    ]
+    (base,) = re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", DOCKERFILE, re.M)
+    assert re.fullmatch(r"python:[\w.-]+@sha256:[0-9a-f]{64}", base), base
