@@ -283,7 +283,9 @@ def entries(spec: dict[str, Any], root: Path) -> dict[tuple[str, str], str]:
         # The hook and its own arguments (update-ldcache's folders and create-symlinks' links are
         # compared one by one below).
         rest = args[args.index(name) + 1 :]
-        out[("hook", name)] = " ".join([name] + ([] if name in ("update-ldcache", "create-symlinks") else rest))
+        out[("hook", name)] = " ".join(
+            [name] + ([] if name in ("update-ldcache", "create-symlinks") else rest)
+        )
         if name == "update-ldcache":
             folders = [args[i + 1] for i, a in enumerate(args) if a == "--folder"]
             for folder in folders:
