@@ -265,5 +265,6 @@ def test_update_ldcache_makes_a_loader_that_does_not_search_the_folder_find_libc
         assert NO_DRIVER in log
     else:
         assert "libcuda.so.1 not loaded: libcuda.so.1: cannot open shared object file" in log, log
+        assert "libnvidia-ml.so.1 not loaded: libnvidia-ml.so.1: cannot open shared object file" in log, log
         assert value(log, "libcuda.so.1 link:") == ""  # a bind mount of the file, not a link
         assert value(log, "ld cache:") == "0"
