@@ -91,8 +91,8 @@ PROBE = (
 class Nodes:
     """One plugin at a time, over the driver root a test asks for (suite, layout, hook or not)."""
 
-    def __init__(self, target, core, dyn):
-        self.kubeconfig = target.kubeconfig
+    def __init__(self, target, core, dyn, logs: Path):
+        self.kubeconfig, self.logs = target.kubeconfig, logs
         self.node = core.list_node().items[0].metadata.name
         self.dyn = dyn
         self.host_like = e2e_script("host_like_root")
@@ -124,7 +124,7 @@ class Nodes:
             # The kernel's side of a loaded driver of the suite's version: nodes, proc/devices.
             make_kernel_files(self.host_like.node_profile(PROFILE, suite), dev_root)
         nvml = self.host_like.simulated_nvml(PROFILE, suite=suite)
-        log = STATE / f"plugin-{suite}-{layout}{'-hook' if hook else ''}.log"
+        log = self.logs / f"plugin-{suite}-{layout}{'-hook' if hook else ''}.log"
         t0 = time.time()
         plugin = RealUserspacePlugin(
             self.kubeconfig, self.node, log, root, nvml, nvml_rel, dev_root, self.hook if hook else None
@@ -145,14 +145,14 @@ class Nodes:
 
 
 @pytest.fixture(scope="module")
-def nodes(target, core, dyn, glibc_images):  # noqa: F811 - the fixture imported above
+def nodes(target, core, dyn, glibc_images, tmp_path_factory):  # noqa: F811 - the fixture imported above
     if not target.local:
         pytest.skip("the plugin runs as a host process only on the local e2e cluster")
     shutil.rmtree(STATE, ignore_errors=True)
     STATE.mkdir(parents=True)
     ensure_device_classes(dyn)
     t0 = time.time()
-    n = Nodes(target, core, dyn)
+    n = Nodes(target, core, dyn, tmp_path_factory.mktemp("plugin-logs"))
     yield n
     n.stop()
     print(f"\n[real-userspace] module {time.time() - t0:.0f} s; plugin ready: {n.timings}")
