@@ -114,9 +114,10 @@ def _add_node_commands(sub: Any) -> None:
     plug.add_argument(
         "--cdi-hook-path",
         default=env("NVIDIA_CDI_HOOK_PATH"),
-        help="host path of NVIDIA's nvidia-cdi-hook (or nvidia-ctk): adds an update-ldcache hook so "
-        "images whose loader does not search the driver's library directory find it "
-        "($NVIDIA_CDI_HOOK_PATH); default: none",
+        help="host path of NVIDIA's nvidia-cdi-hook (or nvidia-ctk, >= 1.17.8): adds NVIDIA's hooks for "
+        "the driver's libraries (create-symlinks, enable-cuda-compat, update-ldcache, "
+        "disable-device-node-modification), so images whose loader does not search the driver's "
+        "library directory find it ($NVIDIA_CDI_HOOK_PATH); default: none",
     )
     plug.add_argument(
         "--dynamic-mig",

@@ -169,7 +169,8 @@ build_kwok() {
 # go.sum pin what it was released with), with cgo: go-nvml's bindings are cgo (they dlopen
 # libnvidia-ml at run time; NVIDIA's Makefile links with unresolved symbols allowed, as here).
 # A clean TMPDIR: a stray nvml.h in a parent of cgo's work directory is picked up before
-# go-nvml's own and breaks the build. Not part of `all` (only the spec comparison test needs it).
+# go-nvml's own and breaks the build. Part of `all`: the e2e node gets nvidia-cdi-hook
+# (e2e/tests/test_real_userspace.py), and the spec comparison test runs nvidia-ctk.
 build_toolkit() {
   local out="$CACHE/bin/nvidia-container-toolkit-$NVIDIA_CTK_VERSION"
   if done_marker "$out"; then log "nvidia-container-toolkit $NVIDIA_CTK_VERSION cached in $out"; return; fi
@@ -195,7 +196,7 @@ main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
   case "$what" in
-    all) debs; (build_kubernetes); (build_etcd); (build_containerd); bash "$HERE/image_build.sh" ;;
+    all) debs; (build_kubernetes); (build_etcd); (build_containerd); (build_toolkit); bash "$HERE/image_build.sh" ;;
     kubernetes) (build_kubernetes) ;;
     etcd) (build_etcd) ;;
     containerd) (build_containerd) ;;

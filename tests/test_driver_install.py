@@ -115,9 +115,16 @@ def test_ipc_sockets_are_mounted_writable_and_the_hook_updates_the_ld_cache(tmp_
     edits = container_edits(found, hook_path="/usr/local/bin/nvidia-cdi-hook")
     sock = [m for m in edits["mounts"] if m["containerPath"] == "/run/nvidia-persistenced/socket"]
     assert sock and "ro" not in sock[0]["options"] and "noexec" in sock[0]["options"]
-    (hook,) = edits["hooks"]
-    assert hook["hookName"] == "createContainer"
-    assert hook["args"] == [
+    hooks = {h["args"][1]: h for h in edits["hooks"]}
+    # NVIDIA's default hooks for driver libraries, in its generator's order, all at createContainer.
+    assert list(hooks) == [
+        "create-symlinks",
+        "enable-cuda-compat",
+        "update-ldcache",
+        "disable-device-node-modification",
+    ]
+    assert {h["hookName"] for h in hooks.values()} == {"createContainer"}
+    assert hooks["update-ldcache"]["args"] == [
         "nvidia-cdi-hook",
         "update-ldcache",
         "--folder",
@@ -125,8 +132,20 @@ def test_ipc_sockets_are_mounted_writable_and_the_hook_updates_the_ld_cache(tmp_
         "--folder",
         CUDA_STYLE_LIB_DIR,
     ]
+    assert hooks["enable-cuda-compat"]["args"][2:] == [f"--host-driver-version={V}"]
+    assert hooks["disable-device-node-modification"]["args"][2:] == []
+    links = hooks["create-symlinks"]["args"][2:]
+    assert links[0::2] == ["--link"] * (len(links) // 2)
+    made = dict(reversed(x.split("::")) for x in links[1::2])
+    assert made[f"/{DEB}/libcuda.so.1"] == f"libcuda.so.{V}"
+    assert made[f"/{DEB}/libcuda.so"] == "libcuda.so.1"
+    assert made[f"/{DEB}/libnvidia-ml.so.1"] == f"libnvidia-ml.so.{V}"
+    # A link the hook makes is not also a bind mount (the hook would fail to replace it).
+    mounted = {m["containerPath"] for m in edits["mounts"]}
+    assert not mounted & set(made)
+    assert f"{CUDA_STYLE_LIB_DIR}/libcuda.so.1" in mounted  # CUDA-style images still find it
     ctk = container_edits(found, hook_path="/usr/bin/nvidia-ctk")["hooks"][0]["args"]
-    assert ctk[:3] == ["nvidia-ctk", "hook", "update-ldcache"]
+    assert ctk[:3] == ["nvidia-ctk", "hook", "create-symlinks"]
 
 
 def test_a_broken_installation_is_looked_at_again_after_a_while(tmp_path: Path) -> None:

@@ -91,26 +91,19 @@ DIFFERENCES = (
     ),
     Difference(
         "nvidia",
-        "hook",
-        "create-symlinks",
-        "ours bind-mounts the file at each SONAME and development link instead (every 'link' entry below "
-        "is checked to be a mount of the same file in ours), which needs no hook program on the node",
-    ),
-    Difference(
-        "nvidia",
-        "hook",
-        "enable-cuda-compat",
-        "CUDA forward-compat libraries of newer CUDA images on older drivers; the node's hook program "
-        "must know it (nvidia-cdi-hook >= 1.17.5, disable-device-node-modification >= 1.17.8) or runc "
-        f"fails the container; {ITEM_3}",
-    ),
-    Difference(
-        "nvidia",
         "deviceNode",
         "/dev/nvidia1",
         "management mode gives every GPU of the node; a claim gets only its own GPUs' nodes",
     ),
     # ---- only in ours
+    Difference(
+        "ours",
+        "hook",
+        "disable-device-node-modification",
+        "NVIDIA's management mode leaves it out (a management container may make device nodes); its "
+        "nvml mode, what NVIDIA's DRA driver uses for a workload, adds it as ours does: NVIDIA's "
+        "libraries in the container may not create device nodes",
+    ),
     Difference(
         "ours",
         "env",
@@ -286,8 +279,13 @@ def entries(spec: dict[str, Any], root: Path) -> dict[tuple[str, str], str]:
     for hook in edits.get("hooks", []):
         assert hook["path"] == HOOK and hook["hookName"] == "createContainer", hook
         name = hook_name(hook)
-        out[("hook", name)] = name
         args = hook["args"]
+        # The hook and its own arguments (update-ldcache's folders and create-symlinks' links are
+        # compared one by one below).
+        rest = args[args.index(name) + 1 :]
+        out[("hook", name)] = " ".join(
+            [name] + ([] if name in ("update-ldcache", "create-symlinks") else rest)
+        )
         if name == "update-ldcache":
             folders = [args[i + 1] for i, a in enumerate(args) if a == "--folder"]
             for folder in folders:
@@ -318,9 +316,11 @@ def compare(nvidia: dict[str, Any], ours: dict[str, Any], root: Path) -> tuple[l
             # ours must mount the same file there.
             target = theirs.get(("mount", os.path.join(os.path.dirname(key), value)))
             target = target or _file(root, f"{root}{os.path.join(os.path.dirname(key), value)}")
-            if mine.get(("mount", key)) != target:
+            # With the hook program ours makes the same link; without, it mounts the file there.
+            if mine.get(("link", key)) != value and mine.get(("mount", key)) != target:
                 problems.append(
-                    f"NVIDIA links {key} -> {value}; ours mounts {mine.get(('mount', key))} there"
+                    f"NVIDIA links {key} -> {value}; ours links {mine.get(('link', key))}, "
+                    f"mounts {mine.get(('mount', key))} there"
                 )
             continue
         if mine.get((kind, key)) == value:

@@ -16,8 +16,14 @@ container finds them:
   mounted elsewhere (`/run/nvidia/driver`) would name the host's own file, or none;
 - the SONAMEs are also mounted under `/usr/local/nvidia/lib64` and the binaries under
   `/usr/local/nvidia/bin`, the layout CUDA-style images put on `LD_LIBRARY_PATH` and `PATH`;
-- with a CDI hook program (`--cdi-hook-path`, NVIDIA's `nvidia-cdi-hook`) an `update-ldcache`
-  hook adds the library directories to the container's ld cache, for every other image.
+- with a CDI hook program (`--cdi-hook-path`, NVIDIA's `nvidia-cdi-hook`) the spec carries the
+  hooks NVIDIA's own generator adds for the driver's libraries, in its order: `create-symlinks`
+  (the SONAME and development links beside each library, made as links instead of the bind
+  mounts above), `enable-cuda-compat` (an image's CUDA forward-compat libraries when they are
+  newer than the driver), `update-ldcache` (the library directories into the container's ld
+  cache, for images whose loader searches none of the directories the files are mounted in) and
+  `disable-device-node-modification` (NVIDIA's libraries in the container may not create device
+  nodes).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.discovery.driver_install import DriverInstallation, discover_installation
+from dra_gpu.discovery.driver_install import DriverInstallation, Library, discover_installation
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +58,42 @@ def _host(root: str, rel: str) -> str:
     return os.path.join(root, rel) if root != "/" else "/" + rel
 
 
+def _links_beside(lib: Library) -> dict[str, str]:
+    """Container path -> target of the links NVIDIA's `create-symlinks` makes beside a library:
+    its SONAME (`libcuda.so.1 -> libcuda.so.550.163.01`) and its development link where the root
+    has one (`libcuda.so -> libcuda.so.1` always: many programs dlopen it)."""
+    directory, file = os.path.split(lib.path)
+    out: dict[str, str] = {}
+    if lib.soname and lib.soname != file:
+        out[f"/{directory}/{lib.soname}"] = file
+    dev_link = os.path.join(directory, lib.name)
+    if lib.name == "libcuda.so" or dev_link in lib.links:
+        target = lib.soname or file
+        if target != lib.name:
+            out["/" + dev_link] = target
+    return out
+
+
+def _hook(hook_path: str, name: str, args: list[str]) -> dict[str, Any]:
+    base = os.path.basename(hook_path)
+    prefix = [base, "hook"] if base == "nvidia-ctk" else [base]
+    return {
+        "hookName": "createContainer",
+        "path": hook_path,
+        "args": [*prefix, name, *args],
+        "env": ["NVIDIA_CTK_DEBUG=false"],
+    }
+
+
 def container_edits(found: DriverInstallation, hook_path: str | None = None) -> dict[str, Any]:
     """The CDI `containerEdits` (mounts, and hooks when a hook program is given) for `found`."""
     mounts: list[dict[str, Any]] = []
     targets: set[str] = set()
+    links: dict[str, str] = {}  # made by create-symlinks (with a hook program), not mounted
+    if hook_path:
+        for lib in found.libraries:
+            links.update(_links_beside(lib))
+        targets.update(links)
 
     def mount(rel: str, container_path: str, options: list[str]) -> None:
         if container_path in targets:
@@ -86,19 +124,19 @@ def container_edits(found: DriverInstallation, hook_path: str | None = None) -> 
     edits: dict[str, Any] = {"mounts": mounts}
     if hook_path:
         folders = ["/" + d for d in found.library_dirs()] + [CUDA_STYLE_LIB_DIR]
-        base = os.path.basename(hook_path)
-        args = [base, "hook"] if base == "nvidia-ctk" else [base]
-        args.append("update-ldcache")
-        for folder in folders:
-            args += ["--folder", folder]
-        edits["hooks"] = [
-            {
-                "hookName": "createContainer",
-                "path": hook_path,
-                "args": args,
-                "env": ["NVIDIA_CTK_DEBUG=false"],
-            }
-        ]
+        hooks = []
+        if links:
+            hooks.append(
+                _hook(
+                    hook_path,
+                    "create-symlinks",
+                    [a for p, t in links.items() for a in ("--link", f"{t}::{p}")],
+                )
+            )
+        hooks.append(_hook(hook_path, "enable-cuda-compat", [f"--host-driver-version={found.version}"]))
+        hooks.append(_hook(hook_path, "update-ldcache", [a for f in folders for a in ("--folder", f)]))
+        hooks.append(_hook(hook_path, "disable-device-node-modification", []))
+        edits["hooks"] = hooks
     return edits
 
 

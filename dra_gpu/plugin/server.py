@@ -47,7 +47,7 @@ class PluginConfig:
     node: NodeSettings
     kubeconfig: str | None = None  # None: in-cluster
     http_address: str = ""  # host:port; "" disables the HTTP endpoint
-    cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for update-ldcache
+    cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for NVIDIA's CDI hooks
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
     health: HealthConfig = field(default_factory=HealthConfig)

@@ -96,7 +96,12 @@ def test_spec_with_the_driver_user_space_and_a_hook_is_schema_valid(
     # Mounts and createContainer hooks exist since 0.3.0: the driver's files need no newer runtime.
     assert spec["cdiVersion"] == minimum_version(own) == "0.3.0"
     assert own["containerEdits"].keys() == {"env", "deviceNodes"}  # the claim's part is untouched
-    assert spec["containerEdits"]["hooks"][0]["args"][1] == "update-ldcache"
+    assert [h["args"][1] for h in spec["containerEdits"]["hooks"]] == [
+        "create-symlinks",
+        "enable-cuda-compat",
+        "update-ldcache",
+        "disable-device-node-modification",
+    ]
 
 
 _ENTRY = st.fixed_dictionaries(
