@@ -28,7 +28,7 @@ IMAGE = os.environ.get("E2E_DEBIAN_IMAGE", "localhost/dra-gpu-e2e/debian:1")
 CACHE = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
 # What a CUDA program's loader does first: find libcuda.so.1 (the path it resolved is printed).
 PROBE = (
-    "echo devices:; ls -l /dev/nvidia*; echo; env | grep ^NVIDIA; echo; "
+    "echo devices:; ls -l /dev/nvidia*; echo; env | grep -e ^NVIDIA -e ^DRA_GPU; echo; "
     'python3 -c \'import ctypes; ctypes.CDLL("libcuda.so.1"); print("libcuda.so.1 resolved to", '
     'next(l.split()[-1] for l in open("/proc/self/maps") if "libcuda" in l))\'; '
     "echo; echo '$ nvidia-smi -L'; nvidia-smi -L"
@@ -177,7 +177,7 @@ def main() -> int:
             for s in slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]
             for d in s["spec"]["devices"]
         }
-        visible = next(x for x in output.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES="))
+        visible = next(x for x in output.splitlines() if x.startswith("DRA_GPU_VISIBLE_DEVICES="))
         say(f"pod {phase}; the scheduler allocated:")
         for uuid in visible.split("=", 1)[1].split(","):
             a = {k: next(iter(v.values())) for k, v in devices[uuid]["attributes"].items()}

@@ -37,7 +37,7 @@ import pytest
 
 from dra_gpu.discovery.driver_install import discover_installation
 from dra_gpu.discovery.root_paths import resolve_in_root
-from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
+from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, visible_devices_env
 from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import CUDA_STYLE_BIN_DIR, CUDA_STYLE_LIB_DIR, container_edits
 from tests.driver_root import debian_driver_roots, debian_root
@@ -56,7 +56,6 @@ DEV_NODES = {
     "nvidia-uvm": (510, 0),
     "nvidia-uvm-tools": (510, 1),
 }
-ITEM_3 = "issue 25 item 3, not yet"
 
 
 @dataclass(frozen=True)
@@ -71,23 +70,10 @@ DIFFERENCES = (
     # ---- only in NVIDIA's spec
     Difference(
         "nvidia",
-        "mount",
-        "/var/run/nvidia-container-devices/void",
-        "NVIDIA's 'void' volume-mount device (/dev/null; toolkit v1.20.2): with NVIDIA_VISIBLE_DEVICES=void, "
-        f"an NVIDIA runtime on the node does not inject devices a second time; {ITEM_3}",
-    ),
-    Difference(
-        "nvidia",
-        "env",
-        "NVIDIA_VISIBLE_DEVICES=void",
-        "ours sets NVIDIA_VISIBLE_DEVICES to the claim's GPU UUIDs (see the 'ours' row); " + ITEM_3,
-    ),
-    Difference(
-        "nvidia",
         "env",
         "NVIDIA_CTK_LIBCUDA_DIR=*",
-        "the driver's library directories, for programs in the container (nothing of toolkit v1.20.2 "
-        f"itself reads it); {ITEM_3}",
+        "the driver's library directories, for programs in the container; nothing of toolkit v1.20.2 "
+        "itself reads it, and ours gives the libraries at their own paths (and through update-ldcache)",
     ),
     Difference(
         "nvidia",
@@ -107,9 +93,9 @@ DIFFERENCES = (
     Difference(
         "ours",
         "env",
-        "NVIDIA_VISIBLE_DEVICES=GPU-*",
-        "the claim's GPUs, for programs that read it; an NVIDIA runtime on the node would inject them a "
-        f"second time (NVIDIA's 'void' prevents that); {ITEM_3}",
+        "DRA_GPU_VISIBLE_DEVICES=GPU-*",
+        "the claim's GPU UUIDs, for programs that want them (NVIDIA_VISIBLE_DEVICES is 'void', as in "
+        "NVIDIA's spec, so an NVIDIA runtime on the node injects nothing a second time)",
     ),
     Difference(
         "ours",
@@ -235,7 +221,7 @@ def our_spec(root: Path, version: str, dev_root: Path) -> dict[str, Any]:
         "6c2a1f7e-0d4b-4f3a-9c8e-5b7d1a2e3f40",
         [CdiDevice("gpu-0", [nodes.node("/dev/nvidia0")])],
         nodes.control(),
-        {"NVIDIA_VISIBLE_DEVICES": UUID},  # as prepare sets it
+        visible_devices_env([UUID]),  # as prepare sets it
     )
     return CdiSpecs.compose(claim, container_edits(found, HOOK))
 

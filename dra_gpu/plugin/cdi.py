@@ -3,8 +3,8 @@
 One spec file per claim (`k8s.<driver>-claim_<claimUID>.json`), kind `k8s.<driver>/claim`, devices
 named `<claimUID>-<device>` so no two files ever define the same device (the CDI cache deletes
 devices defined twice at equal priority). Edits every device of the claim needs (control nodes,
-`NVIDIA_VISIBLE_DEVICES`, the driver's libraries, binaries, firmware and sockets) are spec-level
-`containerEdits`.
+`NVIDIA_VISIBLE_DEVICES=void` and `DRA_GPU_VISIBLE_DEVICES`, the driver's libraries, binaries,
+firmware and sockets) are spec-level `containerEdits`.
 
 Each spec is self-contained: there is no node-wide base spec that claims reference. A base spec is
 rewritten on a driver upgrade or a plugin restart while claims prepared before still name it, so a
@@ -26,7 +26,22 @@ from typing import Any
 CLASS = "claim"
 SPEC_MODE = 0o644  # containerd reads the specs; nothing in them is secret
 _VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+# The claim's GPU / MIG UUIDs, for programs in the container that want them.
+VISIBLE_DEVICES_ENV = "DRA_GPU_VISIBLE_DEVICES"
+# NVIDIA's "no devices" for its runtime's volume-mount device list, as NVIDIA's own CDI specs carry it.
+VOID_MOUNT = {
+    "hostPath": "/dev/null",
+    "containerPath": "/var/run/nvidia-container-devices/void",
+    "options": ["ro", "nosuid", "nodev", "bind"],
+}
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*[A-Za-z0-9]$|^[A-Za-z0-9]$")
+
+
+def visible_devices_env(uuids: list[str]) -> dict[str, str]:
+    """A claim's env: `NVIDIA_VISIBLE_DEVICES=void` (with VOID_MOUNT), so that an NVIDIA runtime or
+    hook on the node (GPU Operator, nvidia-container-runtime) injects nothing a second time, as
+    NVIDIA's own CDI specs do; the claim's UUIDs go to VISIBLE_DEVICES_ENV."""
+    return {"NVIDIA_VISIBLE_DEVICES": "void", VISIBLE_DEVICES_ENV: ",".join(uuids)}
 
 
 class CdiWriteError(OSError):
@@ -141,6 +156,7 @@ class CdiSpecs:
             "containerEdits": {
                 "env": [f"{k}={v}" for k, v in sorted(common_env.items())],
                 "deviceNodes": [n.to_cdi() for n in control_nodes],
+                "mounts": [dict(VOID_MOUNT)],
             },
         }
         spec["cdiVersion"] = minimum_version(spec)

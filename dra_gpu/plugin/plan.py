@@ -22,7 +22,7 @@ from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 from dra_gpu.model import Gpu, MigDevice, MigPlacement
 from dra_gpu.plugin.allocation import Allocation, ShapeError
-from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
+from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, visible_devices_env
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.record import ClaimRecord, ClaimState, MigStep, PreparedDevice
@@ -201,9 +201,7 @@ class Planner:
             raise PrepareError(f"claim {ref}: {exc}") from exc
         if targets:
             return ClaimPlan(tuple(prepared), tuple(targets.values()), None, driver_edits, sharing)
-        spec = self.cdi.build(
-            ref.uid, list(cdi_devices.values()), control, {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
-        )
+        spec = self.cdi.build(ref.uid, list(cdi_devices.values()), control, visible_devices_env(uuids))
         return ClaimPlan(tuple(prepared), (), spec, driver_edits, sharing)
 
     def _configs(self, ref: ClaimRef, allocation: Allocation) -> _Configs:

@@ -5,7 +5,8 @@
                   (--image IMAGEDIR/debian.tar | --host-rootfs) [--simulated]
 
 The spec: the claim's part for the first GPU NVML listed (`CdiSpecs.build`: its device node, the
-control nodes present under D, NVIDIA_VISIBLE_DEVICES and the default GpuConfig's env) composed with
+control nodes present under D, NVIDIA_VISIBLE_DEVICES=void, DRA_GPU_VISIBLE_DEVICES and the default
+GpuConfig's env) composed with
 the node's driver user space (`discover_installation` + `container_edits`: libraries, binaries,
 firmware of the running version, found under R), exactly as the kubelet plugin composes them; no
 CDI hook (NVIDIA's nvidia-cdi-hook is not assumed). Applied as a CDI-aware runtime applies it: env
@@ -53,7 +54,7 @@ def claim_spec(root: Path, dev_root: Path, version: str, gpu: dict[str, Any]) ->
     """The claim's spec as the plugin composes it; `dev_root` holds `dev/` (and `proc/devices`)."""
     from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG
     from dra_gpu.discovery.driver_install import discover_installation
-    from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs
+    from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, visible_devices_env
     from dra_gpu.plugin.device_nodes import DeviceNodes, NumberedNode
     from dra_gpu.plugin.driver_files import container_edits
 
@@ -80,7 +81,7 @@ def claim_spec(root: Path, dev_root: Path, version: str, gpu: dict[str, Any]) ->
         env=DEFAULT_GPU_CONFIG.container_env([uuid]),
     )
     specs = CdiSpecs(Path("/nonexistent"), "gpu.dra-gpu.io")
-    own = specs.build("real-gpu-check", [device], control, {"NVIDIA_VISIBLE_DEVICES": uuid})
+    own = specs.build("real-gpu-check", [device], control, visible_devices_env([uuid]))
     return specs.compose(own, container_edits(found))
 
 

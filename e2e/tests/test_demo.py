@@ -20,7 +20,7 @@ def test_demo_gets_four_nvlink_connected_gpus(target):
     gpus = [line.split() for line in out.stdout.splitlines() if line.startswith("    gpu-")]
     assert len(gpus) == 4, out.stdout
     assert len({g[-1] for g in gpus}) == 1, out.stdout  # one NVLink domain
-    assert "NVIDIA_VISIBLE_DEVICES=" in out.stdout
+    assert "DRA_GPU_VISIBLE_DEVICES=" in out.stdout
     # The container's own loader found the node's driver library, and nvidia-smi lists the 4 GPUs.
     assert "libcuda.so.1 resolved to /usr/lib/x86_64-linux-gnu/libcuda.so.1" in out.stdout, out.stdout
     listed = [line for line in out.stdout.splitlines() if line.strip().startswith("GPU ") and "UUID" in line]

@@ -403,7 +403,7 @@ def simulated_node(target, helm, dyn, core, tmp_path_factory):
 
 
 def visible(log):
-    line = next((x for x in log.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES=")), "")
+    line = next((x for x in log.splitlines() if x.startswith("DRA_GPU_VISIBLE_DEVICES=")), "")
     return [u for u in line.split("=", 1)[-1].split(",") if u]
 
 

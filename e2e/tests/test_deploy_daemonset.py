@@ -85,7 +85,7 @@ def test_daemonset_serves_a_simulated_node(image, dyn, core, namespace, wait_pod
         phase = wait_pod(core, namespace, "one-gpu", timeout=120)
         log = core.read_namespaced_pod_log("one-gpu", namespace)
         assert phase == "Succeeded", log
-        assert "NVIDIA_VISIBLE_DEVICES=GPU-" in log and "nvidia" in log.split("\n", 1)[1], log
+        assert "DRA_GPU_VISIBLE_DEVICES=GPU-" in log and "nvidia" in log.split("\n", 1)[1], log
         print(
             f"[image] plugin pod Ready in {ready_s:.1f} s (uid 0, CapEff MKNOD only, ro root); "
             "a claim pod got its GPU from it"

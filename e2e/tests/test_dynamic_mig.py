@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 PROFILE = "dgx-h100-mig"
 SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"  # the simulated kernel's state is kept there
 GPU0, GPU1 = "gpu-0000-18-00-0", "gpu-0000-2a-00-0"
-SHOW = "ls -l /dev/nvidia-caps/; env | grep ^NVIDIA; sleep 3600"
+SHOW = "ls -l /dev/nvidia-caps/; env | grep -e ^NVIDIA -e ^DRA_GPU; sleep 3600"
 FAILPOINT = "mig-after-gpu-instance"
 
 
@@ -62,13 +62,13 @@ def running_log(core, namespace, pod):
         if core.read_namespaced_pod(pod, namespace).status.phase != "Running":
             return None
         log = core.read_namespaced_pod_log(pod, namespace)
-        return log if "NVIDIA_VISIBLE_DEVICES=" in log else None
+        return log if "DRA_GPU_VISIBLE_DEVICES=" in log else None
 
     return wait_for(f"pod {pod} to run and print its devices", check, timeout=120)
 
 
 def visible(log: str) -> str:
-    return next(x for x in log.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES=")).split("=", 1)[1]
+    return next(x for x in log.splitlines() if x.startswith("DRA_GPU_VISIBLE_DEVICES=")).split("=", 1)[1]
 
 
 def caps_nodes(log: str) -> list[str]:

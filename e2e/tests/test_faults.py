@@ -336,7 +336,7 @@ def running_again(core, namespace, pod, count):
         if status is None or status.restart_count < count or not status.state.running:
             return None
         log = core.read_namespaced_pod_log(pod, namespace)
-        return log if "NVIDIA_VISIBLE_DEVICES=" in log else None
+        return log if "DRA_GPU_VISIBLE_DEVICES=" in log else None
 
     return check
 

@@ -168,7 +168,7 @@ def test_users_path_on_kind(cluster):
     log = k.kubectl("logs", "-n", "demo", "four-nvlink-gpus").stdout
     print(f"[kind] example pod {phase} in {TIMES['example pod']:.1f} s; its output:\n{log}", file=sys.stderr)
     assert phase == "Succeeded", log
-    visible = log.split("NVIDIA_VISIBLE_DEVICES=", 1)[1].split()[0].split(",")
+    visible = log.split("DRA_GPU_VISIBLE_DEVICES=", 1)[1].split()[0].split(",")
     assert len(visible) == 4 and all(v.startswith("GPU-") for v in visible), log
     minors = sorted(line for line in log.splitlines()[1:] if line.startswith("nvidia") and line[6:].isdigit())
     assert len(minors) == 4, log

@@ -237,8 +237,8 @@ def allocated(dyn, namespace, pod):
 
 
 def visible_devices(dyn, log):
-    """Device names of the UUIDs the container saw in NVIDIA_VISIBLE_DEVICES."""
-    line = next(x for x in log.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES="))
+    """Device names of the UUIDs the container saw in DRA_GPU_VISIBLE_DEVICES."""
+    line = next(x for x in log.splitlines() if x.startswith("DRA_GPU_VISIBLE_DEVICES="))
     by_uuid = {a["uuid"]: name for name, a in device_attrs(dyn).items()}
     return [by_uuid[u] for u in line.split("=", 1)[1].split(",")]
 
@@ -300,7 +300,7 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
         namespace,
         "nvlink4",
         {"resource_claim_template_name": "four-nvlink"},
-        "ls -l /dev/nvidia*; env | grep ^NVIDIA; sleep 3600",
+        "ls -l /dev/nvidia*; env | grep -e ^NVIDIA -e ^DRA_GPU; sleep 3600",
         busybox_image,
     )
 
@@ -308,7 +308,7 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
         if core.read_namespaced_pod("nvlink4", namespace).status.phase != "Running":
             return None
         log = core.read_namespaced_pod_log("nvlink4", namespace)
-        return log if "NVIDIA_VISIBLE_DEVICES=" in log else None
+        return log if "DRA_GPU_VISIBLE_DEVICES=" in log else None
 
     log = wait_for("the pod to run and print its devices", log_when_running, timeout=120)
     nodes = [line for line in log.splitlines() if line.startswith("c")]
@@ -316,6 +316,8 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
     assert len(gpu_nodes) == 4, log
     assert all(" 195, " in line for line in gpu_nodes), log  # real char devices, NVIDIA major
     assert any(line.endswith("/dev/nvidiactl") for line in nodes), log
+    # NVIDIA's "no devices": an NVIDIA runtime on the node would inject nothing a second time.
+    assert "NVIDIA_VISIBLE_DEVICES=void" in log.splitlines(), log
     devices = visible_devices(dyn, log)
     attrs = device_attrs(dyn)
     assert len(devices) == 4 and len({attrs[d]["nvlinkDomain"] for d in devices}) == 1
@@ -345,7 +347,7 @@ def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, nam
         namespace,
         "next",
         {"resource_claim_template_name": "four-nvlink"},
-        "env | grep ^NVIDIA_VISIBLE; sleep 3600",
+        "env | grep ^DRA_GPU_VISIBLE; sleep 3600",
         busybox_image,
     )
     wait_for("the next pod to get GPUs", lambda: allocated(dyn, namespace, "next"), timeout=60)
@@ -368,7 +370,7 @@ def test_shared_claim_and_plugin_restart(plugin, core, dyn, namespace, busybox_i
         namespace,
         "first",
         {"resource_claim_name": "shared"},
-        "env | grep ^NVIDIA_VISIBLE",
+        "env | grep ^DRA_GPU_VISIBLE",
         busybox_image,
     )
     assert wait_pod(core, namespace, "first", timeout=120) == "Succeeded"
@@ -381,7 +383,7 @@ def test_shared_claim_and_plugin_restart(plugin, core, dyn, namespace, busybox_i
         namespace,
         "second",
         {"resource_claim_name": "shared"},
-        "env | grep ^NVIDIA_VISIBLE",
+        "env | grep ^DRA_GPU_VISIBLE",
         busybox_image,
     )
     assert wait_pod(core, namespace, "second", timeout=120) == "Succeeded"
@@ -439,14 +441,14 @@ def test_one_gpu_claim_sees_its_uuid_and_device_node(plugin, core, dyn, namespac
         namespace,
         "one",
         {"resource_claim_template_name": "one"},
-        "env | grep ^NVIDIA_VISIBLE; ls /dev/ | grep nvidia",
+        "env | grep ^DRA_GPU_VISIBLE; ls /dev/ | grep nvidia",
         busybox_image,
     )
     assert wait_pod(core, namespace, "one", timeout=120) == "Succeeded"
     log = core.read_namespaced_pod_log("one", namespace)
     (device,) = visible_devices(dyn, log)
     attrs = device_attrs(dyn)[device]
-    assert f"NVIDIA_VISIBLE_DEVICES={attrs['uuid']}" in log.splitlines(), log
+    assert f"DRA_GPU_VISIBLE_DEVICES={attrs['uuid']}" in log.splitlines(), log
     assert f"nvidia{attrs['minor']}" in log.split(), log
 
 
@@ -470,7 +472,7 @@ def test_nvlink_constraint_avoids_the_cross_domain_set(plugin, core, dyn, namesp
         namespace,
         "nvlink",
         {"resource_claim_template_name": "four-nvlink"},
-        "env | grep ^NVIDIA_VISIBLE",
+        "env | grep ^DRA_GPU_VISIBLE",
         busybox_image,
     )
     assert wait_pod(core, namespace, "nvlink", timeout=120) == "Succeeded"
@@ -486,7 +488,7 @@ def test_nvlink_constraint_avoids_the_cross_domain_set(plugin, core, dyn, namesp
         namespace,
         "anyfour",
         {"resource_claim_template_name": "any-four"},
-        "env | grep ^NVIDIA_VISIBLE",
+        "env | grep ^DRA_GPU_VISIBLE",
         busybox_image,
     )
     assert wait_pod(core, namespace, "anyfour", timeout=120) == "Succeeded"
@@ -526,7 +528,7 @@ def test_sigkill_restart_keeps_running_pods_and_never_gives_a_device_twice(
         namespace,
         "after",
         {"resource_claim_template_name": "six"},
-        "env | grep ^NVIDIA_VISIBLE",
+        "env | grep ^DRA_GPU_VISIBLE",
         busybox_image,
     )
     assert wait_pod(core, namespace, "after", timeout=120) == "Succeeded"
@@ -592,7 +594,7 @@ def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, bus
             namespace,
             "mig",
             {"resource_claim_template_name": "mig"},
-            "env | grep ^NVIDIA_VISIBLE; ls -l /dev/nvidia-caps/",
+            "env | grep ^DRA_GPU_VISIBLE; ls -l /dev/nvidia-caps/",
             busybox_image,
         )
         assert wait_pod(core, namespace, "mig", timeout=120) == "Succeeded"
@@ -600,7 +602,7 @@ def test_mig_device_by_profile_on_dgx_a100_mig(plugin, core, dyn, namespace, bus
         (device,) = visible_devices(dyn, log)
         attrs = device_attrs(dyn)[device]
         assert attrs["type"] == "mig" and attrs["profile"] == "3g.40gb"
-        assert f"NVIDIA_VISIBLE_DEVICES={attrs['uuid']}" in log.splitlines(), log
+        assert f"DRA_GPU_VISIBLE_DEVICES={attrs['uuid']}" in log.splitlines(), log
         caps = [line for line in log.splitlines() if "nvidia-cap" in line]
         assert len(caps) == 2 and all(line.startswith("c") for line in caps), log
     finally:
@@ -642,7 +644,7 @@ def test_kubelet_restart_reregisters_and_keeps_claims_prepared(
         namespace,
         "fresh",
         {"resource_claim_template_name": "one-gpu"},
-        "env | grep ^NVIDIA_VISIBLE",
+        "env | grep ^DRA_GPU_VISIBLE",
         busybox_image,
     )
     assert wait_pod(core, namespace, "fresh", timeout=120) == "Succeeded"

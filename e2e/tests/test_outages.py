@@ -213,10 +213,10 @@ def test_containerd_restart_leaves_running_pods_alone(plugin, core, dyn, namespa
     assert status.container_id == container_id and status.restart_count == 0 and status.state.running
     assert plugin.proc.poll() is None
     t0 = time.time()
-    claim_pod(core, namespace, "fresh", src, "env | grep ^NVIDIA_VISIBLE", busybox_image)
+    claim_pod(core, namespace, "fresh", src, "env | grep ^DRA_GPU_VISIBLE", busybox_image)
     assert wait_pod(core, namespace, "fresh", timeout=120) == "Succeeded"
     fresh_s = time.time() - t0
-    assert "NVIDIA_VISIBLE_DEVICES=GPU-" in core.read_namespaced_pod_log("fresh", namespace)
+    assert "DRA_GPU_VISIBLE_DEVICES=GPU-" in core.read_namespaced_pod_log("fresh", namespace)
     print(
         f"\n[e2e] outage containerd restarted in {restart_s:.1f} s: running pod kept its container "
         f"(restartCount 0); a new GPU pod ran to completion in {fresh_s:.1f} s"

@@ -82,7 +82,7 @@ SHOW_GPUS = (
     'print("libcuda.so.1 resolved to", p)\' ; '
     'md5sum "$(python3 -c \'import ctypes; ctypes.CDLL("libcuda.so.1"); '
     'print(next(l.split()[-1] for l in open("/proc/self/maps") if "libcuda" in l))\')"; '
-    "env | grep ^NVIDIA_VISIBLE_DEVICES=; echo done; sleep 3600"
+    "env | grep ^DRA_GPU_VISIBLE_DEVICES=; echo done; sleep 3600"
 )
 
 
@@ -305,7 +305,7 @@ def test_four_nvlink_gpus_with_nvidias_libcuda(installs, core, dyn, namespace):
         nodes = re.findall(r"^c\S+\s+\d+\s+\S+\s+\S+\s+195,\s+(\d+) .* /dev/nvidia(\d+)$", log, re.M)
         assert sorted(int(m) for m, _ in nodes) == minors, log
         assert all(m == n for m, n in nodes), log
-        visible = next(x for x in log.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES="))
+        visible = next(x for x in log.splitlines() if x.startswith("DRA_GPU_VISIBLE_DEVICES="))
         assert sorted(visible.split("=", 1)[1].split(",")) == sorted(attrs[d]["uuid"] for d in devices)
         # NVIDIA's libcuda of the driver root, found by the container's own loader under its SONAME.
         m = re.search(r"libcuda\.so\.1 resolved to (\S+)", log)
@@ -421,7 +421,7 @@ def test_dynamic_mig_instance_and_capability_nodes_by_number(installs, core, dyn
         namespace,
         "mig",
         DEBIAN_IMAGE,
-        "ls -l /dev/nvidia-caps/; env | grep ^NVIDIA_VISIBLE_DEVICES=; echo done; sleep 3600",
+        "ls -l /dev/nvidia-caps/; env | grep ^DRA_GPU_VISIBLE_DEVICES=; echo done; sleep 3600",
         template="mig",
     )
     try:
@@ -431,7 +431,7 @@ def test_dynamic_mig_instance_and_capability_nodes_by_number(installs, core, dyn
         parent = slice_devices(dyn)[device]["attributes"]["parentUUID"]["string"]
         (inst,) = read_state(node.dev_dir, load_profile(MIG)).instances[parent]
         assert inst["profile"] == "3g.40gb" and inst["uuid"], inst
-        visible = next(x for x in log.splitlines() if x.startswith("NVIDIA_VISIBLE_DEVICES="))
+        visible = next(x for x in log.splitlines() if x.startswith("DRA_GPU_VISIBLE_DEVICES="))
         assert visible.split("=", 1)[1] == inst["uuid"], log
         # The claim's spec carries the GI's and CI's capability nodes by number (no host node).
         specs = [p for p in CDI_DIR.glob(f"k8s.{DRIVER}-claim_*") if inst["uuid"] in p.read_text()]

@@ -244,7 +244,7 @@ def share_of(dyn, namespace, pod):
 
 SHARE_PROBE = (
     'echo "pipe=$CUDA_MPS_PIPE_DIRECTORY"; '
-    'echo "get_default_device_pinned_mem_limit $NVIDIA_VISIBLE_DEVICES" | nvidia-cuda-mps-control; '
+    'echo "get_default_device_pinned_mem_limit $DRA_GPU_VISIBLE_DEVICES" | nvidia-cuda-mps-control; '
     "echo asked; sleep 3600"
 )
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dra_gpu.plugin.cdi import minimum_version
+from dra_gpu.plugin.cdi import VOID_MOUNT, minimum_version, visible_devices_env
 from dra_gpu.plugin.checkpoint import Checkpoint, _checksum
 
 
@@ -88,14 +88,15 @@ def test_spec_with_the_driver_user_space_and_a_hook_is_schema_valid(
         "uid-1",
         [CdiDevice("gpu-0", [DeviceNode("/dev/nvidia0", "/dev/nvidia0")], {"A": "b"})],
         [DeviceNode("/dev/nvidiactl", "/dev/nvidiactl")],
-        {"NVIDIA_VISIBLE_DEVICES": "GPU-x"},
+        visible_devices_env(["GPU-x"]),
     )
     edits = container_edits(discover_installation(driver_root, "570.124.06"), "/usr/bin/nvidia-cdi-hook")
     spec = specs.compose(own, edits)
     validate_cdi(spec)
     # Mounts and createContainer hooks exist since 0.3.0: the driver's files need no newer runtime.
     assert spec["cdiVersion"] == minimum_version(own) == "0.3.0"
-    assert own["containerEdits"].keys() == {"env", "deviceNodes"}  # the claim's part is untouched
+    assert own["containerEdits"].keys() == {"env", "deviceNodes", "mounts"}  # the claim's part is untouched
+    assert [m["containerPath"] for m in own["containerEdits"]["mounts"]] == [VOID_MOUNT["containerPath"]]
     assert [h["args"][1] for h in spec["containerEdits"]["hooks"]] == [
         "create-symlinks",
         "enable-cuda-compat",

@@ -113,7 +113,7 @@ def test_prepare_makes_the_instance_and_unprepare_destroys_it(node: Node) -> Non
     assert (inst.profile, inst.placement, inst.ci_id) == ("3g.40gb", 4, 0)
     spec = json.loads(node.cdi.path(ref.uid).read_text())
     validate_cdi(spec)
-    assert f"NVIDIA_VISIBLE_DEVICES={inst.uuid}" in spec["containerEdits"]["env"]
+    assert f"DRA_GPU_VISIBLE_DEVICES={inst.uuid}" in spec["containerEdits"]["env"]
     nodes = spec["devices"][0]["containerEdits"]["deviceNodes"]
     assert nodes[0]["path"] == "/dev/nvidia0"
     caps = [n for n in nodes if n["path"].startswith("/dev/nvidia-caps/")]
@@ -275,7 +275,7 @@ def test_instances_made_at_binding_are_used_by_prepare_and_kept_across_restarts(
     (same,) = after.live()
     assert same.uuid == inst.uuid
     spec = json.loads(after.cdi.path(ref.uid).read_text())
-    assert f"NVIDIA_VISIBLE_DEVICES={inst.uuid}" in spec["containerEdits"]["env"]
+    assert f"DRA_GPU_VISIBLE_DEVICES={inst.uuid}" in spec["containerEdits"]["env"]
     rec = after.checkpoint.get(ref.uid)
     assert rec is not None and rec.state == COMPLETED
 

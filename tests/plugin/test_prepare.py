@@ -52,7 +52,14 @@ def test_prepare_writes_a_valid_cdi_spec_and_a_completed_record(core: PluginCore
     assert node["path"] == f"/dev/nvidia{gpus[g0].minor}"
     assert stat.S_ISCHR(os.stat(node["hostPath"]).st_mode)
     env = spec["containerEdits"]["env"]
-    assert f"NVIDIA_VISIBLE_DEVICES={gpus[g0].uuid},{gpus[g1].uuid}" in env
+    assert f"DRA_GPU_VISIBLE_DEVICES={gpus[g0].uuid},{gpus[g1].uuid}" in env
+    # NVIDIA's "no devices" (env and volume-mount device list), so an NVIDIA runtime on the node
+    # does not inject the claim's GPUs (or all GPUs) a second time.
+    assert "NVIDIA_VISIBLE_DEVICES=void" in env
+    void = [m for m in spec["containerEdits"]["mounts"] if m["containerPath"].endswith("/void")]
+    assert [(m["hostPath"], m["containerPath"]) for m in void] == [
+        ("/dev/null", "/var/run/nvidia-container-devices/void")
+    ]
     control = [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
     assert control == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
     # The driver's user space: the running version's libraries at their path and SONAME.
@@ -65,7 +72,8 @@ def test_prepare_writes_a_valid_cdi_spec_and_a_completed_record(core: PluginCore
     rec = core.checkpoint.get(u)
     assert rec is not None and rec.state == COMPLETED
     # The record keeps the claim's own part; the driver's files are added to the file only.
-    assert rec.cdi_spec is not None and "mounts" not in rec.cdi_spec["containerEdits"]
+    assert rec.cdi_spec is not None
+    assert [m["hostPath"] for m in rec.cdi_spec["containerEdits"]["mounts"]] == ["/dev/null"]  # void
     assert core.cdi.compose(rec.cdi_spec, core.preparer.driver_files.edits()) == spec
     assert oct(core.cdi.path(u).stat().st_mode & 0o777) == "0o644"
     assert not list(core.cdi.dir.glob(".*.tmp"))
@@ -82,7 +90,7 @@ def test_mig_device_gets_parent_and_capability_nodes(core: PluginCore) -> None:
     assert paths[0] == "/dev/nvidia0"
     assert len(paths) == 3 and all(p.startswith("/dev/nvidia-caps/nvidia-cap") for p in paths[1:])
     mig = core.inventory.gpus[0].mig_devices[0]
-    assert f"NVIDIA_VISIBLE_DEVICES={mig.uuid}" in spec["containerEdits"]["env"]
+    assert f"DRA_GPU_VISIBLE_DEVICES={mig.uuid}" in spec["containerEdits"]["env"]
 
 
 def test_mig_capability_nodes_need_no_host_node(core: PluginCore) -> None:
