@@ -19,7 +19,7 @@ from typing import Any
 
 from hypothesis import event, settings
 
-NIGHTLY_FACTOR = 50
+NIGHTLY_FACTOR = 20
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)

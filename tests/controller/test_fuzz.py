@@ -62,9 +62,11 @@ CLUSTER = Cluster(VALIDATOR.env, SLICES, {c["metadata"]["name"]: c for c in CLAS
 
 
 def timed(fn: Any, *args: Any) -> Any:
-    start = time.monotonic()
+    """fn(*args), which must take less than BOUND_S of this process's CPU (not wall-clock time:
+    a busy machine slows the run, not the work)."""
+    start = time.process_time()
     out = fn(*args)
-    assert time.monotonic() - start < BOUND_S
+    assert time.process_time() - start < BOUND_S, f"{fn.__name__} took {time.process_time() - start:.1f} s"
     return out
 
 
