@@ -7,12 +7,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import settings
 
 from dra_gpu import failpoints
 from dra_gpu.discovery import discover
 from dra_gpu.model import Inventory
 from dra_gpu.simnode.fake import simulated_nvml
 from dra_gpu.simnode.profiles import parse_profile
+from tests.mutation import PROFILE, reach_report
+
+settings.load_profile(PROFILE)  # ci (fixed seed) unless HYPOTHESIS_PROFILE says otherwise
 
 DATA = Path(__file__).parent / "data"
 
@@ -59,3 +63,12 @@ def base_doc() -> dict:
         },
         "gpus": [{"index": i, "uuid": gpu_uuid(i), "pciBusId": bus(i), "numaNode": i // 2} for i in range(4)],
     }
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """What the fuzz properties' examples reached (tests/mutation.py), when any ran."""
+    lines = reach_report()
+    if lines:
+        terminalreporter.section(f"fuzz reach (Hypothesis profile {PROFILE})")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -1,25 +1,58 @@
-"""What the fuzz suites share: their Hypothesis settings, and every place in a JSON-like object
-(as a path of keys and indexes) for them to mutate."""
+"""What the fuzz suites share: their Hypothesis profiles, the reach counter, and every place in a
+JSON-like object (as a path of keys and indexes) for them to mutate.
+
+Profiles (`HYPOTHESIS_PROFILE`, registered by tests/conftest.py):
+  ci       the default: a fixed seed (derandomized; every run tries the same inputs) and a small
+           number of examples per property, so the whole fuzz set stays well under a minute.
+  nightly  random inputs, NIGHTLY_FACTOR times as many examples per property.
+
+Reach: a fuzz test calls `reach(outcome)` once per example with what the example got to (decoded,
+allowed, prepared, ...). The counts, by test, are printed at the end of the run (and are Hypothesis
+events, for `--hypothesis-show-statistics`): a fuzzer whose inputs never pass decoding is visible.
+"""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import event, settings
+
+NIGHTLY_FACTOR = 20
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("nightly", derandomize=False, database=None, deadline=None, print_blob=True)
+
+REACHED: Counter[tuple[str, str]] = Counter()
 
 
-def fuzz_settings(default_examples: int) -> tuple[int, settings]:
-    """(examples, settings): a fixed-seed run of `default_examples` in CI; with
-    $DRA_GPU_FUZZ_EXAMPLES, that many random examples (the documented longer run)."""
-    examples = int(os.environ.get("DRA_GPU_FUZZ_EXAMPLES", str(default_examples)))
-    return examples, settings(
-        max_examples=examples,
-        derandomize=not os.environ.get("DRA_GPU_FUZZ_EXAMPLES"),
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        database=None,
-    )
+def fuzz_settings(ci_examples: int) -> settings:
+    """The settings of one fuzz property: `ci_examples` in the ci profile, NIGHTLY_FACTOR times
+    that in the nightly one (the profile itself says seed and deadline)."""
+    factor = NIGHTLY_FACTOR if PROFILE == "nightly" else 1
+    return settings(max_examples=ci_examples * factor)
+
+
+def reach(outcome: str) -> None:
+    """Count what this example of the running test reached."""
+    event(outcome)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    REACHED[(test, outcome)] += 1
+
+
+def reach_report() -> list[str]:
+    """The reach counts, one line per test: outcome counts and their total."""
+    by_test: dict[str, Counter[str]] = {}
+    for (test, outcome), n in REACHED.items():
+        by_test.setdefault(test, Counter())[outcome] += n
+    lines = []
+    for test, outcomes in sorted(by_test.items()):
+        total = sum(outcomes.values())
+        parts = ", ".join(f"{o} {n}" for o, n in sorted(outcomes.items()))
+        lines.append(f"{test}: {total} examples: {parts}")
+    return lines
 
 
 def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -32,3 +65,14 @@ def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         for i, v in enumerate(obj):
             out += paths(v, (*prefix, i))
     return out
+
+
+def replace_at(obj: Any, where: tuple[Any, ...], value: Any) -> Any:
+    """`obj` with the value at `where` replaced (in place; the new root when `where` is empty)."""
+    if not where:
+        return value
+    target = obj
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    return obj

@@ -29,6 +29,7 @@ from support import (
     reach_apiserver,
     render,
     sim_driver_root,
+    wait_for,
     wait_ready_pod,
 )
 
@@ -140,15 +141,58 @@ def test_controller_deployment_serves_admission_reviews(image, dyn, core, namesp
         proc = container_process(pod)
         assert proc["uid"] == 65532 and proc["cap_eff"] == 0, proc
         assert_runs_the_image(proc, proc["cid"])
-        time.sleep(2)  # let the list+watch loops run once
-        log = core.read_namespaced_pod_log(pod.metadata.name, namespace)
-        # Its read-only RBAC covers every list and watch it makes.
-        assert "forbidden" not in log.lower(), log
-        for resource in ("slices", "classes", "claims"):
-            assert f"event=listed resource={resource}" in log, log
-
         ca = base64.b64decode(vwc["webhooks"][0]["clientConfig"]["caBundle"]).decode()
         svc = vwc["webhooks"][0]["clientConfig"]["service"]
+        ctx = ssl.create_default_context(cadata=ca)
+        server_name = f"{svc['name']}.{svc['namespace']}.svc"
+
+        def https(request: bytes) -> bytes:
+            with (
+                socket.create_connection((pod.status.pod_ip, 8443), timeout=10) as raw,
+                ctx.wrap_socket(raw, server_hostname=server_name) as s,
+            ):
+                s.sendall(request)
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            return data
+
+        # Its read-only RBAC covers every list and watch it makes: each of the three loops lists,
+        # then sees a watch event for an object made after the list (its metric counts them), so
+        # every list and watch request has been answered before the log is searched for a denial.
+        wait_for(
+            "the controller's three lists",
+            lambda: all(
+                f"event=listed resource={r}" in core.read_namespaced_pod_log(pod.metadata.name, namespace)
+                for r in ("slices", "classes", "claims")
+            ),
+            timeout=30,
+            interval=0.2,
+        )
+        probe = "watch-probe-" + release
+        probes = [
+            {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": probe},
+             "spec": {}},
+            {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": probe},
+             "spec": {"driver": "probe.example.com", "pool": {"name": probe, "generation": 1,
+                      "resourceSliceCount": 1}, "allNodes": True, "devices": []}},
+            {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": probe},
+             "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": probe}}]}}},
+        ]  # fmt: skip
+        apply_all(dyn, probes, namespace, applied)
+
+        def watched() -> dict[str, float] | None:
+            metrics = https(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").decode()
+            seen = {
+                line.split('resource="')[1].split('"')[0]: float(line.split()[-1])
+                for line in metrics.splitlines()
+                if line.startswith("dra_gpu_watch_events_total{")
+            }
+            return seen if all(seen.get(r, 0) >= 1 for r in ("slices", "classes", "claims")) else None
+
+        wait_for("a watch event on each of the three resources", watched, timeout=30, interval=0.2)
+        log = core.read_namespaced_pod_log(pod.metadata.name, namespace)
+        assert "forbidden" not in log.lower(), log
         claim = {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
@@ -182,19 +226,11 @@ def test_controller_deployment_serves_admission_reviews(image, dyn, core, namesp
                 },
             }
         ).encode()
-        ctx = ssl.create_default_context(cadata=ca)
-        with (
-            socket.create_connection((pod.status.pod_ip, 8443), timeout=10) as raw,
-            ctx.wrap_socket(raw, server_hostname=f"{svc['name']}.{svc['namespace']}.svc") as s,
-        ):
-            s.sendall(
-                f"POST {svc['path']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(review)}\r\nConnection: close\r\n\r\n".encode()
-                + review
-            )
-            data = b""
-            while chunk := s.recv(65536):
-                data += chunk
+        data = https(
+            f"POST {svc['path']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(review)}\r\nConnection: close\r\n\r\n".encode()
+            + review
+        )
         response = json.loads(data.split(b"\r\n\r\n", 1)[1])["response"]
         assert response["uid"] == "u1" and response["allowed"] is False, response
         print(
