@@ -307,7 +307,8 @@ class Validator:
         Admin access gets a device that other claims may hold exclusively; a sharing config would
         change that device's compute mode or start a daemon on it under their feet.
         """
-        requests = devices.get("requests") if isinstance(devices.get("requests"), list) else []
+        requests = devices.get("requests")
+        requests = requests if isinstance(requests, list) else []
         admin = {  # request name -> (its index, its `exactly`)
             str(r.get("name")): (i, r["exactly"])
             for i, r in enumerate(requests)
@@ -316,7 +317,8 @@ class Validator:
         if not admin:
             return
         claim = f"{v.namespace}/{v.name}" if v.namespace else v.name
-        configs = devices.get("config") if isinstance(devices.get("config"), list) else []
+        configs = devices.get("config")
+        configs = configs if isinstance(configs, list) else []
         for i, c in enumerate(configs):
             strategy = self._sharing_strategy(c)
             if strategy is None:
