@@ -122,15 +122,14 @@ def test_plugin_writes_no_slice_of_another_pool_or_driver(api_client, core, plug
 # ---------------------------------------------------------------- claim status
 
 
-def allocated_claim(dyn, namespace, node_a, node_b):
+def allocated_claim(admin, namespace, node_a, node_b):
     """A claim allocated on node A with one device of node A's pool, one of node B's pool (a
     network-attached device, as far as the API is concerned) and one of another driver; node B's
     device already has a status entry (its own plugin's)."""
-    claims = dyn.resources.get(api_version=RESOURCE, kind="ResourceClaim")
     name = f"status-{RUN}"
-    claims.create(
-        namespace=namespace,
-        body={
+    admin.create_namespaced_resource_claim(
+        namespace,
+        {
             "apiVersion": RESOURCE,
             "kind": "ResourceClaim",
             "metadata": {"name": name},
@@ -155,24 +154,20 @@ def allocated_claim(dyn, namespace, node_a, node_b):
         },
         "devices": [{"driver": TEST_DRIVER, "pool": node_b, "device": "dev-b", "data": {"by": "node-b"}}],
     }
-    claims.patch(
-        name=name,
-        namespace=namespace,
-        subresource="status",
-        body={"status": status},
-        content_type="application/merge-patch+json",
+    admin.patch_namespaced_resource_claim_status(
+        name, namespace, {"status": status}, _content_type="application/merge-patch+json"
     )
     return name
 
 
-def test_plugin_writes_only_its_own_status_entries(api_client, core, dyn, plugin_identity):  # noqa: F811
+def test_plugin_writes_only_its_own_status_entries(api_client, core, plugin_identity):  # noqa: F811
     from kubernetes import client
 
     node_a, node_b = plugin_identity["nodes"]
     ns = plugin_identity["namespace"]
-    name = allocated_claim(dyn, ns, node_a, node_b)
-    plugin = plugin_api(api_client, core, plugin_identity)
     admin = client.ResourceV1Api(api_client)
+    name = allocated_claim(admin, ns, node_a, node_b)
+    plugin = plugin_api(api_client, core, plugin_identity)
     theirs = {"driver": TEST_DRIVER, "pool": node_b, "device": "dev-b", "data": {"by": "node-b"}}
     mine = {"driver": TEST_DRIVER, "pool": node_a, "device": "dev-a", "data": {"by": "node-a"}}
 
