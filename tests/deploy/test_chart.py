@@ -302,6 +302,8 @@ def test_client_certificate_verification(render: Render, helm: str, tmp_path: Pa
     assert {"name": "client-ca", "mountPath": "/client-ca", "readOnly": True} in c["volumeMounts"]
     vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "client-ca")
     assert vol["configMap"]["name"] == cm["metadata"]["name"]
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert re.fullmatch(r"[0-9a-f]{64}", annotations["checksum/client-ca"])  # a new CA rolls the pods
     # Without the CA the chart refuses to render rather than serve without verification.
     r = subprocess.run(
         [
