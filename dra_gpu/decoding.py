@@ -419,11 +419,23 @@ class Obj(Shape):
 
     fields: Mapping[str, Shape]
     description: str = "an object"
+    required: tuple[str, ...] = ()  # fields that must be set (not null)
+    one_of: tuple[str, ...] = ()  # exactly one of these must be set
 
     def check(self, value: Any, path: str, problems: Problems) -> None:
         if not isinstance(value, dict):
             problems.append((path or "(document)", f"must be {self.description}, got {type_name(value)}"))
             return
+        for name in self.required:
+            if value.get(name) is None:
+                problems.append((join(path, name), "required"))
+        if self.one_of:
+            present = [name for name in self.one_of if value.get(name) is not None]
+            if len(present) != 1:
+                got = f"got {', '.join(present)}" if present else "got none"
+                problems.append(
+                    (path or "(document)", f"needs exactly one of {', '.join(self.one_of)}; {got}")
+                )
         for name, shape in self.fields.items():
             item = value.get(name)
             if item is not None:

@@ -243,6 +243,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_controller(args: argparse.Namespace) -> int:
     from dra_gpu.controller.webhook import WebhookConfig, run
 
+    if args.client_name and not args.client_ca:
+        print("dra-gpu controller: --client-name needs --client-ca", file=sys.stderr)
+        return EXIT_USAGE
     return run(
         WebhookConfig(
             cert=args.cert,
@@ -253,8 +256,19 @@ def cmd_controller(args: argparse.Namespace) -> int:
             kubeconfig=args.kubeconfig,
             watch=not args.no_watch,
             files=tuple(args.filename),
+            max_in_flight=args.max_in_flight,
+            client_ca=args.client_ca,
+            client_names=tuple(args.client_name),
+            metrics_port=args.metrics_port,
         )
     )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
@@ -289,6 +303,30 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     c.add_argument("--address", default="0.0.0.0", help="listen address")
     c.add_argument("--port", type=int, default=8443, help="listen port")
     c.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
+    c.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="also serve /metrics, /healthz and /readyz over plain HTTP on this port (0: off)",
+    )
+    c.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=16,
+        help="reviews at once; more are answered 429 with Retry-After, which the apiserver retries",
+    )
+    c.add_argument(
+        "--client-ca",
+        metavar="FILE",
+        help="CA (PEM) of the apiserver's client certificate: clients without one it signed are refused",
+    )
+    c.add_argument(
+        "--client-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --client-ca: the client certificate's CN or a DNS SAN must be one of these (repeatable)",
+    )
     c.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig (default: in-cluster config)")
     c.add_argument(
         "--no-watch",

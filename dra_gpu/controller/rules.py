@@ -286,8 +286,69 @@ class Validator:
         ):
             self._constraint(c, f"{dpath}.constraints[{i}]", v, names, full_names)
         self._configs(devices.get("config"), f"{dpath}.config", v, names)
+        self._admin_access_sharing(devices, dpath, v)
         if v.concerned and not v.errors and feasibility and names:
             self._feasibility(spec, dpath, v)
+
+    def _sharing_strategy(self, config: Any) -> str | None:
+        """The sharing strategy of one config entry of this driver other than Exclusive, else None."""
+        opaque = config.get("opaque") if isinstance(config, dict) else None
+        if not isinstance(opaque, dict) or opaque.get("driver") != self.driver:
+            return None
+        try:
+            strategy = decode(opaque.get("parameters")).sharing.strategy
+        except ConfigError:
+            return None  # reported by _configs
+        return strategy if strategy != "Exclusive" else None
+
+    def _admin_access_sharing(self, devices: Mapping[str, Any], dpath: str, v: Verdict) -> None:
+        """Refuse a sharing config (MPS, TimeSlicing) on an adminAccess request.
+
+        Admin access gets a device that other claims may hold exclusively; a sharing config would
+        change that device's compute mode or start a daemon on it under their feet.
+        """
+        requests = devices.get("requests")
+        requests = requests if isinstance(requests, list) else []
+        admin = {  # request name -> (its index, its `exactly`)
+            str(r.get("name")): (i, r["exactly"])
+            for i, r in enumerate(requests)
+            if isinstance(r, dict) and isinstance(r.get("exactly"), dict) and r["exactly"].get("adminAccess")
+        }
+        if not admin:
+            return
+        claim = f"{v.namespace}/{v.name}" if v.namespace else v.name
+        configs = devices.get("config")
+        configs = configs if isinstance(configs, list) else []
+        for i, c in enumerate(configs):
+            strategy = self._sharing_strategy(c)
+            if strategy is None:
+                continue
+            targets = [str(r) for r in c.get("requests") or []] or list(admin)
+            for name in sorted(set(targets) & set(admin)):
+                v.concerned = True
+                v.errors.append(
+                    Problem(
+                        f"{dpath}.config[{i}].opaque.parameters.sharing.strategy",
+                        f"claim {claim}: sharing strategy {strategy} applies to request {name!r}, which "
+                        "has adminAccess: an admin-access device may be held exclusively by another "
+                        "claim, so it cannot be shared",
+                    )
+                )
+        for name, (index, exact) in sorted(admin.items()):
+            cls = self.classes.get(str(exact.get("deviceClassName")))
+            class_configs = (cls.get("spec") or {}).get("config") if cls else None
+            for c in class_configs if isinstance(class_configs, list) else []:
+                strategy = self._sharing_strategy(c)
+                if strategy is not None:
+                    v.concerned = True
+                    v.errors.append(
+                        Problem(
+                            f"{dpath}.requests[{index}].exactly.deviceClassName",
+                            f"claim {claim}: DeviceClass {exact.get('deviceClassName')!r} configures "
+                            f"sharing strategy {strategy}, which request {name!r} with adminAccess "
+                            "cannot take",
+                        )
+                    )
 
     def _request(self, r: Any, p: str, v: Verdict, names: set[str], full: set[str]) -> None:
         if not isinstance(r, dict):

@@ -52,34 +52,51 @@ CLAIM_SPEC = Obj(
 )
 RESULT = Obj({"request": Str(), "driver": Str(), "pool": Str(), "device": Str(), "adminAccess": Bool()})
 CLAIM_STATUS = Obj({"allocation": Obj({"devices": Obj({"results": ListOf(RESULT)})})})
-ATTRIBUTE = Obj({"int": Int(), "bool": Bool(), "string": Str(), "version": Str()})
+ATTRIBUTE = Obj(
+    {"int": Int(), "bool": Bool(), "string": Str(), "version": Str()},
+    one_of=("int", "bool", "string", "version"),
+)
+# A counter or a capacity: its value is what the allocator adds up.
+COUNTER = Obj({"value": Quantity()}, required=("value",))
 DEVICE = Obj(
     {
         "name": Str(),
         "attributes": MapOf(ATTRIBUTE),
-        "capacity": MapOf(Obj({"value": Quantity()})),
-        "consumesCounters": ListOf(Obj({"counterSet": Str(), "counters": MapOf(Obj({"value": Quantity()}))})),
+        "capacity": MapOf(COUNTER),
+        "consumesCounters": ListOf(
+            Obj({"counterSet": Str(), "counters": MapOf(COUNTER)}, required=("counterSet", "counters"))
+        ),
         "nodeName": Str(),
         "allNodes": Bool(),
         "taints": ListOf(Obj({"key": Str(), "value": Str(), "effect": Str()})),
         "allowMultipleAllocations": Bool(),
-    }
+    },
+    required=("name",),
 )
 SLICE_SPEC = Obj(
     {
         "driver": Str(),
-        "pool": Obj({"name": Str(), "generation": Int(), "resourceSliceCount": Int()}),
+        "pool": Obj(
+            {"name": Str(), "generation": Int(), "resourceSliceCount": Int()},
+            required=("name", "resourceSliceCount"),
+        ),
         "nodeName": Str(),
         "allNodes": Bool(),
         "perDeviceNodeSelection": Bool(),
         "devices": ListOf(DEVICE),
-        "sharedCounters": ListOf(Obj({"name": Str(), "counters": MapOf(Obj({"value": Quantity()}))})),
-    }
+        "sharedCounters": ListOf(
+            Obj({"name": Str(), "counters": MapOf(COUNTER)}, required=("name", "counters"))
+        ),
+    },
+    required=("driver", "pool"),
 )
 
 
-def _object(spec: Shape, status: Shape = ANY) -> Obj:
-    return Obj({"apiVersion": Str(), "kind": Str(), "metadata": METADATA, "spec": spec, "status": status})
+def _object(spec: Shape, status: Shape = ANY, required: tuple[str, ...] = ()) -> Obj:
+    return Obj(
+        {"apiVersion": Str(), "kind": Str(), "metadata": METADATA, "spec": spec, "status": status},
+        required=required,
+    )
 
 
 SHAPES: dict[str, Obj] = {
@@ -88,7 +105,8 @@ SHAPES: dict[str, Obj] = {
     ),
     "ResourceClaim": _object(CLAIM_SPEC, CLAIM_STATUS),
     "ResourceClaimTemplate": _object(Obj({"metadata": METADATA, "spec": CLAIM_SPEC})),
-    "ResourceSlice": _object(SLICE_SPEC),
+    # The allocator reads a slice's spec, pool, driver and every device's name and values.
+    "ResourceSlice": _object(SLICE_SPEC, required=("spec",)),
 }
 GENERIC = _object(ANY)
 ADMISSION_REVIEW = Obj(

@@ -11,9 +11,17 @@ reviews keep answering, and the costly one is denied. Every review is decoded fi
 AdmissionReview's shape here, the object's in the rules), so a wrong type is a 400 or a deny,
 never a 500.
 
+Anything that reaches the port is bounded: at most `max_in_flight` reviews at once (the next is
+answered 429 at once, see `Webhook.review`), a body must arrive within BODY_TIMEOUT, and metric
+labels come from closed sets (a request's own kind or operation never becomes a series). With
+`client_ca`, only clients with a certificate from that CA (the apiserver's, configured by its
+AdmissionConfiguration) complete the TLS handshake.
+
 Endpoints: POST /validate (also /), GET /healthz (liveness), GET /readyz (200 once the watch caches
-have their first list), GET /metrics (Prometheus text). On SIGTERM it stops accepting connections,
-lets the reviews in flight finish (at most SHUTDOWN_TIMEOUT seconds) and exits 0.
+have their first list), GET /metrics (Prometheus text). With `metrics_port`, /healthz, /readyz and
+/metrics are also served over plain HTTP on that port (the kubelet's probes and Prometheus, which
+present no client certificate). On SIGTERM it stops accepting connections, lets the reviews in
+flight finish (at most SHUTDOWN_TIMEOUT seconds) and exits 0.
 """
 
 from __future__ import annotations
@@ -55,6 +63,15 @@ log = logging.getLogger(__name__)
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
 ADMISSION_API = "admission.k8s.io/v1"
 SHUTDOWN_TIMEOUT = 10.0  # well inside the pod's 30 s grace period
+# The apiserver sends a review's body at once; a client that trickles one holds a review slot.
+BODY_TIMEOUT = 2.0
+# Label values of dra_gpu_admission_reviews_total: closed sets, whatever a request says.
+KIND_LABELS = frozenset(KINDS)
+OPERATION_LABELS = frozenset({"CREATE", "UPDATE", "DELETE", "CONNECT"})
+OTHER = "other"  # any kind or operation outside those sets
+MALFORMED = "?"  # a review whose kind and operation were never read
+# Over max_in_flight: 429 with Retry-After, which the apiserver's webhook client retries.
+RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,10 @@ class WebhookConfig:
     files: tuple[str, ...] = ()  # static slices/classes/claims for the cluster view
     workers: int = 3  # processes that run the rules (CEL), so one costly review never blocks the loop
     review_deadline_s: float = 1.0  # a review still running then is denied and its worker replaced
+    max_in_flight: int = 16  # reviews at once (bodies read or being validated); the next gets a 429
+    client_ca: str | None = None  # CA file (PEM): require a client certificate it signed
+    client_names: tuple[str, ...] = ()  # with client_ca: the certificate's CN or a DNS SAN must be one
+    metrics_port: int = 0  # >0: plain-HTTP /metrics, /healthz, /readyz on this port too
 
 
 class Metrics:
@@ -97,6 +118,16 @@ class Metrics:
         self.cert_reloads = Counter(
             "dra_gpu_cert_reloads_total", "Certificate reloads", ["result"], registry=self.registry
         )
+        self.throttled = Counter(
+            "dra_gpu_admission_throttled_total",
+            "Reviews answered 429 (retry later) because max_in_flight reviews were already running",
+            registry=self.registry,
+        )
+        self.refused_clients = Counter(
+            "dra_gpu_admission_refused_clients_total",
+            "Requests refused because the client certificate's name is not an allowed one",
+            registry=self.registry,
+        )
         self.over_budget = Counter(
             "dra_gpu_admission_over_budget_total",
             "Reviews denied because validation passed its time or memory budget",
@@ -107,14 +138,26 @@ class Metrics:
         )
 
 
-class CertReloader:
-    """Loads cert+key into one SSLContext and reloads them when either file changes."""
+def label_of(value: str, allowed: frozenset[str]) -> str:
+    """A metric label value: `value` when it is one of `allowed`, else OTHER (never the request's text)."""
+    return value if value in allowed else OTHER
 
-    def __init__(self, cert: str, key: str, metrics: Metrics) -> None:
+
+class CertReloader:
+    """Loads cert+key into one SSLContext and reloads them when either file changes.
+
+    With `client_ca`, the handshake requires a client certificate signed by that CA (the
+    apiserver's, see README "Security"); a client without one never reaches the HTTP layer.
+    """
+
+    def __init__(self, cert: str, key: str, metrics: Metrics, client_ca: str | None = None) -> None:
         self.cert, self.key, self.metrics = cert, key, metrics
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         self.context.load_cert_chain(cert, key)
+        if client_ca:
+            self.context.load_verify_locations(cafile=client_ca)
+            self.context.verify_mode = ssl.CERT_REQUIRED
         self.stamp = self._stamp()
 
     def _stamp(self) -> tuple[float, int, float, int]:
@@ -158,18 +201,31 @@ class Webhook:
         metrics: Metrics,
         pool: ReviewPool | None = None,
         watched: Collection[str] = (),
+        max_in_flight: int = 16,
+        client_names: Collection[str] = (),
     ) -> None:
         self.state = state
         self.metrics = metrics
         self.pool = pool
         self.watched = watched  # the stores /readyz waits for (their first list)
-        self.in_flight = 0
+        self.max_in_flight = max_in_flight
+        self.client_names = frozenset(client_names)
+        self.in_flight = 0  # requests of any path (drained at shutdown)
+        self.reviews_in_flight = 0
         self._idle = asyncio.Event()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_REVIEW_BYTES, middlewares=[self._count_in_flight])
         app.router.add_post("/validate", self.review)
         app.router.add_post("/", self.review)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_page)
+        return app
+
+    def probes_app(self) -> web.Application:
+        """The plain-HTTP side (metrics_port): probes and metrics only, never a review."""
+        app = web.Application(client_max_size=1024)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_page)
@@ -215,20 +271,61 @@ class Webhook:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def review(self, request: web.Request) -> web.Response:
+        """One AdmissionReview, or a 429 when max_in_flight are already running.
+
+        Over the cap the answer is a 429 with Retry-After, not a deny: the apiserver's webhook
+        client (client-go's rest client) retries a 429 that carries Retry-After within the
+        webhook's timeoutSeconds, and after that applies the chart's failurePolicy. With the
+        default Ignore the claim is admitted unchecked (the scheduler stays the authority), with
+        Fail it is refused and its writer retries. A deny would instead turn load from anyone who
+        can reach the port into refusals of valid claims, which nobody retries.
+        """
+        if not self._client_allowed(request):
+            self.metrics.refused_clients.inc()
+            return web.json_response({"error": "client certificate name not allowed"}, status=403)
+        if self.reviews_in_flight >= self.max_in_flight:
+            self.metrics.throttled.inc()
+            return web.json_response(
+                {"error": f"{self.max_in_flight} reviews in flight; retry later"},
+                status=429,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.reviews_in_flight += 1
+        try:
+            return await self._review(request)
+        finally:
+            self.reviews_in_flight -= 1
+
+    def _client_allowed(self, request: web.Request) -> bool:
+        """With client_names: the verified client certificate's CN or a DNS SAN is one of them."""
+        if not self.client_names:
+            return True
+        cert = request.transport.get_extra_info("peercert") if request.transport else None
+        if not cert:
+            return False
+        names = {value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"}
+        names |= {value for key, value in cert.get("subjectAltName", ()) if key == "DNS"}
+        return bool(names & self.client_names)
+
+    async def _review(self, request: web.Request) -> web.Response:
         start = time.perf_counter()
         try:
-            raw = await request.read()
+            async with asyncio.timeout(BODY_TIMEOUT):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.metrics.reviews.labels("?", "?", "malformed").inc()
+            self.metrics.reviews.labels(MALFORMED, MALFORMED, "malformed").inc()
             return _bad_request(f"review larger than {MAX_REVIEW_BYTES} bytes")
+        except TimeoutError:
+            self.metrics.reviews.labels(MALFORMED, MALFORMED, "malformed").inc()
+            return web.json_response({"error": f"body not received in {BODY_TIMEOUT:.0f} s"}, status=408)
         try:
             review = json.loads(raw)
         except (ValueError, RecursionError):
-            self.metrics.reviews.labels("?", "?", "malformed").inc()
+            self.metrics.reviews.labels(MALFORMED, MALFORMED, "malformed").inc()
             return _bad_request("body is not JSON")
         problem = _review_problem(review)
         if problem:
-            self.metrics.reviews.labels("?", "?", "malformed").inc()
+            self.metrics.reviews.labels(MALFORMED, MALFORMED, "malformed").inc()
             return _bad_request(problem)
         req = review["request"]
         kind = str((req.get("kind") or {}).get("kind") or (req.get("object") or {}).get("kind") or "")
@@ -268,7 +365,7 @@ class Webhook:
                 result,
                 req["uid"],
             )
-        self.metrics.reviews.labels(kind or "?", op or "?", result).inc()
+        self.metrics.reviews.labels(label_of(kind, KIND_LABELS), label_of(op, OPERATION_LABELS), result).inc()
         self.metrics.latency.observe(time.perf_counter() - start)
         return web.json_response(
             {"apiVersion": ADMISSION_API, "kind": "AdmissionReview", "response": response}
@@ -386,13 +483,25 @@ async def serve(
         state.replace("slices", inputs.slices)
         state.replace("classes", inputs.classes)
         state.replace("claims", inputs.claims)
-    certs = CertReloader(config.cert, config.key, metrics)
+    certs = CertReloader(config.cert, config.key, metrics, config.client_ca)
     await pool.start()
-    webhook = Webhook(state, metrics, pool, watched=[store for store, _ in WATCHED] if config.watch else ())
+    webhook = Webhook(
+        state,
+        metrics,
+        pool,
+        watched=[store for store, _ in WATCHED] if config.watch else (),
+        max_in_flight=config.max_in_flight,
+        client_names=config.client_names,
+    )
     runner = web.AppRunner(webhook.app(), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, config.address, config.port, ssl_context=certs.context)
     await site.start()
+    probes: web.AppRunner | None = None
+    if config.metrics_port:
+        probes = web.AppRunner(webhook.probes_app(), access_log=None, shutdown_timeout=1.0)
+        await probes.setup()
+        await web.TCPSite(probes, config.address, config.metrics_port).start()
     log.info("event=serving address=%s port=%d driver=%s", config.address, config.port, state.driver)
     tasks = [asyncio.create_task(certs.run(reload_interval))]
     if config.watch:
@@ -408,6 +517,8 @@ async def serve(
             log.warning("event=stop_timeout in_flight=%d", left)
     finally:
         await runner.cleanup()
+        if probes is not None:
+            await probes.cleanup()
         for t in tasks:
             t.cancel()
         for t in tasks:

@@ -155,6 +155,13 @@ class Planner:
             else:
                 raise PrepareError(f"{where}: device {device} is not published by this node")
             config = self._config_for(where, result.request, is_mig, configs)
+            if result.admin_access and config.sharing.strategy != "Exclusive":
+                # Admin access gets a device another claim may hold exclusively: sharing it would
+                # change that claim's GPU (compute mode, an MPS daemon) under it.
+                raise PrepareError(
+                    f"{where}: request {result.request!r} has adminAccess, so its device cannot take "
+                    f"sharing.strategy {config.sharing.strategy} (another claim may hold it exclusively)"
+                )
             share_id = result.share_id
             # A share of a GPU allocated to several claims is a CDI device of its own.
             cdi_name = f"{device}-{share_id}" if share_id else device

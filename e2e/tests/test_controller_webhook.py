@@ -108,7 +108,7 @@ def _free_port() -> int:
 class Controller:
     """`dra-gpu controller` as a host process, watching the cluster with the admin kubeconfig."""
 
-    def __init__(self, kubeconfig: str, tmp: Path, driver: str = HGX) -> None:
+    def __init__(self, kubeconfig: str, tmp: Path, driver: str = HGX, extra: tuple[str, ...] = ()) -> None:
         self.cert, self.key, self.ca_pem = _make_certs(tmp)
         self.port = _free_port()
         self.log_path = tmp / "controller.log"
@@ -131,6 +131,7 @@ class Controller:
                 kubeconfig,
                 "--driver-name",
                 driver,
+                *extra,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

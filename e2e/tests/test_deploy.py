@@ -155,6 +155,7 @@ def plugin_identity(helm, dyn, core, namespace):
         helm,
         namespace,
         release,
+        f"driverName={TEST_DRIVER}",  # the slice policy admits only the chart's own driver
         "controller.enabled=false",
         "deviceClasses.gpu.enabled=false",
         "deviceClasses.mig.enabled=false",
@@ -167,7 +168,7 @@ def plugin_identity(helm, dyn, core, namespace):
         "ValidatingAdmissionPolicyBinding",
     )
     objs = [o for o in objs if o["kind"] in keep]
-    assert sorted(o["kind"] for o in objs) == sorted(keep)
+    assert {o["kind"] for o in objs} == set(keep)
     nodes = [f"fake-node-a-{tag}", f"fake-node-b-{tag}"]
     cluster_scoped = []
     try:

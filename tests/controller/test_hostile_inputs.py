@@ -45,6 +45,16 @@ def wrong(path: list[Any], value: Any) -> dict[str, Any]:
     return c
 
 
+def slice_with(path: list[str], value: Any) -> dict[str, Any]:
+    """node-a's first slice with one field of its first device replaced."""
+    s = node_slices()[0]
+    target: Any = s["spec"]["devices"][0]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return s
+
+
 HOSTILE: dict[str, tuple[str, str]] = {
     "huge-exponent": (yaml.safe_dump(with_limit("1e999999999")), "is not a quantity"),
     "nan": (yaml.safe_dump(with_limit("NaN")), "is not a quantity"),
@@ -67,6 +77,19 @@ HOSTILE: dict[str, tuple[str, str]] = {
     "slice-wrong-types": (
         yaml.safe_dump_all([{**node_slices()[0], "spec": {"driver": 1, "devices": "x"}}, claim("c")]),
         "spec.driver: must be a string",
+    ),
+    # A ResourceSlice is decoded before the allocator reads it: missing fields are field errors too.
+    "slice-without-spec": (
+        yaml.safe_dump_all([{k: v for k, v in node_slices()[0].items() if k != "spec"}, claim("c")]),
+        "ResourceSlice/node-a-gpu.dra-gpu.io-0: spec: required",
+    ),
+    "capacity-without-value": (
+        yaml.safe_dump_all([slice_with(["capacity", "memory"], {}), claim("c")]),
+        "spec.devices[0].capacity.memory.value: required",
+    ),
+    "attribute-without-type": (
+        yaml.safe_dump_all([slice_with(["attributes", "productName"], {}), claim("c")]),
+        "spec.devices[0].attributes.productName: needs exactly one of int, bool, string, version; got none",
     ),
     "class-config-string": (
         yaml.safe_dump({**GPU_CLASS, "spec": {"config": "x"}}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -72,7 +73,7 @@ def make_cert(directory: Path, cn: str) -> tuple[Path, Path]:
 
 
 class Server:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, **overrides: Any) -> None:
         self.tmp = tmp
         self.cert, self.key = make_cert(tmp, "webhook-one")
         with socket.socket() as s:
@@ -91,6 +92,7 @@ class Server:
             watch=False,
             files=(str(cluster),),
         )
+        self.config = dataclasses.replace(self.config, **overrides)
         self.loop = asyncio.new_event_loop()
         self.ready = asyncio.Event()
         self.task = self.loop.create_task(serve(self.config, self.ready, reload_interval=0.1))

@@ -11,6 +11,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .conftest import CHART, ROOT, Render, by_kind, one
 
 DRIVER = "gpu.dra-gpu.io"
@@ -69,6 +71,8 @@ def test_default_render_kinds(render: Render) -> None:
             "ValidatingWebhookConfiguration",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
             "DeviceClass",
             "DeviceClass",
         ]
@@ -83,7 +87,7 @@ def test_default_render_kinds(render: Render) -> None:
 
 def test_release_name_and_namespace_flow_everywhere(render: Render) -> None:
     objs = render(namespace="gpu-system", release="acme")
-    vap = one(objs, "ValidatingAdmissionPolicy")
+    vap = one(objs, "ValidatingAdmissionPolicy", "slices")
     sa = one(objs, "ServiceAccount", "kubelet-plugin")
     user = f"system:serviceaccount:gpu-system:{sa['metadata']['name']}"
     assert user in vap["spec"]["matchConditions"][0]["expression"]
@@ -230,8 +234,11 @@ def test_controller_deployment_pdb_service_webhook(render: Render) -> None:
     assert c["args"][0] == "controller"
     assert "--cert=/tls/tls.crt" in c["args"] and "--key=/tls/tls.key" in c["args"]
     assert "--port=8443" in c["args"]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "https", "scheme": "HTTPS"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    # The probes use the plain-HTTP port: with clientAuth the https port wants a client certificate.
+    assert "--metrics-port=8080" in c["args"] and "--max-in-flight=16" in c["args"]
+    assert {"name": "metrics", "containerPort": 8080} in c["ports"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -266,6 +273,113 @@ def test_controller_args_parse_with_the_cli(render: Render) -> None:
     args = container(one(render(), "Deployment"))["args"]
     parsed = cli._parser().parse_args(args)
     assert parsed.command == "controller"
+    assert (parsed.metrics_port, parsed.max_in_flight, parsed.client_ca) == (8080, 16, None)
+
+
+CA_PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----"
+
+
+def test_client_certificate_verification(render: Render, helm: str, tmp_path: Path) -> None:
+    from dra_gpu import cli
+
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "controller": {
+                    "clientAuth": {"enabled": True, "caCert": CA_PEM, "allowedNames": ["kube-apiserver"]}
+                }
+            }
+        )
+    )
+    objs = render_values(helm, values)
+    dep = one(objs, "Deployment")
+    c = container(dep)
+    parsed = cli._parser().parse_args(c["args"])
+    assert parsed.client_ca == "/client-ca/ca.crt" and parsed.client_name == ["kube-apiserver"]
+    cm = one(objs, "ConfigMap", "client-ca")
+    assert cm["data"]["ca.crt"].strip() == CA_PEM
+    assert {"name": "client-ca", "mountPath": "/client-ca", "readOnly": True} in c["volumeMounts"]
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "client-ca")
+    assert vol["configMap"]["name"] == cm["metadata"]["name"]
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert re.fullmatch(r"[0-9a-f]{64}", annotations["checksum/client-ca"])  # a new CA rolls the pods
+    # Without the CA the chart refuses to render rather than serve without verification.
+    r = subprocess.run(
+        [
+            helm,
+            "template",
+            "x",
+            str(CHART),
+            "--kube-version",
+            "1.37.2",
+            "--set",
+            "controller.clientAuth.enabled=true",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode != 0 and "controller.clientAuth.caCert (PEM) is needed" in r.stderr
+
+
+def render_values(helm: str, values: Path) -> list[dict[str, Any]]:
+    r = subprocess.run(
+        [
+            helm,
+            "template",
+            "dra-gpu",
+            str(CHART),
+            "-n",
+            "dra-gpu",
+            "--kube-version",
+            "1.37.2",
+            "-f",
+            str(values),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def test_network_policies(render: Render, helm: str) -> None:
+    assert not by_kind(render(), "NetworkPolicy")  # off by default: the apiserver's CIDRs are the cluster's
+    r = subprocess.run(
+        [
+            helm,
+            "template",
+            "x",
+            str(CHART),
+            "--kube-version",
+            "1.37.2",
+            "--set",
+            "networkPolicy.enabled=true",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode != 0 and "networkPolicy.apiserverCIDRs is needed" in r.stderr
+    objs = render("networkPolicy.enabled=true", "networkPolicy.apiserverCIDRs={10.0.0.10/32,10.0.0.11/32}")
+    controller = one(objs, "NetworkPolicy", "controller")
+    plugin = one(objs, "NetworkPolicy", "kubelet-plugin")
+    dep_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    ds_labels = one(objs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert controller["spec"]["podSelector"]["matchLabels"].items() <= dep_labels.items()
+    assert plugin["spec"]["podSelector"]["matchLabels"].items() <= ds_labels.items()
+    assert not plugin["spec"]["podSelector"]["matchLabels"].items() <= dep_labels.items()
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert controller["spec"]["policyTypes"] == ["Ingress"]
+    assert controller["spec"]["ingress"] == [
+        {
+            "from": [{"ipBlock": {"cidr": "10.0.0.10/32"}}, {"ipBlock": {"cidr": "10.0.0.11/32"}}],
+            "ports": [{"protocol": "TCP", "port": 8443}],
+        },
+        {"from": [monitoring], "ports": [{"protocol": "TCP", "port": 8080}]},
+    ]
+    assert plugin["spec"]["ingress"] == [
+        {"from": [monitoring], "ports": [{"protocol": "TCP", "port": 51516}]}
+    ]
 
 
 def test_self_signed_tls_secret_matches_the_webhook(render: Render) -> None:
@@ -402,8 +516,8 @@ def test_claim_status_writes_can_be_turned_off(render: Render) -> None:
 
 def test_validating_admission_policy(render: Render) -> None:
     objs = render()
-    vap = one(objs, "ValidatingAdmissionPolicy")
-    binding = one(objs, "ValidatingAdmissionPolicyBinding")
+    vap = one(objs, "ValidatingAdmissionPolicy", "slices")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "slices")
     assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
     spec = vap["spec"]
     assert spec["failurePolicy"] == "Fail"
@@ -412,8 +526,38 @@ def test_validating_admission_policy(render: Render) -> None:
     assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
     variables = {v["name"]: v["expression"] for v in spec["variables"]}
     assert "authentication.kubernetes.io/node-name" in variables["userNodeName"]
+    assert "spec.?pool.?name" in variables["objectPool"] and "spec.?driver" in variables["objectDriver"]
+    checks = [v["expression"] for v in spec["validations"]]
+    assert any("variables.objectPool == variables.userNodeName" in e for e in checks)
+    assert any(f'variables.objectDriver == "{DRIVER}"' in e for e in checks)
     assert "render()" not in str(spec)  # nothing left unrendered
-    assert not by_kind(render("kubeletPlugin.nodeScopedSlicesPolicy=false"), "ValidatingAdmissionPolicy")
+    left = render("kubeletPlugin.nodeScopedSlicesPolicy=false")
+    assert [p["metadata"]["name"] for p in by_kind(left, "ValidatingAdmissionPolicy")] == [
+        "dra-gpu-node-scoped-claim-status"
+    ]
+
+
+def test_claim_status_policy(render: Render) -> None:
+    vap = one(render(), "ValidatingAdmissionPolicy", "claim-status")
+    binding = one(render(), "ValidatingAdmissionPolicyBinding", "claim-status")
+    assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
+    spec = vap["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceclaims/status"] and rule["operations"] == ["UPDATE"]
+    assert "system:serviceaccount:dra-gpu:dra-gpu-kubelet-plugin" in spec["matchConditions"][0]["expression"]
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    assert f'd.driver == "{DRIVER}" && d.pool == variables.userNodeName' in variables["foreignNew"]
+    # No policy where the plugin writes no claim status, or when turned off.
+    for sets in (
+        ("kubeletPlugin.claimStatusWrites=false",),
+        ("kubeletPlugin.nodeScopedClaimStatusPolicy=false",),
+    ):
+        assert not [
+            p
+            for p in by_kind(render(*sets), "ValidatingAdmissionPolicy")
+            if "claim-status" in p["metadata"]["name"]
+        ]
 
 
 # ---------------------------------------------------------------- DeviceClasses

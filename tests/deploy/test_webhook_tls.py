@@ -59,6 +59,7 @@ def test_generated_certificate_serves_the_webhook(render: Render, tmp_path: Path
     args = [a.replace("/tls/", f"{tmp_path}/") for a in args]
     port = free_port()
     args = [a if not a.startswith("--port=") else f"--port={port}" for a in args]
+    args = [a if not a.startswith("--metrics-port=") else f"--metrics-port={free_port()}" for a in args]
     proc = subprocess.Popen(
         [sys.executable, "-m", "dra_gpu.cli", *args, "--address=127.0.0.1", "--no-watch"],
         stdout=subprocess.PIPE,
