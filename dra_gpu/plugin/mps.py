@@ -453,7 +453,8 @@ def _identify(pid: int, pipe: str) -> str | None:
         state = _read_proc(pid, "stat").rsplit(b")", 1)[-1].split()[:1]
         if state == [b"Z"]:
             return None
-        if os.stat(f"/proc/{pid}/root") != os.stat("/"):
+        theirs, ours = os.stat(f"/proc/{pid}/root"), os.stat("/")
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
             return None
         exe = os.path.basename(os.readlink(f"/proc/{pid}/exe")).removesuffix(" (deleted)")
         environ = _read_proc(pid, "environ").split(b"\0")
