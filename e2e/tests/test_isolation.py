@@ -163,7 +163,8 @@ def test_a_planted_link_and_quit_change_no_file_outside_the_directory(
         top = MPS_ROOT / pair.tenant_id
         # Where the daemon writes files by name (its /dev/shm is the tenant's own: glibc's shm_open
         # follows no link there).
-        planted = [p for d in ("pipe", "log", "client") for p in (top / d).iterdir() if p.is_symlink()]
+        dirs = [top / d for d in ("pipe", "log", "client") if (top / d).is_dir()]
+        planted = [p for d in dirs for p in d.iterdir() if p.is_symlink()]
         assert not planted, f"links planted by the tenant are in the daemon's directories: {planted}"
         assert answers == ["25.0"], answers
     finally:
