@@ -146,7 +146,7 @@ class MpsDaemons:
         self.quit_timeout = quit_timeout
         # A tmpfs and a mount namespace per daemon need CAP_SYS_ADMIN.
         self.isolate = _has_cap_sys_admin() if isolate is None else isolate
-        if not self.isolate:
+        if isolate is None and not self.isolate:
             log.warning(
                 "MPS daemons run without their own tmpfs and /dev/shm: no CAP_SYS_ADMIN root=%s", root
             )
