@@ -150,7 +150,6 @@ class MpsDaemons:
             log.warning(
                 "MPS daemons run without their own tmpfs and /dev/shm: no CAP_SYS_ADMIN root=%s", root
             )
-        self.pids: dict[str, int] = {}  # daemon id -> the control daemon's pid, as last found
 
     def daemon_dir(self, daemon_id: str) -> Path:
         return self.root / daemon_id
@@ -239,13 +238,11 @@ class MpsDaemons:
         return True
 
     def pid(self, daemon_id: str) -> int | None:
-        """The control daemon's pid, from /proc (never from a file in its directories)."""
+        """The control daemon's pid, from /proc (never from a file in its directories). `-d` forks
+        the daemon off the program the plugin ran, so it is looked up after a start and after a
+        plugin restart alike."""
         found = [pid for pid, kind in self.processes(daemon_id) if kind == CONTROL_BINARY]
-        if not found:
-            self.pids.pop(daemon_id, None)
-            return None
-        self.pids[daemon_id] = found[0]
-        return found[0]
+        return found[0] if found else None
 
     def processes(self, daemon_id: str) -> list[tuple[int, str]]:
         """(pid, program) of every control daemon and server of `daemon_id` in /proc."""
@@ -391,7 +388,6 @@ class MpsDaemons:
             with contextlib.suppress(MpsError):
                 self.control(daemon_id, ["quit"])
         self._kill(daemon_id, procs)
-        self.pids.pop(daemon_id, None)
         self._remove(daemon_id)
         log.info("MPS daemon stopped id=%s", daemon_id)
 
