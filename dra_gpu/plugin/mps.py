@@ -291,6 +291,11 @@ class MpsDaemons:
                 )
             self._wait_ready(daemon.id)
             self._link_client(daemon.id)
+        elif not os.path.lexists(self.client_dir(daemon.id) / CONTROL_SOCKET):
+            # A daemon of an earlier release (one directory for all): its containers' views made.
+            self.shm_dir(daemon.id).mkdir(mode=0o1777, exist_ok=True)
+            self.client_dir(daemon.id).mkdir(mode=0o755, exist_ok=True)
+            self._link_client(daemon.id)
         commands = daemon.commands()
         if commands:
             self.control(daemon.id, commands)
