@@ -15,6 +15,7 @@ test_real_mps.py), each shown to fail:
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -144,11 +145,15 @@ def test_a_planted_link_and_quit_change_no_file_outside_the_directory(
             f"ln -s {sentinel} /dev/shm/{PID_FILE}; ln -s {sentinel} /dev/shm/control.log; echo shm rc=$?; "
             "echo quit | nvidia-cuda-mps-control; echo quit rc=$?"
         )
-        # 535 obeys a root client's quit: the plugin's next sweep starts the daemon again.
+        # Both versions refuse a quit without the privileged socket. The daemon ends anyway here
+        # (as in a crash), so that the plugin's next sweep starts it again among the planted links.
         deadline = time.time() + 5  # only for the report: whether the daemon obeyed
         while alive(pair.tenant_pid) and time.time() < deadline:
             time.sleep(0.2)
         quit_taken = not alive(pair.tenant_pid)
+        if not quit_taken:
+            os.kill(pair.tenant_pid, signal.SIGKILL)
+        wait_for("the tenant's daemon to end", lambda: daemons().get(pair.tenant_id) != pair.tenant_pid)
         new_pid = wait_for(
             "the tenant's daemon to answer again",
             lambda: daemons().get(pair.tenant_id),
@@ -157,7 +162,7 @@ def test_a_planted_link_and_quit_change_no_file_outside_the_directory(
         answers = real_mps.ask(pair.tenant_id, "get_default_active_thread_percentage")
         print(
             f"\n[isolation] {real_mps.version}: link + quit: {said!r}; daemon {pair.tenant_pid} -> {new_pid} "
-            f"(quit {'obeyed' if quit_taken else 'refused'}); answers {answers}"
+            f"(quit {'obeyed' if quit_taken else 'refused, then killed'}); answers {answers}"
         )
         assert sentinel.read_text() == "untouched\n" and sentinel.stat().st_mtime_ns == before.st_mtime_ns
         top = MPS_ROOT / pair.tenant_id
@@ -166,6 +171,7 @@ def test_a_planted_link_and_quit_change_no_file_outside_the_directory(
         dirs = [top / d for d in ("pipe", "log", "client") if (top / d).is_dir()]
         planted = [p for d in dirs for p in d.iterdir() if p.is_symlink()]
         assert not planted, f"links planted by the tenant are in the daemon's directories: {planted}"
+        assert new_pid != pair.tenant_pid and not list((top / "shm").iterdir())  # emptied at the restart
         assert answers == ["25.0"], answers
     finally:
         finish(core, dyn, namespace)
