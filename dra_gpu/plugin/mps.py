@@ -14,7 +14,7 @@ A claim's containers are hostile, so nothing they can write is trusted:
   mounted into a container), `shm/` (the daemon's and the containers' `/dev/shm`, see
   `mps_namespace`) and `client/`: the containers' read-only `CUDA_MPS_PIPE_DIRECTORY`, holding
   only a hard link to the daemon's `control` socket. NVIDIA's daemon also listens on
-  `control_privileged` (root only, through which a root client may change limits or quit on 550),
+  `control_privileged` (root only; without it both versions refuse `quit` and 550 any change),
   and writes its pid file (550) and a log FIFO there: a container reaches none of them.
 - The plugin never reads a pid file: a daemon's processes are found in `/proc`, matched on the
   pipe directory in their environment, their program and their root (the plugin's own, not a

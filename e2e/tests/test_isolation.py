@@ -4,8 +4,9 @@ test_real_mps.py), each shown to fail:
 
 - another claim's daemon pid written as the tenant's pid file: no other claim's process dies;
 - a FIFO planted as the pid file: unprepare does not hang (bounded, asserted);
-- a link planted in the directories, then `quit` through the tenant's own socket: no file outside
-  the daemon's directory changes, nothing planted stays in it;
+- a link planted in the directories, then `quit` through the tenant's own socket (refused by both
+  versions; the daemon is then killed, as in a crash): its restart changes no file outside the
+  daemon's directory, and nothing planted stays in it;
 - the privileged control socket and the tenant's own limits: the socket is not in the container,
   and a limit changed through `control` (the 535 daemon lets any root client do it; 550 refuses)
   is set again by the plugin within a sweep;
