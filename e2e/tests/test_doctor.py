@@ -425,12 +425,13 @@ def test_missing_device_node(env):
 
 
 def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace, busybox_image):
+    from test_driver_userspace import gpu_pod
     from test_sharing import MPS_ROOT, ask, daemons, mps_config
 
     plugin, doctor = env["plugin"], env["doctor"]
     before = set(daemons())
     template(dyn, namespace, "mps", config=mps_config(30))
-    _pod(core, namespace, "mps", "mps", busybox_image)
+    gpu_pod(core, namespace, "mps", busybox_image, "sleep 3600", template="mps")  # prepared while it runs
     orphan = MPS_ROOT / f"orphan-{RUN}"
     try:
         pipe = wait_for("the claim's daemon", lambda: next(iter(set(daemons()) - before), None), timeout=120)
