@@ -451,6 +451,7 @@ def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace
         assert "sets the limits again" in r["fix"]
         ask(pipe, "set_default_active_thread_percentage 30")
 
+        plugin.stop()  # else its sweep starts the daemon again before doctor looks
         os.kill(daemons()[pipe], signal.SIGKILL)
         rc, results, table = doctor.run()
         _report("an MPS daemon died", table)
@@ -474,8 +475,7 @@ def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace
         assert rc == 1 and f"orphan daemon {orphan.name} (pid " in r["detail"], r
         assert "restart the plugin" in r["fix"]
 
-        # The fix: a plugin restart stops the orphan and starts the claim's daemon again.
-        plugin.stop()
+        # The fix: the plugin's start stops the orphan and starts the claim's daemon again.
         plugin.start()
         results, table = doctor.wait_for("the daemons repaired", "node/mps-daemons", "OK", timeout=60)
         _report("MPS daemons repaired", table)
