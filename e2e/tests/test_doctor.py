@@ -481,6 +481,8 @@ def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace
         _report("MPS daemons repaired", table)
         assert not orphan.exists()
     finally:
+        if plugin.proc is None or plugin.proc.poll() is not None:  # failed while it was stopped
+            plugin.start()
         _delete_pod_and_claims(core, dyn, namespace, "mps")
         orphan_pid = daemons().get(orphan / "pipe")
         if orphan_pid is not None:  # the test failed before the plugin's restart stopped it
