@@ -488,8 +488,12 @@ def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace
         if orphan_pid is not None:  # the test failed before the plugin's restart stopped it
             os.kill(orphan_pid, signal.SIGKILL)
         shutil.rmtree(orphan, ignore_errors=True)
-    results, _ = doctor.wait_for("no MPS daemon left", "node/mps-daemons", "OK")
-    assert "none running" in results["node/mps-daemons"]["detail"]
+    wait_for(
+        "doctor to see no MPS daemon after the claim",
+        lambda: "none running" in doctor.run()[1]["node/mps-daemons"]["detail"],
+        timeout=60,
+        interval=1,
+    )
 
 
 def test_webhook_certificate_expired(env, dyn):
