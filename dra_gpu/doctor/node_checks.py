@@ -26,6 +26,7 @@ from dra_gpu.discovery.driver_versions import (
     kernel_module_version,
 )
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_majors, uvm_missing
+from dra_gpu.doctor import mps_daemons
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
 from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
@@ -450,7 +451,15 @@ def check_prepared_claims(facts: NodeFacts) -> Iterable[Result]:
 
 
 def check_mps(facts: NodeFacts) -> Iterable[Result]:
-    yield skip("node/mps-daemons", "this driver version starts no MPS daemons")
+    """The MPS daemons running against those the prepared claims record (mps_daemons)."""
+    s = facts.settings
+    try:
+        claims = _checkpoint_claims(s.checkpoint) or {}
+    except ValueError as exc:
+        yield skip(mps_daemons.NAME, f"checkpoint unreadable: {exc} (see node/prepared-claims)")
+        return
+    version = facts.inventory.driver_version if facts.inventory is not None else None
+    yield mps_daemons.check(claims, mps_daemons.node_daemons(s.plugin_dir, facts.driver_root, version))
 
 
 NODE_CHECKS: tuple[tuple[str, Callable[[NodeFacts], Iterable[Result]]], ...] = (

@@ -1,25 +1,50 @@
-"""MPS control daemons, one per claim (or per group of a claim's devices), run on the host.
+"""MPS control daemons, one per claim (or per group of a claim's devices), run by the plugin.
 
-The daemon is the driver installation's own `nvidia-cuda-mps-control -d`, started with its own
-pipe and log directories under `<plugin dir>/mps/<id>/`, `CUDA_VISIBLE_DEVICES` set to the
-group's UUIDs. Limits go in through its command interface (one command per stdin line of a client
-`nvidia-cuda-mps-control`), and a daemon counts as ready only once it answers there. `-d` puts the
-daemon in the background, detached from the plugin, so it outlives a plugin restart and is
-re-adopted from the checkpoint; `stop` asks it to `quit` and kills it only when it will not.
-The daemon runs with the driver's `libcuda.so.1` preloaded by full path and the driver's MPS
-binaries first on `PATH` (it starts `nvidia-cuda-mps-server`), never with a driver library
-directory on `LD_LIBRARY_PATH` (`driver_programs` says why).
+The daemon is the driver installation's own `nvidia-cuda-mps-control -d`, `CUDA_VISIBLE_DEVICES`
+set to the group's UUIDs. Limits go in through its command interface (one command per stdin line
+of a client `nvidia-cuda-mps-control`), and a daemon counts as ready only once it answers there.
+`-d` puts the daemon in the background, detached from the plugin, so it outlives a plugin restart
+and is re-adopted from the checkpoint. It runs with the driver's `libcuda.so.1` preloaded by full
+path and the driver's MPS binaries first on `PATH` (it starts `nvidia-cuda-mps-server`), never
+with a driver library directory on `LD_LIBRARY_PATH` (`driver_programs` says why).
+
+A claim's containers are hostile, so nothing they can write is trusted:
+- Each daemon has its own tmpfs at `<plugin dir>/mps/<id>/` (TMPFS_SIZE, TMPFS_INODES: a tenant
+  that fills its `/dev/shm` fills only that), holding `pipe/` and `log/` (the daemon's own, never
+  mounted into a container), `shm/` (the daemon's and the containers' `/dev/shm`, see
+  `mps_namespace`) and `client/`: the containers' read-only `CUDA_MPS_PIPE_DIRECTORY`, holding
+  only a hard link to the daemon's `control` socket. NVIDIA's daemon also listens on
+  `control_privileged` (root only; without it both versions refuse `quit` and 550 any change),
+  and writes its pid file (550) and a log FIFO there: a container reaches none of them.
+- The plugin never reads a pid file: a daemon's processes are found in `/proc`, matched on the
+  pipe directory in their environment, their program and their root (the plugin's own, not a
+  container's), and signalled through a pidfd opened before the match is re-checked (a reused pid
+  is never signalled).
+- Before a (re)start the daemon's directories are emptied without following anything in them;
+  at stop the tmpfs is unmounted and its mount point removed.
+- The limits are read back after every start and at every `check` (each prepare of the claim, the
+  plugin's start and each sweep): a 535 daemon lets any root client change them through `control`,
+  so a drift is reported and set again.
+
+Without CAP_SYS_ADMIN (an unprivileged simulated node, unit tests as a user) the tmpfs and the
+daemon's own mount namespace are skipped, and the plugin says so once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import re
+import select
 import shutil
 import signal
+import stat
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +57,22 @@ from dra_gpu.plugin.driver_programs import DriverProgram, DriverProgramError
 log = logging.getLogger(__name__)
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
-PID_FILE = "nvidia-cuda-mps-control.pid"
+SERVER_BINARY = "nvidia-cuda-mps-server"
+CONTROL_SOCKET = "control"
 NOT_RUNNING = "Cannot find MPS control daemon process"
 CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"
-MOUNT_OPTIONS = ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+CONTAINER_SHM_DIR = "/dev/shm"
+PIPE_MOUNT_OPTIONS = ["ro", "nosuid", "nodev", "noexec", "rbind", "rprivate"]
+SHM_MOUNT_OPTIONS = ["rw", "nosuid", "nodev", "noexec", "rbind", "rprivate"]
 UNIX_PATH_MAX = 108
+# 64 MiB: the size container runtimes give /dev/shm by default, room for MPS's per-client
+# segments; charged only when written (to the writer's memory cgroup). The inode cap bounds
+# a tenant's file count in its /dev/shm.
+TMPFS_SIZE = 64 << 20
+TMPFS_INODES = 4096
+PROC_READ_LIMIT = 128 << 10  # bytes of a process's environ or cmdline read
+MNT_DETACH = 2
+CAP_SYS_ADMIN = 21
 
 
 class MpsError(RuntimeError):
@@ -99,12 +135,24 @@ class MpsDaemons:
         extra_env: dict[str, str] | None = None,
         ready_timeout: float = 5.0,
         command_timeout: float = 5.0,
+        quit_timeout: float = 5.0,
+        isolate: bool | None = None,
     ) -> None:
         self.root = root
         self.locate = locate  # the control binary and how it runs, found late
         self.extra_env = extra_env or {}  # e.g. a simulated node's device-node directory
         self.ready_timeout = ready_timeout
         self.command_timeout = command_timeout
+        self.quit_timeout = quit_timeout
+        # A tmpfs and a mount namespace per daemon need CAP_SYS_ADMIN.
+        self.isolate = _has_cap_sys_admin() if isolate is None else isolate
+        if isolate is None and not self.isolate:
+            log.warning(
+                "MPS daemons run without their own tmpfs and /dev/shm: no CAP_SYS_ADMIN root=%s", root
+            )
+
+    def daemon_dir(self, daemon_id: str) -> Path:
+        return self.root / daemon_id
 
     def pipe_dir(self, daemon_id: str) -> Path:
         return self.root / daemon_id / "pipe"
@@ -112,15 +160,29 @@ class MpsDaemons:
     def log_dir(self, daemon_id: str) -> Path:
         return self.root / daemon_id / "log"
 
+    def shm_dir(self, daemon_id: str) -> Path:
+        return self.root / daemon_id / "shm"
+
+    def client_dir(self, daemon_id: str) -> Path:
+        return self.root / daemon_id / "client"
+
     def cdi_edits(self, daemon: MpsDaemon) -> tuple[dict[str, str], list[dict[str, Any]]]:
-        """Env and mounts a client container needs: the daemon's pipe dir at the usual path."""
+        """Env and mounts a client container needs: the client view of the pipe (read-only: the
+        `control` socket only) and the daemon's /dev/shm."""
         env = {"CUDA_MPS_PIPE_DIRECTORY": CONTAINER_PIPE_DIR}
-        mount = {
-            "hostPath": str(self.pipe_dir(daemon.id)),
-            "containerPath": CONTAINER_PIPE_DIR,
-            "options": MOUNT_OPTIONS,
-        }
-        return env, [mount]
+        mounts = [
+            {
+                "hostPath": str(self.client_dir(daemon.id)),
+                "containerPath": CONTAINER_PIPE_DIR,
+                "options": PIPE_MOUNT_OPTIONS,
+            },
+            {
+                "hostPath": str(self.shm_dir(daemon.id)),
+                "containerPath": CONTAINER_SHM_DIR,
+                "options": SHM_MOUNT_OPTIONS,
+            },
+        ]
+        return env, mounts
 
     def _env(self, program: DriverProgram, daemon_id: str, uuids: list[str] | None = None) -> dict[str, str]:
         try:
@@ -142,6 +204,8 @@ class MpsDaemons:
 
     def control(self, daemon_id: str, commands: list[str]) -> str:
         """Send commands through the daemon's pipe; its answers. MpsError when it is not there."""
+        if not self.pipe_dir(daemon_id).is_dir():
+            raise MpsError(f"MPS daemon {daemon_id}: no pipe directory")
         binary, program = self._program()
         try:
             proc = subprocess.run(
@@ -174,28 +238,49 @@ class MpsDaemons:
         return True
 
     def pid(self, daemon_id: str) -> int | None:
-        try:
-            return int((self.pipe_dir(daemon_id) / PID_FILE).read_text().strip())
-        except (OSError, ValueError):
-            return None
+        """The control daemon's pid, from /proc (never from a file in its directories). `-d` forks
+        the daemon off the program the plugin ran, so it is looked up after a start and after a
+        plugin restart alike."""
+        found = [pid for pid, kind in self.processes(daemon_id) if kind == CONTROL_BINARY]
+        return found[0] if found else None
+
+    def processes(self, daemon_id: str) -> list[tuple[int, str]]:
+        """(pid, program) of every control daemon and server of `daemon_id` in /proc."""
+        pipe = str(self.pipe_dir(daemon_id))
+        found = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir("/proc"):
+                if entry.name.isdigit():
+                    kind = _identify(int(entry.name), pipe)
+                    if kind is not None:
+                        found.append((int(entry.name), kind))
+        return sorted(found)
 
     def start(self, daemon: MpsDaemon) -> int:
         """Start the daemon (or keep the one that answers), set its limits, return its pid once it
         answers with them."""
-        pipe, logs = self.pipe_dir(daemon.id), self.log_dir(daemon.id)
-        if len(str(pipe / "control")) >= UNIX_PATH_MAX:
+        pipe = self.pipe_dir(daemon.id)
+        if len(str(pipe / "control_privileged")) >= UNIX_PATH_MAX:
             raise MpsError(f"MPS pipe directory {pipe} is too long for a UNIX socket path")
         if not self.answers(daemon.id):
-            pipe.mkdir(parents=True, exist_ok=True)
-            logs.mkdir(parents=True, exist_ok=True)
+            self._kill(daemon.id, self.processes(daemon.id))  # a wedged one
+            self._fresh_dirs(daemon.id)
             binary, program = self._program()
+            env = self._env(program, daemon.id, daemon.uuids)
+            argv = [str(binary), "-d"]
+            if self.isolate:
+                preload = env.pop("LD_PRELOAD", "")
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "dra_gpu.plugin.mps_namespace",
+                    str(self.shm_dir(daemon.id)),
+                    preload,
+                    *argv,
+                ]
             try:
                 proc = subprocess.run(
-                    [str(binary), "-d"],
-                    env=self._env(program, daemon.id, daemon.uuids),
-                    capture_output=True,
-                    text=True,
-                    timeout=self.command_timeout,
+                    argv, env=env, capture_output=True, text=True, timeout=self.command_timeout
                 )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise MpsError(f"MPS daemon {daemon.id}: {CONTROL_BINARY} -d failed: {exc}") from exc
@@ -205,15 +290,47 @@ class MpsDaemons:
                     f"MPS daemon {daemon.id}: {CONTROL_BINARY} -d exited {proc.returncode}: {said}"
                 )
             self._wait_ready(daemon.id)
+            self._link_client(daemon.id)
+        elif not os.path.lexists(self.client_dir(daemon.id) / CONTROL_SOCKET):
+            # A daemon of an earlier release (one directory for all): its containers' views made.
+            self.shm_dir(daemon.id).mkdir(mode=0o1777, exist_ok=True)
+            self.client_dir(daemon.id).mkdir(mode=0o755, exist_ok=True)
+            self._link_client(daemon.id)
         commands = daemon.commands()
         if commands:
             self.control(daemon.id, commands)
-        self._check_limits(daemon)
+        drift = self.drift(daemon)
+        if drift:
+            raise MpsError(f"MPS daemon {daemon.id}: {drift[0]}")
         pid = self.pid(daemon.id)
         if pid is None:
-            raise MpsError(f"MPS daemon {daemon.id}: no {PID_FILE} in {pipe}")
+            raise MpsError(f"MPS daemon {daemon.id}: answers, but no {CONTROL_BINARY} process of it in /proc")
         log.info("MPS daemon ready id=%s pid=%d devices=%s", daemon.id, pid, ",".join(daemon.uuids))
         return pid
+
+    def _fresh_dirs(self, daemon_id: str) -> None:
+        """The daemon's tmpfs (mounted if it is not) with its directories emptied: nothing of an
+        earlier daemon, nor anything a container left in `shm/`, is kept. The directories
+        themselves stay: running containers of the claim hold bind mounts of `client/` and `shm/`."""
+        top = self.daemon_dir(daemon_id)
+        top.mkdir(parents=True, exist_ok=True)
+        if self.isolate and not os.path.ismount(top):
+            _mount_tmpfs(top)
+        for sub, mode in (("pipe", 0o700), ("log", 0o700), ("client", 0o755), ("shm", 0o1777)):
+            path = top / sub
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+            _empty(path)
+            os.chmod(path, mode, follow_symlinks=False)
+
+    def _link_client(self, daemon_id: str) -> None:
+        """The containers' view: a hard link to the daemon's `control` socket, nothing else."""
+        sock = self.pipe_dir(daemon_id) / CONTROL_SOCKET
+        if not stat.S_ISSOCK(os.lstat(sock).st_mode):
+            raise MpsError(f"MPS daemon {daemon_id}: {sock} is not a socket")
+        client = self.client_dir(daemon_id)
+        _empty(client)
+        os.link(sock, client / CONTROL_SOCKET, follow_symlinks=False)
 
     def _wait_ready(self, daemon_id: str) -> None:
         @retry(
@@ -232,58 +349,187 @@ class MpsDaemons:
                 f"within {self.ready_timeout}s (log: {self.log_dir(daemon_id)})"
             ) from exc
 
-    def _check_limits(self, daemon: MpsDaemon) -> None:
-        """Ask the daemon back for what was set: a limit it answers differently is an error. An
-        answer in a form not understood here is logged, not fatal (driver versions word it
-        differently); one command per line, so answers are matched by position."""
+    def drift(self, daemon: MpsDaemon) -> list[str]:
+        """The limits the daemon answers differently from what was set, one line each. An answer
+        in a form not understood here is logged, not a drift (driver versions word it differently;
+        without a GPU a UUID does not resolve and a pinned-memory limit reads back empty). One
+        command per client: an unanswered command would shift the answers after it."""
         asks: list[tuple[str, float]] = []  # (command, expected value: percent or MiB)
         if daemon.active_thread_percentage is not None:
             asks.append(("get_default_active_thread_percentage", float(daemon.active_thread_percentage)))
         for uuid, limit in sorted(daemon.pinned_memory_limits.items()):
             asks.append((f"get_default_device_pinned_mem_limit {uuid}", _mib(limit) or 0.0))
-        if not asks:
-            return
-        answers = self.control(daemon.id, [ask for ask, _ in asks]).splitlines()
-        for i, (ask, want) in enumerate(asks):
-            got = answers[i].strip() if i < len(answers) else ""
+        drift = []
+        for ask, want in asks:
+            lines = self.control(daemon.id, [ask]).strip().splitlines()
+            got = lines[-1].strip() if lines else ""
             value = float(got) if _is_number(got) else _mib(got)
             if value is None:
                 log.warning(
                     "MPS daemon answer not understood id=%s command=%r answer=%r", daemon.id, ask, got
                 )
             elif value != want:
-                raise MpsError(f"MPS daemon {daemon.id}: {ask} answered {got!r}, expected {want:g}")
+                drift.append(f"{ask} answered {got!r}, expected {want:g}")
+        return drift
+
+    def check(self, daemon: MpsDaemon) -> list[str]:
+        """A running daemon's limits as set: a drift (a root client of a 535 daemon can change
+        them) is logged, set again and read back; the drift found, empty when none."""
+        drift = self.drift(daemon)
+        if not drift:
+            return []
+        log.warning("MPS daemon limits changed behind the plugin, set again id=%s drift=%r", daemon.id, drift)
+        self.control(daemon.id, daemon.commands())
+        still = self.drift(daemon)
+        if still:
+            raise MpsError(f"MPS daemon {daemon.id}: limits cannot be restored: {still[0]}")
+        return drift
 
     def stop(self, daemon_id: str) -> None:
-        """Stop the daemon (quit, then SIGKILL if it lingers) and remove its directories."""
-        pid = self.pid(daemon_id)
-        if self.answers(daemon_id):
+        """Stop the daemon (quit, then SIGKILL to what lingers, by pidfd), unmount its tmpfs and
+        remove its directory. Bounded: quit_timeout plus 2 s at most after the quit."""
+        procs = self.processes(daemon_id)
+        if procs and self.answers(daemon_id):
             with contextlib.suppress(MpsError):
                 self.control(daemon_id, ["quit"])
-        if pid is not None and not self._wait_gone(pid):
-            log.warning("MPS daemon did not quit, killing it id=%s pid=%d", daemon_id, pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self._wait_gone(pid)
-        shutil.rmtree(self.root / daemon_id, ignore_errors=True)
+        self._kill(daemon_id, procs)
+        self._remove(daemon_id)
         log.info("MPS daemon stopped id=%s", daemon_id)
 
-    def _wait_gone(self, pid: int) -> bool:
-        @retry(retry=retry_if_result(lambda alive: alive), wait=wait_fixed(0.02), stop=stop_after_delay(2))
-        def alive() -> bool:
-            return _is_daemon(pid)
-
+    def _kill(self, daemon_id: str, procs: list[tuple[int, str]]) -> None:
+        """Wait up to quit_timeout for `procs` to end, then SIGKILL those left, each through a
+        pidfd opened while the process still was this daemon's."""
+        pipe = str(self.pipe_dir(daemon_id))
+        fds = []
+        for pid, _ in procs:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue  # gone
+            if _identify(pid, pipe) is None:  # gone and the pid reused before the open
+                os.close(fd)
+                continue
+            fds.append((pid, fd))
         try:
-            alive()
-        except RetryError:
-            return False
-        return True
+            left = _wait_exit(fds, self.quit_timeout)
+            for pid, fd in left:
+                log.warning("MPS daemon process did not quit, killing it id=%s pid=%d", daemon_id, pid)
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            for pid, _ in _wait_exit(left, 2.0):
+                log.error("MPS daemon process still there after SIGKILL id=%s pid=%d", daemon_id, pid)
+        finally:
+            for _, fd in fds:
+                os.close(fd)
+
+    def _remove(self, daemon_id: str) -> None:
+        top = self.daemon_dir(daemon_id)
+        if os.path.ismount(top):
+            _umount(top)
+        shutil.rmtree(top, ignore_errors=True)  # fd-based: never follows a link out
 
     def owned(self) -> list[str]:
         """Ids of every daemon directory under the root (the reconciliation's view)."""
         if not self.root.is_dir():
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    """A /proc file of `pid`, at most PROC_READ_LIMIT bytes."""
+    fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.read(fd, PROC_READ_LIMIT)
+    finally:
+        os.close(fd)
+
+
+def _identify(pid: int, pipe: str) -> str | None:
+    """CONTROL_BINARY or SERVER_BINARY when `pid` is a live control daemon (`-d`) or server
+    started with `pipe` as its pipe directory and rooted where this process is (a container's
+    process that copies the environment has another root); None for anything else."""
+    try:
+        if not _read_proc(pid, "comm").startswith(b"nvidia-cuda-mps"):
+            return None
+        state = _read_proc(pid, "stat").rsplit(b")", 1)[-1].split()[:1]
+        if state == [b"Z"]:
+            return None
+        theirs, ours = os.stat(f"/proc/{pid}/root"), os.stat("/")
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+            return None
+        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe")).removesuffix(" (deleted)")
+        environ = _read_proc(pid, "environ").split(b"\0")
+        argv = _read_proc(pid, "cmdline").split(b"\0")
+    except (OSError, ValueError):
+        return None
+    if f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() not in environ:
+        return None
+    if exe == SERVER_BINARY:
+        return SERVER_BINARY
+    if exe == CONTROL_BINARY and b"-d" in argv[1:]:
+        return CONTROL_BINARY
+    return None
+
+
+def _wait_exit(fds: list[tuple[int, int]], timeout: float) -> list[tuple[int, int]]:
+    """Those of (pid, pidfd) still running after `timeout` seconds (a pidfd polls readable when
+    its process ends)."""
+    left = list(fds)
+    poller = select.poll()
+    for _, fd in left:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    while left:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        done = {fd for fd, _ in poller.poll(remaining * 1000)}
+        for fd in done:
+            poller.unregister(fd)
+        left = [(pid, fd) for pid, fd in left if fd not in done]
+    return left
+
+
+def _empty(directory: Path) -> None:
+    """Remove everything in `directory`, following nothing (a container may have put links there)."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for entry in os.scandir(dfd):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.name, dir_fd=dfd)
+            else:
+                os.unlink(entry.name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount_tmpfs(path: Path) -> None:
+    options = f"size={TMPFS_SIZE},nr_inodes={TMPFS_INODES},mode=0755".encode()
+    flags = 0x2 | 0x4 | 0x8  # MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", flags, options) != 0:
+        err = ctypes.get_errno()
+        raise MpsError(f"cannot mount a tmpfs on {path}: {os.strerror(err)}")
+
+
+def _umount(path: Path) -> None:
+    if _libc().umount2(os.fsencode(path), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more)
+            raise OSError(err, f"cannot unmount {path}: {os.strerror(err)}")
+
+
+def _has_cap_sys_admin() -> bool:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 _MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*([MG])i?B?$", re.IGNORECASE)
@@ -303,14 +549,3 @@ def _is_number(s: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _is_daemon(pid: int) -> bool:
-    """True while `pid` is a live (not zombie) nvidia-cuda-mps-control process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return False
-    state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
-    return state != "Z" and CONTROL_BINARY.startswith(comm)

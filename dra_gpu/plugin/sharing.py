@@ -288,10 +288,15 @@ class Sharing:
         return errors
 
     def ensure(self, record: dict[str, Any]) -> int:
-        """Restart the record's daemons that do not answer (with their modes); how many."""
+        """Restart the record's daemons that do not answer (with their modes), and set again the
+        limits of those that answer differently from the record; how many were restarted."""
         restarted = 0
         for daemon in _daemons(record):
             if self.mps.answers(daemon.id):
+                try:
+                    self.mps.check(daemon)
+                except MpsError as exc:
+                    raise SharingError(str(exc)) from exc
                 continue
             log.warning("MPS daemon of a prepared claim is not answering, restarting id=%s", daemon.id)
             try:

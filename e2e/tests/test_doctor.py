@@ -14,6 +14,7 @@ import datetime
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -248,8 +249,7 @@ def env(target, core, dyn, tmp_path_factory):
 
 
 def _all_ok(results: dict[str, Any]) -> None:
-    # MPS sharing is not built yet: its check is skipped by design; everything else must be OK.
-    bad = {k: v for k, v in results.items() if v["status"] != "OK" and k != "node/mps-daemons"}
+    bad = {k: v for k, v in results.items() if v["status"] != "OK"}
     assert not bad, json.dumps(bad, indent=2)
 
 
@@ -424,6 +424,78 @@ def test_missing_device_node(env):
     assert results["node/device-nodes"]["status"] == "OK"
 
 
+def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace, busybox_image):
+    from test_driver_userspace import gpu_pod
+    from test_sharing import MPS_ROOT, ask, daemons, mps_config
+
+    plugin, doctor = env["plugin"], env["doctor"]
+    before = set(daemons())
+    template(dyn, namespace, "mps", config=mps_config(30))
+    gpu_pod(core, namespace, "mps", busybox_image, "sleep 3600", template="mps")  # prepared while it runs
+    orphan = MPS_ROOT / f"orphan-{RUN}"
+    try:
+        pipe = wait_for("the claim's daemon", lambda: next(iter(set(daemons()) - before), None), timeout=120)
+        daemon_id = pipe.parent.name
+        results, _ = doctor.wait_for("doctor to see the daemon", "node/mps-daemons", "OK")
+        assert "1 MPS daemons" in results["node/mps-daemons"]["detail"], results["node/mps-daemons"]
+
+        ask(pipe, "set_default_active_thread_percentage 90")  # what a root client of a 535 daemon can do
+        rc, results, table = doctor.run()
+        _report("an MPS daemon's limits changed", table)
+        r = results["node/mps-daemons"]
+        assert rc == 1 and r["status"] == "FAIL", r
+        assert (
+            f"daemon {daemon_id}: get_default_active_thread_percentage answered '90.0', expected 30"
+            in r["detail"]
+        )
+        assert "sets the limits again" in r["fix"]
+        ask(pipe, "set_default_active_thread_percentage 30")
+
+        plugin.stop()  # else its sweep starts the daemon again before doctor looks
+        os.kill(daemons()[pipe], signal.SIGKILL)
+        rc, results, table = doctor.run()
+        _report("an MPS daemon died", table)
+        r = results["node/mps-daemons"]
+        assert (
+            rc == 1 and r["status"] == "FAIL" and f"its MPS daemon {daemon_id} is not running" in r["detail"]
+        ), r
+
+        # A daemon no claim records (the simulated driver's control program: safe on the host).
+        binary = Path(sim_driver_root(PROFILE)) / "usr" / "bin" / "nvidia-cuda-mps-control"
+        (orphan / "pipe").mkdir(parents=True)
+        (orphan / "log").mkdir()
+        env_vars = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(orphan / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(orphan / "log"),
+        }
+        subprocess.run([str(binary), "-d"], env=env_vars, check=True, timeout=10)
+        rc, results, table = doctor.run()
+        _report("an orphan MPS daemon (and the dead one)", table)
+        r = results["node/mps-daemons"]
+        assert rc == 1 and f"orphan daemon {orphan.name} (pid " in r["detail"], r
+        assert "restart the plugin" in r["fix"]
+
+        # The fix: the plugin's start stops the orphan and starts the claim's daemon again.
+        plugin.start()
+        results, table = doctor.wait_for("the daemons repaired", "node/mps-daemons", "OK", timeout=60)
+        _report("MPS daemons repaired", table)
+        assert not orphan.exists()
+    finally:
+        if plugin.proc is None or plugin.proc.poll() is not None:  # failed while it was stopped
+            plugin.start()
+        _delete_pod_and_claims(core, dyn, namespace, "mps")
+        orphan_pid = daemons().get(orphan / "pipe")
+        if orphan_pid is not None:  # the test failed before the plugin's restart stopped it
+            os.kill(orphan_pid, signal.SIGKILL)
+        shutil.rmtree(orphan, ignore_errors=True)
+    wait_for(
+        "doctor to see no MPS daemon after the claim",
+        lambda: "none running" in doctor.run()[1]["node/mps-daemons"]["detail"],
+        timeout=60,
+        interval=1,
+    )
+
+
 def test_webhook_certificate_expired(env, dyn):
     webhook, doctor = env["webhook"], env["doctor"]
     configs = dyn.resources.get(
@@ -449,7 +521,7 @@ def test_everything_repaired_every_check_ok(env):
     # The earlier tests' namespaces (and their Pending pods) are deleted in the background.
     def all_ok() -> bool:
         rc, results, _ = env["doctor"].run()
-        return rc == 0 and all(v["status"] == "OK" or k == "node/mps-daemons" for k, v in results.items())
+        return rc == 0 and all(v["status"] == "OK" for v in results.values())
 
     wait_for("every check OK after the repairs", all_ok, timeout=90, interval=2)
     t0 = time.time()

@@ -123,8 +123,9 @@ class RealNode:
 class Installs:
     """At most one install at a time; a test asks for the profile it needs."""
 
-    def __init__(self, image, core, dyn, base: Path):
+    def __init__(self, image, core, dyn, base: Path, suite: str = "trixie", sets: tuple[str, ...] = ()):
         self.image, self.core, self.dyn, self.base = image, core, dyn, base
+        self.suite, self.sets = suite, sets  # the Debian suite of the root; more chart values
         self.node = core.list_node().items[0].metadata.name
         self.current: RealNode | None = None
         self.applied: list[dict] = []
@@ -141,10 +142,10 @@ class Installs:
         from kubernetes import client
 
         t0 = time.time()
-        root = self.host_like.host_like_root(profile)
+        root = self.host_like.host_like_root(profile, suite=self.suite)
         dev_root = self.base / profile
         # The kernel's side of a loaded driver: nvidiactl, nvidia<minor>, uvm, modeset; proc/devices.
-        make_kernel_files(self.host_like.node_profile(profile), dev_root)
+        make_kernel_files(self.host_like.node_profile(profile, suite=self.suite), dev_root)
         (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)  # an earlier install's
         self.namespace = "realnode-" + uuid.uuid4().hex[:6]
         self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=self.namespace)))
@@ -161,6 +162,7 @@ class Installs:
             f"kubeletPlugin.nvidiaDriverRoot={root}",
             "controller.enabled=false",
             "kubeletPlugin.health.holdDownSeconds=3600",
+            *self.sets,
         ]
         if profile == MIG:
             sets.append("kubeletPlugin.dynamicMig=true")

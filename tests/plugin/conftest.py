@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -186,12 +187,18 @@ def assert_only_live_files(core: PluginCore) -> None:
 
 
 def stop_daemons(mps_root: Path) -> None:
-    """Leave no MPS daemon of a test behind: quit each, kill what lingers, remove the root."""
+    """Leave no MPS daemon of a test behind: kill each process whose pipe directory is under the
+    root, unmount the daemons' tmpfs, remove the root."""
     if not mps_root.is_dir():
         return
-    for pid_file in mps_root.glob("*/pipe/nvidia-cuda-mps-control.pid"):
+    prefix = f"CUDA_MPS_PIPE_DIRECTORY={mps_root}/".encode()
+    for p in Path("/proc").iterdir():
         with contextlib.suppress(ValueError, OSError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            if any(e.startswith(prefix) for e in (p / "environ").read_bytes().split(b"\0")):
+                os.kill(int(p.name), signal.SIGKILL)
+    for top in mps_root.iterdir():
+        if os.path.ismount(top):
+            subprocess.run(["umount", "-l", str(top)], check=False)
     shutil.rmtree(mps_root, ignore_errors=True)
 
 

@@ -92,6 +92,20 @@ def compute_mode(core: PluginCore, uuid_: str) -> int:
     return int(json.loads(state.read_text())["computeModes"].get(uuid_, DEFAULT))
 
 
+def daemon_pid(pipe: Path) -> int:
+    """The pid of the control daemon (`-d`) whose pipe directory is `pipe`, from /proc."""
+    want = f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode()
+    for p in Path("/proc").iterdir():
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in env and b"-d" in argv and alive(int(p.name)):
+            return int(p.name)
+    raise AssertionError(f"no MPS control daemon of {pipe}")
+
+
 def daemon_of(core: PluginCore, c: dict) -> tuple[str, int]:
     """The claim's pipe dir (from its CDI spec, as the container gets it) and daemon pid."""
     spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
@@ -101,8 +115,8 @@ def daemon_of(core: PluginCore, c: dict) -> tuple[str, int]:
         for m in d["containerEdits"].get("mounts", [])
         if m["containerPath"] == "/tmp/nvidia-mps"
     ]
-    pipe = mount["hostPath"]
-    return pipe, int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
+    client = mount["hostPath"]
+    return client, daemon_pid(Path(client).parent / "pipe")
 
 
 def test_mps_claim_runs_its_daemon_with_the_limits_and_unprepare_stops_it(core: PluginCore) -> None:
@@ -330,24 +344,45 @@ def test_a_claim_with_an_mps_device_and_a_share_gets_two_distinct_daemons(core: 
     ids = [d["id"] for d in record.raw["sharing"]["mps"]]
     assert len(set(ids)) == 2, ids
     spec = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())
-    pipes = [m["hostPath"] for d in spec["devices"] for m in d["containerEdits"]["mounts"]]
+    pipes = [
+        m["hostPath"]
+        for d in spec["devices"]
+        for m in d["containerEdits"]["mounts"]
+        if m["containerPath"] == "/tmp/nvidia-mps"
+    ]
     assert len(set(pipes)) == 2
     answers = sorted(ask(core, p, "get_default_active_thread_percentage")[0] for p in pipes)
     assert answers == ["20.0", "40.0"]
 
 
-def test_a_limit_the_daemon_answers_differently_is_an_error(tmp_path: Path) -> None:
+def test_a_limit_the_daemon_answers_differently_is_a_drift_and_is_set_again(tmp_path: Path) -> None:
     from dra_gpu.plugin.mps import MpsDaemon, MpsDaemons, MpsError
 
-    daemons = MpsDaemons(tmp_path, lambda: DriverProgram(None))
+    daemons = MpsDaemons(tmp_path, lambda: DriverProgram(None), isolate=False)
     daemon = MpsDaemon("x", ["GPU-1"], 50, {"GPU-1": "1024M"})
-    daemons.control = lambda _id, _commands: "100.0\n1024M\n"  # type: ignore[method-assign]
-    with pytest.raises(MpsError, match=r"answered '100\.0', expected 50"):
-        daemons._check_limits(daemon)
-    daemons.control = lambda _id, _commands: "50.0\n1G\n"  # type: ignore[method-assign]
-    daemons._check_limits(daemon)  # the same limit in other words
-    daemons.control = lambda _id, _commands: "50.0\nunlimited-ish\n"  # type: ignore[method-assign]
-    daemons._check_limits(daemon)  # an answer not understood is logged, not fatal
+    limits = {
+        "get_default_active_thread_percentage": "100.0",
+        "get_default_device_pinned_mem_limit GPU-1": "1G",
+    }
+    sent: list[str] = []
+
+    def control(_id: str, commands: list[str]) -> str:
+        sent.extend(commands)
+        for c in commands:
+            if c.startswith("set_default_active_thread_percentage"):
+                limits["get_default_active_thread_percentage"] = c.split()[-1] + ".0"
+        return "".join(limits.get(c, "") + "\n" for c in commands)
+
+    daemons.control = control  # type: ignore[method-assign]
+    changed = ["get_default_active_thread_percentage answered '100.0', expected 50"]
+    assert daemons.drift(daemon) == changed
+    assert daemons.check(daemon) == changed
+    assert "set_default_active_thread_percentage 50" in sent and daemons.drift(daemon) == []
+    limits["get_default_device_pinned_mem_limit GPU-1"] = "unlimited-ish"
+    assert daemons.drift(daemon) == []  # an answer not understood is logged, not a drift
+    daemons.control = lambda _id, commands: "100.0\n"  # type: ignore[method-assign]
+    with pytest.raises(MpsError, match="cannot be restored"):
+        daemons.check(daemon)
 
 
 @pytest.fixture
