@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import uuid
 from collections.abc import Callable
@@ -20,10 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from dra_gpu.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.node_backend import NodeBackend
+from dra_gpu.node_settings import NodeSettings
 from dra_gpu.plugin.driver_files import DriverFiles
-from dra_gpu.plugin.driver_upgrade import DriverState, DriverVersions, DriverVersionWatch
+from dra_gpu.plugin.driver_upgrade import POLL_SECONDS, DriverState, DriverVersions, DriverVersionWatch
 from dra_gpu.plugin.plan import PrepareError
+from dra_gpu.plugin.server import KubeletPlugin, PluginConfig
 from dra_gpu.simnode.node import kernel_version_text
 from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
 from tests.driver_root import make_root
@@ -193,3 +198,47 @@ def test_states_of_the_three_versions(tmp_path: Path, versions: dict[str, Path])
     assert watch.read().state == DriverState.MISSING
     with pytest.raises(Exception, match=r"libnvidia-ml\.so\.1 is missing under"):
         watch.check()
+
+
+def test_the_plugin_stops_to_load_the_new_nvml(
+    tmp_path: Path, versions: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Libraries and module upgraded past the NVML the process loaded: the serving plugin's poll
+    stops it with exit status 4 and one line naming both versions; a mismatch alone does not."""
+    node = tmp_path / "node"
+    set_module(node, OLD)
+    root = tmp_path / "driver"
+    root.symlink_to(versions[OLD])
+    settings = NodeSettings(
+        node_name="node-a",
+        driver="gpu.dra-gpu.io",
+        profile=None,
+        plugin_dir=tmp_path / "p",
+        registry_dir=tmp_path / "r",
+        cdi_dir=tmp_path / "cdi",
+        dev_root=node,
+        driver_root=root,
+    )
+    plugin = KubeletPlugin(PluginConfig(settings))
+    loaded = root / LIBDIR / f"libnvidia-ml.so.{OLD}"
+    backend = NodeBackend(nvml=None, driver_root=root, dev_root=node, nvml_library=loaded)
+
+    async def body() -> None:
+        watch = plugin._watch_for(backend, "/run/nvidia/driver")
+        assert watch is not None
+        serving = asyncio.create_task(plugin._watch_driver(watch))
+        swap_root(root, versions[NEW])  # the mismatch: refused prepares, the plugin keeps serving
+        await asyncio.sleep(POLL_SECONDS * 1.5)
+        assert not plugin.stopping.is_set() and plugin.exit_code == EXIT_OK
+        set_module(node, NEW)
+        await asyncio.wait_for(plugin.stopping.wait(), POLL_SECONDS * 3)
+        serving.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="dra_gpu.plugin"):
+        asyncio.run(body())
+    assert plugin.exit_code == EXIT_DRIVER_CHANGED == 4
+    assert plugin.driver_changed == DriverVersions(OLD, NEW, NEW)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"libraries under /run/nvidia/driver are version {NEW}" in m and OLD in m for m in said), said
+    (line,) = [m for m in said if "stopping" in m]
+    assert f"driver upgraded from {OLD} to {NEW}" in line and "exit status 4" in line, line
