@@ -153,7 +153,7 @@ class DriverVersionWatch:
             )
         if state == DriverState.UPGRADED:
             return (
-                f"driver upgraded from {v.loaded} to {v.libraries} (libraries and kernel module): "
+                f"driver changed from {v.loaded} to {v.libraries} (libraries and kernel module): "
                 f"this plugin's NVML is {v.loaded}'s and cannot be unloaded; it restarts to serve "
                 f"{v.libraries}"
             )

@@ -159,7 +159,7 @@ def test_an_upgrade_under_prepared_claims(
     set_module(node, NEW)
     with pytest.raises(PrepareError) as restart:
         prepare(core, during)
-    assert f"driver upgraded from {OLD} to {NEW}" in str(restart.value)
+    assert f"driver changed from {OLD} to {NEW}" in str(restart.value)
     assert not core.cdi.path(during["metadata"]["uid"]).exists()
     assert core.checkpoint.get(during["metadata"]["uid"]) is None
     assert upgraded and upgraded[-1] == DriverVersions(OLD, NEW, NEW)
@@ -241,4 +241,4 @@ def test_the_plugin_stops_to_load_the_new_nvml(
     said = [r.getMessage() for r in caplog.records]
     assert any(f"libraries under /run/nvidia/driver are version {NEW}" in m and OLD in m for m in said), said
     (line,) = [m for m in said if "stopping" in m]
-    assert f"driver upgraded from {OLD} to {NEW}" in line and "exit status 4" in line, line
+    assert f"driver changed from {OLD} to {NEW}" in line and "exit status 4" in line, line
