@@ -75,13 +75,14 @@ class UpgradableRoot:
         self.version = NEW
 
     def downgrade(self) -> None:
-        subprocess.run(["umount", str(self.path)], check=True)
+        """535's files again: 550's mount detached (lazily: the plugin still maps its NVML)."""
+        subprocess.run(["umount", "-l", str(self.path)], check=True)
         self.version = OLD
 
     def remove(self) -> None:
         while subprocess.run(["mountpoint", "-q", str(self.path)]).returncode == 0:
             subprocess.run(["umount", "-l", str(self.path)], check=True)
-        self.path.rmdir()
+        self.path.rmdir()  # empty once unmounted; never a recursive delete (the roots are mounted)
 
 
 def set_module(dev_root: Path, version: str) -> None:
@@ -96,7 +97,8 @@ def set_module(dev_root: Path, version: str) -> None:
 def upgrade(installs):  # noqa: F811 - the fixture imported above
     host_like = installs.host_like
     roots = {v: host_like.host_like_root(HGX, suite=SUITES[v]) for v in (OLD, NEW)}
-    root = UpgradableRoot(installs.base / "driver-root", roots)
+    # Beside, not under, the install's base directory (removed recursively at the module's end).
+    root = UpgradableRoot(installs.base.parent / "driver-upgrade-root", roots)
     node = installs.install(HGX, root=root.path, suite=SUITES[OLD])
     yield root, node
     installs.uninstall()
@@ -150,6 +152,12 @@ def assert_driver(view: dict, root_files: dict[str, Path], version: str) -> None
     want = dpkg_md5(root_files[version], "libcuda1:amd64", LIBCUDA.format(version))
     assert view["md5"] == want, view["log"]  # NVIDIA's file of that version, as Debian packaged it
     assert view["cuda"] == (0, CUDA[version]), view["log"]
+
+
+def published_versions(dyn) -> set[str]:
+    """The driverVersion attributes of the node's 8 GPUs, once all are published."""
+    devices = wait_for("the 8 GPUs", lambda: len(slice_devices(dyn)) == 8 and slice_devices(dyn), timeout=60)
+    return {d["attributes"]["driverVersion"]["version"] for d in devices.values()}
 
 
 def plugin_pods(core, node) -> list:
@@ -229,8 +237,7 @@ def fresh_plugin(core, node) -> None:
 
 def test_upgrade_with_pods_running(upgrade, core, dyn, namespace):
     root, node = upgrade
-    versions = {d["attributes"]["driverVersion"]["version"] for d in slice_devices(dyn).values()}
-    assert versions == {"535.261.3"}, versions
+    assert published_versions(dyn) == {"535.261.3"}
     show("consistent 535", rows := doctor(core, node))
     assert (
         rows["node/driver-upgrade"]["status"] == "OK"
@@ -248,9 +255,10 @@ def test_upgrade_with_pods_running(upgrade, core, dyn, namespace):
     t_libraries = time.time()
     root.upgrade()
     pod(core, namespace, "during")
-    said = failed_prepare(core, namespace, "during", "nothing was written")
+    said = failed_prepare(core, namespace, "during", "driver version mismatch")
     print(f"[upgrade] libraries {NEW}, module {OLD}: prepare refused: {said}")
     assert f"are version {NEW}" in said and f"kernel module is version {OLD}" in said, said
+    assert "nothing was written" in said, said
     during_uid = claim_uid(dyn, namespace, "during")
     assert not (CDI_DIR / f"k8s.{DRIVER}-claim_{during_uid}.json").exists()
     assert during_uid not in checkpoint_uids() and before_uid in checkpoint_uids()
@@ -281,8 +289,7 @@ def test_upgrade_with_pods_running(upgrade, core, dyn, namespace):
     during = seen(core, namespace, "during")
     t_during = time.time()
     assert_driver(during, root.roots, NEW)
-    versions = {d["attributes"]["driverVersion"]["version"] for d in slice_devices(dyn).values()}
-    assert versions == {"550.163.1"}, versions
+    wait_for("the slices of 550", lambda: published_versions(dyn) == {"550.163.1"}, timeout=30)
 
     # The old claim's spec now names 550's files; its restarted container gets them.
     new_spec = (CDI_DIR / f"k8s.{DRIVER}-claim_{before_uid}.json").read_text()
