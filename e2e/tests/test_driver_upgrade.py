@@ -33,7 +33,7 @@ import pytest
 from support import container_process, exec_in, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, failed_prepare, glibc_images  # noqa: F401 - a fixture
 from test_kubelet_plugin import CDI_DIR, DRIVER, PLUGIN_DIR, template
-from test_real_node import HGX, dpkg_md5, installs, slice_devices  # noqa: F401 - a fixture
+from test_real_node import HGX, dpkg_md5, finish, installs, slice_devices  # noqa: F401 - a fixture
 
 from dra_gpu.simnode.node import kernel_version_text
 
@@ -307,8 +307,7 @@ def test_upgrade_with_pods_running(upgrade, core, dyn, namespace):
         f"plugin restarted and ready {t_plugin - t_module:.1f} s after the module, the pending claim's "
         f"pod running {t_during - t_module:.1f} s after it"
     )
-    core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
-    wait_for("the pods to go", lambda: not core.list_namespaced_pod(namespace).items, timeout=90)
+    finish(core, dyn, namespace)  # pods and claims gone: unprepared
 
 
 def test_time_from_upgrade_to_first_prepare(upgrade, core, dyn, namespace):
@@ -337,8 +336,7 @@ def test_time_from_upgrade_to_first_prepare(upgrade, core, dyn, namespace):
         assert LIBCUDA.format(target) in only.read_text()
         restarted = restarted_plugin(core, node, 1)
         assert restarted.status.container_statuses[0].last_state.terminated.exit_code == 4
-        core.delete_namespaced_pod(f"p{i}", namespace, grace_period_seconds=0)
-        wait_for("the pod to go", lambda i=i: not core.list_namespaced_pod(namespace).items, timeout=90)
+        finish(core, dyn, namespace)  # unprepared before the next plugin pod
     print(
         f"[upgrade] switch to first successful prepare: {', '.join(f'{t:.1f}' for t in times)} s; "
         f"p50 {statistics.median(times):.1f} s"
