@@ -28,6 +28,7 @@ from dra_gpu.discovery.driver_versions import (
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_majors, uvm_missing
 from dra_gpu.doctor import mps_daemons
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
+from dra_gpu.doctor.driver_upgrade import driver_upgrade_results
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
 from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
 from dra_gpu.doctor.settings import NodeCheckSettings
@@ -187,6 +188,12 @@ def check_driver_files(facts: NodeFacts) -> Iterable[Result]:
         )
         return
     yield ok(name, detail)
+
+
+def check_driver_upgrade(facts: NodeFacts) -> Iterable[Result]:
+    """Libraries, kernel module and the prepared claims' specs of one driver version (an upgrade's
+    states: doctor/driver_upgrade.py)."""
+    return driver_upgrade_results(facts.settings, facts.driver_root)
 
 
 # ---------------------------------------------------------------- device nodes
@@ -466,6 +473,7 @@ NODE_CHECKS: tuple[tuple[str, Callable[[NodeFacts], Iterable[Result]]], ...] = (
     ("node/nvml", check_nvml),
     ("node/driver", check_driver),
     ("node/driver-files", check_driver_files),
+    ("node/driver-upgrade", check_driver_upgrade),
     ("node/device-nodes", check_device_nodes),
     ("node/nvidia-uvm", check_nvidia_uvm),
     ("node/cdi-dir", check_cdi_dir),

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu.discovery.driver_install import DriverInstallation, Library, discover_installation
+from dra_gpu.plugin.driver_upgrade import DriverUpgradeError, DriverVersionWatch
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,11 @@ def container_edits(found: DriverInstallation, hook_path: str | None = None) -> 
 
 
 class DriverFiles:
-    """The node's driver installation, found once and looked at again only while it is broken."""
+    """The node's driver installation, found once and looked at again only while it is broken.
+
+    With a `watch`, every call for the edits first checks that the driver on disk is still the
+    one this process loaded (`driver_upgrade`): a changed driver is never given out from the files
+    found at the start, and the edits are found again only by the restarted process."""
 
     def __init__(
         self,
@@ -150,8 +155,10 @@ class DriverFiles:
         host_root: str | None = None,
         hook_path: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        watch: DriverVersionWatch | None = None,
     ) -> None:
         self.root = root
+        self.watch = watch
         self.host_root = host_root or str(root)
         self.version = version
         self.hook_path = hook_path
@@ -191,7 +198,13 @@ class DriverFiles:
         return found
 
     def edits(self) -> dict[str, Any]:
-        """The shared container edits; raises DriverInstallationError while they can't be made."""
+        """The shared container edits; raises DriverInstallationError while they can't be made
+        or the driver on disk is no longer the one they were made of."""
+        if self.watch is not None:
+            try:
+                self.watch.check()
+            except DriverUpgradeError as exc:
+                raise DriverInstallationError(str(exc)) from exc
         if self._edits is None and self._clock() - self._checked_at >= REDISCOVER_SECONDS:
             self.refresh()
         if self._edits is not None:

@@ -15,6 +15,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dra_gpu.device_catalog import DeviceCatalog
+from dra_gpu.discovery.driver_versions import library_version
+from dra_gpu.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube, small_tls_read_buffers
@@ -23,13 +25,14 @@ from dra_gpu.kubeletplugin.heap_trim import limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
-from dra_gpu.node_backend import open_backend
+from dra_gpu.node_backend import NodeBackend, open_backend
 from dra_gpu.node_settings import NodeSettings
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.claim_cache import ClaimCache
 from dra_gpu.plugin.device_nodes import DeviceNodes, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
+from dra_gpu.plugin.driver_upgrade import POLL_SECONDS, DriverVersions, DriverVersionWatch
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from dra_gpu.plugin.mig_binding import MigBinder
 from dra_gpu.plugin.mig_lifecycle import MigInstances
@@ -73,6 +76,30 @@ class KubeletPlugin:
         self.metrics = PluginMetrics()
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
+        self.driver_changed: DriverVersions | None = None  # set: stopped to load the new driver's NVML
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_DRIVER_CHANGED if self.driver_changed is not None else EXIT_OK
+
+    def _watch_for(self, backend: NodeBackend, host_root: str | None) -> DriverVersionWatch | None:
+        """The upgrade watch of the NVML loaded (none when its file name carries no version)."""
+        loaded = library_version(backend.nvml_library)
+        if loaded is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def upgraded(versions: DriverVersions) -> None:  # from a prepare, the poll or a thread
+            loop.call_soon_threadsafe(self._stop_for_upgrade, watch, versions)
+
+        watch = DriverVersionWatch(backend.driver_root, backend.dev_root, loaded, host_root, upgraded)
+        return watch
+
+    def _stop_for_upgrade(self, watch: DriverVersionWatch, versions: DriverVersions) -> None:
+        if self.driver_changed is None:
+            self.driver_changed = versions
+            log.warning("%s: stopping (exit status %d)", watch.problem(versions), EXIT_DRIVER_CHANGED)
+        self.stopping.set()
 
     async def run(self) -> None:
         """The composition root: each component is started, then its teardown registered on one
@@ -94,12 +121,14 @@ class KubeletPlugin:
         # Always: a claim prepared while dynamic MIG was on keeps its instances after it is turned
         # off, and its unprepare must still destroy them.
         mig = await asyncio.to_thread(MigInstances, backend.nvml)
+        watch = self._watch_for(backend, node.host_driver_root)
         driver_files = await asyncio.to_thread(
             DriverFiles,
             backend.driver_root,
             inventory.driver_version,
             node.host_driver_root,
             cfg.cdi_hook_path,
+            watch=watch,
         )
         async with contextlib.AsyncExitStack() as stack:
             kube = await Kube.connect(cfg.kubeconfig)
@@ -166,6 +195,9 @@ class KubeletPlugin:
                 stack.push_async_callback(http.cleanup)
             sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
             stack.push_async_callback(_cancel, sweeper)
+            if watch is not None:
+                watching_driver = asyncio.create_task(self._watch_driver(watch), name="driver-watch")
+                stack.push_async_callback(_cancel, watching_driver)
             if claim_status is not None:
                 stack.push_async_callback(claim_status.close)
             # Dynamic MIG: instances are made between allocation and binding (binding conditions).
@@ -196,6 +228,16 @@ class KubeletPlugin:
             self.ready.set()
             helper.heap.once_idle()  # the start-up's garbage, once it has settled
             await self.stopping.wait()
+
+    async def _watch_driver(self, watch: DriverVersionWatch) -> None:
+        """Between prepares too: a restarting container of a prepared claim needs its spec
+        rewritten for the new driver, which the restarted plugin does."""
+        while True:
+            await asyncio.sleep(POLL_SECONDS)
+            try:
+                await asyncio.to_thread(watch.poll)
+            except Exception as exc:
+                log.warning("driver version check failed error=%r", str(exc))
 
     async def _sweep(self, preparer: Preparer) -> None:
         while True:
@@ -248,4 +290,4 @@ def run(cfg: PluginConfig) -> int:
         await plugin.run()
 
     asyncio.run(main())
-    return 0
+    return plugin.exit_code

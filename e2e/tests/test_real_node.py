@@ -138,14 +138,17 @@ class Installs:
         self.uninstall()
         return self.install(profile)
 
-    def install(self, profile: str) -> RealNode:
+    def install(self, profile: str, root: Path | None = None, suite: str | None = None) -> RealNode:
+        """`root`: the driver root (default: the suite's host-like root); `suite`: whose driver
+        version the kernel module is (default: the suite these installs were made for)."""
         from kubernetes import client
 
         t0 = time.time()
-        root = self.host_like.host_like_root(profile, suite=self.suite)
+        suite = suite or self.suite
+        root = root or self.host_like.host_like_root(profile, suite=suite)
         dev_root = self.base / profile
         # The kernel's side of a loaded driver: nvidiactl, nvidia<minor>, uvm, modeset; proc/devices.
-        make_kernel_files(self.host_like.node_profile(profile, suite=self.suite), dev_root)
+        make_kernel_files(self.host_like.node_profile(profile, suite), dev_root)
         (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)  # an earlier install's
         self.namespace = "realnode-" + uuid.uuid4().hex[:6]
         self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=self.namespace)))
