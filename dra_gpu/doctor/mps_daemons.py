@@ -19,7 +19,7 @@ from typing import Any
 from dra_gpu.doctor.report import Result, fail, ok
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_programs import program_locator
-from dra_gpu.plugin.mps import CONTROL_BINARY, PROC_READ_LIMIT, MpsDaemon, MpsDaemons, MpsError
+from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, read_proc
 
 NAME = "node/mps-daemons"
 FIX = (
@@ -57,25 +57,17 @@ def running_daemons(mps_root: Path) -> dict[str, int]:
         if not entry.name.isdigit():
             continue
         try:
-            if not _read(entry.name, "comm").startswith(b"nvidia-cuda-mps"):
+            if not read_proc(entry.name, "comm").startswith(b"nvidia-cuda-mps"):
                 continue
-            argv = _read(entry.name, "cmdline").split(b"\0")
-            env = _read(entry.name, "environ").split(b"\0")
-            state = _read(entry.name, "stat").rsplit(b")", 1)[-1].split()[:1]
+            argv = read_proc(entry.name, "cmdline").split(b"\0")
+            env = read_proc(entry.name, "environ").split(b"\0")
+            state = read_proc(entry.name, "stat").rsplit(b")", 1)[-1].split()[:1]
         except OSError:
             continue
         pipe = next((e[len(prefix) :] for e in env if e.startswith(prefix)), None)
         if pipe and state != [b"Z"] and b"-d" in argv[1:] and argv[0].endswith(CONTROL_BINARY.encode()):
             found[pipe.decode(errors="replace").split("/")[0]] = int(entry.name)
     return found
-
-
-def _read(pid: str, name: str) -> bytes:
-    fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        return os.read(fd, PROC_READ_LIMIT)
-    finally:
-        os.close(fd)
 
 
 def check(

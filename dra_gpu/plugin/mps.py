@@ -435,7 +435,7 @@ class MpsDaemons:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
 
 
-def _read_proc(pid: int, name: str) -> bytes:
+def read_proc(pid: int | str, name: str) -> bytes:
     """A /proc file of `pid`, at most PROC_READ_LIMIT bytes."""
     fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -449,17 +449,17 @@ def _identify(pid: int, pipe: str) -> str | None:
     started with `pipe` as its pipe directory and rooted where this process is (a container's
     process that copies the environment has another root); None for anything else."""
     try:
-        if not _read_proc(pid, "comm").startswith(b"nvidia-cuda-mps"):
+        if not read_proc(pid, "comm").startswith(b"nvidia-cuda-mps"):
             return None
-        state = _read_proc(pid, "stat").rsplit(b")", 1)[-1].split()[:1]
+        state = read_proc(pid, "stat").rsplit(b")", 1)[-1].split()[:1]
         if state == [b"Z"]:
             return None
         theirs, ours = os.stat(f"/proc/{pid}/root"), os.stat("/")
         if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
             return None
         exe = os.path.basename(os.readlink(f"/proc/{pid}/exe")).removesuffix(" (deleted)")
-        environ = _read_proc(pid, "environ").split(b"\0")
-        argv = _read_proc(pid, "cmdline").split(b"\0")
+        environ = read_proc(pid, "environ").split(b"\0")
+        argv = read_proc(pid, "cmdline").split(b"\0")
     except (OSError, ValueError):
         return None
     if f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() not in environ:
