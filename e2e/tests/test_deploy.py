@@ -475,9 +475,10 @@ def test_example_runs(simulated_node, dyn, core, namespace, wait_pod, profile, e
         assert res["request"] == want, res
     elif example == "shared-gpu-two-pods.yaml":
         assert seen["shared-gpu-a"] == seen["shared-gpu-b"] and len(seen["shared-gpu-a"]) == 1
-    elif example == "mps-gpu.yaml":  # the claim's daemon: its pipe mounted, answering there
+    elif example == "mps-gpu.yaml":  # the claim's daemon: its control socket, and nothing else of it
         log = logs["mps-gpu"]
-        assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in log and "nvidia-cuda-mps-control.pid" in log, log
+        assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in log and "control" in log.splitlines(), log
+        assert "nvidia-cuda-mps-control.pid" not in log and "control_privileged" not in log, log
     elif example == "time-sliced-gpu.yaml":
         assert seen["time-sliced-a"] == seen["time-sliced-b"] and len(seen["time-sliced-a"]) == 1
     elif example == "classic-nvidia-gpu.yaml":

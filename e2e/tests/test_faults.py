@@ -49,7 +49,7 @@ ENV = "DRA_GPU_FAILPOINTS"
 CHECKPOINT = PLUGIN_DIR / "checkpoint.json"
 SPEC_PREFIX = f"k8s.{DRIVER}-claim_"
 MIG_PROFILE = "dgx-h100-mig"
-SHOW = "ls -l /dev/nvidia*; env | grep -E '^(NVIDIA|CUDA_MPS)'; sleep 3600"
+SHOW = "ls -l /dev/nvidia*; env | grep -E '^(NVIDIA|DRA_GPU|CUDA_MPS)'; sleep 3600"
 
 # (failpoint, claim kind), the names as in dra_gpu/failpoints.py (the e2e tier does not import
 # the package). Every failpoint once at least; the MIG cases last (another node profile).
@@ -292,7 +292,7 @@ def test_plugin_killed_at_a_failpoint_recovers_and_leaves_nothing(
 # ------------------------------------------------------------------ a corrupt checkpoint
 
 RESTARTABLE = (
-    "echo started; ls -l /dev/nvidia*; env | grep -E '^(NVIDIA|CUDA_MPS)'; "
+    "echo started; ls -l /dev/nvidia*; env | grep -E '^(NVIDIA|DRA_GPU|CUDA_MPS)'; "
     "while [ ! -e /tmp/restart-me ]; do sleep 0.2; done; exit 1"
 )
 
