@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 from support import CACHE, ROOT, wait_for
-from test_kubelet_plugin import CDI_DIR, KUBELET_ROOT, PLUGIN_DIR, Plugin, device_attrs
+from test_kubelet_plugin import CDI_DIR, HTTP, KUBELET_ROOT, PLUGIN_DIR, Plugin, device_attrs
 
 PROFILE = "hgx-2x4"
 STATE = Path(os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e")) / "real-userspace"
@@ -166,7 +166,7 @@ class RealUserspacePlugin(Plugin):
             "--cdi-dir",
             str(CDI_DIR),
             "--http-address",
-            "127.0.0.1:51517",  # test_kubelet_plugin.HTTP: Plugin.ready() asks there
+            HTTP,  # where Plugin.ready() asks
             "--sweep-interval",
             "2",
             "--sweep-grace",
