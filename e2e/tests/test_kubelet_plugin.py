@@ -38,11 +38,13 @@ class Plugin:
         self.driver_root: str | None = None  # None: the simulated root of driver_version
         self.extra_args: list[str] = []  # more kubelet-plugin flags (e.g. --memory-shares)
         self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS, with --enable-failpoints)
+        self.wrapper: list[str] = []  # a command the plugin runs under (e.g. `unshare ...`)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
         self.proc = subprocess.Popen(
             [
+                *self.wrapper,
                 sys.executable,
                 "-m",
                 "dra_gpu.cli",
