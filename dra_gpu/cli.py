@@ -192,6 +192,13 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
         return EXIT_USAGE
+    if args.driver_memory_limits not in ("auto", "off"):  # argparse does not check an env default
+        print(
+            f"dra-gpu kubelet-plugin: --driver-memory-limits (or $DRA_GPU_DRIVER_MEMORY_LIMITS): "
+            f"{args.driver_memory_limits!r} is not auto or off",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     failpoints.enable(args.enable_failpoints)
     try:
         cfg = PluginConfig(
