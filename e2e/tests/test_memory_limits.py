@@ -27,7 +27,7 @@ from real_userspace import install_cdi_hook
 from support import CACHE, ROOT, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
 from test_kubelet_plugin import CDI_DIR, DRIVER, PLUGIN_DIR, PROFILE, our_slices
-from test_sharing import memory_template, pod_log
+from test_sharing import memory_template, pod_log, wait_for_shareable_gpus
 
 from dra_gpu.plugin.memory_limits import cgroup_v2
 from dra_gpu.simnode.state import read_state
@@ -84,13 +84,7 @@ def limits_plugin(hgx, dyn, request, tmp_path):  # noqa: F811 - the fixture impo
     hgx.wrapper = V2_VIEW if cgroups == "hybrid" else []
     try:
         hgx.start()
-        wait_for(
-            "shareable GPUs",
-            lambda: any(
-                d.get("allowMultipleAllocations") for s in our_slices(dyn)[1] for d in s["spec"]["devices"]
-            ),
-            timeout=30,
-        )
+        wait_for_shareable_gpus(dyn)
         yield hgx, hook, cgroups
     finally:
         hgx.stop()
