@@ -196,11 +196,12 @@ def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and
 
 def wait_for_shareable_gpus(dyn) -> None:
     """The plugin publishes its GPUs as memory shares (allowMultipleAllocations)."""
-    wait_for(
-        "shareable GPUs",
-        lambda: any(d.get("allowMultipleAllocations") for s in our_slices(dyn)[1] for d in s["spec"]["devices"]),
-        timeout=30,
-    )
+
+    def shareable() -> bool:
+        devices = [d for s in our_slices(dyn)[1] for d in s["spec"]["devices"]]
+        return any(d.get("allowMultipleAllocations") for d in devices)
+
+    wait_for("shareable GPUs", shareable, timeout=30)
 
 
 @pytest.fixture
