@@ -22,14 +22,14 @@ import pytest
 from support import container_process, exec_in, wait_for, wait_ready_pod
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod  # noqa: F401 - a fixture
 from test_kubelet_plugin import DRIVER, PLUGIN_DIR, template
-from test_real_node import CONTAINER_DRIVER_ROOT, HGX, Installs, finish, running_log
+from test_real_node import HGX, Installs, finish, running_log
 
 pytestmark = pytest.mark.e2e
 
 MPS_ROOT = PLUGIN_DIR / "mps"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 SUITES = {"bookworm": "535.261.03", "trixie": "550.163.01"}
-LIBCUDA = f"{CONTAINER_DRIVER_ROOT}/usr/lib/x86_64-linux-gnu/nvidia/current/libcuda.so.1"
+LIBCUDA = "usr/lib/x86_64-linux-gnu/nvidia/current/libcuda.so.1"  # in the driver root
 SWEEP_S = 2  # the chart's kubeletPlugin.sweepInterval here: the plugin checks the limits this often
 TMPFS_KIB = 64 << 10
 
@@ -70,8 +70,9 @@ class RealMps:
         cid = container_process(self.plugin_pod())["cid"]
         script = (
             f"printf '%s\\n' {' '.join(repr(c) for c in commands)} | "
-            f"env CUDA_MPS_PIPE_DIRECTORY={MPS_ROOT}/{daemon_id}/pipe LD_PRELOAD={LIBCUDA} "
-            f"{CONTAINER_DRIVER_ROOT}/usr/bin/nvidia-cuda-mps-control"
+            f"env CUDA_MPS_PIPE_DIRECTORY={MPS_ROOT}/{daemon_id}/pipe "
+            f"LD_PRELOAD={self.node.container_root}/{LIBCUDA} "
+            f"{self.node.container_root}/usr/bin/nvidia-cuda-mps-control"
         )
         return exec_in(cid, "sh", "-c", script).splitlines()
 
@@ -177,12 +178,11 @@ def test_real_daemon_runs_with_its_limits_its_shm_and_leaves_nothing(real_mps, c
         assert "25.0" in log and "cuInit 805" in log, log
         # NVIDIA's binary of the driver root, only libcuda preloaded, its server's directory on PATH.
         env = environ(pid)
-        assert os.readlink(f"/proc/{pid}/exe") == f"{CONTAINER_DRIVER_ROOT}/usr/bin/nvidia-cuda-mps-control"
+        root = real_mps.node.container_root
+        assert os.readlink(f"/proc/{pid}/exe") == f"{root}/usr/bin/nvidia-cuda-mps-control"
         assert "LD_LIBRARY_PATH" not in env and "libcuda.so" in env["LD_PRELOAD"], env
         path = env["PATH"].split(":")
-        assert (
-            path[0] == f"{CONTAINER_DRIVER_ROOT}/usr/bin" and f"{CONTAINER_DRIVER_ROOT}/usr/sbin" in path
-        ), path
+        assert path[0] == f"{root}/usr/bin" and f"{root}/usr/sbin" in path, path
         control_log = (top / "log" / "control.log").read_text(errors="replace")
         assert "Starting new server" in control_log, control_log[-2000:]
         # Its own tmpfs; one /dev/shm for the daemon and the pod.

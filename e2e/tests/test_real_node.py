@@ -69,7 +69,16 @@ pytestmark = pytest.mark.e2e
 
 LABEL = "nvidia.com/gpu.present"
 HGX, MIG = "hgx-2x4", "dgx-h100-mig"
-CONTAINER_DRIVER_ROOT = "/driver-root"  # where the chart mounts nvidiaDriverRoot
+CONTAINER_DRIVER_ROOT = "/driver-root"  # where the chart mounts nvidiaDriverRoot's parent
+
+
+def in_container(host_root: Path | str) -> str:
+    """Where the plugin's container finds a driver root: the chart mounts its parent at
+    CONTAINER_DRIVER_ROOT (the root itself for "/")."""
+    name = Path(host_root).name
+    return f"{CONTAINER_DRIVER_ROOT}/{name}" if name else CONTAINER_DRIVER_ROOT
+
+
 NVML_FILE = "usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.550.163.01"
 TAINT_KEY = f"{DRIVER}/unhealthy"
 CAPS_MAJOR = 508  # nvidia-caps in the simulated node's proc/devices
@@ -109,6 +118,7 @@ class RealNode:
 
     def __init__(self, profile, root, dev_root, release, namespace, objs, pod):
         self.profile, self.root, self.dev_root = profile, root, dev_root
+        self.container_root = in_container(root)  # the root as the plugin's container sees it
         self.release, self.namespace, self.objs, self.pod = release, namespace, objs, pod
         self.ready_s = 0.0
 
@@ -274,13 +284,13 @@ def test_plugin_starts_on_the_real_node_path_and_publishes_550(installs, core, d
     assert proc["cmdline"][:2] == [b"/opt/dra-gpu/bin/python3", b"/opt/dra-gpu/bin/dra-gpu"], proc
     assert b"--profile" not in proc["cmdline"] and "DRA_GPU_PROFILE" not in proc["environ"], proc
     assert "LD_LIBRARY_PATH" not in proc["environ"], proc["environ"]
-    assert proc["environ"]["NVIDIA_DRIVER_ROOT"] == CONTAINER_DRIVER_ROOT
+    assert proc["environ"]["NVIDIA_DRIVER_ROOT"] == node.container_root
     # NVML is the driver root's own file, loaded by its full path.
     log = node.log(core)
     (line,) = [x for x in log.splitlines() if "NVML loaded library=" in x]
-    assert f"library={CONTAINER_DRIVER_ROOT}/{NVML_FILE} " in line, line
+    assert f"library={node.container_root}/{NVML_FILE} " in line, line
     maps = Path(f"/proc/{proc['pid']}/maps").read_text()
-    assert f"{CONTAINER_DRIVER_ROOT}/{NVML_FILE}" in maps
+    assert f"{node.container_root}/{NVML_FILE}" in maps
     # Its own loader and C library are the image's, none of the driver root's glibc 2.41.
     libc = {x.split()[-1] for x in maps.splitlines() if re.search(r"/libc\.so\.6$", x)}
     assert libc and not any(p.startswith(CONTAINER_DRIVER_ROOT) for p in libc), libc
@@ -373,11 +383,11 @@ def test_mps_claim_runs_nvidias_daemon_of_the_driver_root(installs, core, dyn, n
         maps = Path(f"/proc/{pid}/maps").read_text()
         libc = {x.split()[-1] for x in maps.splitlines() if re.search(r"/libc\.so\.6$", x)}
         # NVIDIA's binary of the driver root, run with its libcuda preloaded and the image's glibc.
-        assert exe == f"{CONTAINER_DRIVER_ROOT}/usr/bin/nvidia-cuda-mps-control", exe
+        assert exe == f"{node.container_root}/usr/bin/nvidia-cuda-mps-control", exe
         real = hashlib.md5(Path(f"/proc/{pid}/exe").read_bytes()).hexdigest()  # dpkg's md5sums
         assert real == dpkg_md5(node.root, "nvidia-cuda-mps", "usr/bin/nvidia-cuda-mps-control")
         assert "LD_LIBRARY_PATH" not in environ, environ
-        assert environ["LD_PRELOAD"].startswith(f"{CONTAINER_DRIVER_ROOT}/"), environ
+        assert environ["LD_PRELOAD"].startswith(f"{node.container_root}/"), environ
         assert "libcuda.so" in environ["LD_PRELOAD"], environ
         assert libc and not any(p.startswith(CONTAINER_DRIVER_ROOT) for p in libc), libc
         assert "cuInit 805" in log, log
