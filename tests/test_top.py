@@ -145,6 +145,20 @@ def test_malformed_objects_are_left_out_with_a_reason(cluster: Cluster) -> None:
     assert any("DeviceTaintRule no-taint" in p and "taint" in p for p in view.problems)
 
 
+def test_a_malformed_slice_costs_its_own_devices_only(cluster: Cluster) -> None:
+    broken = next(s for s in cluster.slices if s["spec"]["pool"]["name"] == "node-mixed")
+    broken["spec"]["devices"][1]["attributes"] = ["not", "a", "map"]
+    view = view_of(cluster)
+    assert "node-mixed" not in [n.name for n in view.nodes] and len(view.nodes) == 3
+    assert any(
+        p.startswith(
+            f"ResourceSlice {broken['metadata']['name']}: spec.devices[1].attributes: must be an object"
+        )
+        for p in view.problems
+    )
+    assert "left out: ResourceSlice" in render_text(view)
+
+
 def test_other_drivers_slices_and_claims_are_not_counted(cluster: Cluster) -> None:
     foreign = json.loads(json.dumps(cluster.slices[0]).replace(DRIVER, "gpu.example.com"))
     foreign["spec"]["pool"]["name"] = foreign["spec"]["nodeName"] = "node-foreign"

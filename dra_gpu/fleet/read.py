@@ -13,15 +13,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from dra_gpu.fleet.snapshot import Snapshot, parse_snapshot
+from dra_gpu.fleet.snapshot import COLLECTIONS, Record, Snapshot, assemble, parse_object
 from dra_gpu.kube import RESOURCE_V1, Kube, list_watch
 
 log = logging.getLogger(__name__)
-
-COLLECTIONS = ("slices", "claims", "pods", "rules")
 
 
 @dataclass(frozen=True)
@@ -57,12 +55,16 @@ def _keep(collection: str) -> Callable[[dict[str, Any]], bool] | None:
     return _uses_claims if collection == "pods" else None
 
 
+Parsed = tuple[Record | None, str | None]  # parse_object's answer
+
+
 class Stores:
-    """The objects of the four collections as last listed or watched."""
+    """The collections as last listed or watched, each object parsed once when it arrives: a
+    redraw after one change re-parses that object only."""
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
-        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {c: {} for c in COLLECTIONS}
+        self.parsed: dict[str, dict[tuple[str, str], Parsed]] = {c: {} for c in COLLECTIONS}
         self.notes: list[str] = []  # what could not be read, and why
 
     @staticmethod
@@ -70,30 +72,28 @@ class Stores:
         meta = obj.get("metadata") or {}
         return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
+    def _parse(self, collection: str, obj: dict[str, Any]) -> Parsed:
+        return parse_object(collection, self.scope.driver, obj)
+
     def replace(self, collection: str, items: list[dict[str, Any]]) -> None:
-        self.objects[collection] = {self._key(o): o for o in items}
+        self.parsed[collection] = {self._key(o): self._parse(collection, o) for o in items}
 
     def apply(self, collection: str, event: str, obj: dict[str, Any]) -> bool:
         """Apply a watch event; True when it changed what is stored."""
         if event == "DELETED":
-            return self.objects[collection].pop(self._key(obj), None) is not None
+            return self.parsed[collection].pop(self._key(obj), None) is not None
         if event in ("ADDED", "MODIFIED"):
-            self.objects[collection][self._key(obj)] = obj
+            self.parsed[collection][self._key(obj)] = self._parse(collection, obj)
             return True
         return False
 
     def snapshot(self) -> Snapshot:
-        o = self.objects
-        snap = parse_snapshot(
+        entries = [e for store in self.parsed.values() for e in store.values()]
+        return assemble(
             self.scope.driver,
-            o["slices"].values(),
-            o["claims"].values(),
-            o["pods"].values(),
-            o["rules"].values(),
+            (record for record, _ in entries if record is not None),
+            [*self.notes, *(problem for _, problem in entries if problem)],
         )
-        if self.notes:
-            snap = replace(snap, problems=(*self.notes, *snap.problems))
-        return snap
 
 
 async def _rules_served(kube: Kube, timeout: float) -> bool:

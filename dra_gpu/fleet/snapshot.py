@@ -11,17 +11,52 @@ row, not the screen. Attributes and capacities are read the way the allocator re
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dra_gpu.controller.published_devices import Device
-from dra_gpu.controller.schemas import METADATA, SHAPES, TOLERATION
-from dra_gpu.decoding import ListOf, MapOf, Obj, Quantity, Str, decode
+from dra_gpu.controller.schemas import COUNTER, METADATA, TOLERATION
+from dra_gpu.decoding import ANY, Bool, ListOf, MapOf, Obj, Quantity, Str, decode
 from dra_gpu.kubernetes_values import quantity_or_none
 
 MEMORY_SLICE_PREFIX = "memory-slice-"  # dynamic MIG: one counter per memory slice (dra_gpu.dynamic_mig)
 
 _TAINT = Obj({"key": Str(), "value": Str(), "effect": Str()})
+# The fields of a slice read here. Attribute and capacity values are read by Device, which takes
+# a malformed one as absent; checking each one's type (the webhook's full shape) would be ~3x the
+# cost of everything else on a large cluster (bench/top_render.py).
+_SLICE = Obj(
+    {
+        "metadata": METADATA,
+        "spec": Obj(
+            {
+                "driver": Str(),
+                "nodeName": Str(),
+                "pool": Obj({"name": Str()}, required=("name",)),
+                "devices": ListOf(
+                    Obj(
+                        {
+                            "name": Str(),
+                            "attributes": MapOf(ANY),
+                            "capacity": MapOf(ANY),
+                            "taints": ListOf(_TAINT),
+                            "allowMultipleAllocations": Bool(),
+                            "consumesCounters": ListOf(
+                                Obj({"counterSet": Str(), "counters": MapOf(ANY)}, required=("counterSet",))
+                            ),
+                        },
+                        required=("name",),
+                    )
+                ),
+                "sharedCounters": ListOf(
+                    Obj({"name": Str(), "counters": MapOf(COUNTER)}, required=("name", "counters"))
+                ),
+            },
+            required=("driver", "pool"),
+        ),
+    },
+    required=("spec",),
+)
 _RESULT = Obj(
     {
         "request": Str(),
@@ -152,6 +187,16 @@ class TaintRule:
 
 
 @dataclass(frozen=True)
+class SliceRecord:
+    devices: tuple[PublishedDevice, ...]  # their own taints only; rules are applied by `assemble`
+    counter_sets: tuple[CounterSet, ...]
+
+
+Record = SliceRecord | Claim | Pod | TaintRule
+COLLECTIONS = ("slices", "claims", "pods", "rules")
+
+
+@dataclass(frozen=True)
 class Snapshot:
     driver: str
     devices: tuple[PublishedDevice, ...]
@@ -174,14 +219,6 @@ def _label(kind: str, obj: Any) -> str:
     return f"{kind} {ns}{name if isinstance(name, str) else '?'}"
 
 
-def _decoded(kind: str, obj: Any, shape: Obj, problems: list[str]) -> bool:
-    found = decode(obj, shape)
-    if found:
-        path, message = found[0]
-        problems.append(f"{_label(kind, obj)}: {path}: {message}; left out")
-    return not found
-
-
 def _bytes(value: Any) -> int | None:
     amount = quantity_or_none(value)
     return int(amount) if amount is not None else None
@@ -191,29 +228,20 @@ def _taint(raw: Mapping[str, Any], source: str) -> Taint:
     return Taint(str(raw.get("key") or ""), str(raw.get("value") or ""), str(raw.get("effect") or ""), source)
 
 
-def parse_rules(items: Iterable[Any], problems: list[str]) -> list[TaintRule]:
-    rules = []
-    for obj in items:
-        if not _decoded("DeviceTaintRule", obj, _RULE, problems):
-            continue
-        spec = obj["spec"]
-        sel = spec.get("deviceSelector") or {}
-        name = str(_meta(obj).get("name") or "")
-        rules.append(
-            TaintRule(
-                name,
-                sel.get("driver") or None,
-                sel.get("pool") or None,
-                sel.get("device") or None,
-                _taint(spec["taint"], f"DeviceTaintRule {name}"),
-            )
-        )
-    return rules
+def _rule(obj: dict[str, Any]) -> TaintRule:
+    spec = obj["spec"]
+    sel = spec.get("deviceSelector") or {}
+    name = str(_meta(obj).get("name") or "")
+    return TaintRule(
+        name,
+        sel.get("driver") or None,
+        sel.get("pool") or None,
+        sel.get("device") or None,
+        _taint(spec["taint"], f"DeviceTaintRule {name}"),
+    )
 
 
-def _device(
-    driver: str, node: str, pool: str, raw: Mapping[str, Any], rules: list[TaintRule]
-) -> PublishedDevice:
+def _device(driver: str, node: str, pool: str, raw: Mapping[str, Any]) -> PublishedDevice:
     dev = Device(driver, pool, str(raw["name"]), node, raw, (driver, pool))
 
     def attr(name: str) -> Any:
@@ -225,107 +253,137 @@ def _device(
     index = attr("parentIndex") if kind == "mig" else attr("index")
     memory = dev.capacity("memory")
     consumes = raw.get("consumesCounters") or []
-    counter_set = str(consumes[0].get("counterSet")) if consumes else None
     slices = frozenset(
         int(name[len(MEMORY_SLICE_PREFIX) :])
         for entry in consumes
         for name in entry.get("counters") or {}
         if name.startswith(MEMORY_SLICE_PREFIX) and name[len(MEMORY_SLICE_PREFIX) :].isdigit()
     )
-    taints = [_taint(t, "slice") for t in dev.taints()]
-    taints += [r.taint for r in rules if r.matches(driver, pool, dev.name)]
-    domain = attr("nvlinkDomain")
-    size = attr("nvlinkDomainSize")
+    domain, size, profile = attr("nvlinkDomain"), attr("nvlinkDomainSize"), attr("profile")
     return PublishedDevice(
         node=node,
         pool=pool,
         name=dev.name,
         kind=kind,
         gpu_uuid=str(gpu_uuid or dev.name),  # without a UUID a device stands for a GPU of its own
-        index=index if isinstance(index, int) else None,
+        index=index if isinstance(index, int) and not isinstance(index, bool) else None,
         product=str(attr("productName") or "unknown"),
-        nvlink_domain=str(domain) if isinstance(domain, str) else None,
-        nvlink_domain_size=size if isinstance(size, int) else 1,
+        nvlink_domain=domain if isinstance(domain, str) else None,
+        nvlink_domain_size=size if isinstance(size, int) and not isinstance(size, bool) else 1,
         memory=int(memory) if memory is not None else None,
-        profile=str(attr("profile")) if kind == "mig" and attr("profile") else None,
+        profile=profile if kind == "mig" and isinstance(profile, str) else None,
         shareable=dev.multi,
-        counter_set=counter_set,
+        counter_set=str(consumes[0]["counterSet"]) if consumes else None,
         memory_slices=slices,
-        taints=tuple(taints),
+        taints=tuple(_taint(t, "slice") for t in dev.taints()),
     )
 
 
-def parse_slices(
-    driver: str, items: Iterable[Any], rules: list[TaintRule], problems: list[str]
-) -> tuple[list[PublishedDevice], list[CounterSet]]:
-    """The devices and counter sets of `driver`'s slices (other drivers' slices are skipped)."""
-    devices: list[PublishedDevice] = []
-    sets: list[CounterSet] = []
-    shape = SHAPES["ResourceSlice"]
-    for obj in items:
-        if not isinstance(obj, dict) or (obj.get("spec") or {}).get("driver") != driver:
-            continue
-        obj = {"kind": "ResourceSlice", **obj}  # list items carry no kind
-        if not _decoded("ResourceSlice", obj, shape, problems):
-            continue
-        spec = obj["spec"]
-        pool = str(spec["pool"]["name"])
-        node = str(spec.get("nodeName") or pool)
-        devices += [_device(driver, node, pool, d, rules) for d in spec.get("devices") or []]
-        for cs in spec.get("sharedCounters") or []:
-            counters = cs["counters"]
-            slices = sum(1 for name in counters if name.startswith(MEMORY_SLICE_PREFIX))
-            memory = _bytes((counters.get("memory") or {}).get("value"))
-            sets.append(CounterSet(pool, str(cs["name"]), slices, memory))
-    return devices, sets
-
-
-def parse_claims(driver: str, items: Iterable[Any], problems: list[str]) -> list[Claim]:
-    """The claims with at least one device of `driver` allocated; others hold none of its GPUs."""
-    claims = []
-    for obj in items:
-        if not _decoded("ResourceClaim", obj, _CLAIM, problems):
-            continue
-        status = obj.get("status") or {}
-        results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
-        allocations = tuple(
-            Allocation(
-                str(r["driver"]),
-                str(r["pool"]),
-                str(r["device"]),
-                r.get("shareID") or None,
-                _bytes((r.get("consumedCapacity") or {}).get("memory")),
-            )
-            for r in results
-            if r["driver"] == driver
+def _slice(driver: str, obj: dict[str, Any]) -> SliceRecord:
+    spec = obj["spec"]
+    pool = str(spec["pool"]["name"])
+    node = str(spec.get("nodeName") or pool)
+    sets = []
+    for cs in spec.get("sharedCounters") or []:
+        counters = cs["counters"]
+        slices = sum(1 for name in counters if name.startswith(MEMORY_SLICE_PREFIX))
+        sets.append(
+            CounterSet(pool, str(cs["name"]), slices, _bytes((counters.get("memory") or {}).get("value")))
         )
-        if not allocations:
-            continue
-        pods = tuple(
-            str(ref["name"])
-            for ref in status.get("reservedFor") or []
-            if ref.get("resource") == "pods" and ref.get("name")
-        )
-        meta = _meta(obj)
-        claims.append(Claim(str(meta.get("namespace") or ""), str(meta.get("name") or ""), allocations, pods))
-    return claims
+    devices = tuple(_device(driver, node, pool, d) for d in spec.get("devices") or [])
+    return SliceRecord(devices, tuple(sets))
 
 
-def parse_pods(items: Iterable[Any], problems: list[str]) -> list[Pod]:
-    pods = []
-    for obj in items:
-        if not _decoded("Pod", obj, _POD, problems):
-            continue
-        meta = _meta(obj)
-        pods.append(
-            Pod(
-                str(meta.get("namespace") or ""),
-                str(meta.get("name") or ""),
-                str((obj.get("spec") or {}).get("nodeName") or ""),
-                str((obj.get("status") or {}).get("phase") or ""),
-            )
+def _claim(driver: str, obj: dict[str, Any]) -> Claim | None:
+    """The claim, when at least one device of `driver` is allocated to it; others hold none of its GPUs."""
+    status = obj.get("status") or {}
+    results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
+    allocations = tuple(
+        Allocation(
+            str(r["driver"]),
+            str(r["pool"]),
+            str(r["device"]),
+            r.get("shareID") or None,
+            _bytes((r.get("consumedCapacity") or {}).get("memory")),
         )
-    return pods
+        for r in results
+        if r["driver"] == driver
+    )
+    if not allocations:
+        return None
+    pods = tuple(
+        str(ref["name"])
+        for ref in status.get("reservedFor") or []
+        if ref.get("resource") == "pods" and ref.get("name")
+    )
+    meta = _meta(obj)
+    return Claim(str(meta.get("namespace") or ""), str(meta.get("name") or ""), allocations, pods)
+
+
+def _pod(obj: dict[str, Any]) -> Pod:
+    meta = _meta(obj)
+    return Pod(
+        str(meta.get("namespace") or ""),
+        str(meta.get("name") or ""),
+        str((obj.get("spec") or {}).get("nodeName") or ""),
+        str((obj.get("status") or {}).get("phase") or ""),
+    )
+
+
+_KINDS = {"slices": "ResourceSlice", "claims": "ResourceClaim", "pods": "Pod", "rules": "DeviceTaintRule"}
+_SHAPES = {"slices": _SLICE, "claims": _CLAIM, "pods": _POD, "rules": _RULE}
+
+
+def parse_object(collection: str, driver: str, obj: Any) -> tuple[Record | None, str | None]:
+    """One listed or watched object of a collection (COLLECTIONS) as its record, or None when it
+    has nothing of `driver` (another driver's slice, a claim of none of its devices); and the
+    problem that left it out, if any."""
+    if collection == "slices" and (
+        not isinstance(obj, dict) or (obj.get("spec") or {}).get("driver") != driver
+    ):
+        return None, None
+    found = decode(obj, _SHAPES[collection])
+    if found:
+        path, message = found[0]
+        return None, f"{_label(_KINDS[collection], obj)}: {path}: {message}; left out"
+    if collection == "slices":
+        return _slice(driver, obj), None
+    if collection == "claims":
+        return _claim(driver, obj), None
+    if collection == "pods":
+        return _pod(obj), None
+    return _rule(obj), None
+
+
+def assemble(driver: str, records: Iterable[Record], problems: Iterable[str] = ()) -> Snapshot:
+    """The snapshot of parsed records: each DeviceTaintRule's taint added to the devices it matches."""
+    slices: list[SliceRecord] = []
+    claims: list[Claim] = []
+    pods: list[Pod] = []
+    rules: list[TaintRule] = []
+    for r in records:
+        if isinstance(r, SliceRecord):
+            slices.append(r)
+        elif isinstance(r, Claim):
+            claims.append(r)
+        elif isinstance(r, Pod):
+            pods.append(r)
+        else:
+            rules.append(r)
+    devices = []
+    for s in slices:
+        for d in s.devices:
+            extra = tuple(r.taint for r in rules if r.matches(driver, d.pool, d.name))
+            devices.append(replace(d, taints=d.taints + extra) if extra else d)
+    return Snapshot(
+        driver=driver,
+        devices=tuple(devices),
+        counter_sets=tuple(cs for s in slices for cs in s.counter_sets),
+        claims=tuple(claims),
+        pods=tuple(pods),
+        rules=tuple(rules),
+        problems=tuple(problems),
+    )
 
 
 def parse_snapshot(
@@ -336,15 +394,13 @@ def parse_snapshot(
     taint_rules: Iterable[Any] = (),
 ) -> Snapshot:
     """The typed snapshot of the API objects as listed (plain JSON dicts)."""
+    records: list[Record] = []
     problems: list[str] = []
-    rules = parse_rules(taint_rules, problems)
-    devices, sets = parse_slices(driver, slices, rules, problems)
-    return Snapshot(
-        driver=driver,
-        devices=tuple(devices),
-        counter_sets=tuple(sets),
-        claims=tuple(parse_claims(driver, claims, problems)),
-        pods=tuple(parse_pods(pods, problems)),
-        rules=tuple(rules),
-        problems=tuple(problems),
-    )
+    for collection, items in zip(COLLECTIONS, (slices, claims, pods, taint_rules), strict=True):
+        for obj in items:
+            record, problem = parse_object(collection, driver, obj)
+            if record is not None:
+                records.append(record)
+            if problem:
+                problems.append(problem)
+    return assemble(driver, records, problems)
