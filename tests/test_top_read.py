@@ -7,11 +7,15 @@ import argparse
 import asyncio
 import io
 import json
+from typing import Any
+
+import pytest
 
 from dra_gpu.cli import main
+from dra_gpu.fleet import read
 from dra_gpu.fleet.command import Printer
 from dra_gpu.fleet.read import Scope, read_once, watch
-from dra_gpu.fleet.snapshot import Snapshot
+from dra_gpu.fleet.snapshot import Snapshot, parse_object
 from dra_gpu.fleet.view import GpuState, build_view
 from tests.controller.objects import DRIVER
 from tests.fake_kube import FakeApiServer, until
@@ -30,7 +34,7 @@ def serve(c: Cluster) -> FakeApiServer:
 
 
 def states(snapshot: Snapshot) -> dict[str, str]:
-    return {g.name: g.state.value for n in build_view(snapshot).nodes for g in n.gpus}
+    return {f"{g.node}/{g.name}": g.state.value for n in build_view(snapshot).nodes for g in n.gpus}
 
 
 def test_read_once_lists_the_drivers_slices_claims_and_pods_with_claims() -> None:
@@ -59,23 +63,34 @@ def test_read_once_lists_the_drivers_slices_claims_and_pods_with_claims() -> Non
     assert any("DeviceTaintRules: not served" in p for p in snapshot.problems)
 
 
-def test_watch_redraws_on_events_without_listing_again() -> None:
+def test_watch_redraws_on_events_without_listing_again(monkeypatch: pytest.MonkeyPatch) -> None:
     c = Cluster()
     names = c.add_node("node-a", "hgx-2x4")
+    c.add_node("node-b", "dgx-h100-mig", dynamic_mig=True)
     drawn: list[Snapshot] = []
+    parsed: list[str] = []
+
+    def counting(collection: str, driver: str, obj: Any) -> Any:
+        parsed.append(collection)
+        return parse_object(collection, driver, obj)
+
+    monkeypatch.setattr(read, "parse_object", counting)
 
     async def body() -> None:
         server = serve(c)
         task = asyncio.create_task(watch(server.kube(), Scope(DRIVER), drawn.append, timeout=5, settle=0.01))
         await until(lambda: len(drawn) == 1)
-        assert set(states(drawn[0]).values()) == {"free"}
+        assert set(states(drawn[0]).values()) == {"free", "mig"}
+        assert parsed.count("slices") == len(c.slices)
+        parsed.clear()
         later = Cluster(slices=c.slices)
         server.put("resourceclaims", later.hold("team-a", "train", "node-a", names[:1], pod="p"))
         await until(lambda: len(drawn) == 2)
-        assert states(drawn[1])[names[0]] == GpuState.HELD.value
+        assert states(drawn[1])[f"node-a/{names[0]}"] == GpuState.HELD.value
+        assert parsed == ["claims"]  # the redraw decoded the new claim only, not the slices again
         server.remove("resourceclaims", "train", "team-a")
         await until(lambda: len(drawn) == 3)
-        assert set(states(drawn[2]).values()) == {"free"}
+        assert set(states(drawn[2]).values()) == {"free", "mig"}
         # Each collection was listed once and then only watched.
         assert server.count("GET", "resourceclaims") == 1 and server.count("GET", "resourceslices") == 1
         task.cancel()
