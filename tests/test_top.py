@@ -188,6 +188,17 @@ def test_text_fits_80_columns_and_shows_owners_shares_taints_and_mig(cluster: Cl
     assert "H100 80GB HBM3             16 GPUs: 4 free, 4 held, 8 MIG, 2 tainted" in text
 
 
+def test_text_gives_long_owners_a_line_of_their_own(cluster: Cluster) -> None:
+    owner = "e2e-0274a42a/trainer-with-a-long-name-0 (claim trainer-gpus-c8zhx)"
+    namespace, _, rest = owner.partition("/")
+    pod = rest.split(" ")[0]
+    cluster.hold(namespace, "trainer-gpus-c8zhx", "node-hgx", ["gpu-0000-db-00-0"], pod=pod)
+    lines = render_text(view_of(cluster, node="node-hgx")).splitlines()
+    assert max(len(line) for line in lines) <= 80
+    at = next(i for i, line in enumerate(lines) if "gpu-0000-db-00-0" in line)
+    assert re.search(r"held +79.6Gi$", lines[at]) and lines[at + 1].strip() == owner
+
+
 def test_text_in_colour_colours_states_only_on_request(cluster: Cluster) -> None:
     plain = render_text(view_of(cluster))
     coloured = render_text(view_of(cluster), colour=True)

@@ -13,7 +13,7 @@ WIDTH = 80
 NAME_COLUMN = 18  # "gpu-0000-18-00-0" and a little more
 STATE_COLUMN = 7
 _ROW_INDENT = "    "
-_SUB_INDENT = " " * (len(_ROW_INDENT) + 3 + NAME_COLUMN + 1)  # under the state column
+_SUB_INDENT = " " * (len(_ROW_INDENT) + 3)  # under the device name: room for long pod and claim names
 _RESET = "\x1b[0m"
 _STYLES = {
     GpuState.FREE: "\x1b[32m",  # green
@@ -29,6 +29,8 @@ def memory_text(value: int | None) -> str:
     """Bytes as GiB for a person: 85520809984 -> "79.6Gi"; 21474836480 -> "20Gi"."""
     if value is None:
         return "?"
+    if value == 0:
+        return "0"
     gib = value / (1 << 30)
     if gib >= 1:
         return f"{gib:.0f}Gi" if gib == int(gib) else f"{gib:.1f}Gi"
@@ -95,7 +97,10 @@ class TextRenderer:
         index = f"{gpu.index:>2}" if gpu.index is not None else " ?"
         head = f"{_ROW_INDENT}{index} {gpu.name:<{NAME_COLUMN}} "
         detail, subs = _detail(gpu)
-        plain = self._fit(f"{head}{gpu.state.value:<{STATE_COLUMN}} {detail}".rstrip())
+        row = f"{head}{gpu.state.value:<{STATE_COLUMN}} {detail}".rstrip()
+        if len(row) > self.width and gpu.state is GpuState.HELD:  # its holder on a line of its own
+            row, subs = f"{head}{gpu.state.value:<{STATE_COLUMN}} {memory_text(gpu.memory)}", [detail, *subs]
+        plain = self._fit(row)
         word, at = gpu.state.value, len(head)
         if self.colour and plain[at : at + len(word)] == word:  # colour the state word only
             plain = plain[:at] + self._style(word, gpu.state) + plain[at + len(word) :]
@@ -109,7 +114,7 @@ class TextRenderer:
             self._line(f"{_SUB_INDENT}tainted {taint.text()} ({source})", "tainted")
 
     def _wrapped(self, label: str, items: list[str]) -> None:
-        """`label` and the items, as many lines under the state column as they take."""
+        """`label` and the items, on as many lines as they take."""
         line = f"{_SUB_INDENT}{label}"
         for i, item in enumerate(items):
             text = item + ("," if i < len(items) - 1 else "")
@@ -154,7 +159,7 @@ def _detail(gpu: GpuView) -> tuple[str, list[str]]:
         return f"{shares}, {memory_text(gpu.free_memory)} of {memory_text(gpu.memory)} free", subs
     if gpu.state is GpuState.HELD:
         return _holders_text(gpu.holders), []
-    return memory_text(gpu.memory), []
+    return memory_text(gpu.memory), []  # free
 
 
 def _holders_text(holders: Iterable[Holder]) -> str:
