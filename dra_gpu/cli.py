@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:  # keep debug output about this driver, not the libraries' internals
         for noisy in ("grpc", "asyncio", "aiohttp", "kubernetes"):
             logging.getLogger(noisy).setLevel(logging.INFO)
-    elif args.command != "inventory":
+    elif args.command not in ("inventory", "top"):  # their output is the screen: no info lines
         logging.getLogger("dra_gpu").setLevel(logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = args.extra_commands
     commands = {

@@ -199,6 +199,13 @@ def test_text_gives_long_owners_a_line_of_their_own(cluster: Cluster) -> None:
     assert re.search(r"held +79.6Gi$", lines[at]) and lines[at + 1].strip() == owner
 
 
+def test_text_never_prints_control_characters_from_published_attributes(cluster: Cluster) -> None:
+    device = cluster.slices[0]["spec"]["devices"][0]
+    device["attributes"]["productName"] = {"string": "H100\x1b]0;pwned\x07\x1b[2J"}
+    text = render_text(view_of(cluster, node="node-hgx"), colour=True)
+    assert "pwned" in text and "\x1b]" not in text and "\x07" not in text and "\x1b[2J" not in text
+
+
 def test_text_in_colour_colours_states_only_on_request(cluster: Cluster) -> None:
     plain = render_text(view_of(cluster))
     coloured = render_text(view_of(cluster), colour=True)

@@ -58,6 +58,9 @@ class TextRenderer:
         return f"{_STYLES[style]}{text}{_RESET}" if self.colour and text else text
 
     def _fit(self, text: str) -> str:
+        """One line of at most `width` columns, control characters shown as "?": slice attributes
+        (a product name) are any text a node published, and must not drive the terminal."""
+        text = text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
         return text if len(text) <= self.width else text[: self.width - 1] + "…"
 
     def _line(self, text: str, style: str | None = None) -> None:

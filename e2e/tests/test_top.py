@@ -6,17 +6,19 @@ the apiserver holds and exactly the one taint; its terminal rendering (captured)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
 
 import pytest
-from support import wait_for
-from test_kubelet_plugin import DRIVER, MIG_CLASS, PROFILE, claim_pod, our_slices, plugin, template  # noqa: F401
+from support import ROOT, wait_for
+from test_kubelet_plugin import CDI_DIR, DRIVER, MIG_CLASS, PROFILE, claim_pod, our_slices, plugin, template  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
 TAINT_KEY = "example.com/top-e2e"
+VENV_BIN = os.path.dirname(sys.executable)  # where the package's console scripts are installed
 
 
 @pytest.fixture
@@ -65,6 +67,14 @@ def top(target, *args: str) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def kubectl_binary() -> str:
+    """The cluster's own kubectl (e2e/cluster builds it), as its harness names it."""
+    sys.path.insert(0, str(ROOT / "e2e"))
+    from harness.config import BIN_K8S
+
+    return os.path.join(BIN_K8S, "kubectl")
 
 
 def claims_of(dyn, namespace):
@@ -178,6 +188,18 @@ def test_top_shows_exactly_the_claims_shares_mig_and_taints(
         }
         assert whole["nodes"][0]["totals"]["tainted"] == 1
 
+        # kubectl runs the installed `kubectl-dra_gpu` for `kubectl dra-gpu` (its plugin convention).
+        via_kubectl = subprocess.run(
+            [kubectl_binary(), "dra-gpu", "top", "-o", "json", "--node", node],
+            env={**os.environ, "KUBECONFIG": target.kubeconfig, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert via_kubectl.returncode == 0, via_kubectl.stderr
+        assert json.loads(via_kubectl.stdout)["nodes"] == whole["nodes"]
+
         screen = top(target, "--node", node)
         print(f"\n[e2e] dra-gpu top --node {node}:\n{screen}")
         lines = screen.splitlines()
@@ -192,9 +214,7 @@ def test_top_shows_exactly_the_claims_shares_mig_and_taints(
         rules.delete(name=rule_name)
         for pod in pods:
             core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
-        # Gone before the fixture restarts the plugin: the kubelet unprepares their claims first.
-        wait_for(
-            "the pods to be gone",
-            lambda: not core.list_namespaced_pod(namespace).items,
-            timeout=90,
-        )
+        # Unprepared before the fixture restarts the plugin (a force-deleted pod's object goes at
+        # once; the kubelet unprepares its claims after): no claim's CDI spec is left behind.
+        specs = [CDI_DIR / f"k8s.{DRIVER}-claim_{c['metadata']['uid']}.json" for c in claims]
+        wait_for("the claims to be unprepared", lambda: not any(p.exists() for p in specs), timeout=90)
