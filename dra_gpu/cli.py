@@ -144,6 +144,15 @@ def _add_node_commands(sub: Any) -> None:
         "GPU, each enforced by its own MPS daemon ($DRA_GPU_MEMORY_SHARES)",
     )
     plug.add_argument(
+        "--driver-memory-limits",
+        choices=("auto", "off"),
+        default=env("DRA_GPU_DRIVER_MEMORY_LIMITS", "auto"),
+        help="with --memory-shares: hold each share's container to its size with the driver's "
+        "per-cgroup GPU memory limits (driver 580+, cgroup v2, --cdi-hook-path to nvidia-cdi-hook "
+        ">= 1.20.1) where the node has them; otherwise, or with off, only the share's MPS daemon "
+        "limits it, cooperatively ($DRA_GPU_DRIVER_MEMORY_LIMITS, default auto)",
+    )
+    plug.add_argument(
         "--claim-watch",
         action=argparse.BooleanOptionalAction,
         default=_flag(env("DRA_GPU_CLAIM_WATCH", "true")),
@@ -187,6 +196,13 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
         return EXIT_USAGE
+    if args.driver_memory_limits not in ("auto", "off"):  # argparse does not check an env default
+        print(
+            f"dra-gpu kubelet-plugin: --driver-memory-limits (or $DRA_GPU_DRIVER_MEMORY_LIMITS): "
+            f"{args.driver_memory_limits!r} is not auto or off",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     failpoints.enable(args.enable_failpoints)
     try:
         cfg = PluginConfig(
@@ -194,6 +210,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
             kubeconfig=args.kubeconfig,
             http_address=args.http_address,
             cdi_hook_path=args.cdi_hook_path,
+            driver_memory_limits=args.driver_memory_limits,
             sweep_interval=args.sweep_interval,
             sweep_grace=args.sweep_grace,
             health=health_config(args),

@@ -181,3 +181,11 @@ def test_nvml_probe_of_a_simulated_node_runs_its_simulated_driver() -> None:
     assert "nvmlDeviceGetCount = 8" in out.stdout
     # As real NVML answers: nvmlDeviceGetAttributes is for MIG device handles only.
     assert "[0] nvmlDeviceGetAttributes ! NVMLError_NotSupported" in out.stdout
+
+
+def test_a_driver_memory_limits_setting_from_the_environment_is_checked_like_the_flag() -> None:
+    bad = run("kubelet-plugin", "--node-name", "n", env={"DRA_GPU_DRIVER_MEMORY_LIMITS": "always"})
+    assert bad.returncode == 2
+    assert "$DRA_GPU_DRIVER_MEMORY_LIMITS): 'always' is not auto or off" in bad.stderr
+    flag = run("kubelet-plugin", "--node-name", "n", "--driver-memory-limits", "always")
+    assert flag.returncode == 2 and "invalid choice: 'always'" in flag.stderr

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from dra_gpu.simnode import exports
+from dra_gpu.simnode.state import read_state
 from tests.simnode_support import (
     H200,
     devdir_for,
@@ -115,6 +116,17 @@ if res["nvmlDeviceSetMemoryLimits_v1"] is True:
     res["setLimitsMig"] = lib.nvmlDeviceSetMemoryLimits_v1(mig, ctypes.byref(Limits(cg, 1, 2)))
     nope = Limits(cg + b"/nope", 1, 2)
     res["setLimitsNoCgroup"] = lib.nvmlDeviceSetMemoryLimits_v1(whole, ctypes.byref(nope))
+    res["setLimitsOverTotal"] = lib.nvmlDeviceSetMemoryLimits_v1(whole, ctypes.byref(Limits(cg, 0, 1 << 50)))
+    res["setLimitsSoftOverHard"] = lib.nvmlDeviceSetMemoryLimits_v1(whole, ctypes.byref(Limits(cg, 2, 1)))
+    kept = cg + b"-kept"
+    os.mkdir(kept)
+    kept_limits = Limits(kept, 3 << 30, 4 << 30)
+    res["setLimitsKept"] = lib.nvmlDeviceSetMemoryLimits_v1(whole, ctypes.byref(kept_limits))
+    res["wholeUuid"] = pynvml.nvmlDeviceGetUUID(whole)
+    # The cgroup removed (its container ended): its limit goes with it.
+    os.rmdir(cg)
+    got = GetLimits(cg, 0, 0, 0)
+    res["getLimitsRemovedCgroup"] = lib.nvmlDeviceGetMemoryLimits_v1(whole, ctypes.byref(got))
 out(res)
 """
 
@@ -138,7 +150,8 @@ def test_answers_that_depend_on_the_driver_version(
     lib = library(libcache, "dgx-h100-mig", version)
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()
-    res = run_child(lib, devdir_for(tmp_path / "dev", "dgx-h100-mig"), VERSIONED, str(cgroup))
+    devdir = devdir_for(tmp_path / "dev", "dgx-h100-mig")
+    res = run_child(lib, devdir, VERSIONED, str(cgroup))
     assert res["byIdV"] == by_id
     assert res["profileInfoV"] == 9  # ...ProfileInfoV is there on every version
     # "This API currently only supports MIG device handles", on every version.
@@ -158,6 +171,14 @@ def test_answers_that_depend_on_the_driver_version(
         assert res["getLimits"] == (0, 1 << 30, 2 << 30)
         assert res["setLimitsMig"] == 3  # NVML_ERROR_NOT_SUPPORTED: "MIG handles are not supported"
         assert res["setLimitsNoCgroup"] == 17  # NVML_ERROR_OPERATING_SYSTEM
+        assert res["setLimitsOverTotal"] == 2  # INVALID_ARGUMENT: "a limit exceeds total device memory"
+        assert res["setLimitsSoftOverHard"] == 2  # INVALID_ARGUMENT: "the softLimit exceeds the hardLimit"
+        # "Removing the cgroup will also clear any limits": gone for NVML and for the state reader.
+        assert res["getLimitsRemovedCgroup"] == 17  # OPERATING_SYSTEM: "the cgroup path cannot be opened"
+        # What the kernel keeps: only the limit of the cgroup that still exists.
+        assert res["setLimitsKept"] == 0
+        kept = {res["wholeUuid"]: {f"{cgroup}-kept": (3 << 30, 4 << 30)}}
+        assert read_state(devdir).memory_limits == kept
 
 
 @pytest.mark.parametrize("version", ["535.261.03", "550.163.01", "570.133.20", "580.95.05"])

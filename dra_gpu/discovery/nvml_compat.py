@@ -34,6 +34,19 @@ FALLBACKS: Mapping[str, Fallback] = {
         ),
         test="tests/test_nvml_compat.py::test_premade_mig_devices_published_without_profile_info_by_id",
     ),
+    # Per-cgroup GPU memory limits, NVML 13 (driver 580); not in 535, 550 or 570.
+    **{
+        symbol: Fallback(
+            since=580,
+            instead=(
+                "memory shares are held by their MPS daemons' limits only (cooperative): "
+                "memory_limits.detect finds no nvmlDeviceSetMemoryLimits_v1 and adds no hook; the "
+                "claim's status says so"
+            ),
+            test="tests/plugin/test_memory_limits.py::test_driver_limits_need_driver_580_cgroup_v2_and_the_hook",
+        )
+        for symbol in ("nvmlDeviceSetMemoryLimits_v1", "nvmlDeviceGetMemoryLimits_v1")
+    },
     # Not in 535.261.03, in 550.163.01 (CUDA 12.4 headers).
     "nvmlDeviceGetGpuFabricInfoV": Fallback(
         since=550,

@@ -1,7 +1,8 @@
 """The claim's `status.devices` (KEP-4817): for each device the plugin prepared, what it is (`data`:
 UUID, product, index, minor, MIG profile) and two conditions, `Ready` (prepared) and `Healthy`
-(follows the health monitor), so `kubectl get resourceclaim -o yaml` says which GPU a workload got
-and whether it is still healthy.
+(follows the health monitor), and for a memory share `MemoryLimitEnforced` (True: the driver
+holds its container to the share's size; False: only its MPS daemon's limit, cooperative), so
+`kubectl get resourceclaim -o yaml` says which GPU a workload got and whether it is still healthy.
 
 Written with server-side apply to the status subresource (field manager = the driver name), which
 owns exactly this driver's entries. Best effort, in the background: a failure is logged, never fails
@@ -43,6 +44,8 @@ QUIET_AFTER_S = 0.1  # "quiet": no prepare or unprepare for this long, not just 
 # pool allows and kept them after it, each with its TLS buffers (asyncio's read buffer, OpenSSL's;
 # ~4 MB in all, bench/RESULTS.md).
 WRITES_IN_FLIGHT = 4
+# A memory share's condition: True when the driver holds its container's cgroup to the share's size.
+MEMORY_LIMIT_CONDITION = "MemoryLimitEnforced"
 
 
 def _transient(exc: BaseException) -> bool:
@@ -143,6 +146,23 @@ class ClaimStatusWriter:
             }
             if d.get("shareId"):
                 entry["shareID"] = d["shareId"]
+            limit = d.get("memoryLimit")
+            if isinstance(limit, dict):  # a memory share: what holds it to its size
+                by_driver = limit.get("enforcedBy") == "driver"
+                entry["data"]["memoryLimitEnforcedBy"] = "driver" if by_driver else "cooperative"
+                entry["conditions"].append(
+                    self._condition(
+                        uid,
+                        device,
+                        MEMORY_LIMIT_CONDITION,
+                        by_driver,
+                        "DriverMemoryLimit" if by_driver else "CooperativeMpsLimit",
+                        str(limit.get("reason", ""))
+                        if by_driver
+                        else "only the MPS daemon's pinned-memory limit holds this share (a client "
+                        f"that bypasses MPS is not held to it): {limit.get('reason', '')}",
+                    )
+                )
             entries.append(entry)
         return {
             "apiVersion": "resource.k8s.io/v1",

@@ -74,6 +74,7 @@ class CdiDevice:
     device_nodes: list[DeviceNode]
     env: dict[str, str] = field(default_factory=dict)
     mounts: list[dict[str, Any]] = field(default_factory=list)  # CDI mounts (an MPS pipe dir)
+    hooks: list[dict[str, Any]] = field(default_factory=list)  # OCI hooks (a share's memory limit)
 
 
 def _compact(value: Any) -> str:
@@ -148,6 +149,8 @@ class CdiSpecs:
                 edits["env"] = [f"{k}={v}" for k, v in sorted(dev.env.items())]
             if dev.mounts:
                 edits["mounts"] = list(dev.mounts)
+            if dev.hooks:
+                edits["hooks"] = list(dev.hooks)
             spec_devices.append({"name": name, "containerEdits": edits})
         spec: dict[str, Any] = {
             "cdiVersion": "",

@@ -13,7 +13,7 @@ the made instances).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dra_gpu.api import ConfigError, GpuConfig, decode
@@ -194,9 +194,12 @@ class Planner:
                 )
             )
         sharing = self._plan_sharing(ref, shared)
-        for name, (env, mounts) in sharing.device_edits.items():
-            cdi_devices[name].env.update(env)
-            cdi_devices[name].mounts.extend(mounts)
+        if sharing.memory:
+            prepared = [_with_memory_limit(p, sharing) for p in prepared]
+        for name, edits in sharing.device_edits.items():
+            cdi_devices[name].env.update(edits.env)
+            cdi_devices[name].mounts.extend(edits.mounts)
+            cdi_devices[name].hooks.extend(edits.hooks)
         control = self.nodes.control()
         try:
             self.nodes.verify(control)
@@ -257,3 +260,13 @@ class Planner:
             return self.sharing.plan(ref.uid, shared)
         except SharingError as exc:
             raise PrepareError(str(exc)) from exc
+
+
+def _with_memory_limit(device: PreparedDevice, sharing: SharingPlan) -> PreparedDevice:
+    """A memory share's device, with what holds it to its size (for the claim's status)."""
+    if device.share_id is None:
+        return device
+    enforcement = sharing.memory.get(f"{device.device_name}-{device.share_id}")
+    if enforcement is None:
+        return device
+    return replace(device, memory_limit={"enforcedBy": enforcement.kind, "reason": enforcement.reason})

@@ -52,7 +52,15 @@ class MigStage(enum.StrEnum):
 MIG_PLANNED, MIG_GPU_INSTANCE, MIG_READY = MigStage.PLANNED, MigStage.GPU_INSTANCE, MigStage.READY
 
 _MIG_KEYS = ("device", "parentUUID", "profileId", "start", "size", "step", "giId", "ciId", "uuid")
-_DEVICE_KEYS = ("requestNames", "poolName", "deviceName", "cdiDeviceIds", "shareId", "adminAccess")
+_DEVICE_KEYS = (
+    "requestNames",
+    "poolName",
+    "deviceName",
+    "cdiDeviceIds",
+    "shareId",
+    "adminAccess",
+    "memoryLimit",
+)
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,8 @@ class PreparedDevice:
     cdi_device_ids: list[str]
     share_id: str | None = None
     admin_access: bool = False
+    # A memory share's: {"enforcedBy": "driver" | "cooperative", "reason": ...} (memory_limits)
+    memory_limit: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -131,6 +141,8 @@ class PreparedDevice:
             d["shareId"] = self.share_id
         if self.admin_access:
             d["adminAccess"] = True
+        if self.memory_limit is not None:
+            d["memoryLimit"] = dict(self.memory_limit)
         return d
 
     @classmethod
@@ -143,7 +155,14 @@ class PreparedDevice:
             cdi_device_ids=list(d.get("cdiDeviceIds", [])),
             share_id=d.get("shareId"),
             admin_access=bool(d.get("adminAccess", False)),
+            memory_limit=_memory_limit(d.get("memoryLimit")),
         )
+
+
+def _memory_limit(raw: Any) -> dict[str, str] | None:
+    if not isinstance(raw, Mapping):
+        return None
+    return {"enforcedBy": str(raw.get("enforcedBy", "")), "reason": str(raw.get("reason", ""))}
 
 
 def _parse_device(raw: Mapping[str, Any]) -> tuple[PreparedDevice, dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dra_gpu.device_catalog import DeviceCatalog
+from dra_gpu.device_catalog import DeviceCatalog, DeviceKind
 from dra_gpu.discovery.driver_versions import library_version
 from dra_gpu.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.health.claim_status import ClaimStatusWriter
@@ -34,6 +34,8 @@ from dra_gpu.plugin.device_nodes import DeviceNodes, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_upgrade import POLL_SECONDS, DriverVersions, DriverVersionWatch
 from dra_gpu.plugin.gpu_driver import GpuDriver
+from dra_gpu.plugin.memory_limits import MemoryLimits
+from dra_gpu.plugin.memory_limits import detect as detect_memory_limits
 from dra_gpu.plugin.mig_binding import MigBinder
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
@@ -51,6 +53,7 @@ class PluginConfig:
     kubeconfig: str | None = None  # None: in-cluster
     http_address: str = ""  # host:port; "" disables the HTTP endpoint
     cdi_hook_path: str | None = None  # nvidia-cdi-hook on the host, for NVIDIA's CDI hooks
+    driver_memory_limits: str = "auto"  # memory shares held by the driver where it can; "off"
     sweep_interval: float = 600.0
     sweep_grace: float = 60.0
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -101,6 +104,29 @@ class KubeletPlugin:
             log.warning("%s: stopping (exit status %d)", watch.problem(versions), EXIT_DRIVER_CHANGED)
         self.stopping.set()
 
+    def _memory_limits(
+        self, backend: NodeBackend, catalog: DeviceCatalog, driver_files: DriverFiles
+    ) -> MemoryLimits:
+        """Whether memory shares are held by the driver on this node (said once, at start)."""
+        shared = [d.gpu.uuid for d in catalog.of_kind(DeviceKind.GPU) if d.shared]
+        limits = detect_memory_limits(
+            mode=self.cfg.driver_memory_limits,
+            nvml=backend.nvml,
+            nvml_library=backend.nvml_library,
+            driver_version=catalog.inventory.driver_version,
+            gpus=[(u, backend.nvml.nvmlDeviceGetHandleByUUID(u)) for u in shared],
+            hook_path=self.cfg.cdi_hook_path,
+            host_driver_root=driver_files.host_root,
+            hook_env=backend.tool_env,
+        )
+        log.info(
+            "memory shares enforced_by=%s reason=%r%s",
+            limits.enforcement.kind,
+            limits.enforcement.reason,
+            f" unsupported_gpus={','.join(sorted(limits.unsupported))}" if limits.unsupported else "",
+        )
+        return limits
+
     async def run(self) -> None:
         """The composition root: each component is started, then its teardown registered on one
         exit stack, so what started is stopped in the reverse order however the run ends. The
@@ -130,6 +156,9 @@ class KubeletPlugin:
             cfg.cdi_hook_path,
             watch=watch,
         )
+        memory_limits = None
+        if node.memory_shares:
+            memory_limits = await asyncio.to_thread(self._memory_limits, backend, catalog, driver_files)
         async with contextlib.AsyncExitStack() as stack:
             kube = await Kube.connect(cfg.kubeconfig)
             stack.push_async_callback(kube.close)
@@ -150,7 +179,9 @@ class KubeletPlugin:
                 DeviceNodes(node.dev_root, modprobe=find_modprobe(backend.driver_root)),
                 kube,
                 driver_files,
-                sharing=node_sharing(node.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env),
+                sharing=node_sharing(
+                    node.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env, memory_limits
+                ),
                 mig=mig,
             )
             if checkpoint.rebuild_pending:  # the file was corrupt: records from the specs and the API

@@ -7,7 +7,8 @@ for is planned with the claim, applied before its CDI spec is written, and undon
 - Memory shares (a result with a shareID on a GPU published with allowMultipleAllocations): one
   daemon per share, its pinned-memory limit the consumed `memory`, its active thread percentage
   the consumed `computeShare` (none when 0); the GPU stays in DEFAULT compute mode so the shares'
-  MPS servers run side by side.
+  MPS servers run side by side. Where the driver can (`memory_limits`), the share's container
+  also gets the consumed `memory` as its cgroup's GPU memory limit.
 - TimeSlicing: the GPU's compute mode DEFAULT and its time slice at the requested level; both
   restored when the last claim that set them is gone.
 - Exclusive: nothing to apply.
@@ -38,6 +39,7 @@ from dra_gpu.plugin.compute_mode import (
 )
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_programs import program_locator
+from dra_gpu.plugin.memory_limits import COOPERATIVE, Enforcement, MemoryLimits
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
 from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSlices
 
@@ -68,11 +70,22 @@ class SharedDevice:
 
 
 @dataclass
+class DeviceEdits:
+    """What sharing adds to one device's CDI edits."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    hooks: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class SharingPlan:
-    """`record` goes into the checkpoint entry; `device_edits` into the devices' CDI edits."""
+    """`record` goes into the checkpoint entry; `device_edits` into the devices' CDI edits;
+    `memory` says, for each memory share (by CDI device name), what holds it to its size."""
 
     record: dict[str, Any] = field(default_factory=dict)
-    device_edits: dict[str, tuple[dict[str, str], list[dict[str, Any]]]] = field(default_factory=dict)
+    device_edits: dict[str, DeviceEdits] = field(default_factory=dict)
+    memory: dict[str, Enforcement] = field(default_factory=dict)
 
 
 def _daemons(record: dict[str, Any]) -> list[MpsDaemon]:
@@ -101,10 +114,17 @@ _ERRORS = (ComputeModeError, MpsError, TimeSliceError)
 class Sharing:
     """Plans, applies, checks and undoes the sharing of prepared claims on this node."""
 
-    def __init__(self, mps: MpsDaemons, modes: ComputeModes, timeslices: TimeSlices | None = None) -> None:
+    def __init__(
+        self,
+        mps: MpsDaemons,
+        modes: ComputeModes,
+        timeslices: TimeSlices | None = None,
+        memory_limits: MemoryLimits | None = None,
+    ) -> None:
         self.mps = mps
         self.modes = modes
         self.timeslices = timeslices
+        self.memory_limits = memory_limits
 
     # -- planning (no side effects) -------------------------------------------------------------
 
@@ -114,12 +134,20 @@ class Sharing:
         modes: dict[str, dict[str, Any]] = {}
         slices: dict[str, dict[str, Any]] = {}
         daemons: list[MpsDaemon] = []
+        limited = self._driver_limited([d for d in devices if d.share_id is not None])
         for dev in devices:
             if dev.share_id is not None:
                 daemon = self._share_daemon(f"{claim_uid}-{len(daemons)}", dev)
                 daemons.append(daemon)
                 modes[dev.uuid] = {"mode": DEFAULT}
-                plan.device_edits[dev.name] = self.mps.cdi_edits(daemon)
+                env, mounts = self.mps.cdi_edits(daemon)
+                edits = plan.device_edits[dev.name] = DeviceEdits(env, mounts)
+                enforcement, memory = limited[dev.name]
+                plan.memory[dev.name] = enforcement
+                if enforcement.by_driver and self.memory_limits is not None:
+                    limit_env, hooks = self.memory_limits.edits(dev.uuid, memory)
+                    edits.env.update(limit_env)
+                    edits.hooks.extend(hooks)
             elif dev.config.sharing.strategy == "MPS":
                 self._check_mps(dev)
                 groups.setdefault(dev.config, []).append(dev)
@@ -141,7 +169,7 @@ class Sharing:
             daemons.append(daemon)
             for d in members:
                 modes[d.uuid] = {"mode": EXCLUSIVE_PROCESS}
-                plan.device_edits[d.name] = self.mps.cdi_edits(daemon)
+                plan.device_edits[d.name] = DeviceEdits(*self.mps.cdi_edits(daemon))
         modes = {uuid: mode for uuid, mode in modes.items() if settable(uuid)}
         if daemons:
             plan.record["mps"] = [d.to_dict() for d in daemons]
@@ -150,6 +178,33 @@ class Sharing:
         if slices:
             plan.record["timeSlices"] = slices
         return plan
+
+    def _driver_limited(self, shares: list[SharedDevice]) -> dict[str, tuple[Enforcement, int]]:
+        """(how each share's memory is held, its size in bytes), by CDI device name. A container
+        environment holds one limit for the hook, so shares of different sizes in one claim (a
+        container may use them all) fall back to their MPS daemons' limits."""
+        out: dict[str, tuple[Enforcement, int]] = {}
+        for dev in shares:
+            memory = dev.consumed.get("memory")
+            size = _quantity(memory, f"{dev.where}: consumedCapacity.memory") if memory is not None else 0
+            if self.memory_limits is None:
+                enforcement = Enforcement(COOPERATIVE, "no driver memory limits on this node")
+            elif memory is None:
+                enforcement = Enforcement(COOPERATIVE, "the share consumed no memory capacity")
+            else:
+                enforcement = self.memory_limits.for_gpu(dev.uuid)
+            out[dev.name] = (enforcement, size)
+        sizes = {size for enforcement, size in out.values() if enforcement.by_driver}
+        if len(sizes) > 1:
+            reason = (
+                "the claim has memory shares of different sizes; a container's environment holds one "
+                "limit for NVIDIA's hook"
+            )
+            out = {
+                name: ((Enforcement(COOPERATIVE, reason), size) if e.by_driver else (e, size))
+                for name, (e, size) in out.items()
+            }
+        return out
 
     @staticmethod
     def _share_daemon(daemon_id: str, dev: SharedDevice) -> MpsDaemon:
@@ -330,7 +385,11 @@ class Sharing:
 
 
 def node_sharing(
-    mps_root: Path, driver_files: DriverFiles, nvml: Any, tool_env: dict[str, str] | None = None
+    mps_root: Path,
+    driver_files: DriverFiles,
+    nvml: Any,
+    tool_env: dict[str, str] | None = None,
+    memory_limits: MemoryLimits | None = None,
 ) -> Sharing:
     """The node's sharing: daemons under `mps_root`, compute modes through the node's NVML (the
     driver keeps them across processes: nvidia-smi and a restarted plugin see them), time slices
@@ -341,4 +400,5 @@ def node_sharing(
         MpsDaemons(mps_root, program_locator(driver_files, CONTROL_BINARY), tool_env),
         ComputeModes(nvml),
         TimeSlices(program_locator(driver_files, NVIDIA_SMI), tool_env),
+        memory_limits,
     )

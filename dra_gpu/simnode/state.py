@@ -1,17 +1,20 @@
 """What a simulated node's kernel keeps, read from outside (tests, e2e checks): the state file the
 simulated libnvidia-ml.so.1 keeps under `<device-node dir>/.nvidia-sim/state` (MIG mode, GPU and
-compute instances, compute modes), in the form the product never reads (it asks NVML).
+compute instances, compute modes, per-cgroup memory limits), in the form the product never reads
+(it asks NVML).
 
 Lines (written by the library, replaced atomically):
     gpu <gpu-uuid> <mig-enabled> <compute-mode>
     gi <gpu-uuid> <gi-id> <profile-id> <start>
     ci <gpu-uuid> <gi-id> <ci-id> <compute-mode> <mig-uuid>
-    limit <gpu-uuid> <soft> <hard> <namespace>
-No file: the boot state (the profile's MIG modes and pre-made instances).
+    limit <gpu-uuid> <soft> <hard> <cgroup-inode> <namespace>
+A limit whose cgroup is gone (or was made again: another inode) was cleared with it, as the driver
+clears it, and is not read back. No file: the boot state (the profile's MIG modes and pre-made instances).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,8 @@ class SimState:
     # GPU UUID -> its instances: {"profile", "placement", "giId", "ciId", "uuid"} (ciId/uuid None:
     # a GPU instance without a compute instance)
     instances: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # GPU UUID -> cgroup path -> (soft, hard) memory limit in bytes
+    memory_limits: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     def compute_mode(self, uuid: str) -> int:
         return self.compute_modes.get(uuid, DEFAULT_COMPUTE_MODE)
@@ -76,7 +81,19 @@ def read_state(dev_dir: Path | str, profile: NodeProfile | None = None) -> SimSt
             if found is not None:
                 found.update(ciId=int(ci), uuid=mig_uuid)
                 state.compute_modes[mig_uuid] = int(mode)
+        elif word == "limit":
+            uuid, soft, hard, ino = rest[:4]
+            namespace = line.split(None, 5)[5]
+            if _inode(namespace) == int(ino):
+                state.memory_limits.setdefault(uuid, {})[namespace] = (int(soft), int(hard))
     return state
+
+
+def _inode(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return 0
 
 
 def reboot(dev_dir: Path | str) -> None:

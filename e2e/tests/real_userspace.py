@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 from support import CACHE, ROOT, wait_for
-from test_kubelet_plugin import CDI_DIR, HTTP, KUBELET_ROOT, PLUGIN_DIR, Plugin, device_attrs
+from test_kubelet_plugin import Plugin, device_attrs
 
 PROFILE = "hgx-2x4"
 STATE = Path(os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e")) / "real-userspace"
@@ -133,56 +133,31 @@ class RealUserspacePlugin(Plugin):
         self.root, self.nvml, self.nvml_rel, self.dev_root = Path(root), Path(nvml), nvml_rel, dev_root
         self.hook_path = hook_path
 
-    def start(self) -> None:
-        target = self.root / self.nvml_rel
-        assert target.is_file() and not target.is_symlink(), target
-        cmd = [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            BIND_THEN_EXEC,
-            "sh",
-            str(self.nvml),
-            str(target),
-            sys.executable,
-            "-m",
-            "dra_gpu.cli",
-            "kubelet-plugin",
-            "--node-name",
-            self.node,
+    def node_args(self) -> list[str]:
+        return [
             "--driver-root",
             str(self.root),
             "--dev-root",
             str(self.dev_root),
-            "--kubeconfig",
-            self.kubeconfig,
-            "--plugin-dir",
-            str(PLUGIN_DIR),
-            "--registry-dir",
-            str(KUBELET_ROOT / "plugins_registry"),
-            "--cdi-dir",
-            str(CDI_DIR),
-            "--http-address",
-            HTTP,  # where Plugin.ready() asks
-            "--sweep-interval",
-            "2",
-            "--sweep-grace",
-            "3",
             *(["--cdi-hook-path", str(self.hook_path)] if self.hook_path else []),
         ]
+
+    def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DRA_GPU_PROFILE", "NVIDIA_"))}
         # The simulated NVML's own knobs: where its GPUs' device nodes and kernel files are.
-        env |= {
+        return env | {
             "DRA_GPU_SIM_DEV_DIR": str(self.dev_root / "dev"),
             "DRA_GPU_SIM_PROC_DIR": str(self.dev_root / "proc"),
             "PYTHONPATH": str(ROOT),
         }
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        wait_for("the kubelet to confirm the plugin's registration (/readyz)", self.ready, timeout=60)
+
+    def start(self) -> None:
+        target = self.root / self.nvml_rel
+        assert target.is_file() and not target.is_symlink(), target
+        # The simulated NVML over NVIDIA's file, in the plugin's own mount namespace only.
+        bind = ["unshare", "--mount", "--propagation", "private", "sh", "-c", BIND_THEN_EXEC, "sh"]
+        self.wrapper = [*bind, str(self.nvml), str(target)]
+        super().start()
 
     def nvml_in_maps(self) -> tuple[str, int]:
         """The libnvidia-ml the plugin's process has mapped: (path, inode)."""

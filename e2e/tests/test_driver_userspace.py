@@ -70,8 +70,10 @@ def hgx(target, core, dyn, tmp_path_factory):
         api.delete(name=s["metadata"]["name"])
 
 
-def gpu_pod(core, namespace, name, image, command, claim=True, template="gpus"):
+def gpu_pod(core, namespace, name, image, command, claim=True, template="gpus", env=None):
     container = {"name": "main", "image": image, "imagePullPolicy": "Never", "command": ["sh", "-c", command]}
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
     spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0, "containers": [container]}
     if claim:
         spec["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import sim_driver_root, wait_for
+from support import ROOT, sim_driver_root, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -38,21 +38,32 @@ class Plugin:
         self.driver_root: str | None = None  # None: the simulated root of driver_version
         self.extra_args: list[str] = []  # more kubelet-plugin flags (e.g. --memory-shares)
         self.env: dict[str, str] = {}  # more environment (e.g. DRA_GPU_FAILPOINTS, with --enable-failpoints)
+        self.wrapper: list[str] = []  # a command the plugin runs under (e.g. `unshare ...`)
+
+    def node_args(self) -> list[str]:
+        """The flags that say which node this is: a simulated one of the profile."""
+        return [
+            "--profile",
+            self.profile,
+            "--driver-root",
+            self.driver_root or sim_driver_root(self.profile, self.driver_version),
+        ]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
         self.proc = subprocess.Popen(
             [
+                *self.wrapper,
                 sys.executable,
                 "-m",
                 "dra_gpu.cli",
                 "kubelet-plugin",
                 "--node-name",
                 self.node,
-                "--profile",
-                self.profile,
-                "--driver-root",
-                self.driver_root or sim_driver_root(self.profile, self.driver_version),
+                *self.node_args(),
                 "--kubeconfig",
                 self.kubeconfig,
                 "--plugin-dir",
@@ -71,7 +82,8 @@ class Plugin:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
+            env=self.environment(),
+            cwd=ROOT,
         )
         log.close()
         # Ready: the kubelet confirmed the registration, so a pod made now is not refused with

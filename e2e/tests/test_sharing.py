@@ -194,6 +194,16 @@ def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and
     print(f"[e2e] after the pods: {time_slice(uuid)}")
 
 
+def wait_for_shareable_gpus(dyn) -> None:
+    """The plugin publishes its GPUs as memory shares (allowMultipleAllocations)."""
+
+    def shareable() -> bool:
+        devices = [d for s in our_slices(dyn)[1] for d in s["spec"]["devices"]]
+        return any(d.get("allowMultipleAllocations") for d in devices)
+
+    wait_for("shareable GPUs", shareable, timeout=30)
+
+
 @pytest.fixture
 def shares(hgx, dyn):  # noqa: F811 - the fixture imported above
     """The same plugin restarted on an A100 node (80Gi GPUs) publishing its whole GPUs as memory
@@ -202,13 +212,7 @@ def shares(hgx, dyn):  # noqa: F811 - the fixture imported above
     hgx.profile, hgx.extra_args = "dgx-a100-mig", ["--memory-shares"]
     try:
         hgx.start()
-        wait_for(
-            "shareable GPUs",
-            lambda: any(
-                d.get("allowMultipleAllocations") for s in our_slices(dyn)[1] for d in s["spec"]["devices"]
-            ),
-            timeout=30,
-        )
+        wait_for_shareable_gpus(dyn)
         yield hgx
     finally:
         hgx.stop()

@@ -160,10 +160,17 @@ def test_daemonset_driver_root_and_cdi_hook(render: Render) -> None:
     host = {
         v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v
     }
-    assert host["driver-root"] == "/run/nvidia/driver"
-    # Found at /driver-root in the pod, named by its host path in the specs the runtime reads.
-    assert env["NVIDIA_DRIVER_ROOT"] == "/driver-root"
+    # The parent is mounted, so that the driver container's (re)mount of /run/nvidia/driver is a
+    # mount inside the volume, which reaches the running pod.
+    assert host["driver-root"] == "/run/nvidia"
+    # Found under /driver-root in the pod, named by its host path in the specs the runtime reads.
+    assert env["NVIDIA_DRIVER_ROOT"] == "/driver-root/driver"
     assert env["NVIDIA_HOST_DRIVER_ROOT"] == "/run/nvidia/driver"
+    for root, parent, in_pod in (("/", "/", "/driver-root"), ("/opt/nvidia/", "/opt", "/driver-root/nvidia")):
+        ds = one(render(f"kubeletPlugin.nvidiaDriverRoot={root}"), "DaemonSet")
+        volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["driver-root"]["hostPath"]["path"] == parent, root
+        assert env_of(container(ds))["NVIDIA_DRIVER_ROOT"] == in_pod, root
     assert "NVIDIA_CDI_HOOK_PATH" not in env
     hooked = env_of(container(one(render("kubeletPlugin.cdiHookPath=/usr/bin/nvidia-cdi-hook"), "DaemonSet")))
     assert hooked["NVIDIA_CDI_HOOK_PATH"] == "/usr/bin/nvidia-cdi-hook"

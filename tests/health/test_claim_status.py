@@ -195,3 +195,35 @@ def test_a_status_write_that_falls_in_an_outage_lands_after_it() -> None:
         await writer.close()
 
     asyncio.run(body())
+
+
+def test_a_memory_share_says_whether_the_driver_or_only_mps_holds_it_to_its_size() -> None:
+    writer, _ = one_gpu_writer(RecordingKube())
+    gpu = writer.catalog.gpus[0].device_name
+    shares = [
+        {
+            "deviceName": gpu,
+            "poolName": "node-a",
+            "shareId": share,
+            "memoryLimit": {"enforcedBy": by, "reason": reason},
+        }
+        for share, by, reason in (
+            ("s1", "driver", "NVIDIA's hook sets it"),
+            ("s2", "cooperative", "the node runs cgroup v1"),
+        )
+    ]
+    entries = writer.body("ns", "c", "uid-1", shares)["status"]["devices"]
+    by_share = {e["shareID"]: e for e in entries}
+    limits = {
+        s: next(c for c in e["conditions"] if c["type"] == "MemoryLimitEnforced") for s, e in by_share.items()
+    }
+    assert (limits["s1"]["status"], limits["s1"]["reason"]) == ("True", "DriverMemoryLimit")
+    assert (limits["s2"]["status"], limits["s2"]["reason"]) == ("False", "CooperativeMpsLimit")
+    assert "cgroup v1" in limits["s2"]["message"] and "cooperative" not in limits["s1"]["message"]
+    assert by_share["s1"]["data"]["memoryLimitEnforcedBy"] == "driver"
+    assert by_share["s2"]["data"]["memoryLimitEnforcedBy"] == "cooperative"
+    # A device that is no share gets no such condition.
+    (plain,) = writer.body("ns", "c", "uid-1", [{"deviceName": gpu, "poolName": "node-a"}])["status"][
+        "devices"
+    ]
+    assert [c["type"] for c in plain["conditions"]] == ["Ready", "Healthy"]

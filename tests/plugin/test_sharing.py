@@ -19,6 +19,8 @@ from dra_gpu.api import API_VERSION, decode
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
 from dra_gpu.plugin.driver_programs import DriverProgram
+from dra_gpu.plugin.memory_limits import DRIVER as DRIVER_LIMIT
+from dra_gpu.plugin.memory_limits import Enforcement, MemoryLimits
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
 from dra_gpu.simnode.fake import discover_node
@@ -431,3 +433,92 @@ def test_driver_programs_run_with_the_hosts_c_library_in_the_driver_root(host_li
     assert args == f"compute-policy -i {gpu.uuid} --set-timeslice 1"
     assert preload.endswith(" libpath=")  # nothing on the loader's search path
     assert Path(preload.removesuffix(" libpath=")).resolve() == (libdir / "libnvidia-ml.so.1").resolve()
+
+
+HOOK_PATH = "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
+
+
+def driver_limits() -> MemoryLimits:
+    """A node whose driver holds cgroups to their limits (what `memory_limits.detect` decides on a
+    580+ driver, cgroup v2 and a hook program; tests/plugin/test_memory_limits.py checks that)."""
+    return MemoryLimits(
+        Enforcement(DRIVER_LIMIT, "the hook sets it"),
+        hook_path=HOOK_PATH,
+        host_driver_root="/run/nvidia/driver",
+        hook_env={"DRA_GPU_SIM_DEV_DIR": "/sim/dev"},
+    )
+
+
+def share_edits(core: PluginCore, c: dict) -> dict:
+    (device,) = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())["devices"]
+    return device["containerEdits"]
+
+
+def memory_limit_of(core: PluginCore, c: dict) -> dict | None:
+    record = core.checkpoint.get(c["metadata"]["uid"])
+    assert record is not None
+    (device,) = record.devices
+    return device.memory_limit
+
+
+def test_where_the_driver_can_a_share_carries_nvidias_hook_and_its_size_in_mib(core: PluginCore) -> None:
+    assert core.preparer.sharing is not None
+    core.preparer.sharing.memory_limits = driver_limits()
+    g0 = gpu_names(core)[0]
+    gpu = next(g for g in core.inventory.gpus if g.device_name == g0)
+    a = share(claim(uid(), [g0]), str(uuid.uuid4()), {"memory": "40Gi", "computeShare": "30"})
+    core.add(a)
+    asyncio.run(prepare_claim(core.preparer, ref_of(a)))
+    edits = share_edits(core, a)
+    env = dict(e.split("=", 1) for e in edits["env"])
+    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == env["NVIDIA_GPU_MEMORY_REQUEST"] == "40960"
+    assert edits["hooks"] == [
+        {
+            "hookName": "createRuntime",
+            "path": HOOK_PATH,
+            "args": [
+                "nvidia-cdi-hook",
+                "apply-cuda-memory-limits",
+                "--driver-root",
+                "/run/nvidia/driver",
+                "--gpu-id",
+                gpu.uuid,
+            ],
+            "env": ["NVIDIA_CTK_DEBUG=false", "DRA_GPU_SIM_DEV_DIR=/sim/dev"],
+        }
+    ]
+    assert memory_limit_of(core, a) == {"enforcedBy": "driver", "reason": "the hook sets it"}
+    # The MPS daemon still runs with the share's limits (compute share, pinned memory).
+    pipe, _ = daemon_of(core, a)
+    assert ask(core, pipe, f"get_default_device_pinned_mem_limit {gpu.uuid}") == ["40960M"]
+
+
+def test_without_driver_limits_a_share_has_no_hook_and_is_recorded_cooperative(core: PluginCore) -> None:
+    g0 = gpu_names(core)[0]
+    a = share(claim(uid(), [g0]), str(uuid.uuid4()), {"memory": "20Gi"})
+    core.add(a)
+    asyncio.run(prepare_claim(core.preparer, ref_of(a)))
+    edits = share_edits(core, a)
+    assert "hooks" not in edits
+    assert not any(e.startswith("NVIDIA_GPU_MEMORY_") for e in edits["env"])
+    limit = memory_limit_of(core, a)
+    assert limit is not None and limit["enforcedBy"] == "cooperative"
+
+
+def test_shares_of_different_sizes_in_one_claim_fall_back_to_mps_limits(core: PluginCore) -> None:
+    """One container may use every device of its claim, and its environment holds one limit."""
+    assert core.preparer.sharing is not None
+    core.preparer.sharing.memory_limits = driver_limits()
+    g0, g1 = gpu_names(core)[:2]
+    c = claim(uid(), [g0, g1])
+    sizes = ("40Gi", "20Gi")
+    for result, size in zip(c["status"]["allocation"]["devices"]["results"], sizes, strict=True):
+        result["shareID"], result["consumedCapacity"] = str(uuid.uuid4()), {"memory": size}
+    core.add(c)
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
+    devices = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())["devices"]
+    assert len(devices) == 2 and not any("hooks" in d["containerEdits"] for d in devices)
+    record = core.checkpoint.get(c["metadata"]["uid"])
+    assert record is not None
+    reasons = {d.memory_limit["reason"] for d in record.devices if d.memory_limit}
+    assert len(record.devices) == 2 and len(reasons) == 1 and "different sizes" in reasons.pop()

@@ -129,6 +129,7 @@ struct gpu_state {
 struct limit_state {
     unsigned gpu;
     unsigned long long soft, hard;
+    unsigned long long ino; /* the cgroup directory's inode: a cgroup made again at the path is another */
     char ns[512];
 };
 struct node_state {
@@ -172,6 +173,12 @@ static void boot_state(struct node_state *s) {
 }
 
 /* Parses the state file; a missing file is the boot state. Returns 0 or an NVML error. */
+/* A cgroup directory's inode (0: none): a limit belongs to the cgroup, not to its path. */
+static unsigned long long cgroup_ino(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode) ? (unsigned long long)st.st_ino : 0;
+}
+
 static nvmlReturn_t parse_state(FILE *f, struct node_state *s) {
     char line[1024], uuid[128], text[600];
     boot_state(s);
@@ -179,7 +186,7 @@ static nvmlReturn_t parse_state(FILE *f, struct node_state *s) {
     while (fgets(line, sizeof line, f)) {
         unsigned a, b, c, d;
         int m, cm;
-        unsigned long long soft, hard;
+        unsigned long long soft, hard, ino;
         if (sscanf(line, "gpu %127s %d %d", uuid, &m, &cm) == 3) {
             int g = gpu_by_uuid(uuid); /* its line comes first and its instances follow it */
             if (g >= 0) {
@@ -198,11 +205,14 @@ static nvmlReturn_t parse_state(FILE *f, struct node_state *s) {
             struct gi_state *gi = &s->gpu[g].gi[a];
             gi->has_ci = 1, gi->ci_id = d, gi->ci_compute_mode = cm;
             snprintf(gi->uuid, sizeof gi->uuid, "%s", text);
-        } else if (sscanf(line, "limit %127s %llu %llu %599[^\n]", uuid, &soft, &hard, text) == 4) {
+        } else if (sscanf(line, "limit %127s %llu %llu %llu %599[^\n]", uuid, &soft, &hard, &ino, text) == 5) {
             int g = gpu_by_uuid(uuid);
             if (g < 0 || s->nlimits >= MAX_LIMITS) continue;
+            /* "Removing the cgroup will also clear any limits" (nvml.h): the kernel module drops
+             * them with the cgroup; here a limit whose cgroup is gone (or made again) is not read. */
+            if (cgroup_ino(text) != ino) continue;
             struct limit_state *l = &s->limits[s->nlimits++];
-            l->gpu = (unsigned)g, l->soft = soft, l->hard = hard;
+            l->gpu = (unsigned)g, l->soft = soft, l->hard = hard, l->ino = ino;
             snprintf(l->ns, sizeof l->ns, "%s", text);
         }
     }
@@ -341,8 +351,8 @@ static nvmlReturn_t write_state_unlocked(const struct node_state *s) {
         }
     }
     for (unsigned i = 0; i < s->nlimits; i++)
-        fprintf(f, "limit %s %llu %llu %s\n", SIM_GPUS[s->limits[i].gpu].uuid, s->limits[i].soft,
-                s->limits[i].hard, s->limits[i].ns);
+        fprintf(f, "limit %s %llu %llu %llu %s\n", SIM_GPUS[s->limits[i].gpu].uuid, s->limits[i].soft,
+                s->limits[i].hard, s->limits[i].ino, s->limits[i].ns);
     int bad = ferror(f);
     bad |= fclose(f);
     if (bad || rename(tmp, path) != 0) {
@@ -875,6 +885,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device_, nvmlMemory_v2_t *m
 }
 
 /* Per-cgroup memory limits (NVML 13): "MIG handles are not supported"; cgroup paths must exist. */
+
 static nvmlReturn_t limits_check(Dev device, const char *ns) {
     CHECK_DEV(device);
     if (is_mig(device)) return NVML_ERROR_NOT_SUPPORTED;
@@ -891,7 +902,12 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device_, nvmlSetMemoryLim
     if (!limits) return refs == 0 ? NVML_ERROR_UNINITIALIZED : NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t r = limits_check(device, limits->nameSpace);
     if (r) return r;
-    if (limits->softLimit > limits->hardLimit && limits->hardLimit) return NVML_ERROR_INVALID_ARGUMENT;
+    /* nvml.h: INVALID_ARGUMENT when "the softLimit exceeds the hardLimit, or a limit exceeds total
+     * device memory"; a hard limit of NVML_DEVICE_MEMORY_LIMIT_MAX is "no limit". */
+    unsigned long long total = SIM_GPUS[device->gpu].memory_mib << 20;
+    if (limits->softLimit > limits->hardLimit) return NVML_ERROR_INVALID_ARGUMENT;
+    if (limits->softLimit > total || (limits->hardLimit > total && limits->hardLimit != NVML_DEVICE_MEMORY_LIMIT_MAX))
+        return NVML_ERROR_INVALID_ARGUMENT;
     struct node_state s;
     int fd = open_lock(1);
     r = read_state_unlocked(&s);
@@ -906,6 +922,7 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device_, nvmlSetMemoryLim
         if (!r) {
             s.limits[i].gpu = device->gpu;
             s.limits[i].soft = limits->softLimit, s.limits[i].hard = limits->hardLimit;
+            s.limits[i].ino = cgroup_ino(limits->nameSpace);
             snprintf(s.limits[i].ns, sizeof s.limits[i].ns, "%s", limits->nameSpace);
             r = write_state_unlocked(&s);
         }

@@ -1,0 +1,147 @@
+"""Memory shares enforced by the driver: NVML 13's per-cgroup GPU memory limits.
+
+From driver 580 NVML can cap what the processes of one cgroup allocate on a GPU
+(`nvmlDeviceSetMemoryLimits_v1`, cgroup v2 only, whole GPUs only, root only). A memory share's
+container gets the share's size as its hard (and soft) limit, for its own cgroup.
+
+Who sets it: NVIDIA's `apply-cuda-memory-limits` hook (nvidia-cdi-hook, toolkit 1.20.1 or newer),
+a createRuntime hook the share's CDI device carries. Only the runtime knows a container's cgroup,
+and only once the container exists: at prepare there is no container yet (a claim may serve
+several containers, each with a cgroup of its own), so the plugin cannot set the limit itself
+without watching every container start. The hook reads the limit from the container's environment
+(`NVIDIA_GPU_MEMORY_LIMIT` / `_REQUEST`, MiB); the CDI device sets both, and CDI's environment
+replaces a variable of the same name from the pod spec, so a tenant cannot raise its own limit.
+The driver drops the limits when the cgroup is removed.
+
+Where the driver, the node or the configuration lacks something, a share is enforced only by its
+MPS daemon's pinned-memory limit (cooperative: a client that bypasses MPS is not held to it); the
+plugin says which at start, and each share's claim status says which one it got (`MemoryLimit`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HOOK = "apply-cuda-memory-limits"
+LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
+REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"
+SET_FUNCTION = "nvmlDeviceSetMemoryLimits_v1"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MIB = 1 << 20
+# NVML's return codes (nvml.h) the probe tells apart.
+NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NOT_FOUND = 3, 6
+
+DRIVER = "driver"  # the driver holds the container's cgroup to the share
+COOPERATIVE = "cooperative"  # only the MPS daemon's pinned-memory limit
+
+
+@dataclass(frozen=True)
+class Enforcement:
+    """How a memory share's memory is held on this node, and why."""
+
+    kind: str  # DRIVER or COOPERATIVE
+    reason: str
+
+    @property
+    def by_driver(self) -> bool:
+        return self.kind == DRIVER
+
+
+@dataclass
+class MemoryLimits:
+    """Decides once, at start, whether shares get driver limits; then gives each share's edits."""
+
+    enforcement: Enforcement
+    hook_path: str | None = None
+    host_driver_root: str = "/"
+    hook_env: dict[str, str] = field(default_factory=dict)
+    unsupported: frozenset[str] = frozenset()  # GPU UUIDs whose driver answered NOT_SUPPORTED
+
+    def for_gpu(self, uuid: str) -> Enforcement:
+        if self.enforcement.by_driver and uuid in self.unsupported:
+            return Enforcement(COOPERATIVE, f"GPU {uuid} does not support per-cgroup memory limits")
+        return self.enforcement
+
+    def edits(self, uuid: str, memory_bytes: int) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """Env and hooks for one share of `memory_bytes` on GPU `uuid` (nothing when cooperative).
+        The limit is rounded down to whole MiB: never more than the scheduler gave the share."""
+        if not self.for_gpu(uuid).by_driver or self.hook_path is None:
+            return {}, []
+        mib = str(max(1, memory_bytes // MIB))
+        base = os.path.basename(self.hook_path)
+        prefix = [base, "hook"] if base == "nvidia-ctk" else [base]
+        hook = {
+            "hookName": "createRuntime",
+            "path": self.hook_path,
+            "args": [*prefix, HOOK, "--driver-root", self.host_driver_root, "--gpu-id", uuid],
+            "env": ["NVIDIA_CTK_DEBUG=false", *(f"{k}={v}" for k, v in sorted(self.hook_env.items()))],
+        }
+        return {LIMIT_ENV: mib, REQUEST_ENV: mib}, [hook]
+
+
+def cgroup_v2(root: Path = CGROUP_ROOT) -> bool:
+    """The unified hierarchy is mounted at `root` (what the hook checks before it sets a limit)."""
+    return (root / "cgroup.controllers").is_file()
+
+
+def _probe(nvml: Any, handle: Any, namespace: bytes) -> int | None:
+    """NVML's answer to a read of the limits of `namespace` (None: success)."""
+    limits = nvml.c_nvmlGetMemoryLimits_v1_t(nameSpace=namespace)
+    try:
+        nvml.nvmlDeviceGetMemoryLimits_v1(handle, limits)
+    except nvml.NVMLError as exc:
+        return int(exc.value)
+    return None
+
+
+def detect(
+    *,
+    mode: str,
+    nvml: Any,
+    nvml_library: Path,
+    driver_version: str | None,
+    gpus: Iterable[tuple[str, Any]],
+    hook_path: str | None,
+    host_driver_root: str,
+    hook_env: dict[str, str] | None = None,
+    is_cgroup_v2: Callable[[], bool] = cgroup_v2,
+) -> MemoryLimits:
+    """What this node can do for memory shares. `mode`: "auto" (driver limits where everything
+    needed is there) or "off"; `gpus`: (UUID, NVML handle) of the GPUs that can be shared."""
+
+    def cooperative(reason: str) -> MemoryLimits:
+        return MemoryLimits(Enforcement(COOPERATIVE, reason))
+
+    if mode == "off":
+        return cooperative("driver memory limits turned off (--driver-memory-limits=off)")
+    if not hasattr(ctypes.CDLL(str(nvml_library)), SET_FUNCTION):
+        return cooperative(
+            f"driver {driver_version or '?'} has no per-cgroup memory limits "
+            f"({SET_FUNCTION}: NVML 13, driver 580 or newer)"
+        )
+    if not is_cgroup_v2():
+        return cooperative("the node runs cgroup v1; per-cgroup GPU memory limits need cgroup v2")
+    if hook_path is None:
+        return cooperative(f"no --cdi-hook-path: NVIDIA's {HOOK} hook sets a container's limit")
+    unsupported = set()
+    for uuid, handle in gpus:
+        answer = _probe(nvml, handle, bytes(CGROUP_ROOT))
+        if answer == NVML_ERROR_NOT_SUPPORTED:
+            unsupported.add(uuid)
+        elif answer not in (None, NVML_ERROR_NOT_FOUND):
+            return cooperative(f"GPU {uuid}: reading its memory limits failed (NVML error {answer})")
+    return MemoryLimits(
+        Enforcement(DRIVER, f"NVIDIA's {HOOK} hook sets each share's limit for its container's cgroup"),
+        hook_path=hook_path,
+        host_driver_root=host_driver_root,
+        hook_env=dict(hook_env or {}),
+        unsupported=frozenset(unsupported),
+    )
