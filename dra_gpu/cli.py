@@ -1,4 +1,5 @@
-"""The `dra-gpu` command line.
+"""The `dra-gpu` command line (also installed as `kubectl-dra_gpu`: kubectl's plugin convention
+makes `kubectl dra-gpu top` run `kubectl-dra_gpu top`).
 
 The node side (discovery, NVML, the plugin, health, doctor) is imported where its commands are
 built or run: `dra-gpu validate` and `dra-gpu explain` start without it (~0.15 s of imports).
@@ -62,6 +63,9 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     if not controller_only:
         _add_node_commands(sub)
+        from dra_gpu.fleet.command import add_top_command
+
+        add_top_command(sub)
     p.set_defaults(extra_commands=add_commands(sub))
     return p
 
@@ -313,6 +317,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     return run_health(args)
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from dra_gpu.fleet.command import cmd_top as run_top
+
+    return run_top(args)
+
+
 def _command_word(argv: Sequence[str]) -> str | None:
     """The subcommand argv names (global flags take no values), or None."""
     return next((a for a in argv if not a.startswith("-")), None)
@@ -329,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:  # keep debug output about this driver, not the libraries' internals
         for noisy in ("grpc", "asyncio", "aiohttp", "kubernetes"):
             logging.getLogger(noisy).setLevel(logging.INFO)
-    elif args.command != "inventory":
+    elif args.command not in ("inventory", "top"):  # their output is the screen: no info lines
         logging.getLogger("dra_gpu").setLevel(logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = args.extra_commands
     commands = {
@@ -337,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kubelet-plugin": cmd_kubelet_plugin,
         "doctor": cmd_doctor,
         "health": cmd_health,
+        "top": cmd_top,
         **handlers,
     }
     try:

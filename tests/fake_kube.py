@@ -22,7 +22,7 @@ from typing import Any
 from dra_gpu.kube import Kube
 
 _PATH = re.compile(
-    r"^/apis/[^/]+/[^/]+/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"
+    r"^/(?:apis/[^/]+|api)/[^/]+/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"
 )
 _SERVER_SET = ("resourceVersion", "uid", "creationTimestamp", "generation")
 BODY_CHUNK = 997  # bytes a body is read in, at most

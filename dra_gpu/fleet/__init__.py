@@ -1,0 +1,6 @@
+"""`dra-gpu top`: the cluster's GPUs at a glance.
+
+The API objects are read once at the edge into a typed `Snapshot` (snapshot.py, read.py), a pure
+function turns it into the view (view.py), and renderers print it (text.py for a terminal,
+as_json.py for `-o json`, with the same facts).
+"""
