@@ -88,6 +88,33 @@ def apply(dyn: dynamic.DynamicClient, doc: dict) -> None:
             raise
 
 
+def why_it_cannot_fit(dyn: dynamic.DynamicClient, template: dict) -> str | None:
+    """`dra-gpu explain`'s reason why the template's claim cannot be allocated on the cluster's
+    published devices now (None: it can), so the user learns it at once, not after the wait."""
+    from dra_gpu.controller.commands import explain_inputs
+    from dra_gpu.controller.inputs import Inputs
+
+    def items(kind: str, **kw: str) -> list[dict]:
+        api = dyn.resources.get(api_version="resource.k8s.io/v1", kind=kind)
+        return list(api.get(**kw).to_dict()["items"])
+
+    meta = template["metadata"]
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+        "spec": template["spec"]["spec"],
+    }
+    allocated = [c for c in items("ResourceClaim") if (c.get("status") or {}).get("allocation")]
+    inputs = Inputs(
+        slices=items("ResourceSlice", field_selector=f"spec.driver={DRIVER}"),
+        classes=items("DeviceClass"),
+        claims=[*allocated, claim],
+    )
+    (mine,) = [c for c in explain_inputs(inputs, DRIVER)["claims"] if c["name"] == meta["name"]]
+    return None if mine["allocatable"] else str(mine["reason"])
+
+
 def main() -> int:
     started = cluster("status", check=False).returncode != 0
     if started:
@@ -156,8 +183,16 @@ def main() -> int:
             if time.time() > deadline:
                 raise SystemExit("namespace dra-gpu-demo got no default service account in 30 s")
             time.sleep(0.2)
-        for doc in yaml.safe_load_all(MANIFESTS):
+        docs = list(yaml.safe_load_all(MANIFESTS))
+        (template,) = [d for d in docs if d["kind"] == "ResourceClaimTemplate"]
+        for doc in docs:
             apply(dyn, doc)
+        why = why_it_cannot_fit(dyn, template)
+        if why is not None:
+            say(f"pod nvlink-demo asks for 4 NVLink-connected GPUs; node {node} cannot give them: {why}")
+            say("(dra-gpu explain; the scheduler leaves the pod Pending: 'cannot allocate all claims')")
+            core.delete_namespace("dra-gpu-demo")
+            return 1
         say("pod nvlink-demo asks for 4 NVLink-connected GPUs; waiting for it")
         deadline = time.time() + 120
         while (phase := core.read_namespaced_pod("nvlink-demo", "dra-gpu-demo").status.phase) not in (
