@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -503,10 +504,37 @@ async def one_size(
         t_ex = time.monotonic()
         out["explain"] = agreement(slices, final_claims)
         out["explain"]["seconds"] = time.monotonic() - t_ex
+        out["top"] = top_timings(cp.admin)
         return out
     finally:
         await kube.close()
         cp.down()
+
+
+# ---------------------------------------------------------------- dra-gpu top
+def top_timings(kubeconfig: str) -> dict[str, Any]:
+    """`dra-gpu top` of the final cluster as an operator runs it (a fresh process: start, list
+    slices, claims, pods and taint rules, decode, render), as JSON and as the 80-column text."""
+    out: dict[str, Any] = {}
+    for output in ("json", "text"):
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "dra_gpu.cli", "top", "--kubeconfig", kubeconfig, "-o", output],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "COLUMNS": "80"},
+            check=False,
+        )
+        out[f"{output}_s"] = time.monotonic() - t0
+        if proc.returncode != 0:
+            out[f"{output}_error"] = proc.stderr[-500:]
+        elif output == "json":
+            view = json.loads(proc.stdout)
+            out["nodes"] = len(view.get("nodes") or [])
+        else:
+            out["text_lines"] = len(proc.stdout.splitlines())
+    return out
 
 
 # ---------------------------------------------------------------- explain agreement
@@ -610,6 +638,14 @@ def report(r: dict[str, Any]) -> str:
         f"(same NVLink-domain count as the scheduler's devices: {ex['same_domain_count']}/{ex['allocated']}; "
         f"{ex['seconds']:.1f} s)"
     )
+    top = r.get("top") or {}
+    if top:
+        errors = "; ".join(f"{k}: {v}" for k, v in top.items() if k.endswith("_error"))
+        lines.append(
+            f"  dra-gpu top (a fresh process: list, decode, render): -o json {top['json_s']:.2f} s "
+            f"({top.get('nodes', '?')} nodes), text {top['text_s']:.2f} s "
+            f"({top.get('text_lines', '?')} lines)" + (f"; FAILED {errors}" if errors else "")
+        )
     for d in ex["disagreements"]:
         lines.append(f"    disagrees: {d}")
     return "\n".join(lines)
