@@ -25,6 +25,14 @@ class ComputeModeError(RuntimeError):
     """NVML refused to read or set a device's compute mode."""
 
 
+class DeviceGoneError(ComputeModeError):
+    """The device is not on the node any more (NVML does not find it, or it fell off the bus)."""
+
+
+# nvml.h: NVML_ERROR_NOT_FOUND (no device of that UUID), NVML_ERROR_GPU_IS_LOST
+_GONE = (6, 15)
+
+
 def settable(uuid: str) -> bool:
     """Whether `uuid` is a device whose compute mode can be set: a full GPU ("GPU-..."), not a MIG
     device (NVML names every MIG device "MIG-...")."""
@@ -52,7 +60,8 @@ class ComputeModes:
                 handle = self.nvml.nvmlDeviceGetHandleByUUID(uuid)
                 return fn(handle, *args)
             except self.nvml.NVMLError as exc:
-                raise ComputeModeError(f"device {uuid}: cannot {what} compute mode: {exc}") from exc
+                error = DeviceGoneError if getattr(exc, "value", None) in _GONE else ComputeModeError
+                raise error(f"device {uuid}: cannot {what} compute mode: {exc}") from exc
             finally:
                 self.nvml.nvmlShutdown()
 

@@ -34,6 +34,7 @@ from dra_gpu.plugin.compute_mode import (
     EXCLUSIVE_PROCESS,
     ComputeModeError,
     ComputeModes,
+    DeviceGoneError,
     mode_name,
     settable,
 )
@@ -338,6 +339,10 @@ class Sharing:
             try:
                 if self.modes.get(uuid) != setting["previous"]:
                     self.modes.set(uuid, setting["previous"])
+            except DeviceGoneError as exc:
+                # Nothing to restore on a GPU that is gone (its mode goes with it); failing would
+                # keep the claim from ever being unprepared.
+                log.warning("compute mode not restored, the device is gone: %s", exc)
             except ComputeModeError as exc:
                 errors.append(str(exc))
         return errors

@@ -14,6 +14,7 @@ is gone with the cgroup. On a cgroup v2 node the pod itself runs and is checked 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 from real_userspace import install_cdi_hook
 from support import CACHE, ROOT, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
@@ -87,6 +89,10 @@ def limits_plugin(hgx, dyn, request, tmp_path):  # noqa: F811 - the fixture impo
         wait_for_shareable_gpus(dyn)
         yield hgx, hook, cgroups
     finally:
+        # Its claims unprepared by it (the test's namespace is gone by now), not left to a plugin
+        # of other GPUs.
+        with contextlib.suppress(AssertionError):
+            wait_for("claims unprepared", lambda: not list(CDI_DIR.glob(f"k8s.{DRIVER}-claim_*")), timeout=90)
         hgx.stop()
         hgx.profile, hgx.extra_args, hgx.wrapper = PROFILE, [], []
         hgx.start()
@@ -151,6 +157,14 @@ def cgroup_of_process_with(marker: str) -> str | None:
     return None
 
 
+def unprepared(core, namespace: str, pod: str, spec: Path) -> None:
+    """The pod deleted and its claim unprepared by this plugin (its spec gone), before the fixture
+    switches the plugin back to another node's GPUs."""
+    with contextlib.suppress(ApiException):
+        core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
+    wait_for(f"claim spec {spec.name} removed (unprepared)", lambda: not spec.exists(), timeout=90)
+
+
 def run_on_cgroup_v2(spec: Path, device: str, tmp_path: Path) -> dict:
     """The device run by runc on cgroup v2 (cgroup2_runc.py) in a namespace of its own."""
     work = tmp_path / f"runc-{uuid.uuid4().hex[:8]}"
@@ -182,36 +196,39 @@ def test_a_share_is_held_to_its_size_by_the_driver_for_its_containers_cgroup(
     gpu_pod(core, namespace, "a", DEBIAN_IMAGE, "exec sleep 3600", template="forty", env=env)
     claim = wait_for("the pod's claim", lambda: claim_of(dyn, namespace, "a"), timeout=60)
     spec_path, device, edits = share_device(claim)
-    (result,) = claim["status"]["allocation"]["devices"]["results"]
-    gpu = gpu_uuid(dyn, result["device"])
-    env = dict(e.split("=", 1) for e in edits["env"])
-    assert env["NVIDIA_GPU_MEMORY_LIMIT"] == env["NVIDIA_GPU_MEMORY_REQUEST"] == str(SHARE >> 20)
-    (limit_hook,) = [h for h in edits["hooks"] if "apply-cuda-memory-limits" in h["args"]]
-    assert limit_hook["hookName"] == "createRuntime" and limit_hook["path"] == str(hook)
-    assert limit_hook["args"][-2:] == ["--gpu-id", gpu]
-    condition = wait_for("the share's memory condition", lambda: memory_condition(dyn, namespace, "a"))
-    assert (condition["status"], condition["reason"]) == ("True", "DriverMemoryLimit")
-    print(f"\n[e2e] node cgroups: {cgroups}; share hook: {limit_hook['args']}")
+    try:
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        gpu = gpu_uuid(dyn, result["device"])
+        env = dict(e.split("=", 1) for e in edits["env"])
+        assert env["NVIDIA_GPU_MEMORY_LIMIT"] == env["NVIDIA_GPU_MEMORY_REQUEST"] == str(SHARE >> 20)
+        (limit_hook,) = [h for h in edits["hooks"] if "apply-cuda-memory-limits" in h["args"]]
+        assert limit_hook["hookName"] == "createRuntime" and limit_hook["path"] == str(hook)
+        assert limit_hook["args"][-2:] == ["--gpu-id", gpu]
+        condition = wait_for("the share's memory condition", lambda: memory_condition(dyn, namespace, "a"))
+        assert (condition["status"], condition["reason"]) == ("True", "DriverMemoryLimit")
+        print(f"\n[e2e] node cgroups: {cgroups}; share hook: {limit_hook['args']}")
 
-    if cgroups == "v2":
-        found = lambda: cgroup_of_process_with(f"DRA_GPU_E2E_MARKER={marker}")  # noqa: E731
-        path = wait_for("the pod's container", found, timeout=120)
-        held = read_state(SIM_DEV).memory_limits
-        assert held.get(gpu, {}).get(path) == (SHARE, SHARE), held
+        if cgroups == "v2":
+            found = lambda: cgroup_of_process_with(f"DRA_GPU_E2E_MARKER={marker}")  # noqa: E731
+            path = wait_for("the pod's container", found, timeout=120)
+            held = read_state(SIM_DEV).memory_limits
+            assert held.get(gpu, {}).get(path) == (SHARE, SHARE), held
+            unprepared(core, namespace, "a", spec_path)
+            wait_for("the limit to go", lambda: path not in read_state(SIM_DEV).memory_limits.get(gpu, {}))
+            return
+
+        # cgroup v1 for containerd: NVIDIA's hook ran from the spec, and refused.
+        refused = lambda: NOT_V2 in (m := start_error(core, namespace, "a")) and m  # noqa: E731
+        message = wait_for("NVIDIA's hook to run", refused, timeout=120)
+        print(f"[e2e] containerd on cgroup v1: {message[-300:]}")
         core.delete_namespaced_pod("a", namespace, grace_period_seconds=0)
-        wait_for("the limit to go", lambda: path not in read_state(SIM_DEV).memory_limits.get(gpu, {}))
-        return
-
-    # cgroup v1 for containerd: NVIDIA's hook ran from the spec, and refused.
-    refused = lambda: NOT_V2 in (m := start_error(core, namespace, "a")) and m  # noqa: E731
-    message = wait_for("NVIDIA's hook to run", refused, timeout=120)
-    print(f"[e2e] containerd on cgroup v1: {message[-300:]}")
-    core.delete_namespaced_pod("a", namespace, grace_period_seconds=0)
-    ran = run_on_cgroup_v2(spec_path, device, tmp_path)
-    print(f"[e2e] the same spec on cgroup v2: rc={ran['rc']} during={ran['during']} after={ran['after']}")
-    assert ran["rc"] == 0, ran["output"]
-    assert ran["during"] == {gpu: {ran["cgroup"]: [SHARE, SHARE]}}
-    assert ran["after"] == {}
+        ran = run_on_cgroup_v2(spec_path, device, tmp_path)
+        print(f"[e2e] the same spec on cgroup v2: rc={ran['rc']} during={ran['during']} after={ran['after']}")
+        assert ran["rc"] == 0, ran["output"]
+        assert ran["during"] == {gpu: {ran["cgroup"]: [SHARE, SHARE]}}
+        assert ran["after"] == {}
+    finally:
+        unprepared(core, namespace, "a", spec_path)
 
 
 @pytest.mark.parametrize("limits_plugin", ["570.124.06"], indirect=True)
@@ -231,11 +248,16 @@ def test_a_driver_without_cgroup_limits_leaves_the_share_cooperative_and_says_so
     env = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/tenant-chose-this"}
     gpu_pod(core, namespace, "a", DEBIAN_IMAGE, command, template="forty", env=env)
     claim = wait_for("the pod's claim", lambda: claim_of(dyn, namespace, "a"), timeout=60)
-    _, _, edits = share_device(claim)
-    assert "hooks" not in edits
-    condition = wait_for("the share's memory condition", lambda: memory_condition(dyn, namespace, "a"))
-    print(f"\n[e2e] 570: {condition['reason']}: {condition['message']}")
-    assert (condition["status"], condition["reason"]) == ("False", "CooperativeMpsLimit")
-    assert "driver 570.124.06 has no per-cgroup memory limits" in condition["message"]
-    logged = wait_for("the pod's output", lambda: "pipe=" in (log := pod_log(core, namespace, "a")) and log)
-    assert "pipe=/tmp/nvidia-mps" in logged, logged
+    spec_path, _, edits = share_device(claim)
+    try:
+        assert "hooks" not in edits
+        condition = wait_for("the share's memory condition", lambda: memory_condition(dyn, namespace, "a"))
+        print(f"\n[e2e] 570: {condition['reason']}: {condition['message']}")
+        assert (condition["status"], condition["reason"]) == ("False", "CooperativeMpsLimit")
+        assert "driver 570.124.06 has no per-cgroup memory limits" in condition["message"]
+        logged = wait_for(
+            "the pod's output", lambda: "pipe=" in (log := pod_log(core, namespace, "a")) and log
+        )
+        assert "pipe=/tmp/nvidia-mps" in logged, logged
+    finally:
+        unprepared(core, namespace, "a", spec_path)

@@ -13,17 +13,20 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pynvml
 import pytest
 
 from dra_gpu.api import API_VERSION, decode
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS
+from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModes
 from dra_gpu.plugin.driver_programs import DriverProgram
 from dra_gpu.plugin.memory_limits import DRIVER as DRIVER_LIMIT
 from dra_gpu.plugin.memory_limits import Enforcement, MemoryLimits
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
 from dra_gpu.simnode.fake import discover_node
+from dra_gpu.simnode.fake_nvml import FakeNvml
+from dra_gpu.simnode.profiles import load_profile
 from plugin.conftest import (
     DRIVER,
     NODE,
@@ -522,3 +525,17 @@ def test_shares_of_different_sizes_in_one_claim_fall_back_to_mps_limits(core: Pl
     assert record is not None
     reasons = {d.memory_limit["reason"] for d in record.devices if d.memory_limit}
     assert len(record.devices) == 2 and len(reasons) == 1 and "different sizes" in reasons.pop()
+
+
+def test_unprepare_restores_no_compute_mode_on_a_gpu_gone_from_the_node(tmp_path: Path) -> None:
+    """A claim prepared on a GPU the node no longer has (removed, or another node's driver root
+    after a restart): its unprepare succeeds instead of failing for ever; other errors still fail."""
+    nvml = FakeNvml(load_profile(PROFILE), root=tmp_path, state_file=tmp_path / "nvidia-state.json")
+    sharing = Sharing(mps=None, modes=ComputeModes(nvml))  # type: ignore[arg-type]
+    gone = "GPU-00000000-0000-0000-0000-00000000dead"
+    record = {"computeModes": {gone: {"mode": EXCLUSIVE_PROCESS, "previous": DEFAULT}}}
+    sharing.release(record, [])
+    present = discover_node(NODE, PROFILE).gpus[0].uuid
+    nvml.fail_next("nvmlDeviceGetComputeMode", pynvml.NVML_ERROR_NO_PERMISSION)
+    with pytest.raises(SharingError, match="cannot read the compute mode"):
+        sharing.release({"computeModes": {present: {"mode": EXCLUSIVE_PROCESS, "previous": DEFAULT}}}, [])
