@@ -439,6 +439,9 @@ def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace
         results, _ = doctor.wait_for("doctor to see the daemon", "node/mps-daemons", "OK")
         assert "1 MPS daemons" in results["node/mps-daemons"]["detail"], results["node/mps-daemons"]
 
+        # The plugin stopped first: its sweep (every 2 s here) would set the limits back before
+        # doctor looks (and start a killed daemon again).
+        plugin.stop()
         ask(pipe, "set_default_active_thread_percentage 90")  # what a root client of a 535 daemon can do
         rc, results, table = doctor.run()
         _report("an MPS daemon's limits changed", table)
@@ -451,7 +454,6 @@ def test_mps_daemons_changed_limits_missing_and_orphan(env, core, dyn, namespace
         assert "sets the limits again" in r["fix"]
         ask(pipe, "set_default_active_thread_percentage 30")
 
-        plugin.stop()  # else its sweep starts the daemon again before doctor looks
         os.kill(daemons()[pipe], signal.SIGKILL)
         rc, results, table = doctor.run()
         _report("an MPS daemon died", table)
