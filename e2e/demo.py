@@ -88,6 +88,24 @@ def apply(dyn: dynamic.DynamicClient, doc: dict) -> None:
             raise
 
 
+def make_namespace(core: client.CoreV1Api, name: str) -> None:
+    """The namespace, made afresh when the last run's is still being deleted (objects created in a
+    terminating namespace are refused)."""
+    deadline = time.time() + 90
+    while True:
+        try:
+            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+            return
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+        if core.read_namespace(name).status.phase != "Terminating":
+            return  # there, and not going away
+        if time.time() > deadline:
+            raise SystemExit(f"namespace {name} still terminating after 90 s")
+        time.sleep(0.5)
+
+
 def why_it_cannot_fit(dyn: dynamic.DynamicClient, template: dict) -> str | None:
     """`dra-gpu explain`'s reason why the template's claim cannot be allocated on the cluster's
     published devices now (None: it can), so the user learns it at once, not after the wait."""
@@ -141,6 +159,11 @@ def main() -> int:
     images = [sys.executable, str(HERE / "images.py"), str(CACHE / "images"), "--debian"]
     address = env["CONTAINERD_ADDRESS"].strip('"')
     subprocess.run([*images, "--import-to", address], check=True, env={**os.environ, "PATH": path})
+    # Slices an earlier run's plugin left (another profile's GPUs) would be explained and allocated
+    # until the new plugin replaces them: the node's slices are the new plugin's only.
+    slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
+    for old in slices.get(field_selector=f"spec.driver={DRIVER},spec.nodeName={node}").to_dict()["items"]:
+        slices.delete(name=old["metadata"]["name"])
     log = open(state / "logs" / "dra-gpu-plugin.log", "ab")  # noqa: SIM115 - the child writes it
     plugin = subprocess.Popen(
         [
@@ -164,17 +187,12 @@ def main() -> int:
     )
     try:
         say(f"dra-gpu kubelet plugin started on node {node} (simulated {PROFILE}); log {log.name}")
-        slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
         deadline = time.time() + 30
         while not slices.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]:
             if time.time() > deadline or plugin.poll() is not None:
                 raise SystemExit("the plugin did not publish its ResourceSlices; see " + log.name)
             time.sleep(0.2)
-        try:
-            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="dra-gpu-demo")))
-        except client.ApiException as exc:
-            if exc.status != 409:
-                raise
+        make_namespace(core, "dra-gpu-demo")
         # Pods can be created only once the service-account controller made "default".
         deadline = time.time() + 30
         while not any(
