@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 from dra_gpu.doctor.mps_daemons import check
 from dra_gpu.doctor.node_checks import _checkpoint_claims
 from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
-from plugin.test_sharing import ask, daemon_of, mps_config, pytestmark, ref_of, uid  # noqa: F401
+from plugin.test_sharing import alive, ask, daemon_of, mps_config, pytestmark, ref_of, uid  # noqa: F401
 
 
 def doctor(core: PluginCore) -> tuple[str, str]:
@@ -40,6 +41,11 @@ def test_doctor_names_changed_limits_a_dead_daemon_and_an_orphan(core: PluginCor
     ask(core, client, "set_default_active_thread_percentage 30")
 
     os.kill(pid, signal.SIGKILL)
+    # The signal is delivered asynchronously: until the process is gone (or a zombie) it is still
+    # a running daemon that no longer answers, which doctor rightly reports as such.
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     status, detail = doctor(core)
     assert status == "FAIL" and f"its MPS daemon {daemon_id} is not running" in detail, detail
     asyncio.run(core.preparer.sweep(60))  # restarted
