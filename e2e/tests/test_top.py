@@ -14,6 +14,7 @@ import uuid
 import pytest
 from support import ROOT, wait_for
 from test_kubelet_plugin import CDI_DIR, DRIVER, MIG_CLASS, PROFILE, claim_pod, our_slices, plugin, template  # noqa: F401
+from test_sharing import memory_template
 
 pytestmark = pytest.mark.e2e
 
@@ -41,20 +42,6 @@ def a100_shares(plugin, dyn):  # noqa: F811 - the fixture imported above
         plugin.stop()
         plugin.profile, plugin.extra_args = PROFILE, []
         plugin.start()
-
-
-def memory_template(dyn, namespace, name, memory):
-    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaimTemplate")
-    request = {"deviceClassName": DRIVER, "capacity": {"requests": {"memory": memory}}}
-    api.create(
-        namespace=namespace,
-        body={
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaimTemplate",
-            "metadata": {"name": name},
-            "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": request}]}}},
-        },
-    )
 
 
 def top(target, *args: str) -> str:
