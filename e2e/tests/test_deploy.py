@@ -114,6 +114,25 @@ def as_token(api_client, token):
     return client.ApiClient(cfg)
 
 
+def pod_bound_token(core, ident) -> str:
+    """A token of the plugin's account bound to its pod (so to its node), as the kubelet mounts it."""
+    from kubernetes import client
+
+    pod = ident["pod"]
+    req = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(
+            audiences=[],
+            expiration_seconds=600,
+            bound_object_ref=client.V1BoundObjectReference(
+                api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid
+            ),
+        )
+    )
+    return str(
+        core.create_namespaced_service_account_token(ident["sa"], ident["namespace"], req).status.token
+    )
+
+
 def slice_body(name, node=None, all_nodes=False):
     spec = {
         "driver": TEST_DRIVER,
@@ -218,17 +237,7 @@ def test_plugin_writes_only_its_own_nodes_slices(api_client, core, dyn, plugin_i
 
     ident = plugin_identity
     node_a, node_b = ident["nodes"]
-    pod = ident["pod"]
-    req = client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(
-            audiences=[],
-            expiration_seconds=600,
-            bound_object_ref=client.V1BoundObjectReference(
-                api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid
-            ),
-        )
-    )
-    token = core.create_namespaced_service_account_token(ident["sa"], ident["namespace"], req).status.token
+    token = pod_bound_token(core, ident)
     plugin = client.ResourceV1Api(as_token(api_client, token))
     admin = client.ResourceV1Api(api_client)
 

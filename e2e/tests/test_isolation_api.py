@@ -24,7 +24,14 @@ import pytest
 from controller_support import RESOURCE, RUN, status_of
 from support import wait_for
 from test_controller_webhook import Controller, _webhook_config
-from test_deploy import TEST_DRIVER, as_token, helm, plugin_identity, slice_body  # noqa: F401 - fixtures
+from test_deploy import (  # noqa: F401 - fixtures
+    TEST_DRIVER,
+    as_token,
+    helm,
+    plugin_identity,
+    pod_bound_token,
+    slice_body,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -50,18 +57,7 @@ def plugin_api(api_client, core, ident):
     """The resource API as the plugin on node A: a token of its account bound to its pod."""
     from kubernetes import client
 
-    pod = ident["pod"]
-    req = client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(
-            audiences=[],
-            expiration_seconds=600,
-            bound_object_ref=client.V1BoundObjectReference(
-                api_version="v1", kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid
-            ),
-        )
-    )
-    token = core.create_namespaced_service_account_token(ident["sa"], ident["namespace"], req).status.token
-    return client.ResourceV1Api(as_token(api_client, token))
+    return client.ResourceV1Api(as_token(api_client, pod_bound_token(core, ident)))
 
 
 def first_denial(what, attempt, undo):

@@ -11,7 +11,6 @@ checks that the host's /dev got nothing and that no NVIDIA process was left runn
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -20,20 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from real_userspace import e2e_script
 from support import CACHE, ROOT
 
 pytestmark = pytest.mark.e2e
 
 SCRIPT = ROOT / "e2e" / "real_gpu_check.sh"
-
-
-def _host_like() -> object:
-    spec = importlib.util.spec_from_file_location("host_like_root", ROOT / "e2e" / "host_like_root.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _dev_entries() -> set[str]:
@@ -62,7 +53,7 @@ def needs() -> None:
 
 
 def test_real_gpu_check_on_the_host_like_root(needs: None, tmp_path: Path) -> None:
-    host_like = _host_like()
+    host_like = e2e_script("host_like_root")
     root = host_like.host_like_root("hgx-2x4")  # type: ignore[attr-defined]
     devdir = host_like.make_dev_dir(tmp_path / "dev", "hgx-2x4")  # type: ignore[attr-defined]
     images = CACHE / "images"

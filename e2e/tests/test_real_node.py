@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import os
 import re
 import shutil
@@ -36,8 +35,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from real_userspace import e2e_script
 from support import (
-    ROOT,
     apply_all,
     container_process,
     delete_all,
@@ -95,15 +94,6 @@ SHOW_GPUS = (
 )
 
 
-def _host_like():
-    """e2e/host_like_root.py (a script, not a package module)."""
-    spec = importlib.util.spec_from_file_location("host_like_root", ROOT / "e2e" / "host_like_root.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def dpkg_md5(root: Path, package: str, rel: str) -> str:
     """The md5 Debian's package records for a file of the root (dpkg's md5sums)."""
     for line in (root / "var/lib/dpkg/info" / f"{package}.md5sums").read_text().splitlines():
@@ -140,7 +130,7 @@ class Installs:
         self.current: RealNode | None = None
         self.applied: list[dict] = []
         self.namespace: str | None = None
-        self.host_like = _host_like()
+        self.host_like = e2e_script("host_like_root")
 
     def get(self, profile: str) -> RealNode:
         if self.current is not None and self.current.profile == profile:

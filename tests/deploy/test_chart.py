@@ -312,21 +312,18 @@ def test_client_certificate_verification(render: Render, helm: str, tmp_path: Pa
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert re.fullmatch(r"[0-9a-f]{64}", annotations["checksum/client-ca"])  # a new CA rolls the pods
     # Without the CA the chart refuses to render rather than serve without verification.
+    said = refused(helm, "controller.clientAuth.enabled=true")
+    assert "controller.clientAuth.caCert (PEM) is needed" in said
+
+
+def refused(helm: str, *sets: str) -> str:
+    """What `helm template` says when it refuses to render the chart with `sets` (it must refuse)."""
+    args = [a for s in sets for a in ("--set", s)]
     r = subprocess.run(
-        [
-            helm,
-            "template",
-            "x",
-            str(CHART),
-            "--kube-version",
-            "1.37.2",
-            "--set",
-            "controller.clientAuth.enabled=true",
-        ],
-        capture_output=True,
-        text=True,
+        [helm, "template", "x", str(CHART), "--kube-version", "1.37.2", *args], capture_output=True, text=True
     )
-    assert r.returncode != 0 and "controller.clientAuth.caCert (PEM) is needed" in r.stderr
+    assert r.returncode != 0, r.stdout[:2000]
+    return r.stderr
 
 
 def render_values(helm: str, values: Path) -> list[dict[str, Any]]:
@@ -352,21 +349,7 @@ def render_values(helm: str, values: Path) -> list[dict[str, Any]]:
 
 def test_network_policies(render: Render, helm: str) -> None:
     assert not by_kind(render(), "NetworkPolicy")  # off by default: the apiserver's CIDRs are the cluster's
-    r = subprocess.run(
-        [
-            helm,
-            "template",
-            "x",
-            str(CHART),
-            "--kube-version",
-            "1.37.2",
-            "--set",
-            "networkPolicy.enabled=true",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode != 0 and "networkPolicy.apiserverCIDRs is needed" in r.stderr
+    assert "networkPolicy.apiserverCIDRs is needed" in refused(helm, "networkPolicy.enabled=true")
     objs = render("networkPolicy.enabled=true", "networkPolicy.apiserverCIDRs={10.0.0.10/32,10.0.0.11/32}")
     controller = one(objs, "NetworkPolicy", "controller")
     plugin = one(objs, "NetworkPolicy", "kubelet-plugin")
