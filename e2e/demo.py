@@ -99,8 +99,13 @@ def make_namespace(core: client.CoreV1Api, name: str) -> None:
         except client.ApiException as exc:
             if exc.status != 409:
                 raise
-        if core.read_namespace(name).status.phase != "Terminating":
-            return  # there, and not going away
+        try:
+            if core.read_namespace(name).status.phase != "Terminating":
+                return  # there, and not going away
+        except client.ApiException as exc:
+            if exc.status != 404:  # 404: its deletion ended between the create and the read
+                raise
+            continue
         if time.time() > deadline:
             raise SystemExit(f"namespace {name} still terminating after 90 s")
         time.sleep(0.5)
