@@ -43,6 +43,31 @@ def _retrying(timeout: float) -> AsyncRetrying:
     )
 
 
+# Slice fields an apiserver drops, without an error, when the feature gate of their feature is off
+# (the v1 type has them all from 1.34; the gates differ by release): field -> (gate, what is lost).
+_COUNTERS = "counters are lost: partitions of one device could be allocated together"
+_BINDING = "binding conditions are lost: a pod may start before its device is ready"
+GATED_SLICE_FIELDS = {
+    "taints": ("DRADeviceTaints", "taints are lost: a failed device is not isolated"),
+    "consumesCounters": ("DRAPartitionableDevices", _COUNTERS),
+    "sharedCounters": ("DRAPartitionableDevices", _COUNTERS),
+    "allowMultipleAllocations": ("DRAConsumableCapacity", "sharing is lost: one claim at a time"),
+    "bindingConditions": ("DRADeviceBindingConditions", _BINDING),
+    "bindingFailureConditions": ("DRADeviceBindingConditions", _BINDING),
+    "bindsToNode": ("DRADeviceBindingConditions", _BINDING),
+}
+
+
+def field_name(path: str) -> str:
+    """The field of a path as the closed set of GATED_SLICE_FIELDS names it, else "other"
+    ("devices[3].taints" -> "taints"; a metric label is never the slice's own text)."""
+    for part in reversed(path.replace("]", "").split(".")):
+        name = part.split("[", 1)[0]
+        if name in GATED_SLICE_FIELDS:
+            return name
+    return "other"
+
+
 def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
     """Paths of fields in `want` that `have` lacks or holds differently (defaults in `have` are fine)."""
     if isinstance(want, dict):
@@ -164,8 +189,22 @@ class SlicePublisher:
     def _check_dropped(self, sent: dict[str, Any], stored: dict[str, Any]) -> None:
         for path in missing_fields(sent["spec"], stored.get("spec", {})):
             key = path.split("[")[0] + path.split("]")[-1] if "[" in path else path
-            if key not in self._dropped_logged:
-                self._dropped_logged.add(key)
+            field = field_name(path)
+            self.metrics.dropped_slice_fields.labels(field).set(1)
+            if key in self._dropped_logged:
+                continue
+            self._dropped_logged.add(key)
+            if field in GATED_SLICE_FIELDS:
+                gate, lost = GATED_SLICE_FIELDS[field]
+                log.error(
+                    "apiserver dropped a field of ResourceSlice %s: spec.%s; %s; turn on the %s "
+                    "feature gate (kube-apiserver, kube-scheduler, kube-controller-manager, kubelet)",
+                    sent["metadata"]["name"],
+                    path,
+                    lost,
+                    gate,
+                )
+            else:
                 log.error(
                     "apiserver dropped a field of ResourceSlice %s: spec.%s; is the feature gate for it off?",
                     sent["metadata"]["name"],

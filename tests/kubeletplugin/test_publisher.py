@@ -181,16 +181,47 @@ def test_a_field_the_apiserver_drops_is_logged_once(caplog: pytest.LogCaptureFix
         for device in obj.get("spec", {}).get("devices", []):
             device.pop("capacity", None)
 
-    async def body() -> None:
+    async def body() -> SlicePublisher:
         api = FakeApiServer(on_write=drop_capacity)
-        await publisher(api, FakeDriver()).start()
+        pub = publisher(api, FakeDriver())
+        await pub.start()
+        return pub
 
-    asyncio.run(body())
+    pub = asyncio.run(body())
     dropped = [r.getMessage() for r in caplog.records if "dropped a field" in r.getMessage()]
     assert dropped == [
         f"apiserver dropped a field of ResourceSlice {NODE}-{DRIVER}-0: spec.devices[0].capacity; "
         "is the feature gate for it off?"
     ]
+    assert pub.metrics.dropped_slice_fields.labels("other")._value.get() == 1
+
+
+def test_a_gated_field_dropped_names_its_gate_and_what_is_lost(caplog: pytest.LogCaptureFixture) -> None:
+    """A 1.34 or 1.35 apiserver, DRADeviceTaints off: the taints go, silently; the plugin says so."""
+
+    def taint_first(obj: dict[str, Any]) -> None:  # what the plugin sends: a tainted device
+        obj["spec"]["devices"][0]["taints"] = [{"key": f"{DRIVER}/unhealthy", "effect": "NoExecute"}]
+
+    def drop_taints(obj: dict[str, Any]) -> None:
+        for device in obj.get("spec", {}).get("devices", []):
+            device.pop("taints", None)
+
+    def tainted_slices(generation: int) -> list[dict[str, Any]]:
+        slices = FakeDriver().resource_slices(generation)
+        taint_first(slices[0])
+        return slices
+
+    async def body() -> SlicePublisher:
+        api = FakeApiServer(on_write=drop_taints)
+        pub = SlicePublisher(api.kube(), DRIVER, NODE, tainted_slices, PluginMetrics())
+        await pub.start()
+        return pub
+
+    pub = asyncio.run(body())
+    (line,) = [r.getMessage() for r in caplog.records if "dropped a field" in r.getMessage()]
+    assert "spec.devices[0].taints" in line and "taints are lost: a failed device is not isolated" in line
+    assert "turn on the DRADeviceTaints feature gate" in line
+    assert pub.metrics.dropped_slice_fields.labels("taints")._value.get() == 1
 
 
 def test_refresh_applies_only_the_changed_slice_and_bumps_when_several_change() -> None:
