@@ -264,23 +264,42 @@ class SliceBuilder:
         return f"{name[:230].rstrip('.-')}-{digest}-{i}"
 
     def slices(
-        self, generation: int = 1, taints: Mapping[str, list[dict[str, Any]]] | None = None
+        self,
+        generation: int = 1,
+        taints: Mapping[str, list[dict[str, Any]]] | None = None,
+        *,
+        withdraw_tainted: bool = False,
+        counters: bool = True,
     ) -> list[dict[str, Any]]:
-        """The node's slices; `taints`: device name -> its taints (health), if any."""
+        """The node's slices; `taints`: device name -> its taints (health), if any.
+
+        For an apiserver that drops fields (a feature gate off): `withdraw_tainted`, a device with
+        a NoSchedule or NoExecute taint is left out instead (taints dropped: the only way to keep
+        new claims off it); `counters=False`, the devices that consume counters and the counter
+        sets are left out (without its counters, a placement would be allocated beside one it
+        overlaps: dynamic MIG is off rather than wrong)."""
         if not DNS_SUBDOMAIN.match(self.inv.node_name) or len(self.inv.node_name) > 253:
             raise SliceLimitError(
                 f"node name {self.inv.node_name!r}: must be a lowercase DNS subdomain (the pool name)"
             )
         groups = self.device_groups()
-        devices = [d for g in groups for d in g]
-        for dev in devices:
+        for dev in (d for g in groups for d in g):
             if taints and taints.get(dev["name"]):
                 dev["taints"] = [dict(t) for t in taints[dev["name"]]]
+
+        def kept(dev: dict[str, Any]) -> bool:
+            if not counters and dev.get("consumesCounters"):
+                return False
+            return not (withdraw_tainted and any(t.get("effect") != "None" for t in dev.get("taints") or []))
+
+        if not counters or withdraw_tainted:
+            groups = [g for g in ([d for d in group if kept(d)] for group in groups) if g]
+        devices = [d for g in groups for d in g]
         advanced = any(d.get("taints") or d.get("consumesCounters") for d in devices)
         per_slice = MAX_DEVICES_PER_SLICE_ADVANCED if advanced else MAX_DEVICES_PER_SLICE
         chunks = _pack(groups, per_slice)
         # 1.35+: counter sets live in slices of their own, never beside devices.
-        sets = self.counter_sets()
+        sets = self.counter_sets() if counters else []
         bodies: list[dict[str, Any]] = [
             {"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}
             for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE)

@@ -99,8 +99,14 @@ class SlicePublisher:
         node_name: str,
         build: Callable[[int], list[dict[str, Any]]],
         metrics: PluginMetrics,
+        on_dropped: Callable[[frozenset[str]], None] | None = None,
     ) -> None:
+        """`on_dropped`: told the gated fields the apiserver drops (GATED_SLICE_FIELDS names),
+        each time one more is found; the slices are then built and applied again."""
         self.kube = kube
+        self.on_dropped = on_dropped
+        self.dropped_gated: set[str] = set()  # gated fields the apiserver dropped
+        self._newly_dropped = False
         self.driver = driver
         self.node = node_name
         self.build = build
@@ -145,7 +151,17 @@ class SlicePublisher:
     async def sync(self, existing: list[dict[str, Any]]) -> int:
         """Apply what is missing or differs, delete what is not desired; returns slices applied."""
         async with self._lock:
-            return await self._sync(existing)
+            applied = await self._sync(existing)
+        return applied + await self._degrade()
+
+    async def _degrade(self) -> int:
+        """When the last writes found a gated field dropped that was not before, tell the driver
+        and publish what it builds without it; returns slices applied."""
+        if not self._newly_dropped or self.on_dropped is None:
+            return 0
+        self._newly_dropped = False
+        self.on_dropped(frozenset(self.dropped_gated))
+        return await self.refresh()
 
     async def _sync(self, existing: list[dict[str, Any]]) -> int:
         by_name = {s["metadata"]["name"]: s for s in existing}
@@ -184,13 +200,16 @@ class SlicePublisher:
                         await self.kube.delete_slice(name)
             # What failed for longer than `timeout` the next list (at the latest 2 x WATCH_SECONDS) restores.
             self.metrics.published_devices.set(len(self.device_names()))
-            return len(changed)
+        return len(changed) + await self._degrade()
 
     def _check_dropped(self, sent: dict[str, Any], stored: dict[str, Any]) -> None:
         for path in missing_fields(sent["spec"], stored.get("spec", {})):
             key = path.split("[")[0] + path.split("]")[-1] if "[" in path else path
             field = field_name(path)
             self.metrics.dropped_slice_fields.labels(field).set(1)
+            if field in GATED_SLICE_FIELDS and field not in self.dropped_gated:
+                self.dropped_gated.add(field)
+                self._newly_dropped = True
             if key in self._dropped_logged:
                 continue
             self._dropped_logged.add(key)

@@ -206,22 +206,33 @@ def test_a_gated_field_dropped_names_its_gate_and_what_is_lost(caplog: pytest.Lo
         for device in obj.get("spec", {}).get("devices", []):
             device.pop("taints", None)
 
+    told: list[frozenset[str]] = []
+
     def tainted_slices(generation: int) -> list[dict[str, Any]]:
+        """The tainted device, or, once told the taints are dropped, the slices without it."""
         slices = FakeDriver().resource_slices(generation)
-        taint_first(slices[0])
+        if told:
+            slices[0]["spec"]["devices"] = slices[0]["spec"]["devices"][1:]
+        else:
+            taint_first(slices[0])
         return slices
 
-    async def body() -> SlicePublisher:
+    async def body() -> tuple[SlicePublisher, FakeApiServer]:
         api = FakeApiServer(on_write=drop_taints)
-        pub = SlicePublisher(api.kube(), DRIVER, NODE, tainted_slices, PluginMetrics())
+        pub = SlicePublisher(api.kube(), DRIVER, NODE, tainted_slices, PluginMetrics(), on_dropped=told.append)
         await pub.start()
-        return pub
+        return pub, api
 
-    pub = asyncio.run(body())
+    pub, api = asyncio.run(body())
     (line,) = [r.getMessage() for r in caplog.records if "dropped a field" in r.getMessage()]
     assert "spec.devices[0].taints" in line and "taints are lost: a failed device is not isolated" in line
     assert "turn on the DRADeviceTaints feature gate" in line
     assert pub.metrics.dropped_slice_fields.labels("taints")._value.get() == 1
+    # The driver was told once, and what it built then is what the apiserver holds: no failed device.
+    assert told == [frozenset({"taints"})]
+    (stored,) = api.items("resourceslices")
+    assert [d["name"] for d in stored["spec"]["devices"]] == ["dev-1", "dev-2"]
+    assert stored["spec"]["pool"]["generation"] == 1 and pub.device_names() == ["dev-1", "dev-2"]
 
 
 def test_refresh_applies_only_the_changed_slice_and_bumps_when_several_change() -> None:
