@@ -238,13 +238,11 @@ def degraded(feature: str, plugin, dyn, gpu: str | None) -> str:
         return [d for s in our_slices(dyn)[1] for d in s["spec"].get("devices") or []]
 
     def said(text):
-        return wait_for(
-            f"the plugin to say {text!r}",
-            lambda: next(
-                (x for x in plugin.log_path.read_text(errors="replace").splitlines() if text in x), None
-            ),
-            timeout=30,
-        )
+        def line():
+            lines = plugin.log_path.read_text(errors="replace").splitlines()
+            return next((x for x in lines if text in x), None)
+
+        return wait_for(f"the plugin to say {text!r}", line, timeout=30).split(" msg=", 1)[-1]
 
     if feature == "device taints (GPU health)":
         # Nothing would keep new claims off the failed GPU: it is withdrawn from the slices.
