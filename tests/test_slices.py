@@ -274,3 +274,21 @@ def test_what_an_apiserver_without_the_gates_gets_instead() -> None:
     assert first not in [d["name"] for d in withdrawn] and len(withdrawn) == len(kept) - 1
     informational = {**taint, "effect": "None"}
     assert len(devices(hgx.slices(taints={first: [informational]}, withdraw_tainted=True))) == len(kept)
+
+
+def test_the_1_34_layout_keeps_each_counter_set_beside_its_placements() -> None:
+    """1.34 refuses a device whose counter set is in another slice, and more than 32 counters a
+    slice (1.35+ refuses a slice with both): one GPU's placements and its set a slice."""
+    from dra_gpu.device_catalog import DeviceCatalog
+    from dra_gpu.slices import SliceBuilder
+
+    builder = SliceBuilder(DeviceCatalog.build(discover_node("node-a", "dgx-h100-mig", dynamic_mig=True)))
+    default, old = builder.slices(), builder.slices(counters_beside_devices=True)
+    assert sorted(d["name"] for d in devices(default)) == sorted(d["name"] for d in devices(old))
+    for s in old:
+        sets = {cs["name"]: cs for cs in s["spec"].get("sharedCounters") or []}
+        assert sum(len(cs["counters"]) for cs in sets.values()) <= 32
+        used = {c["counterSet"] for d in s["spec"]["devices"] for c in d.get("consumesCounters") or []}
+        assert used == set(sets)  # every set referenced is here, and only those
+        assert len(s["spec"]["devices"]) <= 128
+    assert {s["spec"]["pool"]["resourceSliceCount"] for s in old} == {len(old)}

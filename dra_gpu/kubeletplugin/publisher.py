@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay
 
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, KubeError, list_watch
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
@@ -32,13 +32,21 @@ WATCH_SECONDS = 300
 BACKOFF = Backoff(initial=0.2, maximum=5.0)
 
 
+def _transient(exc: BaseException) -> bool:
+    """Worth another try: the apiserver failed, throttled or could not be reached. A slice it
+    refuses as invalid (400, 422) is refused again: that is said at once, not after `timeout`."""
+    if isinstance(exc, KubeError):
+        return exc.status not in (400, 422)
+    return isinstance(exc, (OSError, asyncio.TimeoutError))
+
+
 def _retrying(timeout: float) -> AsyncRetrying:
     """The publisher's writes: retried with BACKOFF while the apiserver fails or cannot be reached,
     for at most `timeout` seconds; then the last error is raised."""
     return AsyncRetrying(
         wait=BACKOFF.wait(),
         stop=stop_after_delay(timeout),
-        retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
+        retry=retry_if_exception(_transient),
         reraise=True,
     )
 

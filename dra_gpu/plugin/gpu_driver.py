@@ -29,8 +29,11 @@ class GpuDriver:
         preparer: Preparer,
         health: HealthManager | None = None,
         claim_status: ClaimStatusWriter | None = None,
+        counters_beside_devices: bool = False,
     ) -> None:
+        """`counters_beside_devices`: the apiserver is 1.34's (SliceBuilder.slices)."""
         self.health = health
+        self.counters_beside_devices = counters_beside_devices
         self.claim_status = claim_status
         self.driver_name = driver_name
         self.pool_name = node_name  # one pool per node, named after it
@@ -69,7 +72,11 @@ class GpuDriver:
     def resource_slices(self, generation: int) -> list[dict[str, Any]]:
         taints = self.health.slice_taints() if self.health is not None else None
         return self.slices.slices(
-            generation, taints, withdraw_tainted=self.withdraw_tainted, counters=self.counters
+            generation,
+            taints,
+            withdraw_tainted=self.withdraw_tainted,
+            counters=self.counters,
+            counters_beside_devices=self.counters_beside_devices,
         )
 
     def slice_fields_dropped(self, fields: frozenset[str]) -> None:

@@ -113,7 +113,21 @@ def feature_gates(binary: str) -> str:
     return ",".join(g + "=true" for g in gates)
 
 
-RUNTIME_CONFIG = os.environ.get("DRA_GPU_E2E_RUNTIME_CONFIG", "")
+def _runtime_config() -> str:
+    """$DRA_GPU_E2E_RUNTIME_CONFIG, else, with all DRA gates on, the API version that serves
+    DeviceTaintRules before v1 did (1.34/1.35 v1alpha3, 1.36 v1beta2): with DRADeviceTaints on, the
+    scheduler and the controller-manager wait for that API, and schedule nothing without it."""
+    if "DRA_GPU_E2E_RUNTIME_CONFIG" in os.environ:
+        return os.environ["DRA_GPU_E2E_RUNTIME_CONFIG"]
+    if DRA_GATES != "all":
+        return ""
+    minor = int(KUBE_VERSION.lstrip("v").split(".")[1])
+    return {34: "resource.k8s.io/v1alpha3=true", 35: "resource.k8s.io/v1alpha3=true"}.get(
+        minor, "resource.k8s.io/v1beta2=true" if minor == 36 else ""
+    )
+
+
+RUNTIME_CONFIG = _runtime_config()
 
 PKI = os.path.join(STATE, "pki")
 LOGS = os.path.join(STATE, "logs")

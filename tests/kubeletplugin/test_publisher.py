@@ -90,6 +90,21 @@ def test_start_retries_until_the_apiserver_answers() -> None:
     asyncio.run(body())
 
 
+def test_a_slice_the_apiserver_refuses_as_invalid_is_said_at_once_not_retried() -> None:
+    """A 1.34 apiserver refuses a slice laid out for 1.35+ (422): no point in two minutes of tries."""
+
+    async def body() -> None:
+        api = FakeApiServer()
+        api.fail(method="PATCH", status=422, count=1000)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(KubeError, match="HTTP 422"):
+            await publisher(api, FakeDriver()).start(timeout=30)
+        assert loop.time() - t0 < 5 and api.count("PATCH", "resourceslices") == 1
+
+    asyncio.run(body())
+
+
 async def running(pub: SlicePublisher, test: Callable[[], Awaitable[None]]) -> None:
     await pub.start()
     task = asyncio.create_task(pub.run(Backoff(initial=0.01, maximum=0.05)))
