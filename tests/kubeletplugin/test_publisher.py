@@ -234,7 +234,9 @@ def test_a_gated_field_dropped_names_its_gate_and_what_is_lost(caplog: pytest.Lo
 
     async def body() -> tuple[SlicePublisher, FakeApiServer]:
         api = FakeApiServer(on_write=drop_taints)
-        pub = SlicePublisher(api.kube(), DRIVER, NODE, tainted_slices, PluginMetrics(), on_dropped=told.append)
+        pub = SlicePublisher(
+            api.kube(), DRIVER, NODE, tainted_slices, PluginMetrics(), on_dropped=told.append
+        )
         await pub.start()
         return pub, api
 
