@@ -36,6 +36,9 @@ from test_kubelet_plugin import (
     template,
 )
 
+from dra_gpu.simnode.inject import set_gpu_lost
+from dra_gpu.simnode.state import reboot
+
 pytestmark = pytest.mark.e2e
 
 # feature -> (the apiserver gate that keeps its fields, the slice field that shows it)
@@ -113,6 +116,15 @@ def record(core):
     return r
 
 
+def fresh_gpus(dev: Path) -> None:
+    """The simulated node as after a reboot, every GPU found: no MIG instance, no lost GPU that
+    another test's simulated fault left."""
+    reboot(dev)
+    lost = dev / ".nvidia-sim" / "lost"
+    for entry in lost.iterdir() if lost.is_dir() else ():
+        set_gpu_lost(dev, entry.name, lost=False)
+
+
 @pytest.fixture
 def node_plugin(target, core, dyn, tmp_path):
     """A plugin of the test's own (profile and flags set by the test, then `start()`), gone after."""
@@ -120,6 +132,7 @@ def node_plugin(target, core, dyn, tmp_path):
         pytest.skip("the plugin runs as a host process only on the local e2e cluster")
     node = core.list_node().items[0].metadata.name
     ensure_device_classes(dyn)
+    fresh_gpus(PLUGIN_DIR / "simulated-root" / "dev")
     p = Plugin(target.kubeconfig, node, tmp_path / "plugin.log")
     (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
     yield p
@@ -283,10 +296,6 @@ def test_gated_feature_works_or_says_why(
 ):
     gate, field = FEATURES[feature]
     node_plugin.profile, node_plugin.extra_args = NODES[feature]
-    if feature == "dynamic MIG":
-        from test_dynamic_mig import SIM_DEV, reboot
-
-        reboot(SIM_DEV)  # a GPU with no MIG instance another test left
     node_plugin.start()
     wait_for("the node's slices", lambda: our_slices(dyn)[1], timeout=30)
     gpu = simulate_xid_79(dyn) if feature == "device taints (GPU health)" else None
