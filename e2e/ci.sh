@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The e2e tier for CI: build (cached) the upstream programs, run `pytest -m e2e e2e/tests`
-# (its session fixture brings the local cluster up and down), then check nothing is left.
+# (its session fixture brings the local cluster up and down), then the compatibility suite on the
+# oldest supported Kubernetes release, then check nothing is left.
 # Runs as root on a fresh Debian machine with Go, Python and apt. Extra args go to pytest.
 #
 #   PYTHON=path/to/python e2e/ci.sh [-x ...]
@@ -24,6 +25,16 @@ rc=0
 t1=$SECONDS
 (cd "$ROOT" && "$PYTHON" -m pytest -m e2e "$HERE/tests" -p no:cacheprovider "$@") || rc=$?
 echo "[e2e/ci] e2e tests: $((SECONDS - t1)) s (rc $rc)"
+
+# The compatibility suite on the oldest release the driver supports (with its default gates: the
+# features whose gates are off there must say why); every release: e2e/compat.sh, not the gate.
+OLDEST=v1.34.4
+"$PYTHON" "$HERE/cluster" down >/dev/null 2>&1 || true
+t2=$SECONDS
+DRA_GPU_KUBE_VERSION="$OLDEST" bash "$HERE/build.sh" kubernetes
+(cd "$ROOT" && DRA_GPU_KUBE_VERSION="$OLDEST" DRA_GPU_E2E_DRA_GATES=default \
+  "$PYTHON" -m pytest -m e2e "$HERE/tests/test_compat.py" -p no:cacheprovider "$@") || rc=1
+echo "[e2e/ci] compatibility suite on Kubernetes $OLDEST: $((SECONDS - t2)) s (rc $rc)"
 
 # Whatever happened, leave nothing running.
 "$PYTHON" "$HERE/cluster" down >/dev/null 2>&1 || true
