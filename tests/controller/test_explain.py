@@ -44,6 +44,7 @@ def test_classic_example(hgx: list[dict[str, Any]]) -> None:
         "bestLinkCost",
         "reason",
         "simulated",
+        "concernsDriver",
     }
 
 
