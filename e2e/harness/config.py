@@ -90,6 +90,9 @@ DEFAULT_GATES = ",".join(
 )
 # Gates that are DRA's though their names do not say so.
 _DRA_GATE_NAMES = ("DynamicResourceAllocation", "ResourceHealthStatus")
+# DRA gates of workload scheduling, not devices: DRAWorkloadResourceClaims needs GenericWorkload
+# (the apiserver refuses to start with it alone, 1.36 and 1.37).
+_NOT_DEVICE_GATES = ("DRAWorkloadResourceClaims",)
 
 
 def feature_gates(binary: str) -> str:
@@ -109,7 +112,9 @@ def feature_gates(binary: str) -> str:
 
     text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60).stdout
     known = re.findall(r"^\s+(?:kube:)?(\w+)=true\|false \((ALPHA|BETA)", text, re.MULTILINE)
-    gates = sorted({g for g, _ in known if g.startswith("DRA") or g in _DRA_GATE_NAMES})
+    gates = sorted(
+        {g for g, _ in known if (g.startswith("DRA") or g in _DRA_GATE_NAMES) and g not in _NOT_DEVICE_GATES}
+    )
     return ",".join(g + "=true" for g in gates)
 
 
