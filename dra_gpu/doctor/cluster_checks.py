@@ -18,12 +18,18 @@ from dra_gpu.doctor.report import Result, crashed, fail, first_line, guarded, ok
 from dra_gpu.doctor.settings import ClusterSettings
 from dra_gpu.doctor.webhook_check import check_webhook
 from dra_gpu.kube import RESOURCE_V1, Kube, KubeError
+from dra_gpu.kubeletplugin.publisher import GATED_SLICE_FIELDS
 
 # Fields of the features this driver uses; an apiserver with the gate off drops them silently.
-GATED_FIELDS = (
-    ("taints", "DRADeviceTaints", "device health taints"),
-    ("consumesCounters", "DRAPartitionableDevices", "dynamic MIG (counters)"),
-    ("allowMultipleAllocations", "DRAConsumableCapacity", "shared GPUs (consumable memory)"),
+# The fields the probe slice carries, with what each gives; their gates are the plugin's own table
+# (one field -> gate mapping for the plugin's log line, its metric and this row).
+GATED_FIELDS = tuple(
+    (field, GATED_SLICE_FIELDS[field][0], what)
+    for field, what in (
+        ("taints", "device health taints"),
+        ("consumesCounters", "dynamic MIG (counters)"),
+        ("allowMultipleAllocations", "shared GPUs (consumable memory)"),
+    )
 )
 
 
