@@ -11,7 +11,18 @@ import shutil
 import subprocess
 import time
 
-from .config import BRIDGE, CLUSTER_VERSIONS, CTRD_SOCK, KUBELET_ROOT, LOGS, PEER_CDI_DIR, PLUGIN_NAME, STATE
+from .config import (
+    BRIDGE,
+    CDI_DIRS,
+    CLUSTER_VERSIONS,
+    CTRD_SOCK,
+    DRIVER_NAME,
+    KUBELET_ROOT,
+    LOGS,
+    PEER_CDI_DIR,
+    PLUGIN_NAME,
+    STATE,
+)
 from .processes import Fail, ctr, pidfile, running, say, stop_pid
 
 
@@ -97,6 +108,43 @@ def wipe_old_cluster() -> None:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     os.unlink(path)
+    wipe_driver_node_state()
+
+
+def cmdlines() -> list[bytes]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{d}/cmdline", "rb") as f:
+                out.append(f.read())
+    return out
+
+
+def wipe_driver_node_state() -> None:
+    """This driver's checkpoint, MPS dirs and CDI specs belong to the old cluster's claims: a fresh
+    node has none (an earlier run killed mid-test leaves them, and the tests count what is there).
+    Left alone while a plugin of ours still runs on them."""
+    plugin_dir = os.path.join(KUBELET_ROOT, "plugins", DRIVER_NAME)
+    if any(b"kubelet-plugin" in c and plugin_dir.encode() in c for c in cmdlines()):
+        say(f"a {DRIVER_NAME} kubelet plugin is running: its state in {plugin_dir} is left to it")
+        return
+    wiped = []
+    if os.path.isdir(plugin_dir):
+        for entry in os.listdir(plugin_dir):
+            path = os.path.join(plugin_dir, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            wiped.append(path)
+    for d in CDI_DIRS:
+        with contextlib.suppress(OSError):
+            for f in os.listdir(d):
+                if f.startswith(f"k8s.{DRIVER_NAME}-") and f.endswith(".json"):
+                    os.unlink(os.path.join(d, f))
+                    wiped.append(os.path.join(d, f))
+    if wiped:
+        say(f"removed {len(wiped)} entries of {DRIVER_NAME} an earlier cluster left: {', '.join(wiped[:4])}")
 
 
 def down(quiet: bool = False) -> None:

@@ -140,6 +140,9 @@ PIDS = os.path.join(STATE, "pids")
 ADMIN_KUBECONFIG = os.path.join(STATE, "admin.kubeconfig")
 CTRD_SOCK = os.path.join(STATE, "containerd", "containerd.sock")
 
+# This project's driver: the name its plugin dir and CDI specs on the node carry.
+DRIVER_NAME = "gpu.dra-gpu.io"
+
 # The peer driver: upstream's DRA test driver as a host-process kubelet plugin.
 PLUGIN_NAME = os.environ.get("DRA_GPU_E2E_PEER_DRIVER_NAME", "gpu.example.com")
 PEER_CDI_DIR = os.environ.get("DRA_GPU_E2E_PEER_CDI_DIR", "/var/run/cdi")
