@@ -4,9 +4,9 @@ spec, the CDI and plugin directories hold nothing else (the temp file of a write
 interrupted is removed at the start), no device is held twice, and every claim can be prepared
 and unprepared again.
 
-Each kill comes after a random delay, as the next write begins (its temp file appears; a
-checkpoint write's fsync takes about a millisecond, so a later moment mostly misses it): most kills
-must interrupt a write, which the temp files found after the kill show."""
+Each kill comes after a random delay, as the next write begins (its temp file appears; a write
+takes a fraction of a millisecond, so a later moment mostly misses it): most kills must interrupt
+a write, which the temp files found after the kill show."""
 
 from __future__ import annotations
 
