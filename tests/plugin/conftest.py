@@ -151,6 +151,21 @@ def temp_files(*directories: Path) -> list[Path]:
     return [p for d in directories if d.is_dir() for p in sorted(d.iterdir()) if temp_target(p.name)]
 
 
+def slow_renames(pause: float = 0.002) -> None:
+    """In a child that `kill_in_a_write` aims at: each rename of a temp file over its target waits
+    `pause` seconds first, as on a slow disk. Without fsync a write is over in microseconds, too
+    short for most kills to land in it; the state a kill leaves there (the temp file written, not
+    renamed) is the one a crash inside a real write leaves."""
+    real = os.replace
+
+    def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if temp_target(os.path.basename(os.fsdecode(src))):
+            time.sleep(pause)
+        real(src, dst, *args, **kwargs)
+
+    os.replace = replace  # type: ignore[assignment]
+
+
 def kill_in_a_write(pid: int, directories: Iterable[Path], delay: float = 0.0, timeout: float = 5.0) -> None:
     """SIGKILL `pid` `delay` seconds after one of its writes into `directories` begins (a temp
     file appears where there was none: its rename is still ahead), or at `timeout`. Whether the kill

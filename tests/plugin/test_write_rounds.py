@@ -16,7 +16,7 @@ import pytest
 from dra_gpu import failpoints
 from dra_gpu.durable import remove_stale_temps
 from dra_gpu.plugin.write_rounds import WriteRounds
-from plugin.conftest import kill_in_a_write, temp_files
+from plugin.conftest import kill_in_a_write, slow_renames, temp_files
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -105,6 +105,8 @@ def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path, durabl
         pid = os.fork()
         if pid == 0:
             try:
+                if not durable:
+                    slow_renames()  # a window for the kill to land in
                 _writer(directory, durable)
             finally:
                 os._exit(1)
