@@ -9,12 +9,15 @@ placements held); every tenth node has a GPU tainted. Each claim is reserved by 
 
 Figures, each the median of `--runs` (CPU time of this process): decoding the listed objects
 into the snapshot (the edge), snapshot -> view, view -> text, view -> JSON text; the target is
-snapshot -> screen (view + text) under one second.
+snapshot -> screen (view + text) under one second. Then, with two Pending pods (an 8-GPU NVLink
+claim no node can give, a 4-GPU one that fits), the wall time of explaining them
+(dra_gpu.fleet.pending: `dra-gpu explain` as a child process over the whole cluster).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -27,10 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dra_gpu.fleet.as_json import view_to_json  # noqa: E402
+from dra_gpu.fleet.pending import explain_pending  # noqa: E402
 from dra_gpu.fleet.snapshot import parse_snapshot  # noqa: E402
 from dra_gpu.fleet.text import render_text  # noqa: E402
 from dra_gpu.fleet.view import build_view  # noqa: E402
-from tests.controller.objects import DRIVER  # noqa: E402
+from tests.controller.objects import DRIVER, GPU_CLASS, NVLINK, claim  # noqa: E402
 from tests.fleet_cluster import Cluster, devices_of, slices_of  # noqa: E402
 
 TEMPLATE = "template-node"
@@ -101,6 +105,25 @@ def main() -> None:
     print(f"  view -> text                   {text_s * 1000:8.1f} ms")
     print(f"  view -> JSON                   {json_s * 1000:8.1f} ms")
     print(f"  snapshot -> screen (view+text) {(view_s + text_s) * 1000:8.1f} ms (target < 1000 ms)")
+    for name, count in (("waits-8", 8), ("waits-4", 4)):
+        waiting = claim(name, count=count, constraints=NVLINK)
+        c.claims.append(waiting)
+        c.pods.append(
+            {
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"resourceClaims": [{"name": "gpus", "resourceClaimName": name}]},
+                "status": {"phase": "Pending"},
+            }
+        )
+    snapshot = parse_snapshot(DRIVER, c.slices, c.claims, c.pods, c.rules, [GPU_CLASS])
+    walls = []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        pending = asyncio.run(explain_pending(snapshot, timeout=120))
+        walls.append(time.perf_counter() - t0)
+    for p in pending:
+        print(f"  pending {p.pod}: fits={p.fits} {p.node or p.reason[:60]}")
+    print(f"  explain 2 Pending pods (wall)  {statistics.median(walls) * 1000:8.1f} ms")
 
 
 if __name__ == "__main__":

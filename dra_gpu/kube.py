@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import asyncio.sslproto
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -413,3 +414,11 @@ def _log_retry(path: str) -> Callable[[RetryCallState], None]:
         log.warning("list+watch failed, retrying in %.2fs path=%s error=%r", delay, path, str(error)[:200])
 
     return log_it
+
+
+async def server_minor_version(kube: Kube) -> int | None:
+    """The apiserver's minor version (/version; "34+" as some distributions write it is 34), or
+    None when it does not say."""
+    doc = await kube.get_json("/version") or {}
+    digits = "".join(itertools.takewhile(str.isdigit, str(doc.get("minor") or "")))
+    return int(digits) if digits else None

@@ -264,28 +264,63 @@ class SliceBuilder:
         return f"{name[:230].rstrip('.-')}-{digest}-{i}"
 
     def slices(
-        self, generation: int = 1, taints: Mapping[str, list[dict[str, Any]]] | None = None
+        self,
+        generation: int = 1,
+        taints: Mapping[str, list[dict[str, Any]]] | None = None,
+        *,
+        withdraw_tainted: bool = False,
+        counters: bool = True,
+        counters_beside_devices: bool = False,
     ) -> list[dict[str, Any]]:
-        """The node's slices; `taints`: device name -> its taints (health), if any."""
+        """The node's slices; `taints`: device name -> its taints (health), if any.
+
+        `counters_beside_devices`: the layout of a 1.34 apiserver, which refuses a device whose
+        counter set is in another slice and more than 32 counters a slice: each GPU's placements
+        in a slice of their own with its counter set (1.35+ refuses a slice with both).
+
+        For an apiserver that drops fields (a feature gate off): `withdraw_tainted`, a device with
+        a NoSchedule or NoExecute taint is left out instead (taints dropped: the only way to keep
+        new claims off it); `counters=False`, the devices that consume counters and the counter
+        sets are left out (without its counters, a placement would be allocated beside one it
+        overlaps: dynamic MIG is off rather than wrong)."""
         if not DNS_SUBDOMAIN.match(self.inv.node_name) or len(self.inv.node_name) > 253:
             raise SliceLimitError(
                 f"node name {self.inv.node_name!r}: must be a lowercase DNS subdomain (the pool name)"
             )
         groups = self.device_groups()
-        devices = [d for g in groups for d in g]
-        for dev in devices:
+        for dev in (d for g in groups for d in g):
             if taints and taints.get(dev["name"]):
                 dev["taints"] = [dict(t) for t in taints[dev["name"]]]
+
+        def kept(dev: dict[str, Any]) -> bool:
+            if not counters and dev.get("consumesCounters"):
+                return False
+            return not (withdraw_tainted and any(t.get("effect") != "None" for t in dev.get("taints") or []))
+
+        if not counters or withdraw_tainted:
+            groups = [g for g in ([d for d in group if kept(d)] for group in groups) if g]
+        devices = [d for g in groups for d in g]
         advanced = any(d.get("taints") or d.get("consumesCounters") for d in devices)
         per_slice = MAX_DEVICES_PER_SLICE_ADVANCED if advanced else MAX_DEVICES_PER_SLICE
-        chunks = _pack(groups, per_slice)
-        # 1.35+: counter sets live in slices of their own, never beside devices.
-        sets = self.counter_sets()
-        bodies: list[dict[str, Any]] = [
-            {"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}
-            for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE)
-        ]
-        bodies += [{"devices": chunk} for chunk in chunks]
+        sets = self.counter_sets() if counters else []
+        bodies: list[dict[str, Any]]
+        if counters_beside_devices:
+            plain = [g for g in ([d for d in g if not d.get("consumesCounters")] for g in groups) if g]
+            bodies = [{"devices": chunk} for chunk in _pack(plain, per_slice) if chunk]
+            by_set: dict[str, list[dict[str, Any]]] = {}  # a GPU's counter set -> its placements
+            for dev in devices:
+                if dev.get("consumesCounters"):
+                    by_set.setdefault(dev["consumesCounters"][0]["counterSet"], []).append(dev)
+            bodies += [
+                {"sharedCounters": [cs], "devices": by_set[cs["name"]]} for cs in sets if cs["name"] in by_set
+            ]
+        else:
+            # 1.35+: counter sets live in slices of their own, never beside devices.
+            bodies = [
+                {"sharedCounters": sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}
+                for i in range(0, len(sets), MAX_COUNTER_SETS_PER_SLICE)
+            ]
+            bodies += [{"devices": chunk} for chunk in _pack(groups, per_slice)]
         return [
             {
                 "apiVersion": RESOURCE_API_VERSION,

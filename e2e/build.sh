@@ -14,6 +14,8 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=versions.sh
 source "$HERE/versions.sh"
+# Another Kubernetes release than the pin (the compatibility suite: 1.34 to 1.37).
+K8S_VERSION="${DRA_GPU_KUBE_VERSION:-$K8S_VERSION}"
 
 CACHE="${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}"
 GO_P="${E2E_GO_P:-2}"

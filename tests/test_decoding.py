@@ -63,6 +63,21 @@ def test_nesting_is_refused_at_the_collection_past_the_limit(star: str) -> None:
     assert mark is not None and mark.line == star.count("\n") + 2 + MAX_DEPTH  # the 65th mapping
 
 
+def test_json_is_read_by_the_json_module_with_the_same_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JSON document (kubectl -o json, dra-gpu top's explanations) is not given to libyaml; YAML
+    in flow style that is not JSON still is; nesting is refused either way."""
+    calls: list[str] = []
+    monkeypatch.setattr(decoding, "_BoundedCLoader", lambda text: calls.append(text) or 1 / 0)
+    doc = '{"kind": "List", "items": [{"a": 1.5, "b": null, "c": "x*y"}]}'
+    assert list(load_yaml_all("  \n" + doc)) == [yaml.safe_load(doc)] and not calls
+    monkeypatch.undo()
+    assert list(load_yaml_all("[a, b]")) == [["a", "b"]]  # YAML, not JSON
+    with pytest.raises(yaml.YAMLError, match="nested deeper"):
+        list(load_yaml_all("[" * 100_000 + "]" * 100_000))
+    (deep,) = load_yaml_all("[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5))
+    assert any("nest" in message for _, message in check_bounds(deep))
+
+
 def test_fast_loader_reads_what_libyaml_reads() -> None:
     """Without a `*` in the text the bounded libyaml loader is used: the same documents as
     libyaml's own loader, scalars typed by their text and style (a tag is cached per both)."""

@@ -35,7 +35,7 @@ GPU_ATTRIBUTES = {
 
 
 def devices(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [d for s in slices for d in s["spec"]["devices"]]
+    return [d for s in slices for d in s["spec"].get("devices") or []]
 
 
 def attr(dev: dict[str, Any], name: str) -> Any:
@@ -247,3 +247,48 @@ def test_whole_gpus_publish_the_capacities_the_readme_lists_and_no_sm_count(prof
         if attr(dev, "type") == "mig":
             assert set(dev["capacity"]) <= _readme_capacities("MIG device")
             assert "multiprocessors" in dev["capacity"]
+
+
+def test_what_an_apiserver_without_the_gates_gets_instead() -> None:
+    """Taints dropped: a failed GPU is left out (nothing else keeps claims off it). Counters
+    dropped: no dynamic-MIG placement, no counter set (overlapping placements would be allocated
+    together); whole GPUs stay."""
+    from dra_gpu.device_catalog import DeviceCatalog
+    from dra_gpu.slices import SliceBuilder
+
+    builder = SliceBuilder(DeviceCatalog.build(discover_node("node-a", "dgx-h100-mig", dynamic_mig=True)))
+    full = builder.slices()
+    placements = [d["name"] for d in devices(full) if d.get("consumesCounters")]
+    assert placements and any(s["spec"].get("sharedCounters") for s in full)
+    without = builder.slices(counters=False)
+    assert not any(s["spec"].get("sharedCounters") for s in without)
+    assert not any(d.get("consumesCounters") for d in devices(without))
+    assert {s["spec"]["pool"]["resourceSliceCount"] for s in without} == {len(without)}
+
+    hgx = SliceBuilder(DeviceCatalog.build(discover_node("node-a", "hgx-2x4")))
+    first = devices(hgx.slices())[0]["name"]
+    taint = {"key": "gpu.dra-gpu.io/unhealthy", "value": "xid-79", "effect": "NoExecute"}
+    kept = devices(hgx.slices(taints={first: [taint]}))
+    assert kept[0]["name"] == first and kept[0]["taints"] == [taint]
+    withdrawn = devices(hgx.slices(taints={first: [taint]}, withdraw_tainted=True))
+    assert first not in [d["name"] for d in withdrawn] and len(withdrawn) == len(kept) - 1
+    informational = {**taint, "effect": "None"}
+    assert len(devices(hgx.slices(taints={first: [informational]}, withdraw_tainted=True))) == len(kept)
+
+
+def test_the_1_34_layout_keeps_each_counter_set_beside_its_placements() -> None:
+    """1.34 refuses a device whose counter set is in another slice, and more than 32 counters a
+    slice (1.35+ refuses a slice with both): one GPU's placements and its set a slice."""
+    from dra_gpu.device_catalog import DeviceCatalog
+    from dra_gpu.slices import SliceBuilder
+
+    builder = SliceBuilder(DeviceCatalog.build(discover_node("node-a", "dgx-h100-mig", dynamic_mig=True)))
+    default, old = builder.slices(), builder.slices(counters_beside_devices=True)
+    assert sorted(d["name"] for d in devices(default)) == sorted(d["name"] for d in devices(old))
+    for s in old:
+        sets = {cs["name"]: cs for cs in s["spec"].get("sharedCounters") or []}
+        assert sum(len(cs["counters"]) for cs in sets.values()) <= 32
+        used = {c["counterSet"] for d in s["spec"]["devices"] for c in d.get("consumesCounters") or []}
+        assert used == set(sets)  # every set referenced is here, and only those
+        assert len(s["spec"]["devices"]) <= 128
+    assert {s["spec"]["pool"]["resourceSliceCount"] for s in old} == {len(old)}

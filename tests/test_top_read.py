@@ -103,7 +103,7 @@ def test_watch_json_prints_one_document_a_line() -> None:
     c = Cluster()
     c.add_node("node-a", "mixed")
     out = io.StringIO()
-    args = argparse.Namespace(node=None, namespace=None, output="json", watch=True)
+    args = argparse.Namespace(node=None, namespace=None, output="json", watch=True, timeout=5.0)
     printer = Printer(args, out)
 
     async def body() -> None:

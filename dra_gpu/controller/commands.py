@@ -142,10 +142,12 @@ def _explain_inputs(inputs: Inputs, driver: str, bounded: bool) -> dict[str, Any
             "bestLinkCost": 0,
             "reason": "",
             "simulated": True,  # False: a selector uses Kubernetes CEL functions dra-gpu does not model
+            "concernsDriver": True,  # False: no request asks for the driver's devices
         }
 
         def one(claim: dict[str, Any] = claim, entry: dict[str, Any] = entry) -> dict[str, Any]:
             verdict = validator.validate({**claim, "status": {}})
+            entry["concernsDriver"] = verdict.concerned
             if verdict.errors and not any(p.kind is ProblemKind.UNSATISFIABLE for p in verdict.errors):
                 entry["reason"] = "; ".join(f"{p.path}: {p.message}" for p in verdict.errors)
                 return entry

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from dra_gpu.fleet.pending import PendingClaim
 from dra_gpu.fleet.snapshot import Taint
 from dra_gpu.fleet.view import DomainView, FleetView, GpuView, Holder, NodeView, Totals
 
@@ -65,11 +66,24 @@ def _node(n: NodeView) -> dict[str, Any]:
     return {"name": n.name, "totals": _totals(n.totals), "domains": [_domain(d) for d in n.domains]}
 
 
+def _pending(p: PendingClaim) -> dict[str, Any]:
+    return {
+        "namespace": p.namespace,
+        "pod": p.pod,
+        "claim": p.claim,
+        "fits": p.fits,
+        "node": p.node or None,
+        "devices": list(p.devices),
+        "reason": p.reason or None,
+    }
+
+
 def view_to_json(view: FleetView) -> dict[str, Any]:
     return {
         "filters": dict(view.filters),
         "totals": _totals(view.totals),
         "models": {product: _totals(t) for product, t in view.models},
         "nodes": [_node(n) for n in view.nodes],
+        "pending": [_pending(p) for p in view.pending],
         "problems": list(view.problems),
     }

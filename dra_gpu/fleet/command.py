@@ -58,10 +58,12 @@ class Printer:
         self.colour = self.tty and not os.environ.get("NO_COLOR")
         self.width = shutil.get_terminal_size((80, 24)).columns if self.tty else 80
 
-    def __call__(self, snapshot: Any) -> None:
+    async def __call__(self, snapshot: Any) -> None:
+        from dra_gpu.fleet.pending import explain_pending
         from dra_gpu.fleet.view import build_view
 
-        view = build_view(snapshot, node=self.args.node, namespace=self.args.namespace)
+        pending = await explain_pending(snapshot, self.args.timeout)
+        view = build_view(snapshot, node=self.args.node, namespace=self.args.namespace, pending=pending)
         if self.args.output == "json":
             from dra_gpu.fleet.as_json import view_to_json
 
@@ -87,7 +89,7 @@ async def _run(args: argparse.Namespace, printer: Printer) -> None:
         if args.watch:
             await watch(kube, scope, printer, timeout=args.timeout)
         else:
-            printer(await read_once(kube, scope, args.timeout))
+            await printer(await read_once(kube, scope, args.timeout))
     finally:
         await kube.close()
 

@@ -2,9 +2,10 @@
 arrive: dra_gpu.kube), or kept current by watches (`watch`: dra_gpu.kube.list_watch, which lists
 again when a watch ends or expires) that call back on every change.
 
-Four collections: the driver's ResourceSlices (field selector on the driver, and the node with
+Five collections: the driver's ResourceSlices (field selector on the driver, and the node with
 --node), every ResourceClaim (a shared GPU's free memory counts all its shares), the pods that
-use claims (of --namespace only, when given) and the DeviceTaintRules, when the API serves them.
+use claims (of --namespace only, when given), the DeviceTaintRules, when the API serves them, and
+the DeviceClasses (explain needs them for a Pending pod's claims).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ class Scope:
             return f"{RESOURCE_V1}/resourceclaims"
         if collection == "rules":
             return f"{RESOURCE_V1}/devicetaintrules"
+        if collection == "classes":
+            return f"{RESOURCE_V1}/deviceclasses"
         return f"/api/v1/namespaces/{self.namespace}/pods" if self.namespace else "/api/v1/pods"
 
     def field_selector(self, collection: str) -> str | None:
@@ -126,7 +129,7 @@ async def read_once(kube: Kube, scope: Scope, timeout: float) -> Snapshot:
 async def watch(
     kube: Kube,
     scope: Scope,
-    draw: Callable[[Snapshot], None],
+    draw: Callable[[Snapshot], Awaitable[None] | None],
     *,
     timeout: float,
     settle: float = 0.2,
@@ -177,7 +180,9 @@ async def watch(
                 await changed.wait()
         while True:
             changed.clear()
-            draw(stores.snapshot())
+            drawn = draw(stores.snapshot())
+            if drawn is not None:  # a drawing that explains Pending pods first
+                await drawn
             await changed.wait()
             await asyncio.sleep(settle)  # a burst of events (a job of 100 pods) is one redraw
     finally:

@@ -1,6 +1,8 @@
 """The cluster as `dra-gpu top` reads it, parsed once into typed records: the driver's published
 devices (with their slice taints and the DeviceTaintRules that match them), dynamic-MIG counter
-sets, the claims' allocations and reservations, and the pods that hold them.
+sets, the claims' allocations and reservations, the pods that hold them, and what `explain` needs
+to say why a Pending pod's claim is not allocated (the claims waiting for an allocation, the
+DeviceClasses, and the slices and allocated claims as the API served them).
 
 Every object is decoded (bounds, then shape: dra_gpu.decoding) before a field of it is read; one
 that does not decode is left out with a line in `problems`, so a malformed object costs its own
@@ -11,7 +13,7 @@ row, not the screen. Attributes and capacities are read the way the allocator re
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dra_gpu.controller.published_devices import Device
@@ -82,9 +84,26 @@ _CLAIM = Obj(
     required=("metadata",),
 )
 _POD = Obj(
-    {"metadata": METADATA, "spec": Obj({"nodeName": Str()}), "status": Obj({"phase": Str()})},
+    {
+        "metadata": METADATA,
+        "spec": Obj(
+            {
+                "nodeName": Str(),
+                "resourceClaims": ListOf(
+                    Obj({"name": Str(), "resourceClaimName": Str(), "resourceClaimTemplateName": Str()})
+                ),
+            }
+        ),
+        "status": Obj(
+            {
+                "phase": Str(),
+                "resourceClaimStatuses": ListOf(Obj({"name": Str(), "resourceClaimName": Str()})),
+            }
+        ),
+    },
     required=("metadata",),
 )
+_CLASS = Obj({"metadata": METADATA}, required=("metadata",))
 _RULE = Obj(
     {
         "metadata": METADATA,
@@ -159,6 +178,16 @@ class Claim:
     name: str
     allocations: tuple[Allocation, ...]
     pods: tuple[str, ...]  # names of the pods in status.reservedFor (the claim's namespace)
+    obj: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as served, for explain
+
+
+@dataclass(frozen=True)
+class WaitingClaim:
+    """A claim with no allocation yet: what `explain` is asked about when a Pending pod uses it."""
+
+    namespace: str
+    name: str
+    obj: dict[str, Any] = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -167,6 +196,17 @@ class Pod:
     name: str
     node: str
     phase: str
+    claims: tuple[str, ...] = ()  # the names of the ResourceClaims it uses (those made so far)
+
+    @property
+    def unscheduled(self) -> bool:
+        return self.phase == "Pending" and not self.node
+
+
+@dataclass(frozen=True)
+class DeviceClassRecord:
+    name: str
+    obj: dict[str, Any] = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -190,10 +230,11 @@ class TaintRule:
 class SliceRecord:
     devices: tuple[PublishedDevice, ...]  # their own taints only; rules are applied by `assemble`
     counter_sets: tuple[CounterSet, ...]
+    obj: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as served, for explain
 
 
-Record = SliceRecord | Claim | Pod | TaintRule
-COLLECTIONS = ("slices", "claims", "pods", "rules")
+Record = SliceRecord | Claim | WaitingClaim | Pod | TaintRule | DeviceClassRecord
+COLLECTIONS = ("slices", "claims", "pods", "rules", "classes")
 
 
 @dataclass(frozen=True)
@@ -205,6 +246,9 @@ class Snapshot:
     pods: tuple[Pod, ...]
     rules: tuple[TaintRule, ...]
     problems: tuple[str, ...] = ()  # objects left out, and why
+    waiting: tuple[WaitingClaim, ...] = ()
+    classes: tuple[DeviceClassRecord, ...] = ()
+    slice_objects: tuple[dict[str, Any], ...] = field(default=(), compare=False, repr=False)
 
 
 def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -291,12 +335,23 @@ def _slice(driver: str, obj: dict[str, Any]) -> SliceRecord:
             CounterSet(pool, str(cs["name"]), slices, _bytes((counters.get("memory") or {}).get("value")))
         )
     devices = tuple(_device(driver, node, pool, d) for d in spec.get("devices") or [])
-    return SliceRecord(devices, tuple(sets))
+    return SliceRecord(devices, tuple(sets), _typed(obj, "ResourceSlice"))
 
 
-def _claim(driver: str, obj: dict[str, Any]) -> Claim | None:
-    """The claim, when at least one device of `driver` is allocated to it; others hold none of its GPUs."""
+def _typed(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The object with the kind a list's items lack (explain reads objects by their kind)."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": kind, **obj}
+
+
+def _claim(driver: str, obj: dict[str, Any]) -> Claim | WaitingClaim | None:
+    """The claim, when at least one device of `driver` is allocated to it (others hold none of its
+    GPUs); a claim with no allocation at all as waiting."""
     status = obj.get("status") or {}
+    meta = _meta(obj)
+    if not status.get("allocation"):
+        return WaitingClaim(
+            str(meta.get("namespace") or ""), str(meta.get("name") or ""), _typed(obj, "ResourceClaim")
+        )
     results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
     allocations = tuple(
         Allocation(
@@ -316,22 +371,42 @@ def _claim(driver: str, obj: dict[str, Any]) -> Claim | None:
         for ref in status.get("reservedFor") or []
         if ref.get("resource") == "pods" and ref.get("name")
     )
-    meta = _meta(obj)
-    return Claim(str(meta.get("namespace") or ""), str(meta.get("name") or ""), allocations, pods)
+    return Claim(
+        str(meta.get("namespace") or ""),
+        str(meta.get("name") or ""),
+        allocations,
+        pods,
+        _typed(obj, "ResourceClaim"),
+    )
 
 
 def _pod(obj: dict[str, Any]) -> Pod:
     meta = _meta(obj)
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    # A claim from a template is named in the pod's status once the controller has made it.
+    made = {s.get("name"): s.get("resourceClaimName") for s in status.get("resourceClaimStatuses") or []}
+    claims = tuple(
+        str(name)
+        for entry in spec.get("resourceClaims") or []
+        if (name := entry.get("resourceClaimName") or made.get(entry.get("name")))
+    )
     return Pod(
         str(meta.get("namespace") or ""),
         str(meta.get("name") or ""),
-        str((obj.get("spec") or {}).get("nodeName") or ""),
-        str((obj.get("status") or {}).get("phase") or ""),
+        str(spec.get("nodeName") or ""),
+        str(status.get("phase") or ""),
+        claims,
     )
 
 
-_KINDS = {"slices": "ResourceSlice", "claims": "ResourceClaim", "pods": "Pod", "rules": "DeviceTaintRule"}
-_SHAPES = {"slices": _SLICE, "claims": _CLAIM, "pods": _POD, "rules": _RULE}
+_KINDS = {
+    "slices": "ResourceSlice",
+    "claims": "ResourceClaim",
+    "pods": "Pod",
+    "rules": "DeviceTaintRule",
+    "classes": "DeviceClass",
+}
+_SHAPES = {"slices": _SLICE, "claims": _CLAIM, "pods": _POD, "rules": _RULE, "classes": _CLASS}
 
 
 def parse_object(collection: str, driver: str, obj: Any) -> tuple[Record | None, str | None]:
@@ -352,6 +427,8 @@ def parse_object(collection: str, driver: str, obj: Any) -> tuple[Record | None,
         return _claim(driver, obj), None
     if collection == "pods":
         return _pod(obj), None
+    if collection == "classes":
+        return DeviceClassRecord(str(_meta(obj).get("name") or ""), _typed(obj, "DeviceClass")), None
     return _rule(obj), None
 
 
@@ -359,15 +436,21 @@ def assemble(driver: str, records: Iterable[Record], problems: Iterable[str] = (
     """The snapshot of parsed records: each DeviceTaintRule's taint added to the devices it matches."""
     slices: list[SliceRecord] = []
     claims: list[Claim] = []
+    waiting: list[WaitingClaim] = []
     pods: list[Pod] = []
     rules: list[TaintRule] = []
+    classes: list[DeviceClassRecord] = []
     for r in records:
         if isinstance(r, SliceRecord):
             slices.append(r)
         elif isinstance(r, Claim):
             claims.append(r)
+        elif isinstance(r, WaitingClaim):
+            waiting.append(r)
         elif isinstance(r, Pod):
             pods.append(r)
+        elif isinstance(r, DeviceClassRecord):
+            classes.append(r)
         else:
             rules.append(r)
     devices = []
@@ -383,6 +466,9 @@ def assemble(driver: str, records: Iterable[Record], problems: Iterable[str] = (
         pods=tuple(pods),
         rules=tuple(rules),
         problems=tuple(problems),
+        waiting=tuple(waiting),
+        classes=tuple(classes),
+        slice_objects=tuple(s.obj for s in slices),
     )
 
 
@@ -392,11 +478,12 @@ def parse_snapshot(
     claims: Iterable[Any],
     pods: Iterable[Any] = (),
     taint_rules: Iterable[Any] = (),
+    classes: Iterable[Any] = (),
 ) -> Snapshot:
     """The typed snapshot of the API objects as listed (plain JSON dicts)."""
     records: list[Record] = []
     problems: list[str] = []
-    for collection, items in zip(COLLECTIONS, (slices, claims, pods, taint_rules), strict=True):
+    for collection, items in zip(COLLECTIONS, (slices, claims, pods, taint_rules, classes), strict=True):
         for obj in items:
             record, problem = parse_object(collection, driver, obj)
             if record is not None:

@@ -4,9 +4,11 @@ command asks when stdout is a terminal and $NO_COLOR is unset."""
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from collections.abc import Iterable
 
+from dra_gpu.fleet.pending import PendingClaim
 from dra_gpu.fleet.view import DomainKind, DomainView, FleetView, GpuState, GpuView, Holder, NodeView, Totals
 
 WIDTH = 80
@@ -84,9 +86,26 @@ class TextRenderer:
             self._line("by model", "heading")
             for product, totals in view.models:
                 self._line(f"  {short_product(product):<26} {totals_text(totals)}")
+        if view.pending:
+            self._pending(view.pending)
         for problem in view.problems:
             self._line(f"left out: {problem}")
         return "\n".join(self.lines) + "\n"
+
+    def _pending(self, pending: tuple[PendingClaim, ...]) -> None:
+        self.lines.append("")
+        self._line("pending pods: claims not allocated", "heading")
+        for p in pending:
+            self._line(f"  {p.namespace}/{p.pod} (claim {p.claim})")
+            if p.fits:
+                where = f"{p.node}: {', '.join(p.devices)}"
+                why, style = f"fits now on {where}; not yet placed by the scheduler", None
+            elif p.fits is None:
+                why, style = p.reason, None
+            else:
+                why, style = f"cannot fit: {p.reason}", "tainted"
+            for line in textwrap.wrap(why, self.width - len(_SUB_INDENT)) or [""]:
+                self._line(f"{_SUB_INDENT}{line}", style)
 
     def _node(self, node: NodeView) -> None:
         self.lines.append("")

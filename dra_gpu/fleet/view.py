@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from dra_gpu.fleet.pending import PendingClaim
 from dra_gpu.fleet.snapshot import Allocation, Claim, CounterSet, PublishedDevice, Snapshot, Taint
 
 MIG_NAME_SEPARATOR = "-mig-"  # MIG device names are the parent GPU's name + "-mig-" + profile + start
@@ -140,6 +141,7 @@ class FleetView:
     totals: Totals
     problems: tuple[str, ...] = ()
     filters: dict[str, str] = field(default_factory=dict)
+    pending: tuple[PendingClaim, ...] = ()  # Pending pods' claims with no allocation, and why
 
 
 # ---------------------------------------------------------------- building
@@ -278,9 +280,15 @@ def _visible(gpu: GpuView, namespace: str) -> GpuView | None:
     return replace(gpu, holders=mine) if mine else None
 
 
-def build_view(snapshot: Snapshot, node: str | None = None, namespace: str | None = None) -> FleetView:
+def build_view(
+    snapshot: Snapshot,
+    node: str | None = None,
+    namespace: str | None = None,
+    pending: tuple[PendingClaim, ...] = (),
+) -> FleetView:
     """The view of `snapshot`; `node`: that node only; `namespace`: only the GPUs a claim of that
-    namespace holds, with that namespace's holders (a shared GPU's free memory still counts all)."""
+    namespace holds, with that namespace's holders (a shared GPU's free memory still counts all).
+    `pending`: the explained claims of Pending pods (dra_gpu.fleet.pending), shown as given."""
     pods = {(p.namespace, p.name): p.phase for p in snapshot.pods}
     by_device: dict[tuple[str, str], list[tuple[Claim, Allocation]]] = defaultdict(list)
     for claim in snapshot.claims:
@@ -321,4 +329,5 @@ def build_view(snapshot: Snapshot, node: str | None = None, namespace: str | Non
         totals=Totals.of(every),
         problems=snapshot.problems,
         filters=filters,
+        pending=tuple(p for p in pending if namespace is None or p.namespace == namespace),
     )

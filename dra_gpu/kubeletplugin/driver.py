@@ -81,3 +81,9 @@ class Driver(Protocol):
     def device_health(self) -> list[DeviceHealth]:
         """The health of every published device, polled for the kubelet's health stream."""
         ...
+
+    def slice_fields_dropped(self, fields: frozenset[str]) -> None:
+        """The apiserver drops these fields of the slices (their feature gates are off there;
+        names of publisher.GATED_SLICE_FIELDS): build the slices from now on without what would
+        be wrong without them."""
+        ...

@@ -103,7 +103,14 @@ class KubeletPluginHelper:
         """`claims`: where a prepare's claim is read; default: a GET through `kube`."""
         self.driver_name = driver_name
         self.sockets = sockets
-        self.publisher = SlicePublisher(kube, driver_name, node_name, driver.resource_slices, metrics)
+        self.publisher = SlicePublisher(
+            kube,
+            driver_name,
+            node_name,
+            driver.resource_slices,
+            metrics,
+            on_dropped=driver.slice_fields_dropped,
+        )
         node = NodeService(driver, claims or ClaimFetcher(kube), metrics)
         self.heap = node.heap
         self.health = HealthService(driver.device_health, health_resend_seconds)

@@ -29,6 +29,14 @@ class PluginMetrics:
         self.published_devices = Gauge(
             "dra_gpu_published_devices", "Devices in this node's ResourceSlices.", registry=self.registry
         )
+        self.dropped_slice_fields = Gauge(
+            "dra_gpu_slice_fields_dropped",
+            "1 for each ResourceSlice field the apiserver dropped (its feature gate is off); "
+            "field: taints, consumesCounters, sharedCounters, allowMultipleAllocations, "
+            "bindingConditions, bindingFailureConditions, bindsToNode or other.",
+            ["field"],
+            registry=self.registry,
+        )
         self.slice_restores = Counter(
             "dra_gpu_slice_restores",
             "ResourceSlices re-applied after a deletion or edit.",

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay
 
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, KubeError, list_watch
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
@@ -32,15 +32,48 @@ WATCH_SECONDS = 300
 BACKOFF = Backoff(initial=0.2, maximum=5.0)
 
 
+def _transient(exc: BaseException) -> bool:
+    """Worth another try: the apiserver failed, throttled or could not be reached. A slice it
+    refuses as invalid (400, 422) is refused again: that is said at once, not after `timeout`."""
+    if isinstance(exc, KubeError):
+        return exc.status not in (400, 422)
+    return isinstance(exc, (OSError, asyncio.TimeoutError))
+
+
 def _retrying(timeout: float) -> AsyncRetrying:
     """The publisher's writes: retried with BACKOFF while the apiserver fails or cannot be reached,
     for at most `timeout` seconds; then the last error is raised."""
     return AsyncRetrying(
         wait=BACKOFF.wait(),
         stop=stop_after_delay(timeout),
-        retry=retry_if_exception_type((KubeError, OSError, asyncio.TimeoutError)),
+        retry=retry_if_exception(_transient),
         reraise=True,
     )
+
+
+# Slice fields an apiserver drops, without an error, when the feature gate of their feature is off
+# (the v1 type has them all from 1.34; the gates differ by release): field -> (gate, what is lost).
+_COUNTERS = "counters are lost: partitions of one device could be allocated together"
+_BINDING = "binding conditions are lost: a pod may start before its device is ready"
+GATED_SLICE_FIELDS = {
+    "taints": ("DRADeviceTaints", "taints are lost: a failed device is not isolated"),
+    "consumesCounters": ("DRAPartitionableDevices", _COUNTERS),
+    "sharedCounters": ("DRAPartitionableDevices", _COUNTERS),
+    "allowMultipleAllocations": ("DRAConsumableCapacity", "sharing is lost: one claim at a time"),
+    "bindingConditions": ("DRADeviceBindingConditions", _BINDING),
+    "bindingFailureConditions": ("DRADeviceBindingConditions", _BINDING),
+    "bindsToNode": ("DRADeviceBindingConditions", _BINDING),
+}
+
+
+def field_name(path: str) -> str:
+    """The field of a path as the closed set of GATED_SLICE_FIELDS names it, else "other"
+    ("devices[3].taints" -> "taints"; a metric label is never the slice's own text)."""
+    for part in reversed(path.replace("]", "").split(".")):
+        name = part.split("[", 1)[0]
+        if name in GATED_SLICE_FIELDS:
+            return name
+    return "other"
 
 
 def missing_fields(want: Any, have: Any, path: str = "") -> list[str]:
@@ -74,8 +107,14 @@ class SlicePublisher:
         node_name: str,
         build: Callable[[int], list[dict[str, Any]]],
         metrics: PluginMetrics,
+        on_dropped: Callable[[frozenset[str]], None] | None = None,
     ) -> None:
+        """`on_dropped`: told the gated fields the apiserver drops (GATED_SLICE_FIELDS names),
+        each time one more is found; the slices are then built and applied again."""
         self.kube = kube
+        self.on_dropped = on_dropped
+        self.dropped_gated: set[str] = set()  # gated fields the apiserver dropped
+        self._newly_dropped = False
         self.driver = driver
         self.node = node_name
         self.build = build
@@ -120,7 +159,17 @@ class SlicePublisher:
     async def sync(self, existing: list[dict[str, Any]]) -> int:
         """Apply what is missing or differs, delete what is not desired; returns slices applied."""
         async with self._lock:
-            return await self._sync(existing)
+            applied = await self._sync(existing)
+        return applied + await self._degrade()
+
+    async def _degrade(self) -> int:
+        """When the last writes found a gated field dropped that was not before, tell the driver
+        and publish what it builds without it; returns slices applied."""
+        if not self._newly_dropped or self.on_dropped is None:
+            return 0
+        self._newly_dropped = False
+        self.on_dropped(frozenset(self.dropped_gated))
+        return await self.refresh()
 
     async def _sync(self, existing: list[dict[str, Any]]) -> int:
         by_name = {s["metadata"]["name"]: s for s in existing}
@@ -159,13 +208,30 @@ class SlicePublisher:
                         await self.kube.delete_slice(name)
             # What failed for longer than `timeout` the next list (at the latest 2 x WATCH_SECONDS) restores.
             self.metrics.published_devices.set(len(self.device_names()))
-            return len(changed)
+        return len(changed) + await self._degrade()
 
     def _check_dropped(self, sent: dict[str, Any], stored: dict[str, Any]) -> None:
         for path in missing_fields(sent["spec"], stored.get("spec", {})):
             key = path.split("[")[0] + path.split("]")[-1] if "[" in path else path
-            if key not in self._dropped_logged:
-                self._dropped_logged.add(key)
+            field = field_name(path)
+            self.metrics.dropped_slice_fields.labels(field).set(1)
+            if field in GATED_SLICE_FIELDS and field not in self.dropped_gated:
+                self.dropped_gated.add(field)
+                self._newly_dropped = True
+            if key in self._dropped_logged:
+                continue
+            self._dropped_logged.add(key)
+            if field in GATED_SLICE_FIELDS:
+                gate, lost = GATED_SLICE_FIELDS[field]
+                log.error(
+                    "apiserver dropped a field of ResourceSlice %s: spec.%s; %s; turn on the %s "
+                    "feature gate (kube-apiserver, kube-scheduler, kube-controller-manager, kubelet)",
+                    sent["metadata"]["name"],
+                    path,
+                    lost,
+                    gate,
+                )
+            else:
                 log.error(
                     "apiserver dropped a field of ResourceSlice %s: spec.%s; is the feature gate for it off?",
                     sent["metadata"]["name"],

@@ -5,6 +5,7 @@ manager's taints go into the slices and its verdicts into the kubelet's health s
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,8 @@ from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import PreparedDevice
 from dra_gpu.slices import SliceBuilder
 
+log = logging.getLogger(__name__)
+
 
 class GpuDriver:
     def __init__(
@@ -26,8 +29,11 @@ class GpuDriver:
         preparer: Preparer,
         health: HealthManager | None = None,
         claim_status: ClaimStatusWriter | None = None,
+        counters_beside_devices: bool = False,
     ) -> None:
+        """`counters_beside_devices`: the apiserver is 1.34's (SliceBuilder.slices)."""
         self.health = health
+        self.counters_beside_devices = counters_beside_devices
         self.claim_status = claim_status
         self.driver_name = driver_name
         self.pool_name = node_name  # one pool per node, named after it
@@ -36,6 +42,10 @@ class GpuDriver:
         self.slices.device_groups()  # the apiserver's limits, checked once at start
         self.preparer = preparer
         self.device_names = catalog.names()
+        # What the apiserver cannot hold (slice_fields_dropped): for this process's life; a
+        # restart after the gate is turned on publishes everything again.
+        self.withdraw_tainted = False
+        self.counters = True
 
     def _in_flight(self) -> contextlib.AbstractContextManager[None]:
         """Claim statuses wait while a prepare or unprepare is in flight."""
@@ -61,7 +71,29 @@ class GpuDriver:
 
     def resource_slices(self, generation: int) -> list[dict[str, Any]]:
         taints = self.health.slice_taints() if self.health is not None else None
-        return self.slices.slices(generation, taints)
+        return self.slices.slices(
+            generation,
+            taints,
+            withdraw_tainted=self.withdraw_tainted,
+            counters=self.counters,
+            counters_beside_devices=self.counters_beside_devices,
+        )
+
+    def slice_fields_dropped(self, fields: frozenset[str]) -> None:
+        if "taints" in fields and not self.withdraw_tainted:
+            self.withdraw_tainted = True
+            log.warning(
+                "device taints are dropped by the apiserver (DRADeviceTaints off): a GPU that fails is "
+                "withdrawn from the slices instead, so no new claim gets it; pods already on it are "
+                "not evicted"
+            )
+        if {"consumesCounters", "sharedCounters"} & fields and self.counters:
+            self.counters = False
+            log.warning(
+                "counters are dropped by the apiserver (DRAPartitionableDevices off): dynamic MIG's "
+                "placements are not published (overlapping ones could be allocated together); turn "
+                "on DRAPartitionableDevices and restart the plugin"
+            )
 
     def device_health(self) -> list[DeviceHealth]:
         """The health monitor's verdicts; every device healthy when no monitor runs."""

@@ -19,7 +19,7 @@ from dra_gpu.discovery.driver_versions import library_version
 from dra_gpu.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
-from dra_gpu.kube import Kube, small_tls_read_buffers
+from dra_gpu.kube import Kube, server_minor_version, small_tls_read_buffers
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.heap_trim import limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
@@ -211,7 +211,17 @@ class KubeletPlugin:
                     ]
 
                 claim_status = ClaimStatusWriter(kube, node.driver, catalog, health.manager, prepared_claims)
-            driver = GpuDriver(node.driver, node.node_name, catalog, preparer, health.manager, claim_status)
+            minor = await server_minor_version(kube)
+            log.info("apiserver 1.%s: %s slice layout", minor, "1.34's" if minor == 34 else "the 1.35+")
+            driver = GpuDriver(
+                node.driver,
+                node.node_name,
+                catalog,
+                preparer,
+                health.manager,
+                claim_status,
+                counters_beside_devices=minor == 34,  # 1.34 validates counter sets per slice
+            )
             helper = KubeletPluginHelper(
                 node.driver,
                 node.node_name,

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import time
 
-from .config import BRIDGE, CTRD_SOCK, KUBELET_ROOT, LOGS, PEER_CDI_DIR, PLUGIN_NAME, STATE
+from .config import BRIDGE, CLUSTER_VERSIONS, CTRD_SOCK, KUBELET_ROOT, LOGS, PEER_CDI_DIR, PLUGIN_NAME, STATE
 from .processes import Fail, ctr, pidfile, running, say, stop_pid
 
 
@@ -130,6 +130,8 @@ def down(quiet: bool = False) -> None:
     for n in list(pids):
         with contextlib.suppress(OSError):
             os.unlink(pidfile(n))
+    with contextlib.suppress(OSError):  # the next `up` chooses its versions afresh
+        os.unlink(CLUSTER_VERSIONS)
     unmount_under(KUBELET_ROOT, STATE)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
     remove_empty_cgroups()

@@ -23,11 +23,16 @@ from .config import (
     ADMIN_KUBECONFIG,
     BIN_CTRD,
     BIN_K8S,
+    BIN_KUBELET,
     CACHE,
     CDI_DIRS,
+    CLUSTER_VERSIONS,
     CTRD_SOCK,
+    DRA_GATES,
     E2E_DIR,
+    KUBE_VERSION,
     KUBELET_ROOT,
+    KUBELET_VERSION,
     LOGS,
     NODE_NAME,
     ORDER,
@@ -59,8 +64,15 @@ def cmd_up() -> None:
         cmd_build()
     else:
         run(["bash", os.path.join(E2E_DIR, "build.sh"), "debs"])
+    if KUBELET_VERSION != KUBE_VERSION and not os.access(os.path.join(BIN_KUBELET, "kubelet"), os.X_OK):
+        say(f"kubelet {KUBELET_VERSION} missing: building it (version skew)")
+        build = os.path.join(E2E_DIR, "build.sh")
+        run(["env", f"DRA_GPU_KUBE_VERSION={KUBELET_VERSION}", "bash", build, "kubernetes"])
     t0 = time.time()
     os.makedirs(STATE, exist_ok=True)
+    # Later commands (restart-kubelet, env, a test's) use the same programs and gates.
+    write(CLUSTER_VERSIONS, f"kube={KUBE_VERSION}\nkubelet={KUBELET_VERSION}\ngates={DRA_GATES}\n")
+    say(f"Kubernetes {KUBE_VERSION} (kubelet {KUBELET_VERSION}), DRA gates: {DRA_GATES}")
     ip = components.node_ip()
     make_pki(ip)
     for user, f in (
@@ -129,6 +141,9 @@ def cmd_env() -> None:
         "CONTAINERD_ADDRESS": CTRD_SOCK,
         "CONTAINER_RUNTIME_ENDPOINT": "unix://" + CTRD_SOCK,
         "PATH": f"{BIN_K8S}:{BIN_CTRD}:$PATH",
+        "DRA_GPU_KUBE_VERSION": KUBE_VERSION,
+        "DRA_GPU_KUBELET_VERSION": KUBELET_VERSION,
+        "DRA_GPU_E2E_DRA_GATES": DRA_GATES,
     }
     for k, v in lines.items():
         print(f'export {k}="{v}"')

@@ -19,6 +19,7 @@ from .config import (
     BIN_CTRD,
     BIN_ETCD,
     BIN_K8S,
+    BIN_KUBELET,
     BRIDGE,
     BUSYBOX_IMAGE,
     CACHE,
@@ -27,7 +28,6 @@ from .config import (
     CTRD_SOCK,
     E2E_DIR,
     ETCD_PORT,
-    FEATURE_GATES,
     KUBELET_ROOT,
     NODE_NAME,
     PAUSE_IMAGE,
@@ -39,6 +39,7 @@ from .config import (
     SCHEDULER_PORT,
     SERVICE_CIDR,
     STATE,
+    feature_gates,
 )
 from .processes import (
     Fail,
@@ -72,6 +73,12 @@ def node_ip() -> str:
         return str(s.getsockname()[0])
     finally:
         s.close()
+
+
+def gates_flag(binary: str) -> list[str]:
+    """--feature-gates for `binary`, or nothing (the release's defaults)."""
+    gates = feature_gates(binary)
+    return ["--feature-gates", gates] if gates else []
 
 
 def binaries_present() -> bool:
@@ -155,8 +162,7 @@ def start_apiserver(ip: str) -> None:
         "--allow-privileged=true",
         "--enable-priority-and-fairness=false",
         "--profiling=false",
-        "--feature-gates",
-        FEATURE_GATES,
+        *gates_flag(os.path.join(BIN_K8S, "kube-apiserver")),
         "--v=1",
     ]
     if RUNTIME_CONFIG:
@@ -192,8 +198,7 @@ def start_controller_manager() -> None:
             "--use-service-account-credentials=true",
             "--controllers",
             "*",
-            "--feature-gates",
-            FEATURE_GATES,
+            *gates_flag(os.path.join(BIN_K8S, "kube-controller-manager")),
             "--v=1",
         ],
     )
@@ -218,8 +223,7 @@ def start_scheduler(extra: Sequence[str] = ()) -> None:
             "--secure-port",
             str(SCHEDULER_PORT),
             "--leader-elect=false",
-            "--feature-gates",
-            FEATURE_GATES,
+            *gates_flag(os.path.join(BIN_K8S, "kube-scheduler")),
             "--v=1",
             *extra,
         ],
@@ -397,7 +401,8 @@ def import_dra_gpu_image() -> str | None:
 def start_kubelet(ip: str) -> None:
     kd = os.path.join(STATE, "kubelet")
     cfg = os.path.join(kd, "config.yaml")
-    gates = "\n".join("  {}: {}".format(*g.split("=")) for g in FEATURE_GATES.split(",") if g)
+    kubelet = os.path.join(BIN_KUBELET, "kubelet")
+    gates = "\n".join("  {}: {}".format(*g.split("=")) for g in feature_gates(kubelet).split(",") if g)
     write(
         cfg,
         f"""apiVersion: kubelet.config.k8s.io/v1beta1
@@ -431,7 +436,7 @@ nodeStatusUpdateFrequency: 4s
 syncFrequency: 10s
 serializeImagePulls: false
 resolvConf: /etc/resolv.conf
-featureGates:
+featureGates:{" {}" if not gates else ""}
 {gates}
 """,
     )
@@ -440,7 +445,7 @@ featureGates:
     start(
         "kubelet",
         [
-            os.path.join(BIN_K8S, "kubelet"),
+            kubelet,
             "--config",
             cfg,
             "--kubeconfig",

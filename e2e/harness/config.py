@@ -23,11 +23,37 @@ def _versions() -> dict[str, str]:
 
 V = _versions()
 CACHE = os.environ.get("DRA_GPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dra-gpu")
-BIN_K8S = os.path.join(CACHE, "bin", "kubernetes-" + V["K8S_VERSION"])
+STATE = os.path.abspath(os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e"))
+
+# The Kubernetes release of the control plane and of the kubelet (they differ in a version-skew
+# run): $DRA_GPU_KUBE_VERSION / $DRA_GPU_KUBELET_VERSION, else what `up` recorded for the running
+# cluster (so that later commands use the same programs), else the pin.
+CLUSTER_VERSIONS = os.path.join(STATE, "versions")
+
+
+def _recorded() -> dict[str, str]:
+    try:
+        with open(CLUSTER_VERSIONS) as f:
+            return dict(line.strip().split("=", 1) for line in f if "=" in line)
+    except OSError:
+        return {}
+
+
+_REC = _recorded()
+KUBE_VERSION = os.environ.get("DRA_GPU_KUBE_VERSION") or _REC.get("kube") or V["K8S_VERSION"]
+KUBELET_VERSION = os.environ.get("DRA_GPU_KUBELET_VERSION") or _REC.get("kubelet") or KUBE_VERSION
+# DRA feature gates: "pinned" (the list below; the pinned release's default), "default" (none
+# set: the release's own defaults; other releases' default), or "all" (every DRA gate the
+# program knows, turned on).
+DRA_GATES = (
+    os.environ.get("DRA_GPU_E2E_DRA_GATES")
+    or _REC.get("gates")
+    or ("pinned" if V["K8S_VERSION"] == KUBE_VERSION else "default")
+)
+BIN_K8S = os.path.join(CACHE, "bin", "kubernetes-" + KUBE_VERSION)
+BIN_KUBELET = os.path.join(CACHE, "bin", "kubernetes-" + KUBELET_VERSION)
 BIN_ETCD = os.path.join(CACHE, "bin", "etcd-" + V["ETCD_VERSION"])
 BIN_CTRD = os.path.join(CACHE, "bin", "containerd-" + V["CONTAINERD_VERSION"])
-
-STATE = os.path.abspath(os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e"))
 KUBELET_ROOT = os.path.abspath(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet"))
 CDI_DIRS = [d for d in os.environ.get("DRA_GPU_E2E_CDI_DIRS", "/etc/cdi:/var/run/cdi").split(":") if d]
 NODE_NAME = os.environ.get("DRA_GPU_E2E_NODE_NAME") or socket.gethostname().split(".")[0].lower()
@@ -62,8 +88,46 @@ DEFAULT_GATES = ",".join(
         "DRAFractionalCapacityRange",
     )
 )
-FEATURE_GATES = os.environ.get("DRA_GPU_E2E_FEATURE_GATES", DEFAULT_GATES)
-RUNTIME_CONFIG = os.environ.get("DRA_GPU_E2E_RUNTIME_CONFIG", "")
+# Gates that are DRA's though their names do not say so.
+_DRA_GATE_NAMES = ("DynamicResourceAllocation", "ResourceHealthStatus")
+
+
+def feature_gates(binary: str) -> str:
+    """The --feature-gates value for one program: $DRA_GPU_E2E_FEATURE_GATES when set, else as
+    DRA_GATES says; "all" reads the gates from the program's own --help (a gate it does not
+    know would stop it)."""
+    if "DRA_GPU_E2E_FEATURE_GATES" in os.environ:
+        return os.environ["DRA_GPU_E2E_FEATURE_GATES"]
+    if DRA_GATES == "pinned":
+        return DEFAULT_GATES
+    if DRA_GATES == "default":
+        return ""
+    if DRA_GATES != "all":
+        raise ValueError(f"DRA gates {DRA_GATES!r}: one of pinned, default, all")
+    import re
+    import subprocess
+
+    text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60).stdout
+    known = re.findall(r"^\s+(?:kube:)?(\w+)=true\|false \((ALPHA|BETA)", text, re.MULTILINE)
+    gates = sorted({g for g, _ in known if g.startswith("DRA") or g in _DRA_GATE_NAMES})
+    return ",".join(g + "=true" for g in gates)
+
+
+def _runtime_config() -> str:
+    """$DRA_GPU_E2E_RUNTIME_CONFIG, else, with all DRA gates on, the API version that serves
+    DeviceTaintRules before v1 did (1.34/1.35 v1alpha3, 1.36 v1beta2): with DRADeviceTaints on, the
+    scheduler and the controller-manager wait for that API, and schedule nothing without it."""
+    if "DRA_GPU_E2E_RUNTIME_CONFIG" in os.environ:
+        return os.environ["DRA_GPU_E2E_RUNTIME_CONFIG"]
+    if DRA_GATES != "all":
+        return ""
+    minor = int(KUBE_VERSION.lstrip("v").split(".")[1])
+    return {34: "resource.k8s.io/v1alpha3=true", 35: "resource.k8s.io/v1alpha3=true"}.get(
+        minor, "resource.k8s.io/v1beta2=true" if minor == 36 else ""
+    )
+
+
+RUNTIME_CONFIG = _runtime_config()
 
 PKI = os.path.join(STATE, "pki")
 LOGS = os.path.join(STATE, "logs")

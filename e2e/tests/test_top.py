@@ -128,6 +128,17 @@ def test_top_shows_exactly_the_claims_shares_mig_and_taints(
             timeout=120,
         )
     claims = claims_of(dyn, namespace)
+    # A pod no node can serve: top says why from explain, while the scheduler leaves it Pending.
+    template(dyn, namespace, "eight-nvlink", count=8, nvlink=True)
+    claim_pod(
+        core, namespace, "too-big", {"resource_claim_template_name": "eight-nvlink"}, "true", busybox_image
+    )
+    pods["too-big"] = "eight-nvlink"
+    wait_for(
+        "the pod's claim to be made from its template",
+        lambda: core.read_namespaced_pod("too-big", namespace).status.resource_claim_statuses,
+        timeout=60,
+    )
     trainer = next(c for c in claims if c["status"]["reservedFor"][0]["name"] == "trainer")
     tainted = trainer["status"]["allocation"]["devices"]["results"][0]["device"]
     rules = dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceTaintRule")
@@ -197,11 +208,24 @@ def test_top_shows_exactly_the_claims_shares_mig_and_taints(
         assert any(f"tainted {TAINT_KEY}=maintenance:NoSchedule (rule {rule_name})" in line for line in lines)
         assert any(line.strip().startswith(f"20Gi {namespace}/share-a") for line in lines), screen
         assert any(line.strip().startswith(f"3g.40gb  {namespace}/mig") for line in lines), screen
+
+        mine = json.loads(top(target, "-o", "json", "-n", namespace))
+        (pending,) = mine["pending"]
+        assert (pending["pod"], pending["fits"]) == ("too-big", False), pending
+        # 8 GPUs asked of a node whose whole GPUs are 5 (the others are in MIG mode).
+        assert "request 'gpus'" in pending["reason"] and "5 devices" in pending["reason"], pending
+        assert core.read_namespaced_pod("too-big", namespace).status.phase == "Pending"
+        screen = top(target, "-n", namespace)
+        print(f"\n[e2e] dra-gpu top -n {namespace}:\n{screen}")
+        tail = screen[screen.index("pending pods") :]
+        assert f"{namespace}/too-big (claim " in tail and "cannot fit: " in tail, screen
     finally:
         rules.delete(name=rule_name)
         for pod in pods:
             core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
         # Unprepared before the fixture restarts the plugin (a force-deleted pod's object goes at
         # once; the kubelet unprepares its claims after): no claim's CDI spec is left behind.
-        specs = [CDI_DIR / f"k8s.{DRIVER}-claim_{c['metadata']['uid']}.json" for c in claims]
+        specs = [
+            CDI_DIR / f"k8s.{DRIVER}-claim_{c['metadata']['uid']}.json" for c in claims if c.get("status")
+        ]
         wait_for("the claims to be unprepared", lambda: not any(p.exists() for p in specs), timeout=90)

@@ -60,6 +60,7 @@ class FakeDriver:
     unhealthy: set[str] = field(default_factory=set)
     prepared: dict[str, list[Device]] = field(default_factory=dict)
     calls: list[tuple[str, str]] = field(default_factory=list)
+    dropped: frozenset[str] = frozenset()  # what the publisher said the apiserver drops
 
     async def prepare(self, claim: ClaimRef, resource_claim: Mapping[str, Any]) -> list[Device]:
         assert resource_claim["metadata"]["uid"] == claim.uid  # the layer checked it
@@ -84,6 +85,9 @@ class FakeDriver:
     def resource_slices(self, generation: int) -> list[dict[str, Any]]:
         n = self.slices_per_node
         return [slice_of(f"{NODE}-{DRIVER}-{i}", self.devices[i::n], generation, count=n) for i in range(n)]
+
+    def slice_fields_dropped(self, fields: frozenset[str]) -> None:
+        self.dropped = fields
 
     def device_health(self) -> list[DeviceHealth]:
         return [

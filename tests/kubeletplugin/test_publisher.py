@@ -90,6 +90,21 @@ def test_start_retries_until_the_apiserver_answers() -> None:
     asyncio.run(body())
 
 
+def test_a_slice_the_apiserver_refuses_as_invalid_is_said_at_once_not_retried() -> None:
+    """A 1.34 apiserver refuses a slice laid out for 1.35+ (422): no point in two minutes of tries."""
+
+    async def body() -> None:
+        api = FakeApiServer()
+        api.fail(method="PATCH", status=422, count=1000)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(KubeError, match="HTTP 422"):
+            await publisher(api, FakeDriver()).start(timeout=30)
+        assert loop.time() - t0 < 5 and api.count("PATCH", "resourceslices") == 1
+
+    asyncio.run(body())
+
+
 async def running(pub: SlicePublisher, test: Callable[[], Awaitable[None]]) -> None:
     await pub.start()
     task = asyncio.create_task(pub.run(Backoff(initial=0.01, maximum=0.05)))
@@ -181,16 +196,60 @@ def test_a_field_the_apiserver_drops_is_logged_once(caplog: pytest.LogCaptureFix
         for device in obj.get("spec", {}).get("devices", []):
             device.pop("capacity", None)
 
-    async def body() -> None:
+    async def body() -> SlicePublisher:
         api = FakeApiServer(on_write=drop_capacity)
-        await publisher(api, FakeDriver()).start()
+        pub = publisher(api, FakeDriver())
+        await pub.start()
+        return pub
 
-    asyncio.run(body())
+    pub = asyncio.run(body())
     dropped = [r.getMessage() for r in caplog.records if "dropped a field" in r.getMessage()]
     assert dropped == [
         f"apiserver dropped a field of ResourceSlice {NODE}-{DRIVER}-0: spec.devices[0].capacity; "
         "is the feature gate for it off?"
     ]
+    assert pub.metrics.dropped_slice_fields.labels("other")._value.get() == 1
+
+
+def test_a_gated_field_dropped_names_its_gate_and_what_is_lost(caplog: pytest.LogCaptureFixture) -> None:
+    """A 1.34 or 1.35 apiserver, DRADeviceTaints off: the taints go, silently; the plugin says so."""
+
+    def taint_first(obj: dict[str, Any]) -> None:  # what the plugin sends: a tainted device
+        obj["spec"]["devices"][0]["taints"] = [{"key": f"{DRIVER}/unhealthy", "effect": "NoExecute"}]
+
+    def drop_taints(obj: dict[str, Any]) -> None:
+        for device in obj.get("spec", {}).get("devices", []):
+            device.pop("taints", None)
+
+    told: list[frozenset[str]] = []
+
+    def tainted_slices(generation: int) -> list[dict[str, Any]]:
+        """The tainted device, or, once told the taints are dropped, the slices without it."""
+        slices = FakeDriver().resource_slices(generation)
+        if told:
+            slices[0]["spec"]["devices"] = slices[0]["spec"]["devices"][1:]
+        else:
+            taint_first(slices[0])
+        return slices
+
+    async def body() -> tuple[SlicePublisher, FakeApiServer]:
+        api = FakeApiServer(on_write=drop_taints)
+        pub = SlicePublisher(
+            api.kube(), DRIVER, NODE, tainted_slices, PluginMetrics(), on_dropped=told.append
+        )
+        await pub.start()
+        return pub, api
+
+    pub, api = asyncio.run(body())
+    (line,) = [r.getMessage() for r in caplog.records if "dropped a field" in r.getMessage()]
+    assert "spec.devices[0].taints" in line and "taints are lost: a failed device is not isolated" in line
+    assert "turn on the DRADeviceTaints feature gate" in line
+    assert pub.metrics.dropped_slice_fields.labels("taints")._value.get() == 1
+    # The driver was told once, and what it built then is what the apiserver holds: no failed device.
+    assert told == [frozenset({"taints"})]
+    (stored,) = api.items("resourceslices")
+    assert [d["name"] for d in stored["spec"]["devices"]] == ["dev-1", "dev-2"]
+    assert stored["spec"]["pool"]["generation"] == 1 and pub.device_names() == ["dev-1", "dev-2"]
 
 
 def test_refresh_applies_only_the_changed_slice_and_bumps_when_several_change() -> None:
