@@ -5,8 +5,9 @@ interrupted is removed at the start), no device is held twice, and every claim c
 and unprepared again.
 
 Each kill comes after a random delay, up to 1.5 ms after the next write began (its temp file
-appeared; the child pauses 2 ms before each rename, as a slow disk would, since a write that is not fsynced is over in
-microseconds): most kills must interrupt a write, which the temp files found after the kill show."""
+appeared; the child pauses 2 ms before each rename, as a slow disk would, since a write that is
+not fsynced is over in microseconds): most kills must interrupt a write, which the temp files
+found after the kill show."""
 
 from __future__ import annotations
 
