@@ -1,7 +1,9 @@
-"""What durability alone costs a prepare on this machine's disk: the atomic, fsynced write the
-plugin makes of a claim's CDI spec and of its checkpoint (`dra_gpu.durable.atomic_write`: a temp
-file, fsync, rename, fsync of the directory), against the same bytes written as the peer driver
-writes its spec (one `write`, no temp file, no fsync), and then removed the same two ways.
+"""What durability alone costs a write on this machine's disk: the atomic, fsynced write the
+plugin makes of the files that must outlive a power loss (`dra_gpu.durable.replace_durably`: a
+temp file, fsync, rename, fsync of the directory; the health taint book), the atomic write without
+fsync it makes of the boot-scoped ones (`replace_atomically`: a claim's CDI spec and the
+checkpoint), and the same bytes written as the peer driver writes its spec (one `write`, no temp
+file, no fsync); then removed those ways.
 
 Run it beside the cluster to see the cost in the minutes of a prepare bench (etcd fsyncs its WAL
 on the same disk). The directories default to the e2e node's CDI and plugin directories.
@@ -19,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dra_gpu.durable import atomic_write, remove_durably
+from dra_gpu.durable import fsync_dir, remove_file, replace_atomically, replace_durably
 
 DEFAULT_DIRS = ("/var/run/cdi", "/var/lib/kubelet/plugins")
 
@@ -30,6 +32,11 @@ def plain_write(path: Path, data: bytes) -> None:
 
 def plain_remove(path: Path) -> None:
     path.unlink()
+
+
+def remove_durably(path: Path) -> None:
+    remove_file(path)
+    fsync_dir(path.parent)
 
 
 def timed(n: int, step: Callable[[int], object]) -> list[float]:
@@ -50,8 +57,10 @@ def measure(directory: Path, writes: int, size: int) -> None:
     with tempfile.TemporaryDirectory(prefix=".durable-floor-", dir=directory) as tmp:
         where = Path(tmp)
         rows = {
-            "atomic write, fsynced": timed(writes, lambda i: atomic_write(where / f"d{i}.json", data)),
+            "atomic write, fsynced": timed(writes, lambda i: replace_durably(where / f"d{i}.json", data)),
             "remove, directory fsynced": timed(writes, lambda i: remove_durably(where / f"d{i}.json")),
+            "atomic write, no fsync": timed(writes, lambda i: replace_atomically(where / f"a{i}.json", data)),
+            "remove, no fsync": timed(writes, lambda i: remove_file(where / f"a{i}.json")),
             "plain write (the peer's)": timed(writes, lambda i: plain_write(where / f"p{i}.json", data)),
             "plain remove": timed(writes, lambda i: plain_remove(where / f"p{i}.json")),
         }

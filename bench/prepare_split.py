@@ -169,9 +169,9 @@ async def measure(preparer: Preparer, refs: list[ClaimRef], args: argparse.Names
     p, ck, specs = preparer.planner, preparer.checkpoint, preparer.journal.spec_rounds
     p.plan = timed(phases, "plan (claim -> devices, spec)", p.plan)  # type: ignore[method-assign]
     ck.encode = timed(phases, "checkpoint encode", ck.encode)  # type: ignore[method-assign]
-    ck.write = timed(phases, "checkpoint write (atomic, fsynced)", ck.write)  # type: ignore[method-assign]
-    specs.write = timed(phases, "CDI spec write (atomic, fsynced)", specs.write, True)  # type: ignore[method-assign]
-    specs.remove = timed(phases, "CDI spec remove (fsynced)", specs.remove, True)  # type: ignore[method-assign]
+    ck.write = timed(phases, "checkpoint write (atomic)", ck.write)  # type: ignore[method-assign]
+    specs.write = timed(phases, "CDI spec write (atomic)", specs.write, True)  # type: ignore[method-assign]
+    specs.remove = timed(phases, "CDI spec remove", specs.remove, True)  # type: ignore[method-assign]
     profiler = None
     if args.profile_out:
         from pyinstrument import Profiler

@@ -312,7 +312,7 @@ async def run_publishers(nodes: int, kubeconfig: str, ready_file: str, claim_wat
     from kubernetes.aio import client as kclient
     from kubernetes.aio import config as kconfig
 
-    from dra_gpu.durable import atomic_write
+    from dra_gpu.durable import replace_atomically
     from dra_gpu.kubeletplugin.metrics import PluginMetrics
     from dra_gpu.kubeletplugin.publisher import SlicePublisher
     from dra_gpu.plugin.claim_cache import ClaimCache
@@ -343,7 +343,7 @@ async def run_publishers(nodes: int, kubeconfig: str, ready_file: str, claim_wat
         return all(c.listed for c in caches)
 
     await wait_until("claim watches listed", listed, timeout=300)
-    atomic_write(Path(ready_file), json.dumps({"publish_s": time.monotonic() - t0}).encode())
+    replace_atomically(Path(ready_file), json.dumps({"publish_s": time.monotonic() - t0}).encode())
     await asyncio.gather(*(p.run() for p in publishers), *watching)
 
 

@@ -3,9 +3,10 @@
 A taint goes once the device has passed its health checks for a hold-down period. A device that
 was tainted again soon after a clear is flapping: its next hold-down doubles (up to a maximum), so
 a GPU that fails every few minutes stays out instead of catching new work between failures.
-Operator-forced taints never expire. The state is written atomically (temp file, fsync, rename)
-under the plugin dir after every change; after a restart the hold-down starts again, so a restart
-never clears a taint early.
+Operator-forced taints never expire. The state is written atomically and durably (temp file,
+fsync, rename, fsync of the directory: it must outlive a power loss, so that a reboot puts no
+device the operator or a hold-down keeps out back into service) under the plugin dir after every
+change; after a restart the hold-down starts again, so a restart never clears a taint early.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.durable import atomic_write
+from dra_gpu.durable import replace_durably
 from dra_gpu.health.classification import Effect, Verdict
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class TaintBook:
             if s.tainted or s.cleared_at is not None
         }
         data = {"version": FORMAT_VERSION, "devices": devices}
-        atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        replace_durably(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
 
     def _load(self, path: Path) -> None:
         try:

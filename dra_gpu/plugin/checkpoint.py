@@ -24,10 +24,17 @@ An entry is one claim's record (`record.ClaimRecord`, which alone reads and writ
 Readers keep fields they do not know (`ClaimRecord.extra`, written back as they were), and the
 checksum is over canonical JSON of whatever is there, so adding a field never makes an old file
 "corrupt". A checkpoint written during another boot is discarded: CDI specs under /var/run and
-device state do not survive a reboot, and the kubelet prepares the claims again.
+device state do not survive a reboot, and the kubelet prepares the claims again. So the file is
+replaced atomically but not fsynced (dra_gpu.durable): a power loss leaves nothing to restore.
 
-A corrupt file (truncated, bytes flipped, not JSON) is moved aside with a log line and replaced by
-an empty checkpoint marked `rebuildPending`: the plugin then rebuilds the records from what
+A power loss may tear a write that was not synced, though (an empty or half-written file on some
+file systems), and a torn file of another boot must be discarded like an intact one, not taken
+for a corrupt file of this boot and rebuilt. The boot mark (`checkpoint.json.boot`, the boot ID
+of the last start, written durably once per boot) tells the two apart: a file unreadable at a
+start whose mark names another boot was written in that boot, and is discarded.
+
+A corrupt file of this boot (truncated, bytes flipped, not JSON) is moved aside with a log line
+and replaced by an empty checkpoint marked `rebuildPending`: the plugin then rebuilds the records from what
 survives (the claims' CDI specs and the claims allocated to this node in the API, see
 reconcile.Reconciler.rebuild) before it serves, and the mark stays until that succeeded, so a crash or an
 unreachable apiserver meanwhile never makes a later start take the empty file for the truth.
@@ -53,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu import failpoints
-from dra_gpu.durable import atomic_write
+from dra_gpu.durable import replace_atomically, replace_durably
 from dra_gpu.plugin.record import ClaimRecord, ClaimState
 
 log = logging.getLogger(__name__)
@@ -62,6 +69,7 @@ FORMAT_VERSION = 1
 REBUILD_PENDING = "rebuildPending"
 STARTED, COMPLETED, BOUND = ClaimState.STARTED, ClaimState.COMPLETED, ClaimState.BOUND
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+BOOT_MARK_SUFFIX = ".boot"  # beside the checkpoint: the boot ID of the plugin's last start
 
 
 def current_boot_id(path: Path = BOOT_ID_FILE) -> str:
@@ -95,6 +103,7 @@ class Checkpoint:
 
     def __init__(self, path: Path, boot_id: str | None = None) -> None:
         self.path = path
+        self.boot_mark = path.with_name(path.name + BOOT_MARK_SUFFIX)
         self.boot_id = boot_id or current_boot_id()
         self._data: dict[str, Any] = {"bootId": self.boot_id, "claims": {}}
         # uid -> (the entry, its canonical JSON): entries are replaced whole, never changed in
@@ -105,9 +114,21 @@ class Checkpoint:
         # uid -> (the record, the devices it holds): a prepare checks its devices against every
         # other claim's, and rebuilding each claim's set every time was quadratic in a burst.
         self._held: dict[str, tuple[ClaimRecord, frozenset[str]]] = {}
-        self._load()
+        marked = self._marked_boot()
+        self._load(marked)
+        if marked != self.boot_id:
+            # After the load: until this is on disk, an unreadable file counts as another boot's.
+            replace_durably(self.boot_mark, f"{self.boot_id}\n".encode())
 
-    def _load(self) -> None:
+    def _marked_boot(self) -> str | None:
+        """The boot ID of the plugin's last start; None where no start wrote one (a first start,
+        or a plugin that fsynced every checkpoint write)."""
+        try:
+            return self.boot_mark.read_text().strip() or None
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+
+    def _load(self, marked: str | None) -> None:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
@@ -129,6 +150,15 @@ class Checkpoint:
             if doc.get("checksum") != _checksum(data):
                 raise ValueError("checksum mismatch")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if marked is not None and marked != self.boot_id:
+                log.warning(
+                    "checkpoint of another boot unreadable (a power loss tears a write that was not "
+                    "synced), discarded path=%s error=%r",
+                    self.path,
+                    str(exc),
+                )
+                self._save()
+                return
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             self.path.rename(aside)
             log.error(
@@ -139,7 +169,7 @@ class Checkpoint:
                 str(exc),
             )
             self._data[REBUILD_PENDING] = True
-            self._save()  # the mark is durable before anything relies on the empty state
+            self._save()  # the mark is on disk before anything relies on the empty state
             return
         if data.get("bootId") != self.boot_id:
             log.warning(
@@ -189,7 +219,8 @@ class Checkpoint:
         return "{" + ",".join(top) + "}"
 
     def write(self, blob: bytes) -> None:
-        atomic_write(self.path, blob, failpoint=failpoints.CHECKPOINT_AFTER_TEMP)
+        # Not fsynced: the records are scoped to the boot (module docstring, dra_gpu.durable).
+        replace_atomically(self.path, blob, failpoint=failpoints.CHECKPOINT_AFTER_TEMP)
 
     def stage(self, uid: str, entry: ClaimRecord | Mapping[str, Any] | None) -> None:
         """Change the in-memory state only (the caller writes it). Records are frozen and replaced

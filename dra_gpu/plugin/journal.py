@@ -1,10 +1,13 @@
-"""The only writer of the plugin's durable state: the checkpoint's claim records and the claims'
-CDI spec files.
+"""The only writer of the plugin's claim state: the checkpoint's claim records and the claims'
+CDI spec files. Both are replaced atomically but not fsynced: they are scoped to the boot (the
+checkpoint's records of another boot are discarded, `/var/run/cdi` is a tmpfs, and a spec left in
+a persistent CDI directory is removed by the start-up reconcile), so a power loss leaves nothing
+to protect and a process crash loses nothing the page cache does not keep (dra_gpu.durable).
 
 Prepare stages a record in memory under the state lock (`stage`) and makes it durable with
 `commit`: whoever writes, writes all that is staged, so 100 claims in flight need far fewer than
 100 checkpoint writes (group commit). The specs of concurrent claims are written and removed in
-rounds (write_rounds: one worker-thread job and one fsync of the CDI directory per round); the
+rounds (write_rounds: one worker-thread job per round); the
 checkpoint's writes run beside them. The start-up reconcile, which runs before serving and alone,
 writes at once (`*_now`).
 
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu import failpoints
-from dra_gpu.durable import atomic_write, remove_durably, remove_stale_temps
+from dra_gpu.durable import remove_file, remove_stale_temps, replace_atomically
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import SPEC_MODE, CdiSpecs, CdiWriteError
 from dra_gpu.plugin.checkpoint import Checkpoint
@@ -38,7 +41,7 @@ class Journal:
         # Checks across claims and `stage` run under it.
         self.state_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
-        self.spec_rounds = WriteRounds(failpoint=failpoints.CDI_SPEC_AFTER_TEMP)
+        self.spec_rounds = WriteRounds(durable=False, failpoint=failpoints.CDI_SPEC_AFTER_TEMP)
         self._staged = 0
         self._written = 0
 
@@ -82,7 +85,7 @@ class Journal:
         self.checkpoint.stage(uid, record)
 
     async def commit(self) -> None:
-        """Make everything staged so far durable. Whoever writes, writes all that is staged."""
+        """Write everything staged so far. Whoever writes, writes all that is staged."""
         target = self._staged
         async with self._commit_lock:
             if self._written >= target:
@@ -114,7 +117,7 @@ class Journal:
         specs' in the CDI directory, the checkpoint's and `plugin_files`' in the plugin directory
         (durable.remove_stale_temps; nothing of another program's naming is touched)."""
         plugin_dir = self.checkpoint.path.parent
-        names = {self.checkpoint.path.name, *plugin_files}
+        names = {self.checkpoint.path.name, self.checkpoint.boot_mark.name, *plugin_files}
         return [
             *remove_stale_temps(self.cdi.dir, self.cdi.is_spec_name),
             *remove_stale_temps(plugin_dir, names.__contains__),
@@ -123,7 +126,7 @@ class Journal:
     def write_spec_now(self, uid: str, spec: dict[str, Any]) -> None:
         path = self.cdi.path(uid)
         try:
-            atomic_write(path, self.cdi.encode(spec), mode=SPEC_MODE)
+            replace_atomically(path, self.cdi.encode(spec), mode=SPEC_MODE)
         except OSError as exc:
             raise CdiWriteError(exc.errno, exc.strerror, path) from exc
 
@@ -131,10 +134,10 @@ class Journal:
         path = self.cdi.path(uid)
         if not path.is_symlink() and not path.exists():
             return False  # nothing to do, also on a read-only directory (unlink says EROFS there)
-        return remove_durably(path)
+        return remove_file(path)
 
     def forget_now(self, uid: str) -> bool:
-        """Remove the claim's record, durably."""
+        """Remove the claim's record and write the checkpoint."""
         return self.checkpoint.remove(uid)
 
     def stage_rebuilt(self, record: ClaimRecord) -> None:

@@ -1,10 +1,11 @@
-"""Durable file changes of concurrent prepares, made together in rounds.
+"""Atomic file changes of concurrent prepares, made together in rounds.
 
-Each change is what `dra_gpu.durable` does one file at a time (a temp file, fsync, rename over
-the target or unlink it, fsync of the directory), but every change queued while a round runs goes
-into the next round: one worker-thread job per round, and one fsync per directory per round
-instead of one per file. A caller's change is durable when its await returns, and fails alone:
-its file's error is raised to it, the other changes of the round stand.
+Each change is what `dra_gpu.durable` does one file at a time (a temp file, renamed over the
+target, or the target unlinked), but every change queued while a round runs goes into the next
+round: one worker-thread job per round. `durable` rounds also fsync each temp file and, once per
+round, each directory touched (instead of once per file). A caller's change is made (and, when
+durable, durable) when its await returns, and fails alone: its file's error is raised to it, the
+other changes of the round stand.
 
 Changes to one path are applied in the order they were queued.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dra_gpu import failpoints
-from dra_gpu.durable import fsync_dir, synced_temp
+from dra_gpu.durable import fsync_dir, write_temp
 
 
 @dataclass
@@ -30,21 +31,23 @@ class _Change:
     tmp: str | None = None
     error: BaseException | None = None
     removed: bool = False
-    touched: bool = False  # renamed or unlinked: its directory needs its fsync
+    touched: bool = False  # renamed or unlinked: its directory needs its fsync (when durable)
 
 
 class WriteRounds:
-    def __init__(self, failpoint: str | None = None) -> None:
+    def __init__(self, *, durable: bool, failpoint: str | None = None) -> None:
+        """`durable`: whether the changes must outlive a power loss (fsyncs), see dra_gpu.durable."""
+        self._durable = durable
         self._failpoint = failpoint  # hit in each round between its temp files and its renames
         self._queue: list[_Change] = []
         self._round: asyncio.Task[None] | None = None
 
     async def write(self, path: Path, data: bytes, mode: int = 0o600) -> None:
-        """Replace `path` with `data`, atomically and durably."""
+        """Replace `path` with `data`, atomically (and durably, when the rounds are)."""
         await self._queued(path, data, mode)
 
     async def remove(self, path: Path) -> bool:
-        """Remove `path` durably; False when there was nothing to remove."""
+        """Remove `path` (durably, when the rounds are); False when there was nothing to remove."""
         return await self._queued(path, None, 0)
 
     async def _queued(self, path: Path, data: bytes | None, mode: int) -> bool:
@@ -79,8 +82,8 @@ class WriteRounds:
                     c.done.set_exception(OSError(f"{c.path}: the plugin stopped before the change was made"))
 
     def _apply(self, changes: list[_Change]) -> None:
-        """In a worker thread: temp files written and synced, then renamed and unlinked in queue
-        order, then each directory touched synced once."""
+        """In a worker thread: temp files written (and synced), then renamed and unlinked in queue
+        order, then (when durable) each directory touched synced once."""
         for c in changes:
             if c.data is not None:
                 self._write_temp(c)
@@ -105,6 +108,11 @@ class WriteRounds:
             except OSError as exc:
                 c.error = exc
                 self._discard_temp(c)
+        if self._durable:
+            self._sync_directories(changes)
+
+    @staticmethod
+    def _sync_directories(changes: list[_Change]) -> None:
         directories: dict[Path, OSError | None] = {}
         for c in changes:
             if not c.touched:
@@ -118,11 +126,10 @@ class WriteRounds:
                     directories[parent] = exc
             c.error = c.error or directories[parent]
 
-    @staticmethod
-    def _write_temp(c: _Change) -> None:
+    def _write_temp(self, c: _Change) -> None:
         assert c.data is not None
         try:
-            c.tmp = synced_temp(c.path, c.data, c.mode)
+            c.tmp = write_temp(c.path, c.data, c.mode, durable=self._durable)
         except OSError as exc:  # this change fails, not the round
             c.error = exc
 

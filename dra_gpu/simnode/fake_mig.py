@@ -21,7 +21,7 @@ from typing import Any
 
 import pynvml
 
-from dra_gpu.durable import atomic_write
+from dra_gpu.durable import replace_atomically
 from dra_gpu.simnode.devnodes import make_char
 from dra_gpu.simnode.profiles import MEMORY_SLICES, GpuSpec, MigProfileSpec, NodeProfile
 
@@ -115,7 +115,7 @@ class SimulatedMig:
         if path is None:
             return
         doc = {"version": 1, "gpus": {u: [i.to_dict() for i in insts] for u, insts in self.gpus.items()}}
-        atomic_write(path, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n", mode=0o644)
+        replace_atomically(path, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n", mode=0o644)
 
     # -- rules ---------------------------------------------------------------------------------
 
@@ -223,7 +223,7 @@ class SimulatedMig:
             node = self.root / "dev" / "nvidia-caps" / f"nvidia-cap{minor}"
             if make:
                 directory.mkdir(parents=True, exist_ok=True)
-                atomic_write(
+                replace_atomically(
                     directory / "access",
                     f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n".encode(),
                     mode=0o444,

@@ -20,7 +20,7 @@ from typing import Any
 
 import pynvml
 
-from dra_gpu.durable import atomic_write
+from dra_gpu.durable import replace_atomically
 from dra_gpu.simnode.fake_mig import SimulatedMig
 from dra_gpu.simnode.fake_nvml_base import (
     HOPPER,
@@ -167,7 +167,7 @@ class FakeNvml(FakeNvmlMig, FakeNvmlEvents):
         self._compute_modes[self._uuid_of(h)] = mode
         if self._state_file is not None:
             doc = {"computeModes": dict(sorted(self._compute_modes.items()))}
-            atomic_write(self._state_file, json.dumps(doc, indent=2).encode(), mode=0o644)
+            replace_atomically(self._state_file, json.dumps(doc, indent=2).encode(), mode=0o644)
 
     @_nvml_call
     def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> _GpuHandle:

@@ -70,11 +70,12 @@ CASES = [
 UNPREPARE = ("unprepare-after-sharing", "unprepare-after-instances")
 # A kill inside a write: the temp file it leaves, in which directory.
 IN_A_WRITE = {"checkpoint-after-temp": PLUGIN_DIR, "cdi-spec-after-temp": CDI_DIR}
-# What lives in the plugin dir besides the checkpoint: the gRPC and health sockets, the health
-# taint book, the MPS daemons' root, the simulated node (--profile); and checkpoints moved aside as
-# corrupt, kept for the operator (`checkpoint.json.corrupt-<time>`).
+# What lives in the plugin dir besides the checkpoint and its boot mark: the gRPC and health
+# sockets, the health taint book, the MPS daemons' root, the simulated node (--profile); and
+# checkpoints moved aside as corrupt, kept for the operator (`checkpoint.json.corrupt-<time>`).
 PLUGIN_DIR_ENTRIES = {
     "checkpoint.json",
+    "checkpoint.json.boot",
     "dra.sock",
     "health.sock",
     "health-taints.json",

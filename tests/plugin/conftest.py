@@ -146,14 +146,29 @@ def make_core(
 
 
 def temp_files(*directories: Path) -> list[Path]:
-    """The temp files of `durable.synced_temp` in `directories`: each one a write that was under
+    """The temp files of `durable.write_temp` in `directories`: each one a write that was under
     way (between making its temp file and the rename) when its process died."""
     return [p for d in directories if d.is_dir() for p in sorted(d.iterdir()) if temp_target(p.name)]
 
 
+def slow_renames(pause: float = 0.002) -> None:
+    """In a child that `kill_in_a_write` aims at: each rename of a temp file over its target waits
+    `pause` seconds first, as on a slow disk. Without fsync a write is over in microseconds, too
+    short for most kills to land in it; the state a kill leaves there (the temp file written, not
+    renamed) is the one a crash inside a real write leaves."""
+    real = os.replace
+
+    def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if temp_target(os.path.basename(os.fsdecode(src))):
+            time.sleep(pause)
+        real(src, dst, *args, **kwargs)
+
+    os.replace = replace  # type: ignore[assignment]
+
+
 def kill_in_a_write(pid: int, directories: Iterable[Path], delay: float = 0.0, timeout: float = 5.0) -> None:
     """SIGKILL `pid` `delay` seconds after one of its writes into `directories` begins (a temp
-    file appears where there was none: the write's fsyncs are still ahead), or at `timeout`. Whether the kill
+    file appears where there was none: its rename is still ahead), or at `timeout`. Whether the kill
     did land in the write is what the temp files left behind tell (`temp_files`): on busy cores
     the write may still finish before the signal."""
     dirs = list(directories)
@@ -171,18 +186,17 @@ def kill_in_a_write(pid: int, directories: Iterable[Path], delay: float = 0.0, t
 
 def assert_only_live_files(core: PluginCore) -> None:
     """After a start's reconcile: the CDI directory holds exactly the completed claims' spec files
-    and the plugin directory exactly the checkpoint (none yet if nothing was ever recorded); no
-    temp file, nothing else. (The unit tests'
-    plugin directory holds nothing more; on a node it also holds the sockets, the health taint
-    book, the MPS root and checkpoints moved aside as corrupt: e2e/tests/test_faults.py.)"""
+    and the plugin directory exactly the checkpoint's boot mark and the checkpoint (none yet if
+    nothing was ever recorded); no temp file, nothing else. (The unit tests' plugin directory holds
+    nothing more; on a node it also holds the sockets, the health taint book, the MPS root and
+    checkpoints moved aside as corrupt: e2e/tests/test_faults.py.)"""
     completed = {r.uid for r in core.checkpoint.records() if r.state == COMPLETED}
     cdi_dir, plugin_dir = core.cdi.dir, core.checkpoint.path.parent
     in_cdi = sorted(os.listdir(cdi_dir)) if cdi_dir.is_dir() else []
     assert in_cdi == sorted(core.cdi.path(uid).name for uid in completed), f"{cdi_dir}: {in_cdi}"
     in_plugin = sorted(os.listdir(plugin_dir)) if plugin_dir.is_dir() else []
-    allowed = (
-        [[core.checkpoint.path.name]] if core.checkpoint.records() else [[], [core.checkpoint.path.name]]
-    )
+    both = sorted([core.checkpoint.path.name, core.checkpoint.boot_mark.name])
+    allowed = [both] if core.checkpoint.records() else [[core.checkpoint.boot_mark.name], both]
     assert in_plugin in allowed, f"{plugin_dir}: {in_plugin}"
 
 

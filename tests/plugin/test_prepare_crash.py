@@ -4,9 +4,10 @@ spec, the CDI and plugin directories hold nothing else (the temp file of a write
 interrupted is removed at the start), no device is held twice, and every claim can be prepared
 and unprepared again.
 
-Each kill comes after a random delay, as the next write begins (its temp file appears; a
-checkpoint write's fsync takes about a millisecond, so a later moment mostly misses it): most kills
-must interrupt a write, which the temp files found after the kill show."""
+Each kill comes after a random delay, up to 1.5 ms after the next write began (its temp file
+appeared; the child pauses 2 ms before each rename, as a slow disk would, since a write that is
+not fsynced is over in microseconds): most kills must interrupt a write, which the temp files
+found after the kill show."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ CHILD = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
-    from plugin.conftest import ClaimStore, make_core, prepare_claim
+    from plugin.conftest import ClaimStore, make_core, prepare_claim, slow_renames
     from dra_gpu.simnode.fake import discover_node
     from dra_gpu.kubeletplugin.driver import ClaimRef
 
@@ -53,6 +54,7 @@ CHILD = textwrap.dedent(
         store[(c["metadata"]["namespace"], c["metadata"]["name"])] = c
     core = make_core(root, discover_node("node-a", "dgx-a100-mig"), store, driver_root)
     core.preparer.reconcile()
+    slow_renames()  # a window for the kills to land in (the writes are not fsynced)
     refs = [ClaimRef(c["metadata"]["namespace"], c["metadata"]["uid"], c["metadata"]["name"]) for c in claims]
 
     async def main():
@@ -97,7 +99,7 @@ def test_sigkill_at_any_point_leaves_a_consistent_node(core: PluginCore) -> None
         try:
             assert child.stdout is not None and child.stdout.readline() == b"ready\n"
             time.sleep(rng.uniform(0.01, 0.25))
-            kill_in_a_write(child.pid, directories)
+            kill_in_a_write(child.pid, directories, delay=rng.uniform(0, 0.0015))  # into the pause
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(10)

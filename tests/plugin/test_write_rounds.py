@@ -1,4 +1,4 @@
-"""Durable writes in rounds: every change lands whole, fails alone, and in order per path; a
+"""Atomic writes in rounds, durable or not: every change lands whole, fails alone, and in order per path; a
 process killed mid-round leaves each file one whole version and, beside it, only temp files that
 `remove_stale_temps` (the plugin's start) removes."""
 
@@ -16,10 +16,11 @@ import pytest
 from dra_gpu import failpoints
 from dra_gpu.durable import remove_stale_temps
 from dra_gpu.plugin.write_rounds import WriteRounds
-from plugin.conftest import kill_in_a_write, temp_files
+from plugin.conftest import kill_in_a_write, slow_renames, temp_files
 
 
-def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durable", [False, True])
+def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path, durable: bool) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where a directory should be\n")
     dangling = tmp_path / "dangling"  # its directory cannot be made: a link to nowhere is in the way
@@ -27,7 +28,7 @@ def test_concurrent_changes_land_and_a_failing_one_fails_alone(tmp_path: Path) -
     (tmp_path / "old.json").write_text("old\n")
 
     async def body() -> list[object]:
-        rounds = WriteRounds()
+        rounds = WriteRounds(durable=durable)
         return await asyncio.gather(
             *(rounds.write(tmp_path / f"spec-{i}.json", f"{i}\n".encode(), 0o644) for i in range(50)),
             rounds.write(blocker / "spec.json", b"x\n"),
@@ -54,7 +55,7 @@ def test_changes_to_one_path_apply_in_the_order_they_were_asked(tmp_path: Path) 
     path = tmp_path / "claim.json"
 
     async def body() -> bool:
-        rounds = WriteRounds()
+        rounds = WriteRounds(durable=False)
         # All in one round (queued before its thread runs): the last one wins.
         first = rounds.write(path, b"1\n")
         second = rounds.write(path, b"2\n")
@@ -69,15 +70,15 @@ def test_changes_to_one_path_apply_in_the_order_they_were_asked(tmp_path: Path) 
 
 def test_a_missing_directory_is_made(tmp_path: Path) -> None:
     path = tmp_path / "cdi" / "k8s.spec.json"
-    asyncio.run(WriteRounds().write(path, b"{}\n"))
+    asyncio.run(WriteRounds(durable=False).write(path, b"{}\n"))
     assert path.read_text() == "{}\n"
 
 
-def _writer(directory: Path) -> None:
+def _writer(directory: Path, durable: bool) -> None:
     """Rewrites eight files with ever newer versions, 64 KiB each, until killed."""
 
     async def forever() -> None:
-        rounds = WriteRounds()
+        rounds = WriteRounds(durable=durable)
         version = 0
         while True:
             version += 1
@@ -90,7 +91,8 @@ def _writer(directory: Path) -> None:
 NAMES = [f"f{i}" for i in range(8)]
 
 
-def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durable", [False, True])
+def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path, durable: bool) -> None:
     """Six kills, each a random time into a round of writes (after a random delay, the next round
     to begin); the temp files each leaves show whether it interrupted the round, and most must
     have."""
@@ -103,7 +105,9 @@ def test_killed_mid_round_every_file_is_one_whole_version(tmp_path: Path) -> Non
         pid = os.fork()
         if pid == 0:
             try:
-                _writer(directory)
+                if not durable:
+                    slow_renames()  # a window for the kill to land in
+                _writer(directory, durable)
             finally:
                 os._exit(1)
         rng = random.Random(seed)
@@ -133,7 +137,7 @@ def test_a_failing_round_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv(failpoints.ENV, "round=error")
 
     async def body() -> list[object]:
-        rounds = WriteRounds(failpoint="round")
+        rounds = WriteRounds(durable=False, failpoint="round")
         return await asyncio.gather(
             *(rounds.write(tmp_path / n, b"x\n") for n in NAMES), return_exceptions=True
         )
