@@ -1,6 +1,7 @@
 """A single-node Kubernetes cluster from upstream programs, for dra-gpu's e2e tests.
 
-    e2e/cluster build | up | down | status | env | images | peer-driver start|stop | restart-kubelet
+    e2e/cluster build | up | down | status | env | images | restart-kubelet
+                | peer-driver start [--kube-api-qps Q] [--kube-api-burst B] | peer-driver stop
                 | apiserver stop|start | restart-containerd
 
 Everything (certs, kubeconfigs, configs, data, logs, pids) lives under the state dir
@@ -149,7 +150,49 @@ def cmd_env() -> None:
         print(f'export {k}="{v}"')
 
 
-def cmd_peer_driver(action: str) -> None:
+def peer_client_limits(flags: list[str]) -> tuple[float | None, int | None] | None:
+    """`--kube-api-qps Q` / `--kube-api-burst B` of `peer-driver start` (each also `=`-joined;
+    `default` for client-go's own); unset: components' non-binding limits. None: not understood."""
+    values: dict[str, str] = {}
+    i = 0
+    while i < len(flags):
+        name, eq, value = flags[i].partition("=")
+        if name not in ("--kube-api-qps", "--kube-api-burst") or name in values:
+            return None
+        if not eq:
+            i += 1
+            if i == len(flags):
+                return None
+            value = flags[i]
+        values[name] = value
+        i += 1
+    try:
+        qps_flag = values.get("--kube-api-qps")
+        burst_flag = values.get("--kube-api-burst")
+        qps = (
+            components.PEER_KUBE_API_QPS
+            if qps_flag is None
+            else None
+            if qps_flag == "default"
+            else float(qps_flag)
+        )
+        burst = (
+            components.PEER_KUBE_API_BURST
+            if burst_flag is None
+            else None
+            if burst_flag == "default"
+            else int(burst_flag)
+        )
+    except ValueError:
+        return None
+    return qps, burst
+
+
+def cmd_peer_driver(
+    action: str,
+    kube_api_qps: float | None = components.PEER_KUBE_API_QPS,
+    kube_api_burst: int | None = components.PEER_KUBE_API_BURST,
+) -> None:
     """Upstream's DRA test driver (test/e2e/dra/test-driver) as a host-process kubelet plugin."""
     if action == "stop":
         pid = read_pid("peer-driver")
@@ -160,7 +203,7 @@ def cmd_peer_driver(action: str) -> None:
     if read_pid("peer-driver"):
         say("peer driver already running")
         return
-    components.start_peer_driver()
+    components.start_peer_driver(kube_api_qps, kube_api_burst)
 
 
 def cmd_restart_kubelet() -> None:
@@ -237,8 +280,13 @@ LOCKED = ("up", "down", "peer-driver", "restart-kubelet", "restart-containerd", 
 def main(argv: list[str]) -> int:
     """`e2e/cluster COMMAND [ACTION]` (argv[0] is the program); returns the exit status."""
     fn: Callable[[], int | None]
-    if len(argv) == 3 and argv[1] == "peer-driver" and argv[2] in ("start", "stop"):
-        fn = functools.partial(cmd_peer_driver, argv[2])
+    limits = (
+        peer_client_limits(argv[3:]) if len(argv) >= 3 and argv[1:3] == ["peer-driver", "start"] else None
+    )
+    if limits is not None:
+        fn = functools.partial(cmd_peer_driver, "start", *limits)
+    elif len(argv) == 3 and argv[1] == "peer-driver" and argv[2] == "stop":
+        fn = functools.partial(cmd_peer_driver, "stop")
     elif len(argv) == 3 and argv[1] == "apiserver" and argv[2] in ("start", "stop"):
         fn = functools.partial(cmd_apiserver, argv[2])
     elif len(argv) == 2 and argv[1] in COMMANDS:

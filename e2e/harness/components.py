@@ -476,9 +476,19 @@ featureGates:{" {}" if not gates else ""}
     wait_for("kubelet", ready, what=f"Ready (node {NODE_NAME})")
 
 
-def start_peer_driver() -> None:
+# The peer's client rate limit by default: far above any rate a bench drives (~1,000 calls/s), so it
+# never binds. client-go's own default (50 QPS, burst 100) would make a bench measure the limiter
+# (every prepare GETs its claim): 50 claims/s, a p99 of 1/50 s.
+PEER_KUBE_API_QPS = 100000.0
+PEER_KUBE_API_BURST = 100000
+
+
+def start_peer_driver(
+    kube_api_qps: float | None = PEER_KUBE_API_QPS, kube_api_burst: int | None = PEER_KUBE_API_BURST
+) -> None:
     """Upstream's DRA test driver (test/e2e/dra/test-driver) as a host-process kubelet plugin;
-    ready once it publishes its ResourceSlices."""
+    ready once it publishes its ResourceSlices. `kube_api_qps`/`kube_api_burst`: its
+    `--kube-api-qps`/`--kube-api-burst`; None leaves that flag out (client-go's default)."""
     binary = os.path.join(BIN_K8S, "dra-test-driver")
     # the driver creates only the parent of its socket directory
     os.makedirs(os.path.join(KUBELET_ROOT, "plugins", PLUGIN_NAME), exist_ok=True)
@@ -491,6 +501,8 @@ def start_peer_driver() -> None:
             "--drivername",
             PLUGIN_NAME,
             "-v=3",
+            *([f"--kube-api-qps={kube_api_qps:g}"] if kube_api_qps is not None else []),
+            *([f"--kube-api-burst={kube_api_burst}"] if kube_api_burst is not None else []),
             "kubelet-plugin",
             "--node-name",
             NODE_NAME,
