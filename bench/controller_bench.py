@@ -1,12 +1,15 @@
-"""Controller benchmarks: webhook latency at a fixed request rate, and `explain` on a large cluster.
+"""Controller benchmarks: webhook latency at a fixed arrival rate, and `explain` on a large cluster.
 
-    .venv/bin/python bench/controller_bench.py [--rate 200] [--seconds 10] [--nodes 125] [--exe PATH]
+    .venv/bin/python bench/controller_bench.py [--rate 200] [--seconds 15] [--nodes 125,500] [--exe PATH]
 
 1. Webhook: `dra-gpu controller --no-watch -f cluster.yaml` runs as its own process over HTTPS with
-   1,000 published devices (125 hgx-2x4 nodes; every GPU of the first half of the nodes in use). A
-   client sends AdmissionReviews for a claim with three selectors (memory, driver version, product)
-   plus an NVLink constraint at a fixed rate on one keep-alive connection; latency is measured per
-   request, client side. The first (cold) request is reported on its own. The CPU per review of
+   1,000 published devices (125 hgx-2x4 nodes; every GPU of the first half of the nodes in use),
+   and again with 4,000 (500 nodes). AdmissionReviews for a claim with three selectors (memory,
+   driver version, product) plus an NVLink constraint arrive open-loop (bench/open_loop.py): request
+   i is due at i / rate whatever came before it, goes out on an idle keep-alive connection (a new one
+   when none is idle), and its latency runs from its due time to its answer, so a stall counts for
+   every request that arrives during it (no coordinated omission). The first (cold) request is
+   reported on its own. The CPU per review of
    the webhook's main process (event loop, HTTP, TLS) and of its other processes (the review
    workers) is measured over the timed requests: unlike latency it hardly depends on what else
    the machine runs. `--exe` runs another checkout's `dra-gpu` (a before/after pair).
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -35,6 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.open_loop import open_loop  # noqa: E402
 from dra_gpu.simnode.fake import discover_node  # noqa: E402
 from dra_gpu.slices import build_slices  # noqa: E402
 from tests.controller.objects import GPU_CLASS, NVLINK, allocated, claim  # noqa: E402
@@ -159,39 +164,38 @@ def bench_webhook(rate: int, seconds: int, nodes: int, exe: str) -> None:
             }
         ).encode()
 
-        def once() -> tuple[float, dict[str, Any]]:
-            t0 = time.perf_counter()
-            conn.request("POST", "/validate", body, {"Content-Type": "application/json"})
-            resp = json.loads(conn.getresponse().read())
-            return (time.perf_counter() - t0) * 1000, resp["response"]
-
-        cold, first = once()
+        t0 = time.perf_counter()
+        conn.request("POST", "/validate", body, {"Content-Type": "application/json"})
+        first = json.loads(conn.getresponse().read())["response"]
+        cold = (time.perf_counter() - t0) * 1000
         assert first["allowed"], first
-        lat: list[float] = []
-        interval = 1.0 / rate
+        conn.close()
+
+        def allowed(i: int, status: int, payload: bytes) -> None:
+            if status != 200 or not json.loads(payload)["response"]["allowed"]:
+                raise SystemExit(f"review {i}: HTTP {status}: {payload[:500]!r}")
+
         main_before, others_before = tree_cpu(proc.pid)
-        start = time.perf_counter()
-        for i in range(rate * seconds):
-            target = start + i * interval
-            now = time.perf_counter()
-            if target > now:
-                time.sleep(target - now)
-            lat.append(once()[0])
-        elapsed = time.perf_counter() - start
+        result = asyncio.run(
+            open_loop("127.0.0.1", port, ctx, rate, seconds, lambda i: ("POST", "/validate", body), allowed)
+        )
         main_after, others_after = tree_cpu(proc.pid)
+        lat = result.latency_ms["/validate"]
         main_ms = (main_after - main_before) * 1000 / len(lat)
         # Processes that went during the run (a replaced worker) are not counted.
         others = sum(cpu - others_before.get(p, 0.0) for p, cpu in others_after.items())
         workers_ms = others * 1000 / len(lat)
+        load = os.getloadavg()
         print(
             f"webhook: {devices} devices on {nodes} nodes ({nodes // 2} fully in use), claim with "
-            f"{len(SELECTORS)} selectors + NVLink constraint"
+            f"{len(SELECTORS)} selectors + NVLink constraint; load average {load[0]:.2f} {load[1]:.2f}"
         )
         print(f"  cold first request: {cold:.2f} ms")
         print(
-            f"  {len(lat)} requests in {elapsed:.1f} s ({len(lat) / elapsed:.0f}/s): "
-            f"p50 {pct(lat, 50):.2f} ms, "
-            f"p90 {pct(lat, 90):.2f} ms, p99 {pct(lat, 99):.2f} ms, max {max(lat):.2f} ms"
+            f"  open loop, {rate}/s for {seconds} s: {len(lat)} reviews in {result.elapsed_s:.1f} s, "
+            f"latency from the intended send time: p50 {pct(lat, 50):.2f} ms, p90 {pct(lat, 90):.2f} ms, "
+            f"p99 {pct(lat, 99):.2f} ms, max {max(lat):.2f} ms; {result.connections} connections; "
+            f"the client sent at most {result.max_send_lag_ms:.2f} ms late"
         )
         print(f"  CPU per review: main process {main_ms:.2f} ms, review workers {workers_ms:.2f} ms")
     finally:
@@ -255,8 +259,8 @@ def bench_explain(nodes: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rate", type=int, default=200)
-    p.add_argument("--seconds", type=int, default=10)
-    p.add_argument("--nodes", type=int, default=125)
+    p.add_argument("--seconds", type=int, default=15)
+    p.add_argument("--nodes", default="125,500", help="webhook: one run per node count (8 devices a node)")
     p.add_argument("--explain-nodes", type=int, default=100)
     p.add_argument("--no-explain", action="store_true", help="the webhook only")
     p.add_argument(
@@ -266,7 +270,8 @@ def main() -> None:
     )
     args = p.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
-    bench_webhook(args.rate, args.seconds, args.nodes, args.exe)
+    for nodes in args.nodes.split(","):
+        bench_webhook(args.rate, args.seconds, int(nodes), args.exe)
     if args.no_explain:
         return
     bench_explain(args.explain_nodes)

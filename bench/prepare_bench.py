@@ -1,22 +1,37 @@
-"""NodePrepareResources latency and throughput, driven over dra.sock as the kubelet does.
+"""NodePrepareResources latency and throughput, driven over dra.sock as the kubelet does, against the
+peer driver (upstream's DRA test driver, `e2e/cluster peer-driver start`) on equal terms.
 
-Needs the local e2e cluster (`e2e/cluster up`, root). For dra-gpu and for the peer driver
-(upstream's DRA test driver, `e2e/cluster peer-driver start`) in the same run:
-  - p50/p99 of NodePrepareResources for one claim (each followed by its unprepare),
-  - throughput with 100 claims in flight (100 concurrent one-claim calls),
-  - plugin RSS after the run (right after it, and for dra-gpu also after 3 s without requests),
-    and (dra-gpu) start-up to slices published.
-Claims are real ResourceClaims in the apiserver, pre-allocated and reserved for a (never
-scheduled) pod through their status, as the scheduler leaves them, so both plugins do their real
-claim read (a GET, or dra-gpu's claim watch) and prepare work.
+Needs the local e2e cluster (`e2e/cluster up`, root; under the e2e lock). Each run is four phases,
+interleaved, each with only its driver running (started for the phase, stopped after it):
+dra-gpu reading claims from its claim watch, the peer, dra-gpu with a GET per claim
+(`--no-claim-watch`, as the peer reads them), the peer again. Each dra-gpu phase is compared with
+the peer phase that follows it. The peer's client rate limit never binds (`peer-driver start`'s
+default; `--peer-client-defaults` runs it with client-go's 50 QPS / burst 100 instead).
 
-Run: .venv/bin/python bench/prepare_bench.py [--rounds 200] [--inflight 100] [--bursts 3]
+Per phase:
+  - one-claim prepare latency, p50/p99 over `--rounds` (default 2,000) sequential prepares, in
+    batches of `--inflight` claims that stay prepared until every dra-gpu claim-status write of the
+    batch has reached the apiserver (its status writes are deferred until no prepare has been in
+    flight for 0.1 s, and skipped for a claim unprepared before then; holding the claims makes the
+    plugin pay for them, between batches as it would between pod starts), then unprepared one at a
+    time (latency reported too);
+  - throughput: `--inflight` concurrent one-claim prepares (median of `--bursts`), held the same way,
+    then unprepared concurrently;
+  - every answer checked: an error in any prepare or unprepare answer fails the run;
+  - dra-gpu: start-up to slices published, RSS right after the phase and after 3 s without requests;
+    the peer: RSS after the phase. Load average at the phase's start and end.
+Claims are real ResourceClaims in the apiserver, pre-allocated and reserved for a (never scheduled)
+pod through their status, as the scheduler leaves them, so both plugins do their real claim read
+and prepare work.
+
+Run: .venv/bin/python bench/prepare_bench.py [--runs 7] [--rounds 2000] [--inflight 100] [--bursts 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import socket
 import statistics
@@ -24,9 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -167,28 +182,116 @@ class Cluster:
         return name, claim["metadata"]["uid"]
 
 
-def prepare_seconds(port: int) -> tuple[float, float]:
-    """(sum, count) of the plugin's own prepare latency histogram: the time inside the plugin."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        for key in ("_sum", "_count"):
-            if line.startswith(f'dra_gpu_node_request_duration_seconds{key}{{operation="prepare"}}'):
-                values[key] = float(line.split()[-1])
-    return values["_sum"], values["_count"]
+def status_applies(api: client.ApiClient) -> int:
+    """Successful server-side applies to resourceclaims/status the apiserver has served so far (its
+    `apiserver_request_total`): how many claim-status writes have landed."""
+    resp = api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False)
+    total = 0
+    for line in resp[0].data.decode().splitlines():
+        if (
+            line.startswith("apiserver_request_total{")
+            and 'resource="resourceclaims"' in line
+            and 'subresource="status"' in line
+            and 'verb="APPLY"' in line
+            and 'code="2' in line
+        ):
+            total += int(float(line.split()[-1]))
+    return total
+
+
+class StatusWrites:
+    """Waits, with claims held prepared, until the plugin's claim-status writes for them landed."""
+
+    def __init__(self, api: client.ApiClient, writes: bool) -> None:
+        self.api = api
+        self.writes = writes  # the peer writes no claim status: nothing to wait for
+        self.base = status_applies(api)
+        self.expected = 0
+
+    def restart(self) -> None:
+        self.base = status_applies(self.api)
+
+    def landed(self) -> int:
+        return status_applies(self.api) - self.base
+
+    def hold(self, claims: int) -> None:
+        if not self.writes:
+            return
+        self.expected += claims
+        time.sleep(0.3)  # the plugin defers its writes by 0.2 s, then 0.1 s without calls
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while self.landed() < self.expected:
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"{self.landed()} of {self.expected} claim-status writes landed "
+                    f"within {STATUS_WAIT_S:.0f} s"
+                )
+            time.sleep(0.1)
+
+
+@dataclass
+class Phase:
+    name: str
+    inflight: int
+    prepare_ms: list[float] = field(default_factory=list)
+    unprepare_ms: list[float] = field(default_factory=list)
+    bursts: list[float] = field(default_factory=list)  # claims/s of each burst
+    cpu_ms: float = float("nan")  # the plugin's CPU per claim over the bursts (prepare, status, unprepare)
+    status_writes: int = 0
+    rss_mb: float = float("nan")
+    rss_idle_mb: float = float("nan")
+    startup_s: float = float("nan")
+    load: tuple[float, float] = (float("nan"), float("nan"))
+
+    @property
+    def p50(self) -> float:
+        return pct(self.prepare_ms, 50)
+
+    @property
+    def p99(self) -> float:
+        return pct(self.prepare_ms, 99)
+
+    @property
+    def throughput(self) -> float:
+        return statistics.median(self.bursts)
+
+    def line(self, run: int) -> str:
+        idle = (
+            f", after {IDLE_SECONDS:.0f} s idle {self.rss_idle_mb:.1f} MB"
+            if self.rss_idle_mb == self.rss_idle_mb
+            else ""
+        )
+        start = f"; start {self.startup_s:.2f} s" if self.startup_s == self.startup_s else ""
+        return (
+            f"run {run} {self.name:<13} prepare p50 {self.p50:.2f} p99 {self.p99:.2f} "
+            f"mean {statistics.mean(self.prepare_ms):.2f} ms (n={len(self.prepare_ms)}); "
+            f"unprepare p50 {pct(self.unprepare_ms, 50):.2f} p99 {pct(self.unprepare_ms, 99):.2f} ms; "
+            f"{self.inflight} in flight {self.throughput:.0f}/s "
+            f"(bursts {' '.join(f'{b:.0f}' for b in self.bursts)}); CPU/claim {self.cpu_ms:.2f} ms; "
+            f"status writes {self.status_writes}; RSS {self.rss_mb:.1f} MB{idle}{start}; "
+            f"load {self.load[0]:.2f}->{self.load[1]:.2f}"
+        )
+
+
+STATUS_WAIT_S = 20.0
+
+
+def pct(values: list[float], p: float) -> float:
+    """The p-th percentile, nearest rank."""
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))]
 
 
 async def measure(
     sock: Path,
     ns: str,
     claims: list[tuple[str, str]],
+    phase: Phase,
     rounds: int,
-    inflight: int,
-    inside: Callable[[], tuple[float, float]] | None = None,
-    bursts: int = 1,
-    cpu: Callable[[], float] | None = None,
-    loop_cpu: Callable[[], float] | None = None,
-) -> dict[str, float]:
+    bursts: int,
+    writes: StatusWrites,
+    cpu: Callable[[], float],
+) -> None:
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
         stub = pb_grpc.DRAPluginStub(ch)
 
@@ -199,200 +302,264 @@ async def measure(
             t = time.perf_counter()
             resp = await stub.NodePrepareResources(pb.NodePrepareResourcesRequest(claims=req(c)), timeout=45)
             took = time.perf_counter() - t
-            err = resp.claims[c[1]].error
-            if err:
-                raise SystemExit(f"prepare failed: {err}")
-            return took
+            if c[1] not in resp.claims or resp.claims[c[1]].error:
+                raise SystemExit(f"{phase.name}: prepare of {c[0]} failed: {resp}")
+            return took * 1e3
 
-        async def unprepare(c: tuple[str, str]) -> None:
-            await stub.NodeUnprepareResources(pb.NodeUnprepareResourcesRequest(claims=req(c)), timeout=45)
+        async def unprepare(c: tuple[str, str]) -> float:
+            t = time.perf_counter()
+            resp = await stub.NodeUnprepareResources(
+                pb.NodeUnprepareResourcesRequest(claims=req(c)), timeout=45
+            )
+            took = time.perf_counter() - t
+            if c[1] not in resp.claims or resp.claims[c[1]].error:
+                raise SystemExit(f"{phase.name}: unprepare of {c[0]} failed: {resp}")
+            return took * 1e3
 
-        for c in claims[:5]:  # warm-up
+        for c in claims[:5]:  # warm-up: connections, caches (their status writes are skipped)
             await prepare(c)
             await unprepare(c)
-        lat = []
-        before = inside() if inside else (0.0, 0.0)
-        for i in range(rounds):
-            c = claims[i % len(claims)]
-            lat.append(await prepare(c))
-            await unprepare(c)
-        after = inside() if inside else (0.0, 0.0)
-        lat.sort()
-        batch = claims[:inflight]
-        walls = []
-        cpu_before = cpu() if cpu else 0.0
-        loop_before = loop_cpu() if loop_cpu else 0.0
-        client_before = time.process_time()
+        await asyncio.sleep(0.5)
+        writes.restart()  # a warm-up write that was already on the wire does not count
+        done = 0
+        while done < rounds:
+            batch = claims[: min(len(claims), rounds - done)]
+            for c in batch:
+                phase.prepare_ms.append(await prepare(c))
+            writes.hold(len(batch))
+            for c in batch:
+                phase.unprepare_ms.append(await unprepare(c))
+            done += len(batch)
+        cpu_before = cpu()
         for _ in range(bursts):
             t = time.perf_counter()
-            await asyncio.gather(*(prepare(c) for c in batch))
-            walls.append(time.perf_counter() - t)
-            await asyncio.gather(*(unprepare(c) for c in batch))
-        wall = statistics.median(walls)
-        # The plugin's CPU per claim over the bursts (its prepare and its unprepare): what bounds
-        # the throughput when the plugin has a core to itself, whatever else shares the machine.
-        burst_cpu_ms = (cpu() - cpu_before) / (bursts * len(batch)) * 1e3 if cpu else float("nan")
-        loop_cpu_ms = (loop_cpu() - loop_before) / (bursts * len(batch)) * 1e3 if loop_cpu else float("nan")
-        client_cpu_ms = (time.process_time() - client_before) / (bursts * len(batch)) * 1e3
-        inside_ms = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
-        return {
-            "mean_ms": statistics.mean(lat) * 1e3,
-            "inside_mean_ms": inside_ms if inside else float("nan"),
-            "p50_ms": statistics.median(lat) * 1e3,
-            "p99_ms": lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3,
-            "throughput": len(batch) / wall,
-            "inflight": len(batch),
-            "burst_cpu_ms": burst_cpu_ms,
-            "loop_cpu_ms": loop_cpu_ms,
-            "client_cpu_ms": client_cpu_ms,
-        }
+            await asyncio.gather(*(prepare(c) for c in claims))
+            phase.bursts.append(len(claims) / (time.perf_counter() - t))
+            writes.hold(len(claims))
+            await asyncio.gather(*(unprepare(c) for c in claims))
+        phase.cpu_ms = (cpu() - cpu_before) / (bursts * len(claims)) * 1e3
+        phase.status_writes = writes.landed()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cluster = Cluster()
+        self.ns = f"bench-{uuid.uuid4().hex[:6]}"
+        self.tmp = Path(tempfile.mkdtemp(prefix="dra-bench-"))
+        self.profile = self.tmp / "bench-node.yaml"
+        bench_profile(self.profile)
+        self.plugin_dir = KUBELET_ROOT / "plugins" / OURS
+        # The node's (simulated) driver installation: every claim's spec carries its user space.
+        cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
+        simdriver = [
+            sys.executable,
+            str(ROOT / "e2e" / "simdriver" / "build.py"),
+            "--profile",
+            str(self.profile),
+        ]
+        self.driver_root = subprocess.run(
+            [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
+        ).stdout.split()[-1]
+        self.ours: list[tuple[str, str]] = []
+        self.peer: list[tuple[str, str]] = []
+
+    def peer_driver(self, action: str) -> None:
+        cmd = [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", action]
+        if action == "start" and self.args.peer_client_defaults:
+            cmd += ["--kube-api-qps", "default", "--kube-api-burst", "default"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode and action == "start":
+            raise SystemExit(f"peer-driver start failed: {r.stdout}{r.stderr}")
+
+    def run_ours(self, run: int, claim_watch: bool) -> Phase:
+        name = "dra-gpu watch" if claim_watch else "dra-gpu GET"
+        phase = Phase(name, self.args.inflight, load=(os.getloadavg()[0], 0.0))
+        cluster = self.cluster
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            metrics_port = sock.getsockname()[1]
+        # Slices an earlier phase published would make the start-up time 0: start from none.
+        for s in cluster.custom.list_cluster_custom_object(
+            GROUP, VERSION, "resourceslices", field_selector=f"spec.driver={OURS}"
+        )["items"]:
+            cluster.custom.delete_cluster_custom_object(
+                GROUP, VERSION, "resourceslices", s["metadata"]["name"]
+            )
+        while cluster.devices(OURS):
+            time.sleep(0.05)
+        log = self.tmp / f"plugin-{run}-{'watch' if claim_watch else 'get'}.log"
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dra_gpu.cli",
+                "kubelet-plugin",
+                "--node-name",
+                cluster.node,
+                "--profile",
+                str(self.profile),
+                "--driver-root",
+                self.driver_root,
+                "--plugin-dir",
+                str(self.plugin_dir),
+                "--http-address",
+                f"127.0.0.1:{metrics_port}",
+                "--registry-dir",
+                str(KUBELET_ROOT / "plugins_registry"),
+                "--claim-watch" if claim_watch else "--no-claim-watch",
+            ],
+            stdout=open(log, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            while len(cluster.devices(OURS)) < 112:
+                if proc.poll() is not None or time.perf_counter() - t0 > 60:
+                    raise SystemExit(log.read_text())
+                time.sleep(0.05)
+            phase.startup_s = time.perf_counter() - t0
+            while not (self.plugin_dir / "dra.sock").exists():
+                time.sleep(0.05)
+            if not self.ours:
+                devices = cluster.devices(OURS)[: self.args.inflight]
+                self.ours = [cluster.allocated_claim(self.ns, OURS, d, cluster.node) for d in devices]
+                time.sleep(1)  # the claim watch has them
+            writes = StatusWrites(cluster.api, writes=True)
+            asyncio.run(
+                measure(
+                    self.plugin_dir / "dra.sock",
+                    self.ns,
+                    self.ours,
+                    phase,
+                    self.args.rounds,
+                    self.args.bursts,
+                    writes,
+                    lambda: cpu_seconds(proc.pid),
+                )
+            )
+            phase.rss_mb = memory(proc.pid).rss_mb
+            # The plugin gives a burst's memory back after a second without requests (heap_trim.py).
+            time.sleep(IDLE_SECONDS)
+            phase.rss_idle_mb = memory(proc.pid).rss_mb
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+        phase.load = (phase.load[0], os.getloadavg()[0])
+        return phase
+
+    def run_peer(self) -> Phase:
+        phase = Phase(
+            "peer" + (" (50/100)" if self.args.peer_client_defaults else ""),
+            self.args.inflight,
+            load=(os.getloadavg()[0], 0.0),
+        )
+        cluster = self.cluster
+        self.peer_driver("start")
+        try:
+            peer_pid = pid_of("dra-test-driver")
+            if not self.peer:
+                devices = cluster.devices(PEER)
+                self.peer = [
+                    cluster.allocated_claim(self.ns, PEER, devices[i % len(devices)], cluster.node)
+                    for i in range(self.args.inflight)
+                ]
+            writes = StatusWrites(cluster.api, writes=False)
+            asyncio.run(
+                measure(
+                    KUBELET_ROOT / "plugins" / PEER / "dra.sock",
+                    self.ns,
+                    self.peer,
+                    phase,
+                    self.args.rounds,
+                    self.args.bursts,
+                    writes,
+                    lambda: cpu_seconds(peer_pid),
+                )
+            )
+            phase.rss_mb = rss_mb(peer_pid)
+        finally:
+            self.peer_driver("stop")
+        phase.load = (phase.load[0], os.getloadavg()[0])
+        return phase
+
+
+def ratios(run: int, ours: Phase, peer: Phase) -> str:
+    return (
+        f"run {run} {ours.name} / {peer.name} (the phase after it): p50 {ours.p50 / peer.p50:.2f}, "
+        f"p99 {ours.p99 / peer.p99:.2f}, throughput {ours.throughput / peer.throughput:.2f}"
+    )
+
+
+def summary(pairs: list[tuple[Phase, Phase]]) -> list[str]:
+    """The targets per claim-read mode: in how many runs each held."""
+    out = []
+    for mode in ("dra-gpu watch", "dra-gpu GET"):
+        mine = [(o, p) for o, p in pairs if o.name == mode]
+        if not mine:
+            continue
+        n = len(mine)
+        p50 = sum(o.p50 <= 0.8 * p.p50 for o, p in mine)
+        p99 = sum(o.p99 <= 0.8 * p.p99 for o, p in mine)
+        tput = sum(o.throughput >= 1.25 * p.throughput and o.throughput >= 500 for o, p in mine)
+        rss = sum(o.rss_idle_mb <= 80 for o, _ in mine)
+        out.append(
+            f"{mode}: p50 <= 0.8x peer in {p50} of {n}; p99 <= 0.8x peer in {p99} of {n}; "
+            f"throughput >= 1.25x peer and >= 500/s in {tput} of {n}; "
+            f"RSS {IDLE_SECONDS:.0f} s after <= 80 MB in {rss} of {n} "
+            f"(ratios p50 {' '.join(f'{o.p50 / p.p50:.2f}' for o, p in mine)}; "
+            f"p99 {' '.join(f'{o.p99 / p.p99:.2f}' for o, p in mine)}; "
+            f"throughput {' '.join(f'{o.throughput / p.throughput:.2f}' for o, p in mine)})"
+        )
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=1, help="runs of four interleaved phases")
+    parser.add_argument("--rounds", type=int, default=2000, help="one-claim prepares per phase")
     parser.add_argument("--inflight", type=int, default=100)
     parser.add_argument("--bursts", type=int, default=3, help="throughput: the median of this many bursts")
+    parser.add_argument(
+        "--modes",
+        default="watch,get",
+        help="dra-gpu's claim reads: watch, get or both (each before a peer phase)",
+    )
+    parser.add_argument(
+        "--peer-client-defaults",
+        action="store_true",
+        help="the peer with client-go's default rate limit (50 QPS, burst 100), as the benches ran it before",
+    )
     args = parser.parse_args()
-    cluster = Cluster()
-    ns = f"bench-{uuid.uuid4().hex[:6]}"
-    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-    cluster.hold(ns)
-    tmp = Path(tempfile.mkdtemp(prefix="dra-bench-"))
-    profile = tmp / "bench-node.yaml"
-    bench_profile(profile)
-    plugin_dir = KUBELET_ROOT / "plugins" / OURS
-    # The node's (simulated) driver installation: every claim's spec carries its user space.
-    cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
-    simdriver = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", str(profile)]
-    driver_root = subprocess.run(
-        [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
-    ).stdout.split()[-1]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        metrics_port = sock.getsockname()[1]
-    # Slices an earlier run published would make the start-up time 0: start from none.
-    for s in cluster.custom.list_cluster_custom_object(
-        GROUP, VERSION, "resourceslices", field_selector=f"spec.driver={OURS}"
-    )["items"]:
-        cluster.custom.delete_cluster_custom_object(GROUP, VERSION, "resourceslices", s["metadata"]["name"])
-    while cluster.devices(OURS):
-        time.sleep(0.05)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dra_gpu.cli",
-            "kubelet-plugin",
-            "--node-name",
-            cluster.node,
-            "--profile",
-            str(profile),
-            "--driver-root",
-            driver_root,
-            "--plugin-dir",
-            str(plugin_dir),
-            "--http-address",
-            f"127.0.0.1:{metrics_port}",
-            "--registry-dir",
-            str(KUBELET_ROOT / "plugins_registry"),
-        ],
-        stdout=open(tmp / "plugin.log", "wb"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("watch", "get") for m in modes):
+        parser.error("--modes: watch, get or watch,get")
+    bench = Bench(args)
+    cluster = bench.cluster
+    bench.peer_driver("stop")  # only the measured driver runs
+    cluster.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=bench.ns)))
+    pairs: list[tuple[Phase, Phase]] = []
+    print(
+        f"{args.runs} runs x ({', '.join(f'dra-gpu {m}, peer' for m in modes)}); {args.rounds} one-claim "
+        f"prepares per phase in batches of {args.inflight}, held until their status writes landed; "
+        f"{args.inflight} in flight, median of {args.bursts} bursts; {os.cpu_count()} CPUs",
+        flush=True,
     )
     try:
-        while len(cluster.devices(OURS)) < 112:
-            if proc.poll() is not None or time.perf_counter() - t0 > 60:
-                raise SystemExit((tmp / "plugin.log").read_text())
-            time.sleep(0.05)
-        startup = time.perf_counter() - t0
-        memory_at_start = memory(proc.pid)  # imports, inventory and slices: the floor before any claim
-        while not (plugin_dir / "dra.sock").exists():
-            time.sleep(0.05)
-        results = {}
-        ours = [cluster.allocated_claim(ns, OURS, d, cluster.node) for d in cluster.devices(OURS)]
-        results["dra-gpu"] = asyncio.run(
-            measure(
-                plugin_dir / "dra.sock",
-                ns,
-                ours,
-                args.rounds,
-                args.inflight,
-                lambda: prepare_seconds(metrics_port),
-                args.bursts,
-                lambda: cpu_seconds(proc.pid),
-                lambda: cpu_seconds(proc.pid, thread=proc.pid),  # the main thread runs the event loop
-            )
-        )
-        memory_after = memory(proc.pid)
-        results["dra-gpu"]["rss_mb"] = memory_after.rss_mb
-        # The plugin gives a burst's memory back after a second without requests (heap_trim.py).
-        time.sleep(IDLE_SECONDS)
-        memory_idle = memory(proc.pid)
-        results["dra-gpu"]["startup_s"] = startup
-        results["dra-gpu"]["rss_start_mb"] = memory_at_start.rss_mb
-        subprocess.run(
-            [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "start"],
-            check=True,
-            capture_output=True,
-        )
-        peer_devices = cluster.devices(PEER)
-        peer_pid = pid_of("dra-test-driver")
-        peer = [
-            cluster.allocated_claim(ns, PEER, peer_devices[i % len(peer_devices)], cluster.node)
-            for i in range(args.inflight)
-        ]
-        results["peer"] = asyncio.run(
-            measure(
-                KUBELET_ROOT / "plugins" / PEER / "dra.sock",
-                ns,
-                peer,
-                args.rounds,
-                args.inflight,
-                bursts=args.bursts,
-                cpu=lambda: cpu_seconds(peer_pid),
-            )
-        )
-        results["peer"]["rss_mb"] = rss_mb(peer_pid)
+        cluster.hold(bench.ns)
+        for run in range(1, args.runs + 1):
+            for mode in modes:
+                ours = bench.run_ours(run, claim_watch=mode == "watch")
+                print(ours.line(run), flush=True)
+                peer = bench.run_peer()
+                print(peer.line(run), flush=True)
+                print(ratios(run, ours, peer), flush=True)
+                pairs.append((ours, peer))
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        subprocess.run(
-            [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", "stop"], capture_output=True
-        )
-        cluster.core.delete_namespace(ns)
-    print(f"{'plugin':<10} {'p50 ms':>8} {'p99 ms':>8} {'claims/s':>9} {'RSS MB':>7} {'start s':>8}")
-    for name, r in results.items():
-        start = f"{r['startup_s']:.2f}" if "startup_s" in r else "-"
-        print(
-            f"{name:<10} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['throughput']:>9.0f} "
-            f"{r['rss_mb']:>7.1f} {start:>8}"
-        )
-    o, p = results["dra-gpu"], results["peer"]
-    print(f"dra-gpu RSS once its slices were published (before any claim): {memory_at_start}")
-    print(f"dra-gpu RSS right after the run: {memory_after}, {memory_after.threads} threads")
-    print(f"dra-gpu RSS after the run and {IDLE_SECONDS:.0f} s without requests: {memory_idle}")
-    print(
-        f"one-claim prepare, mean: {o['mean_ms']:.2f} ms at the client, {o['inside_mean_ms']:.2f} ms inside "
-        f"the plugin (claim read, plan, durable writes; its latency histogram), the rest gRPC and "
-        f"scheduling; peer at the client {p['mean_ms']:.2f} ms"
-    )
-    print(
-        f"plugin CPU per claim in the bursts (its prepare and unprepare, all threads): "
-        f"dra-gpu {o['burst_cpu_ms']:.2f} ms ({o['loop_cpu_ms']:.2f} ms of it on its event loop), "
-        f"peer {p['burst_cpu_ms']:.2f} ms; this bench's client (Python gRPC, the same cores) "
-        f"{o['client_cpu_ms']:.2f} ms"
-    )
-    print(
-        f"ratios dra-gpu/peer: p50 {o['p50_ms'] / p['p50_ms']:.2f}, p99 {o['p99_ms'] / p['p99_ms']:.2f}, "
-        f"throughput {o['throughput'] / p['throughput']:.2f}, RSS {o['rss_mb'] / p['rss_mb']:.2f}"
-    )
-    print(
-        f"({args.rounds} one-claim rounds, {args.inflight} claims in flight (median of {args.bursts} "
-        f"bursts); peer devices: "
-        f"{len(peer_devices)}, its claims share them; ours are distinct MIG devices)"
-    )
+        bench.peer_driver("stop")
+        cluster.core.delete_namespace(bench.ns)
+    for line in summary(pairs):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Webhook latency while hostile reviews run: normal reviews and /healthz at a fixed rate on one
-connection while a second connection sends, back to back, claims whose selector doubles a string
-with `cel.bind` (seconds and gigabytes per device if evaluated to the end).
+"""Webhook latency while hostile reviews run: normal reviews and /healthz arriving open-loop at a
+fixed rate (bench/open_loop.py: latency from each request's intended send time, so a stall counts
+for every request due during it) while another connection sends, back to back, claims whose
+selector doubles a string with `cel.bind` (seconds and gigabytes per device if evaluated to the end).
 
     .venv/bin/python bench/webhook_hostile_bench.py [--seconds 20] [--rate 100] [--nodes 8]
 """
@@ -8,6 +9,7 @@ with `cel.bind` (seconds and gigabytes per device if evaluated to the end).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.controller_bench import SELECTORS, cluster, connect_when_healthy, pct  # noqa: E402
+from bench.open_loop import open_loop  # noqa: E402
 from tests.controller.objects import NVLINK, claim  # noqa: E402
 from tests.controller.test_webhook import make_cert  # noqa: E402
 
@@ -97,40 +100,33 @@ def main() -> None:
                 msg = "allowed" if r["allowed"] else r["status"]["message"]
                 hostile.append(((time.perf_counter() - t0) * 1000, msg))
 
-        def once(path: str, body: bytes | None) -> float:
-            t0 = time.perf_counter()
-            conn.request("POST" if body else "GET", path, body, {"Content-Type": "application/json"})
-            raw = conn.getresponse().read()
-            if body:
-                assert json.loads(raw)["response"]["allowed"], raw
-            return (time.perf_counter() - t0) * 1000
+        conn.request("POST", "/validate", normal, {"Content-Type": "application/json"})
+        assert json.loads(conn.getresponse().read())["response"]["allowed"]
+        conn.close()
 
-        once("/validate", normal)
+        def request(i: int) -> tuple[str, str, bytes | None]:
+            return ("GET", "/healthz", None) if i % 10 == 9 else ("POST", "/validate", normal)
+
+        def check(i: int, status: int, payload: bytes) -> None:
+            if status != 200 or (i % 10 != 9 and not json.loads(payload)["response"]["allowed"]):
+                raise SystemExit(f"request {i}: HTTP {status}: {payload[:500]!r}")
+
         cpu_before = cpu_s(proc.pid)
         attacker = threading.Thread(target=attack, daemon=True)
         if not args.no_hostile:
             attacker.start()
         time.sleep(0.5)  # the first hostile review is running
-        lat: list[float] = []
-        health: list[float] = []
-        start = time.perf_counter()
-        for i in range(args.rate * args.seconds):
-            target = start + i / args.rate
-            now = time.perf_counter()
-            if target > now:
-                time.sleep(target - now)
-            if i % 10 == 9:
-                health.append(once("/healthz", None))
-            else:
-                lat.append(once("/validate", normal))
-        elapsed = time.perf_counter() - start
+        result = asyncio.run(open_loop("127.0.0.1", port, ctx, args.rate, args.seconds, request, check))
+        lat, health = result.latency_ms["/validate"], result.latency_ms["/healthz"]
+        elapsed = result.elapsed_s
         cpu = cpu_s(proc.pid) - cpu_before
         stop.set()
         if attacker.is_alive():
             attacker.join(60)
         print(
             f"webhook under hostile reviews: {args.nodes} hgx-2x4 nodes, normal claim with "
-            f"{len(SELECTORS)} selectors + NVLink, {args.rate}/s for {elapsed:.1f} s"
+            f"{len(SELECTORS)} selectors + NVLink, {args.rate}/s open-loop for {elapsed:.1f} s "
+            f"({result.connections} connections); load average {os.getloadavg()[0]:.2f}"
         )
         print(
             f"  normal reviews: {len(lat)}, p50 {pct(lat, 50):.2f} ms, p99 {pct(lat, 99):.2f} ms, "
