@@ -185,9 +185,11 @@ class Cluster:
 def status_applies(api: client.ApiClient) -> int:
     """Successful server-side applies to resourceclaims/status the apiserver has served so far (its
     `apiserver_request_total`): how many claim-status writes have landed."""
-    resp = api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False)
+    method, url, headers, body, post = api.param_serialize("GET", "/metrics", auth_settings=["BearerToken"])
+    resp = api.call_api(method, url, headers, body, post, _request_timeout=30)
+    resp.read()
     total = 0
-    for line in resp[0].data.decode().splitlines():
+    for line in resp.data.decode().splitlines():
         if (
             line.startswith("apiserver_request_total{")
             and 'resource="resourceclaims"' in line
