@@ -10,8 +10,6 @@ a request that does not fit is refused (it would wait; here it is dropped, so bo
 same trace). "Fragmented" = a 3g.40gb / 7g.80gb request refused while the GPUs have at least as many
 free memory slices in total as it needs. The device orders compared:
 
-- interleaved: one list by profile and placement with the GPUs interleaved (spreads small
-  instances over every GPU).
 - ascending: each GPU's placements as NVML lists them (low memory slice first), GPU by GPU.
 - packed: GPU by GPU, each profile's placements from the high end down.
 - two-ended (dra-gpu's): packed for profiles up to half a GPU from the first GPU on, the full-GPU
@@ -35,9 +33,8 @@ from dra_gpu.controller.allocator import place  # noqa: E402
 from dra_gpu.controller.allocator_view import Cluster  # noqa: E402
 from dra_gpu.controller.rules import Validator  # noqa: E402
 from dra_gpu.device_catalog import DeviceCatalog  # noqa: E402
-from dra_gpu.dynamic_mig import PLACEMENT_ORDERS, Device, PlacementOrder  # noqa: E402
+from dra_gpu.dynamic_mig import PLACEMENT_ORDERS, PlacementOrder  # noqa: E402
 from dra_gpu.model import DEFAULT_DRIVER_NAME as DRIVER  # noqa: E402
-from dra_gpu.model import Gpu  # noqa: E402
 from dra_gpu.simnode.fake import discover_node  # noqa: E402
 from dra_gpu.slices import SliceBuilder  # noqa: E402
 
@@ -54,17 +51,7 @@ MIG_CLASS: dict[str, Any] = {
 }
 
 
-def interleaved_order(gpus: list[Gpu]) -> list[Device]:
-    """Naive too: one list sorted by profile and placement, GPUs interleaved (what a driver that
-    sorts all its devices by name would publish): small instances spread over every GPU."""
-    placements = [(g, p) for g in gpus for p in g.mig_placements()]
-    placements.sort(
-        key=lambda gp: (gp[1].profile.memory_slices, gp[1].profile.compute_slices, gp[1].start, gp[0].index)
-    )
-    return placements
-
-
-ORDERS: dict[str, PlacementOrder] = {"interleaved": interleaved_order, **PLACEMENT_ORDERS}
+ORDERS: dict[str, PlacementOrder] = PLACEMENT_ORDERS
 
 
 @dataclass(frozen=True)
