@@ -46,11 +46,12 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dra_gpu.durable import replace_atomically  # noqa: E402
 from dra_gpu.kube import RESOURCE_V1, Kube, list_watch  # noqa: E402
 
 DRIVER = "gpu.dra-gpu.io"
@@ -66,21 +67,62 @@ GPU_CLASS = {
     "metadata": {"name": DRIVER},
     "spec": {"selectors": [{"cel": {"expression": GPU_SELECTOR}}]},
 }
+MIG_CLASS_NAME = "mig." + DRIVER.removeprefix("gpu.")  # the chart's MIG class
+MIG_SELECTOR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "mig"'
+MIG_CLASS = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": MIG_CLASS_NAME},
+    "spec": {"selectors": [{"cel": {"expression": MIG_SELECTOR}}]},
+}
+# The peer: upstream's DRA test driver (test/e2e/dra/test-driver), e2e's peer-driver name.
+PEER_DRIVER = "gpu.example.com"
+PEER_CLASS = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": PEER_DRIVER},
+    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{PEER_DRIVER}"'}}]},
+}
+# MIG-heavy mix, claim i: (profile, count) by i mod 4; every other pair of four with all its
+# devices on one GPU (matchAttribute parentUUID), as the plain mix's NVLink constraint.
+MIG_MIX = (("1g.10gb", 1), ("2g.20gb", 2), ("3g.40gb", 1), ("1g.10gb", 4))
+SAME_GPU = [{"matchAttribute": f"{DRIVER}/parentUUID"}]
 # Components of each run, as (pid file name, program); all are stopped after each size.
 PROCS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok", "publishers", "webhook")
+# What the scheduler is measured against (issue 30 part 1): the node's slices and the claim mix.
+CASES = {
+    "plain": "dra-gpu, whole GPUs (hgx-2x4: 8 devices a node)",
+    "mig": "dra-gpu, dynamic MIG (dgx-h100-mig: every placement, counter sets), MIG-heavy mix",
+    "share": "dra-gpu, memory shares (hgx-2x4, allowMultipleAllocations)",
+    "peer": "upstream DRA test driver's slices (8 devices a node, its own code), no constraints",
+}
 
 
 def node_name(i: int) -> str:
     return f"gpu-{i:03d}"
 
 
-def claim_body(i: int) -> dict[str, Any]:
-    count = COUNTS[i % 4]
-    devices: dict[str, Any] = {
-        "requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER, "count": count}}]
-    }
-    if (i // 4) % 2 == 0:
-        devices["constraints"] = NVLINK
+def claim_body(i: int, case: str = "plain") -> dict[str, Any]:
+    """Claim i of the mix: 1, 2, 4 or 8 whole GPUs, every other pair of four NVLink-connected (the
+    peer's devices have no attributes: no constraint); for `mig`, MIG_MIX."""
+    constrained = (i // 4) % 2 == 0
+    exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": COUNTS[i % 4]}
+    constraints = NVLINK
+    if case == "mig":
+        profile, count = MIG_MIX[i % 4]
+        sel = f'device.attributes["{DRIVER}"].profile == "{profile}"'
+        exactly = {
+            "deviceClassName": MIG_CLASS_NAME,
+            "count": count,
+            "selectors": [{"cel": {"expression": sel}}],
+        }
+        constraints = SAME_GPU
+    elif case == "peer":
+        exactly["deviceClassName"] = PEER_DRIVER
+        constrained = False
+    devices: dict[str, Any] = {"requests": [{"name": "gpus", "exactly": exactly}]}
+    if constrained:
+        devices["constraints"] = constraints
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -213,7 +255,7 @@ class ControlPlane:
             ],
         )
 
-    def start_publishers(self, nodes: int, ready: str, claim_watch: bool) -> None:
+    def start_publishers(self, nodes: int, ready: str, claim_watch: bool, case: str = "plain") -> None:
         self.processes.start(
             "publishers",
             [
@@ -226,8 +268,70 @@ class ControlPlane:
                 "--ready-file",
                 ready,
                 *(["--claim-watch"] if claim_watch else []),
+                "--case",
+                case,
             ],
         )
+
+    def publish_peer(self, template_node: str) -> None:
+        """Upstream's DRA test driver as a kubelet plugin of `template_node` (its dirs in the state
+        dir), stopped once it has published that node's slice; the slice stays (its helper does not
+        delete on stop)."""
+        binary = os.path.join(self.config.BIN_K8S, "dra-test-driver")
+        if not os.access(binary, os.X_OK):
+            sys.exit(f"missing {binary}: run e2e/build.sh kubernetes first")
+        dirs = {d: os.path.join(self.state, "peer", d) for d in ("plugins", "registry", "cdi")}
+        for d in dirs.values():
+            os.makedirs(d, exist_ok=True)
+        # the driver makes only the parent of its socket's directory
+        os.makedirs(os.path.join(dirs["plugins"], PEER_DRIVER), exist_ok=True)
+        self.processes.start(
+            "peer-driver",
+            [
+                binary,
+                "--kubeconfig",
+                self.admin,
+                "--drivername",
+                PEER_DRIVER,
+                "kubelet-plugin",
+                "--node-name",
+                template_node,
+                "--cdi-dir",
+                dirs["cdi"],
+                "--datadir",
+                dirs["plugins"],
+                "--plugin-registration-path",
+                dirs["registry"],
+                "--num-devices",
+                "8",
+            ],
+        )
+
+        def published() -> bool:
+            out = subprocess.run(
+                [
+                    os.path.join(self.config.BIN_K8S, "kubectl"),
+                    "--kubeconfig",
+                    self.admin,
+                    "get",
+                    "resourceslices",
+                    f"--field-selector=spec.driver={PEER_DRIVER}",
+                    "-o",
+                    "name",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            return bool(out.stdout.strip())
+
+        try:
+            self.processes.wait_for("peer-driver", published, timeout=60, what="publishing its slice")
+        finally:
+            pid = self.pid("peer-driver")
+            if pid is not None:
+                self.processes.stop_pid("peer-driver", pid)
 
     def start_webhook(self, cert: str, key: str) -> None:
         # `dra-gpu controller`, started through the interpreter: the harness knows a process by
@@ -268,10 +372,42 @@ class ControlPlane:
         return {name: proc_stats(self.pid(name)) for name in PROCS}
 
     def down(self) -> None:
-        for name in reversed(PROCS):
+        for name in ("peer-driver", *reversed(PROCS)):
             pid = self.pid(name)
             if pid is not None:
                 self.processes.stop_pid(name, pid)
+
+    def _scheduler_get(self, path: str, timeout: float) -> bytes:
+        """GET from kube-scheduler's secure port as the bench's admin (delegated authn/authz);
+        its serving certificate is self-signed."""
+        pki = self.config.PKI
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        ctx.load_cert_chain(os.path.join(pki, "admin.crt"), os.path.join(pki, "admin.key"))
+        url = f"https://127.0.0.1:{self.config.SCHEDULER_PORT}{path}"
+        with urllib.request.urlopen(url, context=ctx, timeout=timeout) as r:
+            return bytes(r.read())
+
+    def scheduler_attempts(self) -> dict[str, float]:
+        """kube-scheduler's scheduling attempts so far by result (scheduled, unschedulable, error)
+        and the seconds they took (`<result>_s`), from its /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = self._scheduler_get("/metrics", 30).decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sm in family.samples:
+                result = sm.labels.get("result", "")
+                if sm.name == "scheduler_schedule_attempts_total":
+                    out[result] = out.get(result, 0.0) + sm.value
+                elif sm.name == "scheduler_scheduling_attempt_duration_seconds_sum":
+                    out[result + "_s"] = out.get(result + "_s", 0.0) + sm.value
+        return out
+
+    def scheduler_profile(self, seconds: int, path: str) -> None:
+        """kube-scheduler's CPU profile (its built-in pprof) over the next `seconds`, to `path`."""
+        data = self._scheduler_get(f"/debug/pprof/profile?seconds={seconds}", seconds + 60)
+        replace_atomically(Path(path), data)
 
     def request_counts(self) -> dict[str, float]:
         """apiserver_request_total summed per "resource[/subresource] VERB"."""
@@ -306,13 +442,15 @@ def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 # ---------------------------------------------------------------- the publishers' process
 
 
-async def run_publishers(nodes: int, kubeconfig: str, ready_file: str, claim_watch: bool) -> None:
+async def run_publishers(
+    nodes: int, kubeconfig: str, ready_file: str, claim_watch: bool, case: str = "plain"
+) -> None:
     """dra-gpu's SlicePublisher for each simulated node, all in this process, until killed; with
-    `claim_watch`, each node's claim watch too (the prepare path's, dra_gpu.plugin.claim_cache)."""
+    `claim_watch`, each node's claim watch too (the prepare path's, dra_gpu.plugin.claim_cache).
+    `case`: mig, the dgx-h100-mig profile with dynamic MIG on; share, memory shares on."""
     from kubernetes.aio import client as kclient
     from kubernetes.aio import config as kconfig
 
-    from dra_gpu.durable import replace_atomically
     from dra_gpu.kubeletplugin.metrics import PluginMetrics
     from dra_gpu.kubeletplugin.publisher import SlicePublisher
     from dra_gpu.plugin.claim_cache import ClaimCache
@@ -327,11 +465,12 @@ async def run_publishers(nodes: int, kubeconfig: str, ready_file: str, claim_wat
     configuration.connection_pool_maxsize = nodes * (2 if claim_watch else 1) + 16
     kube = Kube(kclient.ApiClient(configuration))
     publishers = []
+    profile = "dgx-h100-mig" if case == "mig" else PROFILE
     for i in range(nodes):
-        inventory = discover_node(node_name(i), PROFILE)
+        inventory = discover_node(node_name(i), profile, dynamic_mig=case == "mig")
 
         def build(generation: int, inventory: Any = inventory) -> list[dict[str, Any]]:
-            return build_slices(inventory, DRIVER, generation)
+            return build_slices(inventory, DRIVER, generation, memory_shares=case == "share")
 
         publishers.append(SlicePublisher(kube, DRIVER, node_name(i), build, PluginMetrics()))
     t0 = time.monotonic()
@@ -373,13 +512,49 @@ async def untaint(kube: Kube, nodes: int, sem: asyncio.Semaphore) -> None:
     await asyncio.gather(*(one(i) for i in range(nodes)))
 
 
-class Tracker:
-    """Creation and first-seen-allocated times of the claims, from a watch."""
+class InstantInstances:
+    """The node side of dynamic MIG's binding conditions for the bench: each node's MigBinder
+    (the plugin's code, which reports MigInstanceReady in the claim's status) over a preparer
+    stand-in whose instances are made at once; the scheduler binds a pod once that is reported."""
 
-    def __init__(self) -> None:
+    def __init__(self, kube: Kube, nodes: int) -> None:
+        from dra_gpu.plugin.mig_binding import MigBinder
+        from dra_gpu.plugin.prepare import Preparer
+
+        self.binders = {
+            node_name(i): MigBinder(DRIVER, node_name(i), cast(Preparer, self), kube) for i in range(nodes)
+        }
+
+    async def bind(self, _ref: Any, claim: dict[str, Any]) -> dict[str, Any]:
+        from dra_gpu.model import MigDevice
+
+        results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")
+        made = {}
+        for r in results or []:
+            uid = str(claim["metadata"]["uid"])
+            made[str(r["device"])] = MigDevice(f"MIG-{uid}-{r['device']}", "", 0, 0, 0, 0, 0, 0, 0)
+        return made
+
+    async def see(self, claim: dict[str, Any]) -> None:
+        """Hand an allocated claim to its node's binder (dra-gpu's pool is named after its node)."""
+        results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")
+        if results and results[0].get("pool") in self.binders:
+            await self.binders[str(results[0]["pool"])].on_event("MODIFIED", claim)
+
+    async def stop(self) -> None:
+        for b in self.binders.values():
+            await b.stop()
+
+
+class Tracker:
+    """Creation and first-seen-allocated times of the claims, from a watch; `instances`: dynamic
+    MIG's binding conditions reported for what is allocated."""
+
+    def __init__(self, instances: InstantInstances | None = None) -> None:
         self.created: dict[str, float] = {}
         self.allocated: dict[str, float] = {}
         self.objects: dict[str, dict[str, Any]] = {}
+        self.instances = instances
 
     def see(self, obj: dict[str, Any]) -> None:
         name = obj["metadata"]["name"]
@@ -390,23 +565,63 @@ class Tracker:
     async def on_list(self, items: list[dict[str, Any]], _version: str) -> None:
         for o in items:
             self.see(o)
+            if self.instances is not None:
+                await self.instances.see(o)
 
     async def on_event(self, kind: str, obj: dict[str, Any]) -> bool:
         if kind in ("ADDED", "MODIFIED"):
             self.see(obj)
+            if self.instances is not None:
+                await self.instances.see(obj)
         return True
 
 
+async def publish_peer(cp: ControlPlane, kube: Kube, nodes: int, sem: asyncio.Semaphore) -> None:
+    """The peer's slices: its own binary publishes the first node's, the bench copies that slice
+    to every other node (N test-driver processes would not fit on the bench's machine)."""
+    cp.publish_peer(node_name(0))
+    (template,), _ = await kube.list_slices(f"spec.driver={PEER_DRIVER}")
+
+    async def clone(i: int) -> None:
+        spec = json.loads(json.dumps(template["spec"]))
+        spec["nodeName"] = spec["pool"]["name"] = node_name(i)
+        body = {
+            "apiVersion": template.get("apiVersion", "resource.k8s.io/v1"),
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{node_name(i)}-{PEER_DRIVER}-0"},
+            "spec": spec,
+        }
+        async with sem:
+            await kube.create(f"{RESOURCE_V1}/resourceslices", body)
+
+    await asyncio.gather(*(clone(i) for i in range(1, nodes)))
+
+
 async def one_size(
-    cp: ControlPlane, nodes: int, claims: int, settle: float, cert: tuple[str, str], claim_watch: bool = False
+    cp: ControlPlane,
+    nodes: int,
+    claims: int,
+    settle: float,
+    cert: tuple[str, str],
+    claim_watch: bool = False,
+    case: str = "plain",
+    pprof: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"nodes": nodes, "claims": claims, "devices": nodes * 8, "claim_watch": claim_watch}
+    """One run; `pprof`: (seconds, file) of a kube-scheduler CPU profile from the first claim on."""
+    out: dict[str, Any] = {
+        "case": case,
+        "nodes": nodes,
+        "claims": claims,
+        "devices": nodes * 8,
+        "claim_watch": claim_watch,
+    }
     t_up = time.monotonic()
     cp.up()
     out["control_plane_up_s"] = time.monotonic() - t_up
     kube = await Kube.connect(cp.admin)
     try:
-        await kube.create(f"{RESOURCE_V1}/deviceclasses", GPU_CLASS)
+        for cls in (GPU_CLASS, MIG_CLASS, PEER_CLASS):
+            await kube.create(f"{RESOURCE_V1}/deviceclasses", cls)
         await kube.create(f"/api/v1/namespaces/{NS}/serviceaccounts", {"metadata": {"name": "default"}})
         cp.start_kwok()
         sem = asyncio.Semaphore(16)
@@ -436,12 +651,19 @@ async def one_size(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready_file)
         t_pub = time.monotonic()
-        cp.start_publishers(nodes, ready_file, claim_watch)
-        cp.processes.wait_for("publishers", lambda: os.path.exists(ready_file), timeout=300, what="published")
-        out["publish_wall_s"] = time.monotonic() - t_pub
-        with open(ready_file) as f:
-            out["publish_s"] = json.load(f)["publish_s"]
-        slices, _ = await kube.list_slices(f"spec.driver={DRIVER}")
+        if case == "peer":
+            await publish_peer(cp, kube, nodes, sem)
+            out["publish_s"] = out["publish_wall_s"] = time.monotonic() - t_pub
+        else:
+            cp.start_publishers(nodes, ready_file, claim_watch, case)
+            cp.processes.wait_for(
+                "publishers", lambda: os.path.exists(ready_file), timeout=600, what="published"
+            )
+            out["publish_wall_s"] = time.monotonic() - t_pub
+            with open(ready_file) as f:
+                out["publish_s"] = json.load(f)["publish_s"]
+        slices, _ = await kube.list_slices(f"spec.driver={PEER_DRIVER if case == 'peer' else DRIVER}")
+        out["slice_bytes"] = sum(len(json.dumps(s["spec"])) for s in slices)
         out["slices"] = len(slices)
         out["published_devices"] = sum(len(s["spec"].get("devices") or []) for s in slices)
         cp.start_webhook(*cert)
@@ -450,9 +672,11 @@ async def one_size(
         out["requests_publish"] = diff(cp.request_counts(), before_publish)
         stats0 = cp.stats()
         before_claims = cp.request_counts()
+        attempts0 = cp.scheduler_attempts()
         out["load_before"] = loadavg()
 
-        tracker = Tracker()
+        instances = InstantInstances(kube, nodes) if case == "mig" else None
+        tracker = Tracker(instances)
         watch = asyncio.create_task(
             list_watch(
                 kube, f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", tracker.on_list, tracker.on_event
@@ -461,10 +685,11 @@ async def one_size(
 
         async def claim_and_pod(i: int) -> None:
             async with sem:
-                c = await kube.create(f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", claim_body(i))
+                c = await kube.create(f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", claim_body(i, case))
                 tracker.created[c["metadata"]["name"]] = time.monotonic()
                 await kube.create(f"/api/v1/namespaces/{NS}/pods", pod_body(i))
 
+        profiling = asyncio.create_task(asyncio.to_thread(cp.scheduler_profile, *pprof)) if pprof else None
         t0 = time.monotonic()
         await asyncio.gather(*(claim_and_pod(i) for i in range(claims)))
         out["create_s"] = time.monotonic() - t0
@@ -476,12 +701,27 @@ async def one_size(
             elif time.monotonic() - last > settle:
                 break
             await asyncio.sleep(0.5)
+        # ...and the allocated claims' pods bound: a dynamic-MIG pod waits in PreBind for its binding
+        # condition, which the scheduler looks at every 5 s; the phase's CPU includes the binding
+        bound_by = time.monotonic() + 120
+        while time.monotonic() < bound_by:
+            scheduled = cp.scheduler_attempts().get("scheduled", 0.0) - attempts0.get("scheduled", 0.0)
+            if scheduled >= len(tracker.allocated):
+                break
+            await asyncio.sleep(1)
+        out["bound_s"] = time.monotonic() - t0
         out["load_after"] = loadavg()
         stats1 = cp.stats()
         out["requests_claims"] = diff(cp.request_counts(), before_claims)
+        out["scheduler_attempts"] = diff(cp.scheduler_attempts(), attempts0)
+        if profiling is not None and pprof is not None:
+            await profiling
+            out["pprof_top"] = pprof_top(pprof[1])
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
+        if instances is not None:
+            await instances.stop()
 
         lat = [tracker.allocated[n] - tracker.created[n] for n in tracker.allocated if n in tracker.created]
         last_alloc = max(tracker.allocated.values(), default=t0)
@@ -499,16 +739,32 @@ async def one_size(
             }
             for name in PROCS
         }
-        final_claims, _ = await kube.list_objects(f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", None)
-        slices, _ = await kube.list_slices(f"spec.driver={DRIVER}")
-        t_ex = time.monotonic()
-        out["explain"] = agreement(slices, final_claims)
-        out["explain"]["seconds"] = time.monotonic() - t_ex
-        out["top"] = top_timings(cp.admin)
+        if case == "plain":  # explain's agreement and `top` are measured on the plain case
+            final_claims, _ = await kube.list_objects(f"{RESOURCE_V1}/namespaces/{NS}/resourceclaims", None)
+            slices, _ = await kube.list_slices(f"spec.driver={DRIVER}")
+            t_ex = time.monotonic()
+            out["explain"] = agreement(slices, final_claims)
+            out["explain"]["seconds"] = time.monotonic() - t_ex
+            out["top"] = top_timings(cp.admin)
         return out
     finally:
         await kube.close()
         cp.down()
+
+
+def pprof_top(profile: str, lines: int = 25) -> list[str]:
+    """`go tool pprof -top` of a CPU profile (the Go toolchain's), its first `lines` lines."""
+    go = shutil.which("go")
+    if go is None:
+        return ["(no go toolchain: pprof -top not run)"]
+    proc = subprocess.run(
+        [go, "tool", "pprof", "-top", f"-nodecount={lines}", profile],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    return (proc.stdout or proc.stderr).splitlines()[: lines + 6]
 
 
 # ---------------------------------------------------------------- dra-gpu top
@@ -610,17 +866,19 @@ def agreement(slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> dic
 
 def report(r: dict[str, Any]) -> str:
     p = r["procs"]
-    ex = r["explain"]
+    ex = r.get("explain")
+    case = r.get("case", "plain")
     lines = [
-        f"== {r['nodes']} nodes, {r['devices']} GPUs published in {r['slices']} slices "
-        f"({r['published_devices']} devices), {r['claims']} claims"
-        + (", every node with its claim watch" if r.get("claim_watch") else ""),
+        f"== {r['nodes']} nodes, case {case}: {r['devices']} GPUs published in {r['slices']} slices "
+        f"({r['published_devices']} devices, {r.get('slice_bytes', 0) / 1e6:.1f} MB of specs), "
+        f"{r['claims']} claims" + (", every node with its claim watch" if r.get("claim_watch") else ""),
         f"  control plane up {r['control_plane_up_s']:.1f} s; publishers: all {r['nodes']} synced in "
         f"{r['publish_s']:.2f} s (process start to ready {r['publish_wall_s']:.2f} s)",
         f"  claims+pods created in {r['create_s']:.1f} s; allocated {r['allocated']}/{r['claims']} in "
         f"{r['alloc_span_s']:.1f} s: {r['throughput_per_s']:.1f} claims/s; created->allocated "
         f"p50 {r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s",
-        f"  load average before/after: {r['load_before']} / {r['load_after']}",
+        f"  all allocated claims' pods bound {r.get('bound_s', float('nan')):.1f} s after the first claim; "
+        f"load average before/after: {r['load_before']} / {r['load_after']}",
         "  process          RSS MiB  peak MiB  CPU s (publish+setup)  CPU s (claims phase)",
     ]
     for name, s in p.items():
@@ -632,6 +890,20 @@ def report(r: dict[str, Any]) -> str:
         req = r[f"requests_{phase}"]
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(req.items())[:8])
         lines.append(f"  apiserver requests ({phase} phase): {sum(req.values()):.0f}: {top}")
+    att = r.get("scheduler_attempts")
+    if att is not None:
+        cpu = p["kube-scheduler"]["cpu_claims_s"]
+        lines.append(
+            f"  kube-scheduler: {cpu:.1f} CPU s in the claims phase, "
+            f"{1000 * cpu / max(1, r['allocated']):.1f} ms per allocated claim, "
+            f"{sched_ms_per_attempt(r):.1f} ms per attempt; attempts: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in att.items() if not k.endswith("_s"))
+            + "; attempt seconds: "
+            + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in att.items() if k.endswith("_s"))
+        )
+    if ex is None:
+        lines += [f"  pprof: {x}" for x in r.get("pprof_top") or []]
+        return "\n".join(lines)
     lines.append(
         f"  explain agrees on {ex['allocated_agree']}/{ex['allocated']} allocated and "
         f"{ex['pending_agree']}/{ex['pending']} pending claims: {ex['agree_pct']:.1f} % "
@@ -648,6 +920,7 @@ def report(r: dict[str, Any]) -> str:
         )
     for d in ex["disagreements"]:
         lines.append(f"    disagrees: {d}")
+    lines += [f"  pprof: {x}" for x in r.get("pprof_top") or []]
     return "\n".join(lines)
 
 
@@ -668,7 +941,7 @@ SUMMARY: list[tuple[str, Any]] = [
     ("api CPU s", lambda r: r["procs"]["kube-apiserver"]["cpu_claims_s"]),
     ("slice req", lambda r: slice_requests(r["requests_publish"])),
     ("req claims", lambda r: sum(r["requests_claims"].values())),
-    ("explain %", lambda r: r["explain"]["agree_pct"]),
+    ("explain %", lambda r: r["explain"]["agree_pct"] if r.get("explain") else float("nan")),
 ]
 
 
@@ -693,6 +966,48 @@ def summary(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sched_ms_per_claim(r: dict[str, Any]) -> float:
+    return 1000 * float(r["procs"]["kube-scheduler"]["cpu_claims_s"]) / max(1, r["allocated"])
+
+
+def sched_ms_per_attempt(r: dict[str, Any]) -> float:
+    tries = sum(v for k, v in (r.get("scheduler_attempts") or {}).items() if not k.endswith("_s"))
+    return 1000 * float(r["procs"]["kube-scheduler"]["cpu_claims_s"]) / tries if tries else float("nan")
+
+
+def case_table(results: list[dict[str, Any]]) -> str:
+    """Per size, each case's scheduling figures and its ratios to the plain and peer cases of the
+    same run (CPU per allocated claim, per attempt; throughput)."""
+    lines = [
+        "nodes case   devices alloc  claims/s  p50 s  p99 s sched CPU s ms/claim ms/attempt"
+        "  xplain(claim,attempt,tput)  xpeer(claim,attempt,tput)"
+    ]
+    for n in sorted({r["nodes"] for r in results}):
+        by_case = {r.get("case", "plain"): r for r in results if r["nodes"] == n}
+
+        def ratios(r: dict[str, Any], base: dict[str, Any] | None) -> str:
+            if base is None:
+                return f"{'-':>26}"
+            f = [
+                sched_ms_per_claim(r) / sched_ms_per_claim(base),
+                sched_ms_per_attempt(r) / sched_ms_per_attempt(base),
+                r["throughput_per_s"] / base["throughput_per_s"]
+                if base["throughput_per_s"]
+                else float("nan"),
+            ]
+            return f"{' '.join(f'{x:6.2f}' for x in f):>26}"
+
+        for case, r in by_case.items():
+            lines.append(
+                f"{n:>5} {case:<6} {r['published_devices']:>7} {r['allocated']:>5} "
+                f"{r['throughput_per_s']:>9.1f} {r['latency_p50_s']:>6.2f} {r['latency_p99_s']:>6.2f} "
+                f"{r['procs']['kube-scheduler']['cpu_claims_s']:>11.1f} {sched_ms_per_claim(r):>8.1f} "
+                f"{sched_ms_per_attempt(r):>10.1f}  {ratios(r, by_case.get('plain'))}  "
+                f"{ratios(r, by_case.get('peer'))}"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="50,100", help="comma-separated node counts")
@@ -711,13 +1026,30 @@ def main() -> None:
         action="store_true",
         help="each node also keeps the kubelet plugin's claim watch (every claim event to every node)",
     )
+    ap.add_argument(
+        "--cases",
+        default="plain",
+        help="comma-separated, each size runs each in turn: "
+        + "; ".join(f"{k}: {v}" for k, v in CASES.items()),
+    )
+    ap.add_argument(
+        "--pprof-seconds", type=int, default=0, help="profile kube-scheduler this long from the first claim"
+    )
+    ap.add_argument("--pprof-dir", default=".", help="where the profiles go (scheduler-<case>-<nodes>.pprof)")
+    ap.add_argument("--case", default="plain", help=argparse.SUPPRESS)
     ap.add_argument("--publishers-for", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--kubeconfig", help=argparse.SUPPRESS)
     ap.add_argument("--ready-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.publishers_for:
-        asyncio.run(run_publishers(args.publishers_for, args.kubeconfig, args.ready_file, args.claim_watch))
+        asyncio.run(
+            run_publishers(args.publishers_for, args.kubeconfig, args.ready_file, args.claim_watch, args.case)
+        )
         return
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        sys.exit(f"unknown case(s) {', '.join(unknown)}: one of {', '.join(CASES)}")
 
     from tests.controller.test_webhook import make_cert
 
@@ -732,14 +1064,25 @@ def main() -> None:
             f"machine: {os.cpu_count()} CPUs, load average {loadavg()}; kube-scheduler QPS {qps}", flush=True
         )
         for n in (int(x) for x in args.nodes.split(",")):
-            r = asyncio.run(
-                one_size(cp, n, args.claims, args.settle, (str(cert), str(key)), args.claim_watch)
-            )
-            results.append(r)
-            print(report(r), flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps(results, indent=1))
-        print(summary(results), flush=True)
+            for case in cases:
+                pprof = (
+                    (args.pprof_seconds, os.path.join(args.pprof_dir, f"scheduler-{case}-{n}.pprof"))
+                    if args.pprof_seconds
+                    else None
+                )
+                r = asyncio.run(
+                    one_size(
+                        cp, n, args.claims, args.settle, (str(cert), str(key)), args.claim_watch, case, pprof
+                    )
+                )
+                results.append(r)
+                print(report(r), flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=1))
+        if cases == ["plain"]:
+            print(summary(results), flush=True)
+        else:
+            print(case_table(results), flush=True)
     except Exception:
         for name in PROCS:
             print(f"---- last lines of {name}'s log ----\n{cp.processes.log_tail(name, 15)}", file=sys.stderr)
