@@ -28,16 +28,15 @@ from test_kubelet_plugin import (
     DRIVER,
     MIG_CLASS,
     PLUGIN_DIR,
+    SIM_DEV,
     Plugin,
     allocated,
     claim_pod,
     ensure_device_classes,
+    fresh_gpus,
     our_slices,
     template,
 )
-
-from dra_gpu.simnode.inject import set_gpu_lost
-from dra_gpu.simnode.state import reboot
 
 pytestmark = pytest.mark.e2e
 
@@ -116,15 +115,6 @@ def record(core):
     return r
 
 
-def fresh_gpus(dev: Path) -> None:
-    """The simulated node as after a reboot, every GPU found: no MIG instance, no lost GPU that
-    another test's simulated fault left."""
-    reboot(dev)
-    lost = dev / ".nvidia-sim" / "lost"
-    for entry in lost.iterdir() if lost.is_dir() else ():
-        set_gpu_lost(dev, entry.name, lost=False)
-
-
 @pytest.fixture
 def node_plugin(target, core, dyn, tmp_path):
     """A plugin of the test's own (profile and flags set by the test, then `start()`), gone after."""
@@ -132,7 +122,7 @@ def node_plugin(target, core, dyn, tmp_path):
         pytest.skip("the plugin runs as a host process only on the local e2e cluster")
     node = core.list_node().items[0].metadata.name
     ensure_device_classes(dyn)
-    fresh_gpus(PLUGIN_DIR / "simulated-root" / "dev")
+    fresh_gpus(SIM_DEV)
     p = Plugin(target.kubeconfig, node, tmp_path / "plugin.log")
     (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
     yield p

@@ -4,6 +4,7 @@ into a container that sees the simulated GPUs' device nodes, unprepare, restarts
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,9 @@ from pathlib import Path
 import pytest
 from support import ROOT, sim_driver_root, wait_for
 
+from dra_gpu.simnode.inject import set_gpu_lost
+from dra_gpu.simnode.state import reboot
+
 pytestmark = pytest.mark.e2e
 
 DRIVER = "gpu.dra-gpu.io"
@@ -25,6 +29,29 @@ KUBELET_ROOT = Path(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet
 PLUGIN_DIR = KUBELET_ROOT / "plugins" / DRIVER
 CDI_DIR = Path("/var/run/cdi")
 MIG_CLASS = "mig.dra-gpu.io"
+SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"  # the simulated kernel's state is kept there
+
+
+def fresh_gpus(dev: Path) -> None:
+    """The simulated node as after a reboot, every GPU found: no MIG instance, no lost GPU that
+    another test's simulated fault left."""
+    reboot(dev)
+    lost = dev / ".nvidia-sim" / "lost"
+    for entry in lost.iterdir() if lost.is_dir() else ():
+        set_gpu_lost(dev, entry.name, lost=False)
+
+
+def stop_stray_plugins() -> int:
+    """SIGKILL every host-process plugin on this file's HTTP address (what `Plugin` starts); the
+    number killed."""
+    out = subprocess.run(
+        ["pgrep", "-f", f"dra_gpu.cli kubelet-plugin .*--http-address {HTTP}"], capture_output=True, text=True
+    )
+    pids = [int(p) for p in out.stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(pids)
 
 
 class Plugin:
@@ -110,7 +137,14 @@ class Plugin:
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=20)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # never left running for the next test to find
+                self.proc.wait(timeout=10)
+                raise AssertionError(
+                    f"the plugin did not stop within 20 s of SIGTERM:\n{self.log_tail()}"
+                ) from None
 
     def kill(self) -> None:
         assert self.proc is not None
