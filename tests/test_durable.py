@@ -3,7 +3,6 @@ for the targets asked, regular files only)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from dra_gpu import failpoints
 from dra_gpu.durable import remove_stale_temps, replace_atomically, replace_durably, temp_target, write_temp
+from tests.fsync_counter import fsync_counter
 
 
 def test_a_temp_file_names_its_target(tmp_path: Path) -> None:
@@ -51,16 +51,3 @@ def test_only_a_durable_replace_fsyncs(tmp_path: Path, monkeypatch: pytest.Monke
     assert synced == []
     replace_durably(tmp_path / "kept", b"x")
     assert len(synced) == 2  # the temp file, then the directory after the rename
-
-
-def fsync_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every `os.fsync` of this process from now on, by file descriptor (the call still syncs)."""
-    synced: list[int] = []
-    real = os.fsync
-
-    def counting(fd: int) -> None:
-        synced.append(fd)
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", counting)
-    return synced

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -26,21 +25,9 @@ from plugin.conftest import (
     prepare_claim,
 )
 from plugin.test_prepare import ref_of
+from tests.fsync_counter import fsync_counter
 
 UIDS = [f"{i:08d}-0000-4000-8000-00000000d0ab" for i in range(5)]
-
-
-def fsync_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every `os.fsync` of this process from now on, worker threads included (the call still syncs)."""
-    synced: list[int] = []
-    real = os.fsync
-
-    def counting(fd: int) -> None:
-        synced.append(fd)
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", counting)
-    return synced
 
 
 def five_claims(core: PluginCore) -> list[dict]:
