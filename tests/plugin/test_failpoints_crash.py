@@ -47,9 +47,16 @@ CASES = [
 ]
 UNPREPARE = (failpoints.UNPREPARE_AFTER_SHARING, failpoints.UNPREPARE_AFTER_INSTANCES)
 IN_A_WRITE = (failpoints.CHECKPOINT_AFTER_TEMP, failpoints.CDI_SPEC_AFTER_TEMP)
-# A sharing claim's "started" record and its spec are written together (prepare.py): the kill
-# after the record may or may not land while the spec's temp file is open.
-CONCURRENT_WRITE = {(failpoints.PREPARE_AFTER_STARTED, "mps")}
+# A record and a spec written together (prepare.py): a kill after one of them may or may not land
+# while the other's temp file is open. Which directory that temp file may be in, per case:
+# a sharing claim's "started" record with its spec; any claim's spec with its record ("completed",
+# or for a sharing claim "started").
+CONCURRENT_WRITE = {
+    (failpoints.PREPARE_AFTER_STARTED, "mps"): "cdi",
+    (failpoints.PREPARE_AFTER_CDI_SPEC, "gpu"): "checkpoint",
+    (failpoints.PREPARE_AFTER_CDI_SPEC, "mps"): "checkpoint",
+    (failpoints.PREPARE_AFTER_CDI_SPEC, "mig"): "checkpoint",
+}
 
 
 def test_every_failpoint_has_a_case() -> None:
@@ -108,8 +115,11 @@ def test_killed_at_a_failpoint_then_restarted_leaves_nothing(
         killed_at(failpoint, lambda: prepare_claim(node.preparer, ref))
     left = temp_files(node.cdi.dir, node.checkpoint.path.parent)
     if (failpoint, kind) in CONCURRENT_WRITE:
-        # The spec is written while the record is committed: the kill may land in its write.
-        assert all(p.parent == node.cdi.dir for p in left), left
+        # The kill may land in the other write: its temp file only, and only there.
+        other = {"cdi": node.cdi.dir, "checkpoint": node.checkpoint.path.parent}[
+            CONCURRENT_WRITE[failpoint, kind]
+        ]
+        assert all(p.parent == other for p in left), left
     else:
         assert bool(left) == (failpoint in IN_A_WRITE), left  # the kill interrupted a write, or none
     again = node.restart()
