@@ -60,21 +60,22 @@ NS = "default"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 COUNTS = (1, 2, 4, 8)
 NVLINK = [{"matchAttribute": f"{DRIVER}/nvlinkDomain"}]
-GPU_SELECTOR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
-GPU_CLASS = {
-    "apiVersion": "resource.k8s.io/v1",
-    "kind": "DeviceClass",
-    "metadata": {"name": DRIVER},
-    "spec": {"selectors": [{"cel": {"expression": GPU_SELECTOR}}]},
-}
 MIG_CLASS_NAME = "mig." + DRIVER.removeprefix("gpu.")  # the chart's MIG class
-MIG_SELECTOR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "mig"'
-MIG_CLASS = {
-    "apiVersion": "resource.k8s.io/v1",
-    "kind": "DeviceClass",
-    "metadata": {"name": MIG_CLASS_NAME},
-    "spec": {"selectors": [{"cel": {"expression": MIG_SELECTOR}}]},
-}
+
+
+def device_class(name: str, device_type: str) -> dict[str, Any]:
+    """A DeviceClass of this driver's devices of one type, as the chart installs it."""
+    expression = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "{device_type}"'
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": expression}}]},
+    }
+
+
+GPU_CLASS = device_class(DRIVER, "gpu")
+MIG_CLASS = device_class(MIG_CLASS_NAME, "mig")
 # The peer: upstream's DRA test driver (test/e2e/dra/test-driver), e2e's peer-driver name.
 PEER_DRIVER = "gpu.example.com"
 PEER_CLASS = {

@@ -17,6 +17,7 @@ from test_kubelet_plugin import (
     DRIVER,
     MIG_CLASS,
     PLUGIN_DIR,
+    SIM_DEV,
     Plugin,
     allocated,
     claim_pod,
@@ -31,7 +32,6 @@ from dra_gpu.simnode.state import read_state, reboot
 pytestmark = pytest.mark.e2e
 
 PROFILE = "dgx-h100-mig"
-SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"  # the simulated kernel's state is kept there
 GPU0, GPU1 = "gpu-0000-18-00-0", "gpu-0000-2a-00-0"
 SHOW = "ls -l /dev/nvidia-caps/; env | grep -e ^NVIDIA -e ^DRA_GPU; sleep 3600"
 FAILPOINT = "mig-after-gpu-instance"

@@ -28,7 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from real_userspace import install_cdi_hook
 from support import CACHE, ROOT, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
-from test_kubelet_plugin import CDI_DIR, DRIVER, PLUGIN_DIR, PROFILE, our_slices
+from test_kubelet_plugin import CDI_DIR, DRIVER, PROFILE, SIM_DEV, our_slices
 from test_sharing import memory_template, pod_log, wait_for_shareable_gpus
 
 from dra_gpu.plugin.memory_limits import cgroup_v2
@@ -36,7 +36,6 @@ from dra_gpu.simnode.state import read_state
 
 pytestmark = pytest.mark.e2e
 
-SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"
 CGROUP = Path("/sys/fs/cgroup")
 UNIFIED = CGROUP / "unified"  # systemd's place for the v2 hierarchy on a hybrid (v1) node
 SHARE = 40 << 30

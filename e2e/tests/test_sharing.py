@@ -16,6 +16,7 @@ from test_kubelet_plugin import (
     DRIVER,
     PLUGIN_DIR,
     PROFILE,
+    SIM_DEV,
     allocated,
     claim_pod,
     device_attrs,
@@ -28,7 +29,6 @@ from dra_gpu.simnode.state import read_state
 pytestmark = pytest.mark.e2e
 
 MPS_ROOT = PLUGIN_DIR / "mps"
-SIM_DEV = PLUGIN_DIR / "simulated-root" / "dev"
 EXCLUSIVE_PROCESS, DEFAULT = 3, 0
 
 
