@@ -6,6 +6,10 @@ requests that would have arrived during it are never sent, and the stall counts 
 goes out on an idle keep-alive connection (a new one is opened when none is idle, up to
 `max_connections`), and its latency runs from its due time to the last byte of its answer, so the
 time a request waits behind a stall, or behind this client, counts.
+
+A warm-up (`warmup_s`) sends at the same rate before the timed requests and is reported on its own:
+a server's first requests pay for its new connections and its cold caches (a review worker's first
+evaluation of a selector), a start-up cost that would otherwise be most of a 3,000-sample p99.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +33,8 @@ class OpenLoopResult:
     sent: int
     elapsed_s: float
     latency_ms: dict[str, list[float]] = field(default_factory=dict)  # by path
+    warmup_ms: dict[str, list[float]] = field(default_factory=dict)  # by path: the warm-up's requests
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)  # (path, HTTP status): timed requests
     connections: int = 0
     max_send_lag_ms: float = 0.0  # how late this client sent a request: its own share of the latency
 
@@ -64,9 +71,11 @@ async def open_loop(
     check: Check,
     max_connections: int = 256,
     timeout: float = 30.0,
+    warmup_s: float = 0.0,
 ) -> OpenLoopResult:
-    total = round(rate * seconds)
-    result = OpenLoopResult(rate=rate, sent=total, elapsed_s=0.0)
+    warmup = round(rate * warmup_s)
+    total = warmup + round(rate * seconds)
+    result = OpenLoopResult(rate=rate, sent=total - warmup, elapsed_s=0.0)
     idle: list[_Connection] = []
     slots = asyncio.Semaphore(max_connections)
 
@@ -83,16 +92,23 @@ async def open_loop(
             took = (time.perf_counter() - due) * 1e3
             idle.append(conn)
         check(i, status, payload)
-        result.latency_ms.setdefault(path, []).append(took)
+        if i < warmup:
+            result.warmup_ms.setdefault(path, []).append(took)
+        else:
+            result.latency_ms.setdefault(path, []).append(took)
+            result.statuses[(path, status)] += 1
 
     tasks = []
-    start = time.perf_counter() + 0.05
+    start = timed_start = time.perf_counter() + 0.05
     for i in range(total):
         due = start + i / rate
         delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        result.max_send_lag_ms = max(result.max_send_lag_ms, (time.perf_counter() - due) * 1e3)
+        if i == warmup:
+            timed_start = due
+        if i >= warmup:
+            result.max_send_lag_ms = max(result.max_send_lag_ms, (time.perf_counter() - due) * 1e3)
         tasks.append(asyncio.create_task(one(i, due)))
     try:
         await asyncio.gather(*tasks)
@@ -101,5 +117,5 @@ async def open_loop(
             task.cancel()
         for conn in idle:
             conn.writer.close()
-    result.elapsed_s = time.perf_counter() - start
+    result.elapsed_s = time.perf_counter() - timed_start
     return result

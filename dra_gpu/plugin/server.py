@@ -21,7 +21,7 @@ from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube import Kube, server_minor_version, small_tls_read_buffers
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
-from dra_gpu.kubeletplugin.heap_trim import limit_arenas
+from dra_gpu.kubeletplugin.heap_trim import freeze_startup_objects, limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
@@ -74,8 +74,10 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 class KubeletPlugin:
-    def __init__(self, cfg: PluginConfig) -> None:
+    def __init__(self, cfg: PluginConfig, freeze_startup: bool = False) -> None:
+        """`freeze_startup`: the process is the plugin's own (not a test's), see `run`."""
         self.cfg = cfg
+        self.freeze_startup = freeze_startup
         self.metrics = PluginMetrics()
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
@@ -250,6 +252,8 @@ class KubeletPlugin:
             if claims is not None:
                 watching = asyncio.create_task(claims.run(), name="claim-watch")
                 stack.push_async_callback(_cancel, watching)
+            if self.freeze_startup:  # before the sockets are served: no request waits for it
+                freeze_startup_objects()
             await helper.start()
             stack.push_async_callback(helper.stop)
             health.subscribe(helper.publisher.refresh)
@@ -322,7 +326,8 @@ class KubeletPlugin:
 def run(cfg: PluginConfig) -> int:
     limit_arenas()  # before any thread starts
     small_tls_read_buffers()
-    plugin = KubeletPlugin(cfg)
+    # What start-up made lives until exit: out of every later full collection's way (heap_trim.py).
+    plugin = KubeletPlugin(cfg, freeze_startup=True)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -154,3 +155,33 @@ def test_worker_threads_share_one_malloc_heap() -> None:
     assert heaps_of_threads(env) == ["True", "1"]
     # The operator's own MALLOC_ARENA_MAX wins: the main heap and one per thread, up to it.
     assert heaps_of_threads({**env, "MALLOC_ARENA_MAX": "3"}) == ["False", "3"]
+
+
+# In a process of its own: the plugin's modules imported, as in the plugin before it serves.
+FREEZE = """
+import gc, json
+import dra_gpu.plugin.server
+from dra_gpu.kubeletplugin.heap_trim import freeze_startup_objects
+
+before = len(gc.get_objects())  # what a full collection walks
+freeze_startup_objects()
+after = len(gc.get_objects())
+
+class Node:
+    pass
+
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle made while serving
+del a, b
+print(json.dumps({"before": before, "after": after, "cycle_freed": gc.collect() >= 2}))
+"""
+
+
+def test_a_full_collection_after_start_up_walks_only_what_came_after() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", FREEZE], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    result = json.loads(out)
+    assert result["before"] > 20_000  # the imports: modules, classes, functions
+    assert result["after"] < 1_000
+    assert result["cycle_freed"]  # garbage made later is still collected
