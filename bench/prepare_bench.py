@@ -18,8 +18,9 @@ Per phase:
   - throughput: `--inflight` concurrent one-claim prepares (median of `--bursts`), held the same way,
     then unprepared concurrently;
   - every answer checked: an error in any prepare or unprepare answer fails the run;
-  - the plugin's CPU per claim over the bursts, and containerd's (its CDI cache reads every spec
-    file again on each one written or removed);
+  - the plugin's CPU per claim over the bursts, and containerd's per claim over the whole phase
+    until it is idle again (its CDI cache reads every spec file again on each one written or
+    removed); each phase starts once containerd is idle, so no phase pays for the one before;
   - dra-gpu: start-up to slices published, RSS right after the phase and after 3 s without requests;
     the peer: RSS after the phase. Load average at the phase's start and end.
 Claims are real ResourceClaims in the apiserver, pre-allocated and reserved for a (never scheduled)
@@ -241,9 +242,11 @@ class Phase:
     unprepare_ms: list[float] = field(default_factory=list)
     bursts: list[float] = field(default_factory=list)  # claims/s of each burst
     cpu_ms: float = float("nan")  # the plugin's CPU per claim over the bursts (prepare, status, unprepare)
-    # containerd's CPU per claim over the bursts: its CDI cache reads every spec file of the node
-    # again on each spec written or removed, so it pays for the size of the specs the driver writes.
+    # containerd's CPU per claim prepared, from the phase's start until it is idle again after it:
+    # its CDI cache reads every spec file of the node again on each spec written or removed, so it
+    # pays for the size of the specs the driver writes, and may still be at it when the phase ends.
     runtime_cpu_ms: float = float("nan")
+    runtime_settle_s: float = float("nan")  # how long containerd stayed busy after the phase
     status_writes: int = 0
     rss_mb: float = float("nan")
     rss_idle_mb: float = float("nan")
@@ -275,13 +278,14 @@ class Phase:
             f"unprepare p50 {pct(self.unprepare_ms, 50):.2f} p99 {pct(self.unprepare_ms, 99):.2f} ms; "
             f"{self.inflight} in flight {self.throughput:.0f}/s "
             f"(bursts {' '.join(f'{b:.0f}' for b in self.bursts)}); CPU/claim {self.cpu_ms:.2f} ms, "
-            f"containerd's {self.runtime_cpu_ms:.2f} ms; "
+            f"containerd's {self.runtime_cpu_ms:.2f} ms (busy {self.runtime_settle_s:.1f} s after); "
             f"status writes {self.status_writes}; RSS {self.rss_mb:.1f} MB{idle}{start}; "
             f"load {self.load[0]:.2f}->{self.load[1]:.2f}"
         )
 
 
 STATUS_WAIT_S = 20.0
+WARM_UP_CLAIMS = 5
 
 
 def pct(values: list[float], p: float) -> float:
@@ -299,7 +303,6 @@ async def measure(
     bursts: int,
     writes: StatusWrites,
     cpu: Callable[[], float],
-    runtime_cpu: Callable[[], float],
 ) -> None:
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
         stub = pb_grpc.DRAPluginStub(ch)
@@ -325,7 +328,7 @@ async def measure(
                 raise SystemExit(f"{phase.name}: unprepare of {c[0]} failed: {resp}")
             return took * 1e3
 
-        for c in claims[:5]:  # warm-up: connections, caches (their status writes are skipped)
+        for c in claims[:WARM_UP_CLAIMS]:  # connections, caches (their status writes are skipped)
             await prepare(c)
             await unprepare(c)
         await asyncio.sleep(0.5)
@@ -339,7 +342,7 @@ async def measure(
             for c in batch:
                 phase.unprepare_ms.append(await unprepare(c))
             done += len(batch)
-        cpu_before, runtime_before = cpu(), runtime_cpu()
+        cpu_before = cpu()
         for _ in range(bursts):
             t = time.perf_counter()
             await asyncio.gather(*(prepare(c) for c in claims))
@@ -347,8 +350,29 @@ async def measure(
             writes.hold(len(claims))
             await asyncio.gather(*(unprepare(c) for c in claims))
         phase.cpu_ms = (cpu() - cpu_before) / (bursts * len(claims)) * 1e3
-        phase.runtime_cpu_ms = (runtime_cpu() - runtime_before) / (bursts * len(claims)) * 1e3
         phase.status_writes = writes.landed()
+
+
+RUNTIME_IDLE_CPU = 0.05  # containerd is idle below this share of a core (its housekeeping)
+RUNTIME_SETTLE_TIMEOUT_S = 300.0
+
+
+def runtime_cpu() -> float:
+    return cpu_seconds(pid_of("/containerd --config"))
+
+
+def settle_runtime() -> float:
+    """Wait until containerd is idle (below RUNTIME_IDLE_CPU over a second); the seconds it took."""
+    t0 = time.monotonic()
+    last = runtime_cpu()
+    while True:
+        time.sleep(1.0)
+        now = runtime_cpu()
+        if now - last < RUNTIME_IDLE_CPU:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > RUNTIME_SETTLE_TIMEOUT_S:
+            raise SystemExit(f"containerd still busy after {RUNTIME_SETTLE_TIMEOUT_S:.0f} s")
+        last = now
 
 
 class Bench:
@@ -374,6 +398,12 @@ class Bench:
         self.ours: list[tuple[str, str]] = []
         self.peer: list[tuple[str, str]] = []
 
+    def runtime_after(self, phase: Phase, runtime_start: float) -> None:
+        """containerd's CPU per claim the phase prepared (its warm-up's too), until it is idle."""
+        phase.runtime_settle_s = settle_runtime()
+        prepared = WARM_UP_CLAIMS + len(phase.prepare_ms) + len(phase.bursts) * phase.inflight
+        phase.runtime_cpu_ms = (runtime_cpu() - runtime_start) / prepared * 1e3
+
     def peer_driver(self, action: str) -> None:
         cmd = [sys.executable, str(ROOT / "e2e" / "cluster"), "peer-driver", action]
         if action == "start" and self.args.peer_client_defaults:
@@ -384,6 +414,8 @@ class Bench:
 
     def run_ours(self, run: int, claim_watch: bool) -> Phase:
         name = "dra-gpu watch" if claim_watch else "dra-gpu GET"
+        settle_runtime()
+        runtime_start = runtime_cpu()
         phase = Phase(name, self.args.inflight, load=(os.getloadavg()[0], 0.0))
         cluster = self.cluster
         with socket.socket() as sock:
@@ -446,7 +478,6 @@ class Bench:
                     self.args.bursts,
                     writes,
                     lambda: cpu_seconds(proc.pid),
-                    lambda: cpu_seconds(pid_of("/containerd --config")),
                 )
             )
             phase.rss_mb = memory(proc.pid).rss_mb
@@ -457,9 +488,12 @@ class Bench:
             proc.terminate()
             proc.wait(timeout=20)
         phase.load = (phase.load[0], os.getloadavg()[0])
+        self.runtime_after(phase, runtime_start)
         return phase
 
     def run_peer(self) -> Phase:
+        settle_runtime()
+        runtime_start = runtime_cpu()
         phase = Phase(
             "peer" + (" (50/100)" if self.args.peer_client_defaults else ""),
             self.args.inflight,
@@ -486,13 +520,13 @@ class Bench:
                     self.args.bursts,
                     writes,
                     lambda: cpu_seconds(peer_pid),
-                    lambda: cpu_seconds(pid_of("/containerd --config")),
                 )
             )
             phase.rss_mb = rss_mb(peer_pid)
         finally:
             self.peer_driver("stop")
         phase.load = (phase.load[0], os.getloadavg()[0])
+        self.runtime_after(phase, runtime_start)
         return phase
 
 
