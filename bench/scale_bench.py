@@ -91,6 +91,8 @@ PEER_CLASS = {
 # MIG-heavy mix, claim i: (profile, count) by i mod 4; every other pair of four with all its
 # devices on one GPU (matchAttribute parentUUID), as the plain mix's NVLink constraint.
 MIG_MIX = (("1g.10gb", 1), ("2g.20gb", 2), ("3g.40gb", 1), ("1g.10gb", 4))
+MIX_PROFILES = tuple(dict.fromkeys(p for p, _ in MIG_MIX))
+MIG_CASES = ("mig", "mig-mix")
 SAME_GPU = [{"matchAttribute": f"{DRIVER}/parentUUID"}]
 # Components of each run, as (pid file name, program); all are stopped after each size.
 PROCS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok", "publishers", "webhook")
@@ -98,6 +100,7 @@ PROCS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok", "publishers", "webh
 CASES = {
     "plain": "dra-gpu, whole GPUs (hgx-2x4: 8 devices a node)",
     "mig": "dra-gpu, dynamic MIG (dgx-h100-mig: every placement, counter sets), MIG-heavy mix",
+    "mig-mix": "as mig, offering only the mix's profiles (--mig-profiles " + ",".join(MIX_PROFILES) + ")",
     "share": "dra-gpu, memory shares (hgx-2x4, allowMultipleAllocations)",
     "peer": "upstream DRA test driver's slices (8 devices a node, its own code), no constraints",
 }
@@ -113,7 +116,7 @@ def claim_body(i: int, case: str = "plain") -> dict[str, Any]:
     constrained = (i // 4) % 2 == 0
     exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": COUNTS[i % 4]}
     constraints = NVLINK
-    if case == "mig":
+    if case in MIG_CASES:
         profile, count = MIG_MIX[i % 4]
         sel = f'device.attributes["{DRIVER}"].profile == "{profile}"'
         exactly = {
@@ -470,12 +473,15 @@ async def run_publishers(
     configuration.connection_pool_maxsize = nodes * (2 if claim_watch else 1) + 16
     kube = Kube(kclient.ApiClient(configuration))
     publishers = []
-    profile = "dgx-h100-mig" if case == "mig" else PROFILE
+    profile = "dgx-h100-mig" if case in MIG_CASES else PROFILE
+    offered = MIX_PROFILES if case == "mig-mix" else ()
     for i in range(nodes):
-        inventory = discover_node(node_name(i), profile, dynamic_mig=case == "mig")
+        inventory = discover_node(node_name(i), profile, dynamic_mig=case in MIG_CASES)
 
         def build(generation: int, inventory: Any = inventory) -> list[dict[str, Any]]:
-            return build_slices(inventory, DRIVER, generation, memory_shares=case == "share")
+            return build_slices(
+                inventory, DRIVER, generation, memory_shares=case == "share", mig_profiles=offered
+            )
 
         publishers.append(SlicePublisher(kube, DRIVER, node_name(i), build, PluginMetrics()))
     t0 = time.monotonic()
@@ -686,7 +692,7 @@ async def one_size(
         attempts0 = cp.scheduler_attempts()
         out["load_before"] = loadavg()
 
-        instances = InstantInstances(kube, nodes) if case == "mig" else None
+        instances = InstantInstances(kube, nodes) if case in MIG_CASES else None
         tracker = Tracker(instances)
         watch = asyncio.create_task(
             list_watch(

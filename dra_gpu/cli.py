@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +33,34 @@ class _Parser(argparse.ArgumentParser):
 
 def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# A MIG profile as NVML names it: slices, memory, options ("1g.10gb", "1g.18gb+me", "7g.141gb").
+_MIG_PROFILE = re.compile(r"^[0-9]{1,2}g\.[0-9]{1,4}gb(\+[a-z]{1,8}){0,4}$")
+
+
+def mig_profile_list(value: str) -> tuple[str, ...]:
+    """`--mig-profiles`: comma-separated MIG profile names; empty: every profile."""
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    bad = [n for n in names if not _MIG_PROFILE.match(n)]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(repr(b[:40]) for b in bad)} is not a MIG profile name (such as 1g.10gb, 3g.40gb, "
+            "1g.18gb+me)"
+        )
+    return names
+
+
+def _add_mig_profiles(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mig-profiles",
+        type=mig_profile_list,
+        default=os.environ.get("DRA_GPU_MIG_PROFILES", ""),
+        metavar="PROFILE,...",
+        help="with --dynamic-mig: offer only these MIG profiles' placements (e.g. 1g.10gb,3g.40gb,7g.80gb); "
+        "each profile left out is fewer devices for the scheduler to evaluate per claim "
+        "($DRA_GPU_MIG_PROFILES); default: every profile the GPU has",
+    )
 
 
 def _version() -> str:
@@ -102,6 +131,7 @@ def _add_node_commands(sub: Any) -> None:
         default=_flag(os.environ.get("DRA_GPU_DYNAMIC_MIG")),
         help="publish GPUs in MIG mode as every MIG placement, made at prepare ($DRA_GPU_DYNAMIC_MIG)",
     )
+    _add_mig_profiles(inv)
     plug = sub.add_parser("kubelet-plugin", help="run the node plugin (kubelet gRPC, slices, CDI)")
     env = os.environ.get
     add_node_flags(plug)
@@ -131,6 +161,7 @@ def _add_node_commands(sub: Any) -> None:
         "create the instance at prepare, destroy it at unprepare ($DRA_GPU_DYNAMIC_MIG=true); "
         "default: off (pre-made MIG instances are published as they are)",
     )
+    _add_mig_profiles(plug)
     plug.add_argument(
         "--http-address",
         default=env("DRA_GPU_HTTP_ADDRESS", "127.0.0.1:51516"),
@@ -270,7 +301,9 @@ def cmd_inventory(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.slices:
         try:
-            slices = build_slices(inventory, node.driver, memory_shares=node.memory_shares)
+            slices = build_slices(
+                inventory, node.driver, memory_shares=node.memory_shares, mig_profiles=node.mig_profiles
+            )
         except SliceLimitError as exc:
             print(f"dra-gpu: cannot build ResourceSlices: {exc}", file=sys.stderr)
             return EXIT_INVALID

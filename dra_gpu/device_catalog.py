@@ -24,7 +24,7 @@ placement is known to hold reaches every placement of its GPU, as an event on th
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from dra_gpu.dynamic_mig import PlacementOrder, two_ended_order
@@ -93,9 +93,17 @@ class DeviceCatalog:
 
     @classmethod
     def build(
-        cls, inventory: Inventory, memory_shares: bool = False, order: PlacementOrder = two_ended_order
+        cls,
+        inventory: Inventory,
+        memory_shares: bool = False,
+        order: PlacementOrder = two_ended_order,
+        mig_profiles: Collection[str] = (),
     ) -> DeviceCatalog:
-        """The node's devices; `order`: the first-fit order of the dynamic-MIG placements."""
+        """The node's devices; `order`: the first-fit order of the dynamic-MIG placements;
+        `mig_profiles`: the only MIG profiles offered as dynamic-MIG placements (empty: all). The
+        scheduler evaluates every published device's selectors for every claim it places, so each
+        profile left out is that many devices less to evaluate (bench/RESULTS.md, scheduler cost).
+        The GPUs' counter sets stay whole: they describe the GPU, not the offer."""
         gpus = sorted(inventory.gpus, key=lambda g: g.index)
         whole = [
             CatalogDevice(
@@ -116,6 +124,7 @@ class DeviceCatalog:
         dynamic = [
             CatalogDevice(g.mig_name(p.profile.name, p.start), DeviceKind.PLACEMENT, g, placement=p)
             for g, p in order([g for g in gpus if g.dynamic_mig])
+            if not mig_profiles or p.profile.name in mig_profiles
         ]
         return cls(inventory, (*whole, *made, *dynamic), memory_shares)
 

@@ -47,6 +47,7 @@ class NodeSettings:
     cache_dir: Path | None = None  # a simulated node's built driver roots; None: default_cache_dir()
     dynamic_mig: bool = False  # publish MIG placements, made on demand
     memory_shares: bool = False  # whole GPUs shareable by memory (consumable capacity)
+    mig_profiles: tuple[str, ...] = ()  # dynamic MIG: the only profiles offered (empty: all)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> NodeSettings:
@@ -74,6 +75,7 @@ class NodeSettings:
             cache_dir=default_cache_dir(),
             dynamic_mig=bool(getattr(args, "dynamic_mig", False)),
             memory_shares=bool(getattr(args, "memory_shares", False)),
+            mig_profiles=tuple(getattr(args, "mig_profiles", None) or ()),
         )
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dra_gpu.attributes import (
@@ -366,9 +366,11 @@ def build_slices(
     generation: int = 1,
     taints: Mapping[str, list[dict[str, Any]]] | None = None,
     memory_shares: bool = False,
+    mig_profiles: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """The slices of an inventory's catalog (see DeviceCatalog.build)."""
-    return SliceBuilder(DeviceCatalog.build(inventory, memory_shares), driver).slices(generation, taints)
+    catalog = DeviceCatalog.build(inventory, memory_shares, mig_profiles=mig_profiles)
+    return SliceBuilder(catalog, driver).slices(generation, taints)
 
 
 def validate_device(dev: dict[str, Any]) -> None:

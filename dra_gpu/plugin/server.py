@@ -73,6 +73,24 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+def _warn_unknown_mig_profiles(wanted: tuple[str, ...], catalog: DeviceCatalog) -> None:
+    """A profile no dynamic-MIG GPU of this node has: another GPU model's (one DaemonSet's list
+    serves them all), or a typo; said once, at start."""
+    if not wanted or not catalog.dynamic_gpus:
+        return
+    known = {p.name for g in catalog.dynamic_gpus for p in g.mig_profiles}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        log.warning(
+            "--mig-profiles names profiles no GPU of this node has profiles=%s known=%s",
+            ",".join(unknown),
+            ",".join(sorted(known)),
+        )
+    for gpu in catalog.dynamic_gpus:
+        if not any(d.placement is not None for d in catalog.of_gpu(gpu.uuid)):
+            log.warning("--mig-profiles leaves this GPU no MIG placement to offer gpu=%s", gpu.device_name)
+
+
 class KubeletPlugin:
     def __init__(self, cfg: PluginConfig, freeze_startup: bool = False) -> None:
         """`freeze_startup`: the process is the plugin's own (not a test's), see `run`."""
@@ -144,7 +162,8 @@ class KubeletPlugin:
         )
         inventory = await asyncio.to_thread(backend.discover, node.node_name, node.dynamic_mig)
         # The node's devices, derived once for the slices, prepare, health and claim status.
-        catalog = DeviceCatalog.build(inventory, node.memory_shares)
+        catalog = DeviceCatalog.build(inventory, node.memory_shares, mig_profiles=node.mig_profiles)
+        _warn_unknown_mig_profiles(node.mig_profiles, catalog)
         dynamic_mig = bool(catalog.dynamic_gpus)
         # Always: a claim prepared while dynamic MIG was on keeps its instances after it is turned
         # off, and its unprepare must still destroy them.

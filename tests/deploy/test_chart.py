@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from .conftest import CHART, ROOT, Render, by_kind, one
@@ -647,3 +648,52 @@ def test_memory_shares_value_reaches_the_plugin(render: Render) -> None:
         finally:
             del os.environ["DRA_GPU_MEMORY_SHARES"]
         assert args.memory_shares is want
+
+
+def test_mig_profiles_reach_the_plugin_and_limit_what_it_publishes(render: Render) -> None:
+    """The chart's migProfiles become the plugin's --mig-profiles, and the node publishes only
+    those profiles' placements, with every GPU's counter set whole."""
+    from dra_gpu.cli import _parser
+    from dra_gpu.node_settings import NodeSettings
+    from dra_gpu.simnode.fake import discover_node
+    from dra_gpu.slices import build_slices
+
+    assert "DRA_GPU_MIG_PROFILES" not in env_of(
+        container(one(render("kubeletPlugin.dynamicMig=true"), "DaemonSet"))
+    )
+    objs = render("kubeletPlugin.dynamicMig=true", "kubeletPlugin.migProfiles={1g.10gb,7g.80gb}")
+    env = env_of(container(one(objs, "DaemonSet")))
+    assert env["DRA_GPU_MIG_PROFILES"] == "1g.10gb,7g.80gb"
+    os.environ["DRA_GPU_MIG_PROFILES"] = env["DRA_GPU_MIG_PROFILES"]
+    try:
+        args = _parser().parse_args(["kubelet-plugin"])
+    finally:
+        del os.environ["DRA_GPU_MIG_PROFILES"]
+    node = NodeSettings.from_args(args)
+    assert node.mig_profiles == ("1g.10gb", "7g.80gb")
+
+    inventory = discover_node("n", "dgx-h100-mig", dynamic_mig=True)
+    every = build_slices(inventory)
+    some = build_slices(inventory, mig_profiles=node.mig_profiles)
+
+    def profiles(slices: list[dict[str, Any]]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in slices:
+            for d in s["spec"].get("devices") or []:
+                name = d["attributes"]["profile"]["string"]
+                out[name] = out.get(name, 0) + 1
+        return out
+
+    def counters(slices: list[dict[str, Any]]) -> list[Any]:
+        return [c for s in slices for c in s["spec"].get("sharedCounters") or []]
+
+    assert sum(profiles(every).values()) == 8 * 18
+    assert profiles(some) == {"1g.10gb": 8 * 7, "7g.80gb": 8}
+    assert counters(some) == counters(every)
+
+
+def test_a_mig_profile_list_with_a_bad_name_is_refused() -> None:
+    from dra_gpu.cli import _parser
+
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["kubelet-plugin", "--mig-profiles", "1g.10gb,1g.10gb;rm"])
