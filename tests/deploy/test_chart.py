@@ -477,19 +477,23 @@ def test_rbac_is_least_privilege(render: Render) -> None:
     assert not by_kind(objs, "Role") and not by_kind(objs, "RoleBinding")
 
 
-def test_claim_watch_can_be_turned_off(render: Render) -> None:
+def plugin_args_with(env: dict[str, str], name: str) -> Any:
+    """`kubelet-plugin`'s flags as the plugin parses them with the DaemonSet's variable `name`."""
     from dra_gpu.cli import _parser
 
+    os.environ[name] = env[name]
+    try:
+        return _parser().parse_args(["kubelet-plugin"])
+    finally:
+        del os.environ[name]
+
+
+def test_claim_watch_can_be_turned_off(render: Render) -> None:
     objs = render("kubeletPlugin.claimWatch=false")
     assert ("resource.k8s.io", "resourceclaims", "watch", "") not in rules_of(objs, "kubelet-plugin")
     env = env_of(container(one(objs, "DaemonSet")))
     assert env["DRA_GPU_CLAIM_WATCH"] == "false"
-    os.environ["DRA_GPU_CLAIM_WATCH"] = env["DRA_GPU_CLAIM_WATCH"]
-    try:
-        args = _parser().parse_args(["kubelet-plugin"])
-    finally:
-        del os.environ["DRA_GPU_CLAIM_WATCH"]
-    assert args.claim_watch is False
+    assert plugin_args_with(env, "DRA_GPU_CLAIM_WATCH").claim_watch is False
     # Dynamic MIG watches the claims whatever the value says.
     mig = render("kubeletPlugin.claimWatch=false", "kubeletPlugin.dynamicMig=true")
     assert ("resource.k8s.io", "resourceclaims", "watch", "") in rules_of(mig, "kubelet-plugin")
@@ -653,7 +657,6 @@ def test_memory_shares_value_reaches_the_plugin(render: Render) -> None:
 def test_mig_profiles_reach_the_plugin_and_limit_what_it_publishes(render: Render) -> None:
     """The chart's migProfiles become the plugin's --mig-profiles, and the node publishes only
     those profiles' placements, with every GPU's counter set whole."""
-    from dra_gpu.cli import _parser
     from dra_gpu.node_settings import NodeSettings
     from dra_gpu.simnode.fake import discover_node
     from dra_gpu.slices import build_slices
@@ -664,12 +667,7 @@ def test_mig_profiles_reach_the_plugin_and_limit_what_it_publishes(render: Rende
     objs = render("kubeletPlugin.dynamicMig=true", "kubeletPlugin.migProfiles={1g.10gb,7g.80gb}")
     env = env_of(container(one(objs, "DaemonSet")))
     assert env["DRA_GPU_MIG_PROFILES"] == "1g.10gb,7g.80gb"
-    os.environ["DRA_GPU_MIG_PROFILES"] = env["DRA_GPU_MIG_PROFILES"]
-    try:
-        args = _parser().parse_args(["kubelet-plugin"])
-    finally:
-        del os.environ["DRA_GPU_MIG_PROFILES"]
-    node = NodeSettings.from_args(args)
+    node = NodeSettings.from_args(plugin_args_with(env, "DRA_GPU_MIG_PROFILES"))
     assert node.mig_profiles == ("1g.10gb", "7g.80gb")
 
     inventory = discover_node("n", "dgx-h100-mig", dynamic_mig=True)
