@@ -361,6 +361,12 @@ def runtime_cpu() -> float:
     return cpu_seconds(pid_of("/containerd --config"))
 
 
+def runtime_before() -> float:
+    """containerd's CPU so far, once it is idle: a phase's starting point."""
+    settle_runtime()
+    return runtime_cpu()
+
+
 def settle_runtime() -> float:
     """Wait until containerd is idle (below RUNTIME_IDLE_CPU over a second); the seconds it took."""
     t0 = time.monotonic()
@@ -414,8 +420,7 @@ class Bench:
 
     def run_ours(self, run: int, claim_watch: bool) -> Phase:
         name = "dra-gpu watch" if claim_watch else "dra-gpu GET"
-        settle_runtime()
-        runtime_start = runtime_cpu()
+        runtime_start = runtime_before()
         phase = Phase(name, self.args.inflight, load=(os.getloadavg()[0], 0.0))
         cluster = self.cluster
         with socket.socket() as sock:
@@ -492,8 +497,7 @@ class Bench:
         return phase
 
     def run_peer(self) -> Phase:
-        settle_runtime()
-        runtime_start = runtime_cpu()
+        runtime_start = runtime_before()
         phase = Phase(
             "peer" + (" (50/100)" if self.args.peer_client_defaults else ""),
             self.args.inflight,

@@ -18,8 +18,9 @@ library has no malloc_trim (musl), nothing runs.
 
 A full collection walks every object the collector tracks, most of them made at start-up and
 alive until exit (modules, classes, the API client's models): 37 ms for the plugin's imports
-alone on an idle 2-core VM, 18% of the plugin's CPU in the prepare bench's profile (trims and
-Python's own full collections, which stall a prepare the same way). `freeze_startup_objects`
+alone on an idle 2-core VM; the trims' collections were 18% of the plugin's active CPU in the
+prepare bench's profile, and Python's own full collections walk the same objects, stalling a
+prepare the same way. `freeze_startup_objects`
 moves them out of its reach once start-up is done (gc.freeze): a full collection then walks only
 what came after (under 0.01 ms for the same imports).
 """
