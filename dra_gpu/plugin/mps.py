@@ -20,7 +20,8 @@ A claim's containers are hostile, so nothing they can write is trusted:
   pipe directory in their environment, their program and their root (the plugin's own, not a
   container's), and signalled through a pidfd opened before the match is re-checked (a reused pid
   is never signalled).
-- Before a (re)start the daemon's directories are emptied without following anything in them;
+- Before a (re)start the daemon's directories are emptied without following or opening anything
+  in them (a tenant may swap in a FIFO or a link at any moment);
   at stop the tmpfs is unmounted and its mount point removed.
 - The limits are read back after every start and at every `check` (each prepare of the claim, the
   plugin's start and each sweep): a 535 daemon lets any root client change them through `control`,
@@ -38,8 +39,8 @@ import errno
 import logging
 import os
 import re
+import secrets
 import select
-import shutil
 import signal
 import stat
 import subprocess
@@ -50,7 +51,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import (
+    RetryError,
+    retry,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_fixed,
+)
 
 from dra_gpu.plugin.driver_programs import DriverProgram, DriverProgramError
 
@@ -426,7 +435,14 @@ class MpsDaemons:
         top = self.daemon_dir(daemon_id)
         if os.path.ismount(top):
             _umount(top)
-        shutil.rmtree(top, ignore_errors=True)  # fd-based: never follows a link out
+        if not os.path.lexists(top):
+            return
+        # Not shutil.rmtree: without the tmpfs, shm/ under it is a tenant's (see _empty).
+        try:
+            _empty(top)
+            os.rmdir(top)
+        except (MpsError, OSError) as exc:
+            log.warning("MPS daemon directory not removed id=%s: %s", daemon_id, exc)
 
     def owned(self) -> list[str]:
         """Ids of every daemon directory under the root (the reconciliation's view)."""
@@ -490,17 +506,106 @@ def _wait_exit(fds: list[tuple[int, int]], timeout: float) -> list[tuple[int, in
     return left
 
 
+# A tenant may swap any entry of a directory `_empty` clears (for a FIFO, a link, a directory) at
+# any moment, so nothing there is ever opened except as a directory, with O_NOFOLLOW (a link
+# fails ELOOP), O_DIRECTORY (anything else fails ENOTDIR before its open runs) and O_NONBLOCK.
+# shutil.rmtree is not used: it opens what lstat called a directory with O_RDONLY alone, and a
+# FIFO swapped in between hangs that open.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What a swap under our feet makes a call fail with; the entry is tried again on the next pass.
+_RACE_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENOTEMPTY, errno.EEXIST}
+)
+EMPTY_PASSES = 8  # passes over a directory a tenant keeps writing to before giving up
+EMPTY_TIMEOUT = 10.0  # seconds, all passes together
+EMPTY_MAX_DEPTH = 32  # deeper directories are moved up to the top, so open fds stay bounded
+
+
+class _Emptier:
+    """Removes everything under one open directory, without following or opening anything but
+    directories (opened as above)."""
+
+    def __init__(self, top: int, directory: Path) -> None:
+        self.top = top
+        self.directory = directory
+        self.hoisted: list[str] = []
+        self.deadline = time.monotonic() + EMPTY_TIMEOUT
+
+    def run(self) -> None:
+        @retry(
+            retry=retry_if_result(bool),
+            wait=wait_exponential(multiplier=0.005, max=0.2),
+            stop=stop_after_attempt(EMPTY_PASSES) | stop_after_delay(EMPTY_TIMEOUT),
+        )
+        def one_pass() -> list[str]:
+            for name in self._names(self.top):
+                self._remove(self.top, name, 0)
+            while self.hoisted and time.monotonic() < self.deadline:
+                self._remove(self.top, self.hoisted.pop(), 0)
+            return self._names(self.top)
+
+        try:
+            one_pass()
+        except RetryError as exc:
+            left = exc.last_attempt.result()
+            raise MpsError(
+                f"cannot empty {self.directory}: {len(left)} entries (e.g. {left[0]!r}) still there "
+                f"after {EMPTY_PASSES} passes or {EMPTY_TIMEOUT:g}s; something keeps writing there"
+            ) from None
+
+    def _names(self, fd: int) -> list[str]:
+        try:
+            with os.scandir(fd) as entries:
+                return [e.name for e in entries]
+        except OSError as exc:
+            raise MpsError(f"cannot empty {self.directory}: cannot list it: {exc.strerror}") from exc
+
+    def _remove(self, dfd: int, name: str, depth: int) -> None:
+        """One try at removing `name`: unlink (any non-directory), else rmdir, else empty it and
+        rmdir. A race leaves it for the next pass; any other error is an MpsError."""
+        try:
+            try:
+                os.unlink(name, dir_fd=dfd)
+                return
+            except IsADirectoryError:
+                pass
+            try:
+                os.rmdir(name, dir_fd=dfd)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+            if depth >= EMPTY_MAX_DEPTH:
+                # Moved to the top and removed from there: depth costs no more open fds.
+                hoisted = f".dra-gpu-empty-{secrets.token_hex(8)}"
+                os.rename(name, hoisted, src_dir_fd=dfd, dst_dir_fd=self.top)
+                self.hoisted.append(hoisted)
+                return
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    return
+                for child in self._names(fd):
+                    self._remove(fd, child, depth + 1)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno not in _RACE_ERRNOS:
+                raise MpsError(f"cannot empty {self.directory}: {name!r}: {exc.strerror}") from exc
+
+
 def _empty(directory: Path) -> None:
-    """Remove everything in `directory`, following nothing (a container may have put links there)."""
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Remove everything in `directory`, following and opening nothing a container may have put
+    there (see _Emptier); an MpsError naming it when that cannot be done."""
     try:
-        for entry in os.scandir(dfd):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.name, dir_fd=dfd)
-            else:
-                os.unlink(entry.name, dir_fd=dfd)
+        top = os.open(directory, _DIR_FLAGS)
+    except OSError as exc:
+        raise MpsError(f"cannot empty {directory}: cannot open it as a directory: {exc.strerror}") from exc
+    try:
+        _Emptier(top, directory).run()
     finally:
-        os.close(dfd)
+        os.close(top)
 
 
 def _libc() -> ctypes.CDLL:
