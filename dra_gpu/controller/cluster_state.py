@@ -1,6 +1,12 @@
 """The webhook's view of the cluster: slices, classes and claims as last listed or watched, and a
 Validator over them, rebuilt lazily after a change. Its own module so that the review workers
 (review_pool.py) hold the same view without importing the HTTP side.
+
+Each object is reduced to what reviews read as it enters (view_records.py): a claim of any size to
+its allocation's devices, and a claim that holds none is not kept, so the view's memory follows
+the devices in use, not the claims' count times their size. A change that leaves an object's
+reduced form as it was (a claim's reservedFor, a slice's labels) changes nothing: neither the
+workers nor the Validator hear of it.
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from dra_gpu.controller import view_records
 from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.rules import Validator
 
@@ -15,9 +22,9 @@ from dra_gpu.controller.rules import Validator
 class ChangeListener(Protocol):
     """Gets every change too (the review workers' copies of the view)."""
 
-    def replace(self, store: str, items: list[dict[str, Any]]) -> None: ...
+    def replace(self, store: str, items: list[Mapping[str, Any]]) -> None: ...
 
-    def apply(self, store: str, event_type: str, obj: dict[str, Any]) -> None: ...
+    def apply(self, store: str, event_type: str, obj: Mapping[str, Any]) -> None: ...
 
 
 class ClusterState:
@@ -25,7 +32,7 @@ class ClusterState:
 
     def __init__(self, driver: str) -> None:
         self.driver = driver
-        self.stores: dict[str, dict[str, dict[str, Any]]] = {"slices": {}, "classes": {}, "claims": {}}
+        self.stores: dict[str, dict[str, Mapping[str, Any]]] = {s: {} for s in view_records.STORES}
         self._validator: Validator | None = None
         self._env: tuple[tuple[Any, ...], CelEnvironment] | None = None
         self.synced: set[str] = set()
@@ -33,26 +40,41 @@ class ClusterState:
 
     @staticmethod
     def key(obj: Mapping[str, Any]) -> str:
-        meta = obj.get("metadata") or {}
-        return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
+        return view_records.key(obj)
 
-    def replace(self, store: str, items: Iterable[dict[str, Any]]) -> None:
-        self.stores[store] = {self.key(o): o for o in items}
+    def replace(self, store: str, items: Iterable[Mapping[str, Any]]) -> None:
+        """The whole store; `items` is read one at a time, each reduced before the next is read."""
+        kept: dict[str, Mapping[str, Any]] = {}
+        for obj in items:
+            slim = view_records.slim(store, obj)
+            if slim is not None:
+                kept[self.key(slim)] = slim
+        self.stores[store] = kept
         self.synced.add(store)
         self._validator = None
         if self.pool is not None:
-            self.pool.replace(store, list(self.stores[store].values()))
+            self.pool.replace(store, list(kept.values()))
 
-    def apply(self, store: str, event_type: str, obj: dict[str, Any]) -> None:
-        if event_type == "DELETED":
-            self.stores[store].pop(self.key(obj), None)
+    def apply(self, store: str, event_type: str, obj: Mapping[str, Any]) -> None:
+        if event_type in view_records.GONE:
+            slim = None
         elif event_type in ("ADDED", "MODIFIED"):
-            self.stores[store][self.key(obj)] = obj
+            slim = view_records.slim(store, obj)
         else:
             return
+        key = self.key(obj)
+        held = self.stores[store]
+        if slim is None:
+            if held.pop(key, None) is None:
+                return  # it was not in the view (never allocated, or gone already)
+            event_type, slim = "DELETED", view_records.identity(key)
+        elif held.get(key) == slim:
+            return
+        else:
+            held[key] = slim
         self._validator = None
         if self.pool is not None:
-            self.pool.apply(store, event_type, obj)
+            self.pool.apply(store, event_type, slim)
 
     def validator(self) -> Validator:
         if self._validator is None:
@@ -62,9 +84,12 @@ class ClusterState:
             sig = (tuple(sorted(schema.attributes.items())), tuple(sorted(schema.capacities)))
             if self._env is None or self._env[0] != sig:
                 self._env = (sig, CelEnvironment(schema))
-            claims = [c for c in self.stores["claims"].values() if (c.get("status") or {}).get("allocation")]
             self._validator = Validator(
-                self.driver, slices, self.stores["classes"].values(), claims, env=self._env[1]
+                self.driver,
+                slices,
+                self.stores["classes"].values(),
+                self.stores["claims"].values(),  # allocated ones only (view_records.slim_claim)
+                env=self._env[1],
             )
         return self._validator
 

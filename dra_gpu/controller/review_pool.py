@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -35,6 +36,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from dra_gpu.controller import view_records
 from dra_gpu.controller.bounded import OverBudget
 from dra_gpu.controller.review_processes import (
     IdleWorkers,
@@ -55,7 +57,9 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = 3  # one busy with a hostile review, one being replaced, one answering
 DEFAULT_DEADLINE_S = 1.0  # the scheduler stops a selector at ~0.1 s (runtime cost 1,000,000)
 DEFAULT_MEMORY_BYTES = 1 << 30  # beyond the worker's own ~150 MiB
-STORES = ("slices", "classes", "claims")
+STORES = view_records.STORES
+# Events a process may be behind by (beyond twice the view's objects) before they are cut to the view.
+BACKLOG_EVENTS = 1024
 WORKER_NICE = 0
 SLOW_NICE = 19  # a worker whose review used SLOW_AFTER_S of CPU: it gets only spare CPU
 SLOW_AFTER_S = 0.02  # of CPU: a warm review takes 0.5-1.2 ms (1,000-4,000 devices)
@@ -93,9 +97,9 @@ class ReviewPool:
         self.size = workers
         self.deadline_s = deadline_s
         self.memory_bytes = memory_bytes
-        self.stores: dict[str, list[tuple[Any, ...]]] = {
-            s: [] for s in STORES
-        }  # events since the last replace: what a new template is sent
+        # The view as the workers have it once they applied every event: one entry per object,
+        # what a new template is sent (as one replace per store) and what a backlog is cut to.
+        self.view: dict[str, dict[str, Mapping[str, Any]]] = {s: {} for s in STORES}
         self._workers: list[Worker] = []
         self._starting: list[Starting] = []
         self._idle = IdleWorkers()
@@ -131,35 +135,35 @@ class ReviewPool:
 
     # -- the cluster view, forwarded to every worker and the template
 
-    def replace(self, store: str, items: list[dict[str, Any]]) -> None:
-        self.stores[store] = [("replace", store, list(items))]
+    def replace(self, store: str, items: list[Mapping[str, Any]]) -> None:
+        self.view[store] = {view_records.key(o): o for o in items}
         self._forward(("replace", store, list(items)))
 
-    def apply(self, store: str, event_type: str, obj: dict[str, Any]) -> None:
-        event = ("apply", store, event_type, obj)
-        self.stores[store].append(event)
-        if len(self.stores[store]) > 10_000:  # compact: a new template gets one replace
-            self.stores[store] = self._compacted(store)
-        self._forward(event)
+    def apply(self, store: str, event_type: str, obj: Mapping[str, Any]) -> None:
+        if event_type in view_records.GONE:
+            self.view[store].pop(view_records.key(obj), None)
+        elif event_type in ("ADDED", "MODIFIED"):
+            self.view[store][view_records.key(obj)] = obj
+        else:
+            return
+        self._forward(("apply", store, event_type, obj))
 
     def _forward(self, event: tuple[Any, ...]) -> None:
-        for w in self._workers:
-            w.pending.append(event)
-        for s in self._starting:
-            s.pending.append(event)
+        # A process that has not been sent its events for a while (the top idle worker while no
+        # review comes, the one busy with a long review) has them cut to the view itself once
+        # they outnumber it: what it holds back stays bounded by the view, whatever the churn.
+        limit = BACKLOG_EVENTS + 2 * sum(len(v) for v in self.view.values())
+        holders: list[Worker | Starting | Template] = [*self._workers, *self._starting]
         if self._template is not None:
-            self._template.pending.append(event)
+            holders.append(self._template)
+        for holder in holders:
+            holder.pending.append(event)
+            if len(holder.pending) > limit:
+                holder.pending[:] = self._snapshot()
 
-    def _compacted(self, store: str) -> list[tuple[Any, ...]]:
-        from dra_gpu.controller.cluster_state import ClusterState
-
-        state = ClusterState(self.driver)
-        for event in self.stores[store]:
-            if event[0] == "replace":
-                state.replace(store, event[2])
-            else:
-                state.apply(store, event[2], event[3])
-        return [("replace", store, list(state.stores[store].values()))]
+    def _snapshot(self) -> list[tuple[Any, ...]]:
+        """Events that bring a process of any state, or a new one, to the view: one replace a store."""
+        return [("replace", s, list(self.view[s].values())) for s in STORES]
 
     # -- reviews
 
@@ -375,7 +379,7 @@ class ReviewPool:
         # review waiting on the loop would otherwise wait too.
         await asyncio.to_thread(process.start)
         child.close()
-        template = Template(process, parent, [e for s in STORES for e in self.stores[s]])
+        template = Template(process, parent, self._snapshot())
         self._template = template  # from now on it is forwarded every event
         asyncio.get_running_loop().add_reader(process.sentinel, self._template_exited, template)
         messages = self._template_messages(template, warm)

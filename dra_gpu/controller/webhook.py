@@ -436,14 +436,19 @@ async def watch_resource(
     """Keep one store of the cluster view current (see dra_gpu.kube.list_watch)."""
 
     async def replace(items: list[dict[str, Any]], version: str) -> None:
-        state.replace(store, items)
+        listed = len(items)
+        state.replace(store, items)  # each reduced to what reviews read (view_records.py)
         log.info(
-            "event=listed resource=%s count=%d resourceVersion=%s", store, len(state.stores[store]), version
+            "event=listed resource=%s count=%d kept=%d resourceVersion=%s",
+            store,
+            listed,
+            len(state.stores[store]),
+            version,
         )
 
     async def apply(kind: str, obj: dict[str, Any]) -> bool:
         metrics.watch_events.labels(store).inc()
-        state.apply(store, kind, obj)
+        state.apply(store, kind, obj)  # REJECTED (undecodable) drops the object, as DELETED does
         return True
 
     await list_watch(kube, path, replace, apply, watch_seconds=300, backoff=backoff)
