@@ -8,10 +8,29 @@ Who sets it: NVIDIA's `apply-cuda-memory-limits` hook (nvidia-cdi-hook, toolkit 
 a createRuntime hook the share's CDI device carries. Only the runtime knows a container's cgroup,
 and only once the container exists: at prepare there is no container yet (a claim may serve
 several containers, each with a cgroup of its own), so the plugin cannot set the limit itself
-without watching every container start. The hook reads the limit from the container's environment
-(`NVIDIA_GPU_MEMORY_LIMIT` / `_REQUEST`, MiB); the CDI device sets both, and CDI's environment
-replaces a variable of the same name from the pod spec, so a tenant cannot raise its own limit.
-The driver drops the limits when the cgroup is removed.
+without watching every container start. CDI's environment replaces a variable of the same name
+from the pod spec, so a tenant cannot raise its own limit by setting it.
+
+What the hook can be told (toolkit 1.20.2): `--driver-root`, `--gpu-id` (repeatable, GPU UUIDs)
+and `--container-spec`; nothing more. The limit is not an argument: it reads
+`NVIDIA_GPU_MEMORY_LIMIT` / `_REQUEST` (MiB) from the container's process environment and sets
+that one value on every `--gpu-id` it was given. A share's device therefore carries its own GPU in
+its hook, but its limit only in the container-wide environment, where CDI keeps one value per name:
+the last device's. No per-device limit and no per-device variable name exists, so a container
+holding shares of different sizes would see every share's GPU held to one of them, chosen by the
+device order, which the pod spec controls.
+
+So, what the plugin can know it refuses: a claim whose driver-held shares are of different sizes
+(`mixed_sizes`; a container may be given all of a claim's devices). Falling back to the MPS limit
+instead would let a tenant opt out of the driver's limit by the shape of its claim. Allowed, because
+every order and subset holds each GPU to no more than the container holds on it: shares of one
+size, on one GPU or several, beside whole GPUs and MPS devices (they set no limit and carry no hook).
+What it cannot know: two claims given to one container (it prepares claims one at a time and never
+sees containers). There the GPUs of the container's driver-held shares are all held to one of those
+shares' sizes, so a share may reach the largest share the same container holds on this node, never
+more; a client that goes through MPS is still held by its daemon's pinned-memory limit (one daemon
+per share, sized to it). Closing it needs either a per-device limit in NVIDIA's hook or a check
+across claims of the pods that reserve them (`status.reservedFor`).
 
 Where the driver, the node or the configuration lacks something, a share is enforced only by its
 MPS daemon's pinned-memory limit (cooperative: a client that bypasses MPS is not held to it); the
@@ -75,9 +94,11 @@ class MemoryLimits:
         The limit is rounded down to whole MiB: never more than the scheduler gave the share."""
         if not self.for_gpu(uuid).by_driver or self.hook_path is None:
             return {}, []
-        mib = str(max(1, memory_bytes // MIB))
+        mib = str(limit_mib(memory_bytes))
         base = os.path.basename(self.hook_path)
         prefix = [base, "hook"] if base == "nvidia-ctk" else [base]
+        # The hook's only per-device argument is the GPU; the limit it sets on that GPU is the
+        # container's environment value (see the module docstring).
         hook = {
             "hookName": "createRuntime",
             "path": self.hook_path,
@@ -85,6 +106,30 @@ class MemoryLimits:
             "env": ["NVIDIA_CTK_DEBUG=false", *(f"{k}={v}" for k, v in sorted(self.hook_env.items()))],
         }
         return {LIMIT_ENV: mib, REQUEST_ENV: mib}, [hook]
+
+
+def limit_mib(memory_bytes: int) -> int:
+    """The limit a share of `memory_bytes` gets, in whole MiB, rounded down (at least 1)."""
+    return max(1, memory_bytes // MIB)
+
+
+def mixed_sizes(shares: list[tuple[str, str, int]]) -> str | None:
+    """Why one claim's driver-held shares, (field, quantity, bytes) each, cannot share one
+    container-wide limit (None: they can, their limits are all the same)."""
+    if not shares:
+        return None
+    (field_a, size_a, bytes_a), *rest = shares
+    owner = field_a.rpartition(": ")[0]  # "claim ns/name (uid ...)", said once
+    for field_b, size_b, bytes_b in rest:
+        if limit_mib(bytes_b) != limit_mib(bytes_a):
+            shown_b = field_b.removeprefix(f"{owner}: ") if owner else field_b
+            return (
+                f"{field_a} is {size_a} and {shown_b} is {size_b}: NVIDIA's {HOOK} hook holds "
+                f"every GPU of a container to one container-wide {LIMIT_ENV}, so a container given "
+                f"both would hold one share's GPU to the other's size; on this node the memory "
+                f"shares of one claim must be of one size"
+            )
+    return None
 
 
 def cgroup_v2(root: Path = CGROUP_ROOT) -> bool:

@@ -8,7 +8,8 @@ for is planned with the claim, applied before its CDI spec is written, and undon
   daemon per share, its pinned-memory limit the consumed `memory`, its active thread percentage
   the consumed `computeShare` (none when 0); the GPU stays in DEFAULT compute mode so the shares'
   MPS servers run side by side. Where the driver can (`memory_limits`), the share's container
-  also gets the consumed `memory` as its cgroup's GPU memory limit.
+  also gets the consumed `memory` as its cgroup's GPU memory limit; such shares of one claim must
+  be of one size (NVIDIA's hook reads one limit for the whole container).
 - TimeSlicing: the GPU's compute mode DEFAULT and its time slice at the requested level; both
   restored when the last claim that set them is gone.
 - Exclusive: nothing to apply.
@@ -40,7 +41,7 @@ from dra_gpu.plugin.compute_mode import (
 )
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_programs import program_locator
-from dra_gpu.plugin.memory_limits import COOPERATIVE, Enforcement, MemoryLimits
+from dra_gpu.plugin.memory_limits import COOPERATIVE, Enforcement, MemoryLimits, mixed_sizes
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
 from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSlices
 
@@ -181,10 +182,11 @@ class Sharing:
         return plan
 
     def _driver_limited(self, shares: list[SharedDevice]) -> dict[str, tuple[Enforcement, int]]:
-        """(how each share's memory is held, its size in bytes), by CDI device name. A container
-        environment holds one limit for the hook, so shares of different sizes in one claim (a
-        container may use them all) fall back to their MPS daemons' limits."""
+        """(how each share's memory is held, its size in bytes), by CDI device name. NVIDIA's hook
+        reads one container-wide limit, and a container may be given every device of its claim:
+        driver-held shares of different sizes in one claim are refused (`memory_limits`)."""
         out: dict[str, tuple[Enforcement, int]] = {}
+        held: list[tuple[SharedDevice, str, int]] = []
         for dev in shares:
             memory = dev.consumed.get("memory")
             size = _quantity(memory, f"{dev.where}: consumedCapacity.memory") if memory is not None else 0
@@ -194,17 +196,14 @@ class Sharing:
                 enforcement = Enforcement(COOPERATIVE, "the share consumed no memory capacity")
             else:
                 enforcement = self.memory_limits.for_gpu(dev.uuid)
+            if enforcement.by_driver and memory is not None:
+                held.append((dev, memory, size))
             out[dev.name] = (enforcement, size)
-        sizes = {size for enforcement, size in out.values() if enforcement.by_driver}
-        if len(sizes) > 1:
-            reason = (
-                "the claim has memory shares of different sizes; a container's environment holds one "
-                "limit for NVIDIA's hook"
-            )
-            out = {
-                name: ((Enforcement(COOPERATIVE, reason), size) if e.by_driver else (e, size))
-                for name, (e, size) in out.items()
-            }
+        problem = mixed_sizes(
+            [(f"{dev.where}.consumedCapacity.memory", memory, size) for dev, memory, size in held]
+        )
+        if problem:
+            raise SharingError(problem)
         return out
 
     @staticmethod

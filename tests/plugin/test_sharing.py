@@ -508,8 +508,9 @@ def test_without_driver_limits_a_share_has_no_hook_and_is_recorded_cooperative(c
     assert limit is not None and limit["enforcedBy"] == "cooperative"
 
 
-def test_shares_of_different_sizes_in_one_claim_fall_back_to_mps_limits(core: PluginCore) -> None:
-    """One container may use every device of its claim, and its environment holds one limit."""
+def test_driver_held_shares_of_different_sizes_in_one_claim_are_refused(core: PluginCore) -> None:
+    """One container may be given every device of its claim, and NVIDIA's hook reads one limit
+    for the whole container: refused, not left to the MPS limits a client can bypass."""
     assert core.preparer.sharing is not None
     core.preparer.sharing.memory_limits = driver_limits()
     g0, g1 = gpu_names(core)[:2]
@@ -518,13 +519,16 @@ def test_shares_of_different_sizes_in_one_claim_fall_back_to_mps_limits(core: Pl
     for result, size in zip(c["status"]["allocation"]["devices"]["results"], sizes, strict=True):
         result["shareID"], result["consumedCapacity"] = str(uuid.uuid4()), {"memory": size}
     core.add(c)
-    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
-    devices = json.loads(core.cdi.path(c["metadata"]["uid"]).read_text())["devices"]
-    assert len(devices) == 2 and not any("hooks" in d["containerEdits"] for d in devices)
-    record = core.checkpoint.get(c["metadata"]["uid"])
-    assert record is not None
-    reasons = {d.memory_limit["reason"] for d in record.devices if d.memory_limit}
-    assert len(record.devices) == 2 and len(reasons) == 1 and "different sizes" in reasons.pop()
+    with pytest.raises(PrepareError) as err:
+        asyncio.run(prepare_claim(core.preparer, ref_of(c)))
+    assert str(err.value) == (
+        f"claim {ref_of(c)}: status.allocation.devices.results[0].consumedCapacity.memory is 40Gi "
+        "and status.allocation.devices.results[1].consumedCapacity.memory is 20Gi: NVIDIA's"
+        " apply-cuda-memory-limits hook holds every GPU of a container to one "
+        "container-wide NVIDIA_GPU_MEMORY_LIMIT, so a container given both would hold one share's "
+        "GPU to the other's size; on this node the memory shares of one claim must be of one size"
+    )
+    assert core.checkpoint.records() == [] and not core.cdi.path(c["metadata"]["uid"]).exists()
 
 
 def test_unprepare_restores_no_compute_mode_on_a_gpu_gone_from_the_node(tmp_path: Path) -> None:
