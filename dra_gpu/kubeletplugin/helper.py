@@ -23,10 +23,8 @@ from dra_gpu.kube import Kube
 from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2 as health_v1_pb
 from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2_grpc as health_v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc
-from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
-from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.driver import Driver
@@ -35,6 +33,7 @@ from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.node_service import DraV1beta1Service, DraV1Service, NodeService
 from dra_gpu.kubeletplugin.publisher import SlicePublisher
 from dra_gpu.kubeletplugin.registration import RegistrationService
+from dra_gpu.kubeletplugin.self_check import SelfCheck
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +71,6 @@ async def serve_unix(path: Path, servicers: list[tuple[Callable[[Any, Any], None
     return server
 
 
-async def self_check(sockets: Sockets, driver_name: str, timeout: float = 2.0) -> str | None:
-    """None when both sockets answer as the kubelet would call them, else what failed."""
-    try:
-        async with grpc.aio.insecure_channel(f"unix://{sockets.registration}") as ch:
-            info = await reg_grpc.RegistrationStub(ch).GetInfo(reg_pb.InfoRequest(), timeout=timeout)
-            if info.name != driver_name:
-                return f"registration socket answers for driver {info.name!r}"
-        async with grpc.aio.insecure_channel(f"unix://{sockets.dra}") as ch:
-            await v1_grpc.DRAPluginStub(ch).NodePrepareResources(
-                v1_pb.NodePrepareResourcesRequest(), timeout=timeout
-            )
-    except grpc.aio.AioRpcError as exc:
-        return f"{exc.code().name}: {exc.details()}"
-    return None
-
-
 class KubeletPluginHelper:
     def __init__(
         self,
@@ -122,6 +105,7 @@ class KubeletPluginHelper:
             (health_v1_grpc.add_DRAResourceHealthServicer_to_server, self.health_v1),
         ]
         self.registration = RegistrationService(driver_name, str(sockets.dra))
+        self._self_check = SelfCheck(sockets.registration, sockets.dra, driver_name)
         self._dra_server: Any = None
         self._registration_server: Any = None
         self._publishing: asyncio.Task[None] | None = None
@@ -137,6 +121,7 @@ class KubeletPluginHelper:
         self._publishing = asyncio.create_task(self.publisher.run(), name="publisher")
 
     async def stop(self) -> None:
+        await self._self_check.close()  # probes from now on say "stopping", not a socket error
         if self._registration_server is not None:
             await self._registration_server.stop(grace=1)
             self.sockets.registration.unlink(missing_ok=True)
@@ -154,4 +139,6 @@ class KubeletPluginHelper:
         self.health_v1.notify()
 
     async def self_check(self, timeout: float = 2.0) -> str | None:
-        return await self_check(self.sockets, self.driver_name, timeout)
+        """None when both sockets answer as the kubelet calls them, else what failed (self_check.py:
+        two long-lived channels, one check at a time, a result reused for a second)."""
+        return await self._self_check.check(timeout)
