@@ -173,39 +173,58 @@ build_kwok() {
 # A clean TMPDIR: a stray nvml.h in a parent of cgo's work directory is picked up before
 # go-nvml's own and breaks the build. Part of `all`: the e2e node gets nvidia-cdi-hook
 # (e2e/tests/test_real_userspace.py), and the spec comparison test runs nvidia-ctk.
-build_toolkit() {
-  local out="$CACHE/bin/nvidia-container-toolkit-$NVIDIA_CTK_VERSION"
-  if done_marker "$out"; then log "nvidia-container-toolkit $NVIDIA_CTK_VERSION cached in $out"; return; fi
+toolkit_module_build() { # version out program... (cmd/<program> of the module at version)
+  local version="$1" out="$2"; shift 2
   command -v gcc >/dev/null || { log "the toolkit needs a C compiler (cgo): e2e/build.sh debs"; return 1; }
-  local ws="$CACHE/src/nvidia-container-toolkit-$NVIDIA_CTK_VERSION"
+  local ws="$CACHE/src/nvidia-container-toolkit-$version"
   new_workspace "$ws" e2e.local/ctkbuild
   cd "$ws"
   local mod=github.com/NVIDIA/nvidia-container-toolkit
-  log "fetching $mod@$NVIDIA_CTK_VERSION"
-  local dir; dir="$(go mod download -json "$mod@$NVIDIA_CTK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
-  [ -f "$dir/go.mod" ] || { log "module $mod@$NVIDIA_CTK_VERSION not found in the module cache"; return 1; }
+  log "fetching $mod@$version"
+  local dir; dir="$(go mod download -json "$mod@$version" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+  [ -f "$dir/go.mod" ] || { log "module $mod@$version not found in the module cache"; return 1; }
   mkdir -p "$ws/tmp" "$out.tmp"
   local ld="-s -w '-extldflags=-Wl,--export-dynamic -Wl,--unresolved-symbols=ignore-in-object-files -Wl,-z,lazy'"
-  ld+=" -X $mod/internal/info.version=${NVIDIA_CTK_VERSION#v} -X $mod/internal/info.gitCommit=module"
-  (cd "$dir" && export TMPDIR="$ws/tmp" CGO_ENABLED=1 && timed toolkit go build -p "$GO_P" -trimpath \
-    -ldflags="$ld" -o "$out.tmp/" ./cmd/nvidia-ctk ./cmd/nvidia-cdi-hook)
-  "$out.tmp/nvidia-ctk" --version | grep -q "version ${NVIDIA_CTK_VERSION#v}" \
-    || { log "nvidia-ctk does not report version ${NVIDIA_CTK_VERSION#v}"; return 1; }
+  ld+=" -X $mod/internal/info.version=${version#v} -X $mod/internal/info.gitCommit=module"
+  local pkgs=() p
+  for p in "$@"; do pkgs+=("./cmd/$p"); done
+  # -mod=mod: a release with a vendor/ directory (1.17) has only vendor/modules.txt in its module
+  # zip; its go.sum pins the same dependencies.
+  (cd "$dir" && export TMPDIR="$ws/tmp" CGO_ENABLED=1 && timed "toolkit $version" go build -p "$GO_P" \
+    -mod=mod -trimpath -ldflags="$ld" -o "$out.tmp/" "${pkgs[@]}")
+  for p in "$@"; do
+    "$out.tmp/$p" --version | grep -q "version ${version#v}" \
+      || { log "$p does not report version ${version#v}"; return 1; }
+  done
   touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+build_toolkit() {
+  local out="$CACHE/bin/nvidia-container-toolkit-$NVIDIA_CTK_VERSION"
+  if done_marker "$out"; then log "nvidia-container-toolkit $NVIDIA_CTK_VERSION cached in $out"; return; fi
+  toolkit_module_build "$NVIDIA_CTK_VERSION" "$out" nvidia-ctk nvidia-cdi-hook
+}
+
+# The older release's nvidia-cdi-hook alone (NVIDIA_CTK_OLD_VERSION): a hook that lacks the newer
+# subcommands, which the plugin's probe of the hook (dra_gpu/plugin/cdi_hook.py) is tested with.
+build_old_hook() {
+  local out="$CACHE/bin/nvidia-cdi-hook-$NVIDIA_CTK_OLD_VERSION"
+  if done_marker "$out"; then log "nvidia-cdi-hook $NVIDIA_CTK_OLD_VERSION cached in $out"; return; fi
+  toolkit_module_build "$NVIDIA_CTK_OLD_VERSION" "$out" nvidia-cdi-hook
 }
 
 main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
   case "$what" in
-    all) debs; (build_kubernetes); (build_etcd); (build_containerd); (build_toolkit); bash "$HERE/image_build.sh" ;;
+    all) debs; (build_kubernetes); (build_etcd); (build_containerd); (build_toolkit); (build_old_hook); bash "$HERE/image_build.sh" ;;
     kubernetes) (build_kubernetes) ;;
     etcd) (build_etcd) ;;
     containerd) (build_containerd) ;;
     debs) debs ;;
     image) bash "$HERE/image_build.sh" ;;
     kwok) (build_kwok) ;;
-    toolkit) (build_toolkit) ;;
+    toolkit) (build_toolkit); (build_old_hook) ;;
     *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit]" >&2; exit 2 ;;
   esac
   log "done ($what) in $((SECONDS - t0)) s; binaries under $CACHE/bin"

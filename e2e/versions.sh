@@ -11,6 +11,10 @@ KWOK_VERSION=v0.8.0
 # (its CDI spec generator, the reference tests/test_nvidia_spec_reference.py compares ours with)
 # and nvidia-cdi-hook (the CDI hooks runc runs); built only on request (`build.sh toolkit`).
 NVIDIA_CTK_VERSION=v1.20.2
+# An older release's nvidia-cdi-hook alone (built by `build.sh toolkit` too): it lacks
+# disable-device-node-modification (1.18.0) and apply-cuda-memory-limits (1.20.1), the hook a
+# node may still have that the plugin must give only the subcommands it knows.
+NVIDIA_CTK_OLD_VERSION=v1.17.8
 
 # Programs built from the k8s.io/kubernetes module in one `go build` (packages shared).
 # test/e2e/dra/test-driver is upstream's own DRA test driver (kubelet plugin + CDI), used as the

@@ -38,6 +38,11 @@ def add_doctor_command(sub: Any) -> None:
         default=env("DRA_GPU_CONTAINERD_CONFIG", DEFAULT_CONTAINERD_CONFIG),
         help=f"containerd's config.toml (default: {DEFAULT_CONTAINERD_CONFIG})",
     )
+    d.add_argument(
+        "--cdi-hook-path",
+        default=env("NVIDIA_CDI_HOOK_PATH"),
+        help="the plugin's --cdi-hook-path ($NVIDIA_CDI_HOOK_PATH): its version and hooks are checked",
+    )
     d.add_argument("--kubeconfig", default=env("KUBECONFIG"), help="default: ~/.kube/config, else in-cluster")
     d.add_argument(
         "--node-selector",
@@ -71,7 +76,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from dra_gpu.node_settings import NodeSettings
 
         node = NodeCheckSettings.of(
-            NodeSettings.from_args(args), Path(args.containerd_config), timeout=min(args.timeout, 5.0)
+            NodeSettings.from_args(args),
+            Path(args.containerd_config),
+            timeout=min(args.timeout, 5.0),
+            cdi_hook_path=args.cdi_hook_path,
         )
         results += run_node_checks(node)
     if args.only != "node":

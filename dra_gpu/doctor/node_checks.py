@@ -27,6 +27,7 @@ from dra_gpu.discovery.driver_versions import (
 )
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, char_majors, uvm_missing
 from dra_gpu.doctor import mps_daemons
+from dra_gpu.doctor.cdi_hook_check import check_cdi_hook
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi, same_directory
 from dra_gpu.doctor.driver_upgrade import driver_upgrade_results
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
@@ -474,6 +475,7 @@ NODE_CHECKS: tuple[tuple[str, Callable[[NodeFacts], Iterable[Result]]], ...] = (
     ("node/driver", check_driver),
     ("node/driver-files", check_driver_files),
     ("node/driver-upgrade", check_driver_upgrade),
+    ("node/cdi-hook", lambda facts: check_cdi_hook(facts.settings)),
     ("node/device-nodes", check_device_nodes),
     ("node/nvidia-uvm", check_nvidia_uvm),
     ("node/cdi-dir", check_cdi_dir),

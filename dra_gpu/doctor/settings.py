@@ -27,11 +27,14 @@ class NodeCheckSettings(NodeSettings):
 
     containerd_config: Path = Path(DEFAULT_CONTAINERD_CONFIG)
     timeout: float = 3.0  # seconds for each call to the plugin's sockets
+    cdi_hook_path: str | None = None  # the plugin's --cdi-hook-path
 
     @classmethod
-    def of(cls, node: NodeSettings, containerd_config: Path, timeout: float) -> NodeCheckSettings:
+    def of(
+        cls, node: NodeSettings, containerd_config: Path, timeout: float, cdi_hook_path: str | None = None
+    ) -> NodeCheckSettings:
         own = {f.name: getattr(node, f.name) for f in fields(NodeSettings)}
-        return cls(**own, containerd_config=containerd_config, timeout=timeout)
+        return cls(**own, containerd_config=containerd_config, timeout=timeout, cdi_hook_path=cdi_hook_path)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ container finds them:
   newer than the driver), `update-ldcache` (the library directories into the container's ld
   cache, for images whose loader searches none of the directories the files are mounted in) and
   `disable-device-node-modification` (NVIDIA's libraries in the container may not create device
-  nodes).
+  nodes). Only the hooks the program has (`cdi_hook`, asked at start) are named: an older toolkit
+  gets a spec without the newer hooks instead of containers that fail to start.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu.discovery.driver_install import DriverInstallation, Library, discover_installation
+from dra_gpu.plugin.cdi_hook import (
+    CREATE_SYMLINKS,
+    DISABLE_DEVICE_NODE_MODIFICATION,
+    ENABLE_CUDA_COMPAT,
+    OPTIONAL,
+    UPDATE_LDCACHE,
+    CdiHook,
+    probe_for_driver_files,
+)
 from dra_gpu.plugin.driver_upgrade import DriverUpgradeError, DriverVersionWatch
 
 log = logging.getLogger(__name__)
@@ -86,12 +96,19 @@ def _hook(hook_path: str, name: str, args: list[str]) -> dict[str, Any]:
     }
 
 
-def container_edits(found: DriverInstallation, hook_path: str | None = None) -> dict[str, Any]:
-    """The CDI `containerEdits` (mounts, and hooks when a hook program is given) for `found`."""
+def container_edits(
+    found: DriverInstallation, hook_path: str | None = None, hooks_known: frozenset[str] | None = None
+) -> dict[str, Any]:
+    """The CDI `containerEdits` (mounts, and hooks when a hook program is given) for `found`.
+    `hooks_known`: the subcommands the program has (`CdiHook.subcommands`); None: all of ours."""
     mounts: list[dict[str, Any]] = []
     targets: set[str] = set()
+
+    def known(name: str) -> bool:
+        return bool(hook_path) and (hooks_known is None or name in hooks_known)
+
     links: dict[str, str] = {}  # made by create-symlinks (with a hook program), not mounted
-    if hook_path:
+    if known(CREATE_SYMLINKS):
         for lib in found.libraries:
             links.update(_links_beside(lib))
         targets.update(links)
@@ -125,19 +142,17 @@ def container_edits(found: DriverInstallation, hook_path: str | None = None) -> 
     edits: dict[str, Any] = {"mounts": mounts}
     if hook_path:
         folders = ["/" + d for d in found.library_dirs()] + [CUDA_STYLE_LIB_DIR]
-        hooks = []
-        if links:
-            hooks.append(
-                _hook(
-                    hook_path,
-                    "create-symlinks",
-                    [a for p, t in links.items() for a in ("--link", f"{t}::{p}")],
-                )
-            )
-        hooks.append(_hook(hook_path, "enable-cuda-compat", [f"--host-driver-version={found.version}"]))
-        hooks.append(_hook(hook_path, "update-ldcache", [a for f in folders for a in ("--folder", f)]))
-        hooks.append(_hook(hook_path, "disable-device-node-modification", []))
-        edits["hooks"] = hooks
+        wanted = [
+            (CREATE_SYMLINKS, [a for p, t in links.items() for a in ("--link", f"{t}::{p}")]),
+            (ENABLE_CUDA_COMPAT, [f"--host-driver-version={found.version}"]),
+            (UPDATE_LDCACHE, [a for f in folders for a in ("--folder", f)]),
+            (DISABLE_DEVICE_NODE_MODIFICATION, []),
+        ]
+        edits["hooks"] = [
+            _hook(hook_path, name, args)
+            for name, args in wanted
+            if known(name) and (name != CREATE_SYMLINKS or links)
+        ]
     return edits
 
 
@@ -146,7 +161,11 @@ class DriverFiles:
 
     With a `watch`, every call for the edits first checks that the driver on disk is still the
     one this process loaded (`driver_upgrade`): a changed driver is never given out from the files
-    found at the start, and the edits are found again only by the restarted process."""
+    found at the start, and the edits are found again only by the restarted process.
+
+    With a `hook_path` the program is asked at once what it has (`cdi_hook`): one that cannot run
+    or lacks a hook the edits need raises CdiHookError, and the plugin does not start, since every
+    container of every claim would fail at the runtime's hook instead."""
 
     def __init__(
         self,
@@ -162,12 +181,33 @@ class DriverFiles:
         self.host_root = host_root or str(root)
         self.version = version
         self.hook_path = hook_path
+        self.hook: CdiHook | None = probe_for_driver_files(hook_path) if hook_path else None
+        if self.hook is not None:
+            self._say_hook(self.hook)
         self._clock = clock
         self._checked_at = float("-inf")
         self._edits: dict[str, Any] | None = None
         self.digest: str | None = None  # of the edits, recorded with each claim
         self.installation: DriverInstallation | None = None
         self.refresh()
+
+    @staticmethod
+    def _say_hook(hook: CdiHook) -> None:
+        log.info(
+            "CDI hook path=%s version=%s hooks=%s",
+            hook.path,
+            hook.version,
+            ",".join(sorted(hook.subcommands)),
+        )
+        missing = hook.missing_optional()
+        if missing:
+            log.warning(
+                "CDI hook %s version %s has no %s: left out of every claim's spec, so %s",
+                hook.path,
+                hook.version,
+                ", ".join(missing),
+                "; and ".join(f"without {name} {OPTIONAL[name]}" for name in missing),
+            )
 
     def refresh(self) -> DriverInstallation | None:
         self._checked_at = self._clock()
@@ -181,7 +221,8 @@ class DriverFiles:
             self._edits = None
             log.error("driver installation unusable root=%s error=%s", found.root, found.error)
         else:
-            self._edits = container_edits(found, self.hook_path)
+            known = self.hook.subcommands if self.hook is not None else None
+            self._edits = container_edits(found, self.hook_path, known)
             canonical = json.dumps(self._edits, sort_keys=True, separators=(",", ":")).encode()
             self.digest = hashlib.sha256(canonical).hexdigest()[:16]
             log.info(
