@@ -148,10 +148,12 @@ def _add_node_commands(sub: Any) -> None:
     plug.add_argument(
         "--cdi-hook-path",
         default=env("NVIDIA_CDI_HOOK_PATH"),
-        help="host path of NVIDIA's nvidia-cdi-hook (or nvidia-ctk, >= 1.17.8): adds NVIDIA's hooks for "
-        "the driver's libraries (create-symlinks, enable-cuda-compat, update-ldcache, "
-        "disable-device-node-modification), so images whose loader does not search the driver's "
-        "library directory find it ($NVIDIA_CDI_HOOK_PATH); default: none",
+        help="host path of NVIDIA's nvidia-cdi-hook (or nvidia-ctk), which the plugin must see at the "
+        "same path: adds NVIDIA's hooks for the driver's libraries that the program has, asked at "
+        "start (create-symlinks and update-ldcache needed; enable-cuda-compat, toolkit 1.17.5, and "
+        "disable-device-node-modification, toolkit 1.18.0, left out when it lacks them), so images "
+        "whose loader does not search the driver's library directory find it "
+        "($NVIDIA_CDI_HOOK_PATH); default: none",
     )
     plug.add_argument(
         "--dynamic-mig",
