@@ -129,7 +129,10 @@ class MigBinder:
             still = set(self.waiting(claim)) & set(outcome)
             if not still:
                 return
-            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            # Never older than the allocation it answers (`waiting` ignores those): a node clock
+            # behind the apiserver's would otherwise have the binder answer its own write again
+            # at every event of the claim until the clock caught up.
+            now = max(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), Allocation.of(claim).timestamp)
             entries = [
                 d
                 for d in (claim.get("status") or {}).get("devices") or []
