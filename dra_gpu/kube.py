@@ -8,6 +8,9 @@ has a timeout.
 
 It lives here, not in dra_gpu.kubeletplugin, because the controller uses it too and must not import
 the node side. `list_watch` is the one list+watch loop of the driver (slice publisher, webhook caches).
+
+Every object read passes the bounds of dra_gpu.kube_bounds: one that is over them (a tenant's claim
+nested 1,500 levels deep) is left out of a list or watch and reported, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import asyncio.sslproto
 import contextlib
+import datetime
+import hashlib
 import itertools
 import json
 import logging
@@ -34,6 +39,15 @@ from tenacity import (
 )
 from tenacity.wait import wait_base
 
+from dra_gpu.kube_bounds import (
+    LineSplitter,
+    ObjectRejected,
+    Rejected,
+    Rejections,
+    decode_event,
+    decode_object,
+    resource_of,
+)
 from dra_gpu.kube_client import ApiClient, Configuration, load_incluster_config, load_kube_config
 from dra_gpu.kube_list import Keep, ListDecoder
 
@@ -43,7 +57,23 @@ REQUEST_TIMEOUT = 10.0
 MAX_CONNECTIONS = 16
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 RESOURCE_V1 = "/apis/resource.k8s.io/v1"
+EVENTS_V1 = "/apis/events.k8s.io/v1"
+HTTP_FORBIDDEN = 403
+HTTP_CONFLICT = 409
 HTTP_GONE = 410
+# The watch event that stands for an object over the bounds (kube_bounds): it carries only the
+# object's metadata (namespace, name, uid as far as they could be read); a view drops its copy.
+REJECTED = "REJECTED"
+# The kinds of the collections the driver reads, for the Events on rejected objects.
+KINDS = {
+    "resourceclaims": ("resource.k8s.io/v1", "ResourceClaim"),
+    "resourceclaimtemplates": ("resource.k8s.io/v1", "ResourceClaimTemplate"),
+    "resourceslices": ("resource.k8s.io/v1", "ResourceSlice"),
+    "deviceclasses": ("resource.k8s.io/v1", "DeviceClass"),
+    "devicetaintrules": ("resource.k8s.io/v1", "DeviceTaintRule"),
+    "pods": ("v1", "Pod"),
+    "nodes": ("v1", "Node"),
+}
 # Lists are read in pages of this many objects (`limit` / `continue`), each decoded as it arrives
 # (kube_list.py): a page of the largest claims the apiserver stores (~1.5 MiB each) is ~150 MB on
 # the wire, which a page's deadline still allows on a slow link.
@@ -77,7 +107,8 @@ class ContinueExpired(KubeError):
     """410 Gone for a list's next page: its snapshot was compacted; the list must begin again."""
 
 
-async def _json(resp: Any, what: str) -> dict[str, Any]:
+async def _json(resp: Any, what: str, resource: str = "") -> dict[str, Any]:
+    """The answer's object (ObjectRejected when it is over the bounds), or KubeError."""
     try:
         body = await resp.read()
     finally:
@@ -85,18 +116,20 @@ async def _json(resp: Any, what: str) -> dict[str, Any]:
     if resp.status >= 400:
         try:
             message = json.loads(body).get("message", body.decode(errors="replace"))
-        except ValueError:
-            message = body.decode(errors="replace")
+        except (ValueError, RecursionError, AttributeError):
+            message = body[:1000].decode(errors="replace")
         raise KubeError(resp.status, f"{what}: {message}")
-    data: dict[str, Any] = json.loads(body)
+    data: dict[str, Any] = decode_object(body, resource or what)
     return data
 
 
 class Kube:
     """An API connection: from a kubeconfig file, or in-cluster when none is given."""
 
-    def __init__(self, api_client: Any) -> None:
+    def __init__(self, api_client: Any, rejections: Rejections | None = None) -> None:
         self.api_client = api_client
+        # Objects left out for their bounds; a process serves its counter with its metrics.
+        self.rejections = rejections or Rejections()
 
     @classmethod
     async def connect(cls, kubeconfig: str | None = None) -> Kube:
@@ -150,7 +183,11 @@ class Kube:
         if resp.status == 404:
             resp.release()
             return None
-        return await _json(resp, f"get resourceclaim {namespace}/{name}")
+        try:
+            return await _json(resp, f"get resourceclaim {namespace}/{name}", "resourceclaims")
+        except ObjectRejected as exc:
+            self.rejections.report(exc.rejected)
+            raise
 
     async def list_claims(self, keep: Keep | None = None) -> list[dict[str, Any]]:
         """The ResourceClaims `keep` accepts (default: all); no field selector names an
@@ -245,7 +282,7 @@ class Kube:
                 if continued and exc.status == HTTP_GONE:
                     raise ContinueExpired(exc.status, exc.message) from exc
                 raise
-        page = ListDecoder(keep)
+        page = ListDecoder(keep, resource_of(path), self.rejections.report)
         try:
             async for chunk in resp.content.iter_chunked(READ_CHUNK):
                 page.feed(chunk)
@@ -273,15 +310,46 @@ class Kube:
         resp = await self._request("GET", path, query, timeout=timeout_seconds + REQUEST_TIMEOUT)
         if resp.status >= 400:
             await _json(resp, f"watch {path}")
+        resource = resource_of(path)
+        lines = LineSplitter()
         try:
-            # One event a line, up to 4 MiB (the client's read buffer of 2 MiB, doubled): an object
-            # the apiserver stores is at most ~1.5 MiB (etcd's request limit).
-            async for line in resp.content:
-                if line.strip():
-                    event = json.loads(line)
-                    yield event["type"], event["object"]
+            # One event a line; a line over the bounds is dropped as it arrives and stands for a
+            # REJECTED event: the watch goes on (no list again, which the same object would fail).
+            async for chunk in resp.content.iter_any():
+                for line in lines.feed(chunk):
+                    yield self._event(line, resource)
+            for line in lines.close():
+                yield self._event(line, resource)
         finally:
             resp.release()
+
+    def _event(self, line: Any, resource: str) -> tuple[str, dict[str, Any]]:
+        event = decode_event(line, resource)
+        if isinstance(event, Rejected):
+            self.rejections.report(event)
+            return REJECTED, {"metadata": event.metadata()}
+        return event
+
+    async def post_rejection_events(self, instance: str) -> None:
+        """An Event on each object rejected lately (Rejections.take_events), as `instance`. The
+        Event's name is derived from the object's, so every replica and node posts the same one
+        (the apiserver keeps the first: 409); without RBAC for Events, none is tried again."""
+        for rejected in self.rejections.take_events():
+            if not self.rejections.events_allowed:
+                return
+            try:
+                await self.create(
+                    f"{EVENTS_V1}/namespaces/{rejected.namespace or 'default'}/events",
+                    rejection_event(rejected, instance),
+                )
+            except KubeError as exc:
+                if exc.status == HTTP_FORBIDDEN:
+                    self.rejections.events_allowed = False
+                    log.warning("no Events on rejected objects: %s", exc.message[:200])
+                elif exc.status != HTTP_CONFLICT:
+                    log.warning("Event on a rejected object not posted error=%r", str(exc)[:200])
+            except (OSError, TimeoutError) as exc:
+                log.warning("Event on a rejected object not posted error=%r", str(exc)[:200])
 
     async def get_json(self, path: str) -> dict[str, Any] | None:
         """Any GET (an object, an API group's discovery document); None when it does not exist."""
@@ -309,6 +377,37 @@ class Kube:
 
     async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
         return await self.list_objects(f"{RESOURCE_V1}/resourceslices", field_selector)
+
+
+def rejection_event(rejected: Rejected, instance: str) -> dict[str, Any]:
+    """An events.k8s.io/v1 Warning on the object that was left out, named after it."""
+    api_version, kind = KINDS.get(rejected.resource, ("", rejected.resource))
+    digest = hashlib.sha256(
+        f"{rejected.resource}/{rejected.namespace}/{rejected.name}/{rejected.uid}".encode()
+    )
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{(rejected.name or 'unnamed')[:200]}.dra-gpu-{digest.hexdigest()[:16]}",
+            "namespace": rejected.namespace or "default",
+        },
+        "eventTime": now,
+        "type": "Warning",
+        "reason": "ObjectRejected",
+        "action": "Decode",
+        "reportingController": "dra-gpu.io/driver",
+        "reportingInstance": instance[:128] or "dra-gpu",
+        "note": f"left out of the GPU driver's view: {rejected.reason}"[:1000],
+        "regarding": {
+            "apiVersion": api_version,
+            "kind": kind,
+            "namespace": rejected.namespace,
+            "name": rejected.name,
+            "uid": rejected.uid,
+        },
+    }
 
 
 # ---------------------------------------------------------------- list + watch
@@ -340,12 +439,16 @@ async def list_watch(
     keep: Keep | None = None,
     watch_seconds: int = 300,
     backoff: Backoff = Backoff(),
+    instance: str = "",
 ) -> None:
     """List a collection, then watch it from the list's resourceVersion, forever (cancel to stop).
 
     `on_list(items, resourceVersion)` gets every full list (of the objects `keep` accepts, when
     given: the others are dropped as each page is decoded); `on_event(type, object)` every ADDED,
-    MODIFIED or DELETED event and returns False to have the collection listed again at once. A new
+    MODIFIED or DELETED event and returns False to have the collection listed again at once. An
+    object over the bounds (kube_bounds) is left out of a list and is a REJECTED event in a watch
+    (its metadata only: drop the copy held); each is reported (Kube.rejections, an Event as
+    `instance`). A new
     list also follows the end of each watch and a 410 Gone (the resourceVersion is too old). Any
     other failure is retried after a backoff that grows until a round (list, then watch to its end)
     succeeds. The watch has a deadline of its own, so a stalled connection cannot hang the loop.
@@ -358,7 +461,7 @@ async def list_watch(
         ):
             with attempt:
                 await _list_then_watch(
-                    kube, path, on_list, on_event, field_selector, keep, watch_seconds, backoff
+                    kube, path, on_list, on_event, field_selector, keep, watch_seconds, backoff, instance
                 )
 
 
@@ -371,9 +474,11 @@ async def _list_then_watch(
     keep: Keep | None,
     watch_seconds: int,
     backoff: Backoff,
+    instance: str,
 ) -> None:
     items, version = await kube.list_objects(path, field_selector, keep=keep, backoff=backoff)
     await on_list(items, version)
+    await kube.post_rejection_events(instance or _instance())
     # Each watch (and so each list after it) lasts between one and two `watch_seconds`, like
     # client-go's reflectors: a fleet started together does not list again in step.
     seconds = random.randint(watch_seconds, 2 * watch_seconds)
@@ -391,12 +496,19 @@ async def _list_then_watch(
                         log.info("watch expired, listing again path=%s", path)
                         return
                     raise KubeError(code, f"watch {path}: {obj.get('message') or obj}")
+                if kind == REJECTED:
+                    await kube.post_rejection_events(instance or _instance())
                 if not await on_event(kind, obj):
                     return
     except KubeError as exc:
         if exc.status != HTTP_GONE:
             raise
         log.info("watch expired, listing again path=%s", path)
+
+
+def _instance() -> str:
+    """Who reports: the node (the plugin's NODE_NAME) or the pod / host name."""
+    return os.environ.get("NODE_NAME") or os.environ.get("POD_NAME") or os.uname().nodename
 
 
 def _log_relist(path: str) -> Callable[[RetryCallState], None]:

@@ -11,6 +11,11 @@ order). Its members other than `items` are decoded whole (`metadata` is the list
 resourceVersion and a continue token); each element of `items` on its own with the standard
 library's decoder. An incomplete value is tried again only once the text after it has doubled (or
 the body has ended), so a large item costs a few passes, not one per chunk.
+
+An item over the bounds of dra_gpu.kube_bounds (too deep for the decoder, or more text than an
+object may have) is not decoded: `ValueSkipper` finds its end, `on_rejected` gets its identity and
+the rest of the list is decoded as usual. A kept item is checked against the same bounds before it
+is kept (an item dropped by `keep` is not: nothing holds it).
 """
 
 from __future__ import annotations
@@ -20,7 +25,20 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from dra_gpu.decoding import MAX_DEPTH
+from dra_gpu.kube_bounds import (
+    IDENTITY_PREFIX,
+    MAX_OBJECT_BYTES,
+    Rejected,
+    ValueSkipper,
+    identify,
+    over_bounds,
+    reject,
+    too_large,
+)
+
 Keep = Callable[[dict[str, Any]], bool]
+OnRejected = Callable[[Rejected], None]
 
 _WHITESPACE = " \t\n\r"
 
@@ -32,8 +50,14 @@ class ListDecodeError(ValueError):
 class ListDecoder:
     """`feed` the body's bytes, then `close`; `items` are the kept items, `metadata` the list's."""
 
-    def __init__(self, keep: Keep | None = None) -> None:
+    def __init__(
+        self, keep: Keep | None = None, resource: str = "", on_rejected: OnRejected | None = None
+    ) -> None:
         self.keep = keep
+        self.resource = resource
+        self.on_rejected = on_rejected
+        self.rejected = 0  # items left out for their bounds
+        self._skipper = ValueSkipper()
         self.items: list[dict[str, Any]] = []
         self.metadata: dict[str, Any] = {}
         self.seen = 0  # items decoded, kept or not
@@ -77,6 +101,11 @@ class ListDecoder:
 
     def _step(self) -> bool:
         """One token or value; False when more text is needed."""
+        if self._state == _SKIP:  # inside an item (maybe inside a string): no whitespace skipped
+            self._pos, ended = self._skipper.advance(self._text, self._pos)
+            if ended:
+                self._state, self._first = _ITEM, False
+            return ended
         char = self._next_char()
         if char is None:
             return False
@@ -120,16 +149,50 @@ class ListDecoder:
                 self._expect(char, ",")
                 self._first = True
             else:
-                item = self._value()
+                start = self._pos
+                item = self._item()
                 if item is _MORE:
                     return False
+                self.seen += 1
+                if item is _SKIPPED:
+                    return True
                 if not isinstance(item, dict):
                     raise ListDecodeError("an item is not an object")
-                self.seen += 1
                 if self.keep is None or self.keep(item):
-                    self.items.append(item)
+                    reason = over_bounds(item, self._pos - start)
+                    if reason:
+                        self._reject(reject(self.resource, item, reason))
+                    else:
+                        self.items.append(item)
                 self._first = False
         return True
+
+    def _item(self) -> Any:
+        """The item at the position; _MORE when its text is not all in yet; _SKIPPED when it is
+        over a bound before it could be decoded (the _SKIP state then finds its end)."""
+        start = self._pos
+        try:
+            value = self._value()
+        except RecursionError:
+            reason = f"nested more than {MAX_DEPTH} levels deep"
+        else:
+            if value is not _MORE:
+                return value
+            if len(self._text) - start <= MAX_OBJECT_BYTES:
+                # Decided by the time a little more than an object's largest text is in.
+                self._retry_at = min(self._retry_at, MAX_OBJECT_BYTES + 1)
+                return _MORE
+            reason = too_large(len(self._text) - start, at_least=True)
+        self._retry_at = 0
+        self._reject(identify(self.resource, self._text[start : start + IDENTITY_PREFIX], reason))
+        self._skipper = ValueSkipper()
+        self._state = _SKIP
+        return _SKIPPED
+
+    def _reject(self, rejected: Rejected) -> None:
+        self.rejected += 1
+        if self.on_rejected is not None:
+            self.on_rejected(rejected)
 
     # ------------------------------------------------------------------ the text
 
@@ -164,5 +227,6 @@ class ListDecoder:
         return value
 
 
-_START, _MEMBER, _COLON, _VALUE, _ITEMS_OPEN, _ITEM, _DONE = range(7)
+_START, _MEMBER, _COLON, _VALUE, _ITEMS_OPEN, _ITEM, _SKIP, _DONE = range(8)
 _MORE = object()
+_SKIPPED = object()

@@ -11,11 +11,13 @@ to inject failures and hold requests. The real apiserver is exercised by the e2e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import re
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ _PATH = re.compile(
     r"^/(?:apis/[^/]+|api)/[^/]+/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"
 )
 _SERVER_SET = ("resourceVersion", "uid", "creationTimestamp", "generation")
+_META_ORDER = {k: i for i, k in enumerate(("name", "generateName", "namespace", "uid", "resourceVersion"))}
 BODY_CHUNK = 997  # bytes a body is read in, at most
 
 
@@ -89,18 +92,23 @@ class FakeApiServer:
 
     def put(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Create or replace an object (as another client would); returns what is stored."""
-        obj = copy.deepcopy(obj)
+        with deep_objects():
+            obj = copy.deepcopy(obj)
         if self.on_write is not None:
             self.on_write(obj)
         key = _key(obj)
         store = self.objects.setdefault(plural, {})
         old = store.get(key)
-        if old is not None and _content(old) == _content(obj):
+        with deep_objects():
+            unchanged = old is not None and _content(old) == _content(obj)
+        if old is not None and unchanged:
             return old  # a no-op write changes nothing and sends no event
         self.version += 1
         meta = obj.setdefault("metadata", {})
         meta["resourceVersion"] = str(self.version)
         meta["uid"] = (old or {}).get("metadata", {}).get("uid") or f"uid-{self.version}"
+        # In the apiserver's order: identity first, then labels, annotations, managedFields.
+        obj["metadata"] = dict(sorted(meta.items(), key=lambda kv: _META_ORDER.get(kv[0], len(_META_ORDER))))
         store[key] = obj
         self._emit(plural, "ADDED" if old is None else "MODIFIED", obj)
         return obj
@@ -157,6 +165,13 @@ class FakeApiServer:
             return FakeResponse(200, stream=self._watch(plural, ns, req.query))
         if req.method == "GET":
             return self._list(plural, ns, req.query)
+        if req.method == "POST" and not name:
+            body = copy.deepcopy(req.body)
+            if ns:
+                body.setdefault("metadata", {})["namespace"] = ns
+            if _key(body) in self.objects.get(plural, {}):
+                return _status(409, f'{plural} "{_key(body)}" already exists', reason="AlreadyExists")
+            return _json(201, self.put(plural, body))
         if req.method == "PATCH":
             if req.query.get("fieldManager") is None:
                 return _status(422, "fieldManager is required for apply")
@@ -189,7 +204,8 @@ class FakeApiServer:
         return _json(200, {"kind": "List", "metadata": meta, "items": selected})
 
     def _emit(self, plural: str, kind: str, obj: dict[str, Any]) -> None:
-        self.events.append(Event(self.version, plural, kind, copy.deepcopy(obj)))
+        with deep_objects():
+            self.events.append(Event(self.version, plural, kind, copy.deepcopy(obj)))
         if self._changed is not None:
             self._changed.set()
         self._changed = None
@@ -233,18 +249,24 @@ class WatchStream:
     def __aiter__(self) -> WatchStream:
         return self
 
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """The lines in pieces of at most BODY_CHUNK bytes, as from a network."""
+        async for line in self:
+            for start in range(0, len(line), BODY_CHUNK):
+                yield line[start : start + BODY_CHUNK]
+
     async def __anext__(self) -> bytes:
         if self.preset is not None:
             if not self.preset:
                 raise StopAsyncIteration
-            return json.dumps(self.preset.pop(0)).encode() + b"\n"
+            return _dumps(self.preset.pop(0)) + b"\n"
         loop = asyncio.get_running_loop()
         while not self.closed:
             for ev in self.server.events:
                 if ev.version > self.cursor and ev.plural == self.plural:
                     self.cursor = ev.version
                     if _selected(ev.object, self.namespace, self.selector):
-                        return json.dumps({"type": ev.type, "object": ev.object}).encode() + b"\n"
+                        return _dumps({"type": ev.type, "object": ev.object}) + b"\n"
             remaining = self.deadline - loop.time()
             if remaining <= 0:
                 break
@@ -349,8 +371,26 @@ def _selected(obj: dict[str, Any], namespace: str, selector: str | None) -> bool
     return True
 
 
+@contextlib.contextmanager
+def deep_objects() -> Iterator[None]:
+    """The apiserver stores and serves objects nested up to 10,000 levels (its decoder's bound);
+    the fake handles them too, with the interpreter's recursion limit raised meanwhile (copying,
+    comparing and encoding recurse). The code under test runs with the usual limit."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _dumps(obj: Any) -> bytes:
+    with deep_objects():
+        return json.dumps(obj).encode()
+
+
 def _json(status: int, obj: Any) -> FakeResponse:
-    return FakeResponse(status, json.dumps(obj).encode())
+    return FakeResponse(status, _dumps(obj))
 
 
 def _status(code: int, message: str, reason: str = "") -> FakeResponse:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dra_gpu.fleet.snapshot import COLLECTIONS, Record, Snapshot, assemble, parse_object
-from dra_gpu.kube import RESOURCE_V1, Kube, list_watch
+from dra_gpu.kube import REJECTED, RESOURCE_V1, Kube, list_watch
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Stores:
 
     def apply(self, collection: str, event: str, obj: dict[str, Any]) -> bool:
         """Apply a watch event; True when it changed what is stored."""
-        if event == "DELETED":
+        if event in ("DELETED", REJECTED):  # an object over the bounds leaves the view
             return self.parsed[collection].pop(self._key(obj), None) is not None
         if event in ("ADDED", "MODIFIED"):
             self.parsed[collection][self._key(obj)] = self._parse(collection, obj)

@@ -18,7 +18,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay
 
-from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, KubeError, list_watch
+from dra_gpu.kube import REJECTED, RESOURCE_V1, Backoff, Kube, KubeError, list_watch
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,9 @@ class SlicePublisher:
             log.warning("slices restored node=%s", self.node)
 
     async def _still_true(self, kind: str, obj: dict[str, Any]) -> bool:
-        if kind == "DELETED" or not self._covers(obj):
-            log.warning("slice %s by someone else: restoring name=%s", kind.lower(), obj["metadata"]["name"])
+        if kind in ("DELETED", REJECTED) or not self._covers(obj):
+            log.warning(
+                "slice %s by someone else: restoring name=%s", kind.lower(), obj["metadata"].get("name")
+            )
             return False  # list again, then sync
         return True

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
+from dra_gpu.kube import REJECTED, RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.allocation import Allocation
 
@@ -100,7 +100,7 @@ class ClaimCache:
     async def _on_event(self, kind: str, claim: dict[str, Any]) -> bool:
         key = self._key(claim)
         was_here = key in self._claims
-        if kind == "DELETED":
+        if kind in ("DELETED", REJECTED):  # a claim over the bounds is prepared from a GET: refused
             self._claims.pop(key, None)
         elif kind in ("ADDED", "MODIFIED"):
             self._keep(claim)

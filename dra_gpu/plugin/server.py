@@ -182,6 +182,7 @@ class KubeletPlugin:
             memory_limits = await asyncio.to_thread(self._memory_limits, backend, catalog, driver_files)
         async with contextlib.AsyncExitStack() as stack:
             kube = await Kube.connect(cfg.kubeconfig)
+            kube.rejections.register(self.metrics.registry)
             stack.push_async_callback(kube.close)
             node.plugin_dir.mkdir(parents=True, exist_ok=True)
             checkpoint = await asyncio.to_thread(Checkpoint, node.checkpoint)
