@@ -459,6 +459,7 @@ async def start_watches(
 ) -> list[asyncio.Task[None]]:
     """One task watching the three stores; /readyz waits until each was listed once."""
     kube = await Kube.connect(kubeconfig)
+    kube.rejections.register(metrics.registry)
     state.synced.difference_update(store for store, _ in WATCHED)  # files loaded with -f do not count
 
     async def watch_all() -> None:
