@@ -20,6 +20,7 @@ from typing import Any
 from dra_gpu.controller.commands import add_commands
 from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
 from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.safe_output import safe_streams
 
 CONTROLLER_COMMANDS = ("validate", "explain", "controller")
 
@@ -365,6 +366,14 @@ def _command_word(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Every command prints names it read (files, the API server): escaped once here, for all of
+    # them, their errors and the log handler. `top` draws with its own escape sequences and
+    # escapes what it shows (dra_gpu.fleet.text).
+    with safe_streams(escape_stdout=_command_word(argv) != "top"):
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     args = _parser(controller_only=_command_word(argv) in CONTROLLER_COMMANDS).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
