@@ -26,6 +26,7 @@ NAMESPACED = {
     "PodDisruptionBudget",
     "Certificate",
     "Issuer",
+    "NetworkPolicy",
 }
 
 
@@ -76,6 +77,8 @@ def test_default_render_kinds(render: Render) -> None:
             "ValidatingAdmissionPolicyBinding",
             "DeviceClass",
             "DeviceClass",
+            "NetworkPolicy",
+            "NetworkPolicy",
         ]
     )
     for o in objs:
@@ -348,28 +351,65 @@ def render_values(helm: str, values: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
-def test_network_policies(render: Render, helm: str) -> None:
-    assert not by_kind(render(), "NetworkPolicy")  # off by default: the apiserver's CIDRs are the cluster's
-    assert "networkPolicy.apiserverCIDRs is needed" in refused(helm, "networkPolicy.enabled=true")
-    objs = render("networkPolicy.enabled=true", "networkPolicy.apiserverCIDRs={10.0.0.10/32,10.0.0.11/32}")
+def ports(policy: dict[str, Any]) -> list[int]:
+    return sorted(p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"])
+
+
+def test_network_policies_are_on_by_default(render: Render) -> None:
+    """The default install: the plain-HTTP ports (/metrics, /healthz, /readyz on the pod IP) admit
+    only the monitoring namespace's pods, the webhook port any source (no apiserver CIDRs given);
+    every port a container opens is named, so nothing else reaches the pods (the kubelet's probes
+    come from the node, which NetworkPolicy admits)."""
+    objs = render()
     controller = one(objs, "NetworkPolicy", "controller")
     plugin = one(objs, "NetworkPolicy", "kubelet-plugin")
-    dep_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    ds_labels = one(objs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    dep, ds = one(objs, "Deployment"), one(objs, "DaemonSet")
+    dep_labels = dep["spec"]["template"]["metadata"]["labels"]
+    ds_labels = ds["spec"]["template"]["metadata"]["labels"]
     assert controller["spec"]["podSelector"]["matchLabels"].items() <= dep_labels.items()
     assert plugin["spec"]["podSelector"]["matchLabels"].items() <= ds_labels.items()
     assert not plugin["spec"]["podSelector"]["matchLabels"].items() <= dep_labels.items()
+    assert controller["spec"]["policyTypes"] == plugin["spec"]["policyTypes"] == ["Ingress"]
+    assert ports(controller) == sorted(p["containerPort"] for p in container(dep)["ports"]) == [8080, 8443]
+    assert ports(plugin) == [p["containerPort"] for p in container(ds)["ports"]] == [51516]
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    assert controller["spec"]["policyTypes"] == ["Ingress"]
     assert controller["spec"]["ingress"] == [
-        {
-            "from": [{"ipBlock": {"cidr": "10.0.0.10/32"}}, {"ipBlock": {"cidr": "10.0.0.11/32"}}],
-            "ports": [{"protocol": "TCP", "port": 8443}],
-        },
+        {"ports": [{"protocol": "TCP", "port": 8443}]},
         {"from": [monitoring], "ports": [{"protocol": "TCP", "port": 8080}]},
     ]
     assert plugin["spec"]["ingress"] == [
         {"from": [monitoring], "ports": [{"protocol": "TCP", "port": 51516}]}
+    ]
+
+
+def test_network_policy_values(render: Render) -> None:
+    """An operator narrows the webhook to the apiserver's addresses, names the scrapers, moves the
+    ports, or turns the policies off."""
+    objs = render(
+        "networkPolicy.apiserverCIDRs={10.0.0.10/32,10.0.0.11/32}",
+        r"networkPolicy.metricsNamespaceSelector.matchLabels.kubernetes\.io/metadata\.name=observability",
+        r"networkPolicy.metricsPodSelector.matchLabels.app\.kubernetes\.io/name=prometheus",
+        "controller.metricsPort=9090",
+        "kubeletPlugin.httpPort=9400",
+    )
+    scraper = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    assert one(objs, "NetworkPolicy", "controller")["spec"]["ingress"] == [
+        {
+            "ports": [{"protocol": "TCP", "port": 8443}],
+            "from": [{"ipBlock": {"cidr": "10.0.0.10/32"}}, {"ipBlock": {"cidr": "10.0.0.11/32"}}],
+        },
+        {"from": [scraper], "ports": [{"protocol": "TCP", "port": 9090}]},
+    ]
+    assert one(objs, "NetworkPolicy", "kubelet-plugin")["spec"]["ingress"] == [
+        {"from": [scraper], "ports": [{"protocol": "TCP", "port": 9400}]}
+    ]
+    assert not by_kind(render("networkPolicy.enabled=false"), "NetworkPolicy")
+    only_plugin = render("controller.enabled=false")
+    assert [p["metadata"]["name"] for p in by_kind(only_plugin, "NetworkPolicy")] == [
+        "dra-gpu-kubelet-plugin"
     ]
 
 
@@ -465,12 +505,14 @@ def test_rbac_is_least_privilege(render: Render) -> None:
         ("resource.k8s.io", "resourceclaims/status", "patch", ""),
         ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
         ("", "nodes", "get", ""),
+        # a Warning Event on an object left out of the view (dra_gpu.kube_bounds)
+        ("events.k8s.io", "events", "create", ""),
     }
     assert rules_of(objs, "controller") == {
         ("resource.k8s.io", res, v, "")
         for res in ("resourceslices", "deviceclasses", "resourceclaims")
         for v in ("get", "list", "watch")
-    }
+    } | {("events.k8s.io", "events", "create", "")}
     for role in by_kind(objs, "ClusterRole"):
         for r in role["rules"]:
             assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], role["metadata"]["name"]
