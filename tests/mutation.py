@@ -9,13 +9,18 @@ Profiles (`HYPOTHESIS_PROFILE`, registered by tests/conftest.py):
 Reach: a fuzz test calls `reach(outcome)` once per example with what the example got to (decoded,
 allowed, prepared, ...). The counts, by test, are printed at the end of the run (and are Hypothesis
 events, for `--hypothesis-show-statistics`): a fuzzer whose inputs never pass decoding is visible.
+`reaches` / `reaching` make it fail: a test asserts that at least a share of its examples reached
+the logic under test (shares set at about half the lowest seen over several random seeds).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from collections import Counter
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from hypothesis import event, settings
 
@@ -26,6 +31,7 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
 settings.register_profile("nightly", derandomize=False, database=None, deadline=None, print_blob=True)
 
 REACHED: Counter[tuple[str, str]] = Counter()
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def fuzz_settings(ci_examples: int) -> settings:
@@ -53,6 +59,41 @@ def reach_report() -> list[str]:
         parts = ", ".join(f"{o} {n}" for o, n in sorted(outcomes.items()))
         lines.append(f"{test}: {total} examples: {parts}")
     return lines
+
+
+def check_reach(counts: Mapping[str, int], minimum: float, outcomes: tuple[str, ...], what: str) -> None:
+    """AssertionError unless at least `minimum` (a share) of the examples counted in `counts`
+    (outcome -> examples) reached an outcome starting with one of `outcomes`."""
+    total = sum(counts.values())
+    hit = sum(n for outcome, n in counts.items() if outcome.startswith(outcomes))
+    assert total > 0 and hit >= minimum * total, (
+        f"{what}: {hit} of {total} examples reached {' or '.join(map(repr, outcomes))}, "
+        f"at least {minimum:.0%} wanted (the generator degenerated?): {dict(sorted(counts.items()))}"
+    )
+
+
+@contextlib.contextmanager
+def reaching(minimum: float, *outcomes: str) -> Iterator[None]:
+    """Around a Hypothesis run inside a test: check_reach over the examples `reach`ed in it."""
+    before = Counter(REACHED)
+    yield
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    counts = {o: n - before[(t, o)] for (t, o), n in REACHED.items() if t == test and n > before[(t, o)]}
+    check_reach(counts, minimum, outcomes, test)
+
+
+def reaches(minimum: float, *outcomes: str) -> Callable[[F], F]:
+    """A @given test (decorated above its @given) run `reaching(minimum, *outcomes)`."""
+
+    def decorate(test: F) -> F:
+        @functools.wraps(test)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with reaching(minimum, *outcomes):
+                return test(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return decorate
 
 
 def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -11,7 +11,10 @@ accepted exactly when the API's rules say so, and a rejected one is denied with 
 quantities parse to the value of their parts; a valid profile is served with its GPUs; the webhook
 over HTTPS answers as `dra-gpu validate` does. Each input is answered in bounded time.
 
-What the examples reached is counted (tests/mutation.py) and printed at the end of the run. CI: the
+What the examples reached is counted (tests/mutation.py) and printed at the end of the run; each
+test fails when too few reach the logic it is about (`reaches`: about half the lowest share seen
+over several random seeds; quantity_text_is_bounded has none, its free text rarely forms a
+quantity and every answer, parsed or refused, is its logic). CI: the
 "ci" Hypothesis profile (fixed seed); the longer run: HYPOTHESIS_PROFILE=nightly.
 """
 
@@ -39,7 +42,7 @@ from dra_gpu.decoding import load_yaml_all
 from dra_gpu.kubernetes_values import parse_quantity
 from dra_gpu.simnode.profiles import ProfileError, parse_profile
 from tests.conftest import discover_doc
-from tests.mutation import fuzz_settings, reach
+from tests.mutation import fuzz_settings, reach, reaches
 
 from .generators import (
     CLASSES,
@@ -77,6 +80,9 @@ def outcome(verdict: Any) -> str:
     return "denied " + "+".join(kinds)
 
 
+@reaches(
+    0.25, "valid allowed", "mutated allowed", "valid denied unsatisfiable", "mutated denied unsatisfiable"
+)
 @FUZZ
 @given(validated_objects().flatmap(mutated))
 def test_validator_answers_every_object(obj_n: tuple[Any, int]) -> None:
@@ -91,6 +97,7 @@ def test_validator_answers_every_object(obj_n: tuple[Any, int]) -> None:
     reach(("valid " if not mutations else "mutated ") + outcome(v))
 
 
+@reaches(0.15, "allocatable, placement checked")
 @FUZZ
 @given(claim_models())
 def test_explain_placement_satisfies_the_claim(model: Any) -> None:
@@ -113,6 +120,7 @@ def test_explain_placement_satisfies_the_claim(model: Any) -> None:
     reach("allocatable, placement checked")
 
 
+@reaches(0.4, "accepted")
 @FUZZ
 @given(objects().flatmap(mutated))
 def test_inputs_sort_every_document(obj_n: tuple[Any, int]) -> None:
@@ -139,6 +147,7 @@ def reviews(draw: st.DrawFn) -> tuple[dict[str, Any], int]:
     return draw(mutated(review))
 
 
+@reaches(0.3, "decoded")
 @FUZZ
 @given(reviews())
 def test_admission_review_shape(review_n: tuple[dict[str, Any], int]) -> None:
@@ -189,6 +198,8 @@ def opaque_configs(draw: st.DrawFn) -> tuple[Any, bool]:
     return params, ok and not mutations
 
 
+@reaches(0.2, "invalid, denied at its field")
+@reaches(0.1, "valid, accepted", "mutated, still valid, accepted")
 @FUZZ
 @given(opaque_configs())
 def test_opaque_config_accepted_exactly_when_valid(params_ok: tuple[Any, bool]) -> None:
@@ -227,6 +238,7 @@ def test_opaque_config_accepted_exactly_when_valid(params_ok: tuple[Any, bool]) 
     reach("invalid, denied at its field")
 
 
+@reaches(0.8, "parsed to its value")
 @FUZZ
 @given(quantity_texts())
 def test_quantities_parse_to_their_value(text_value: tuple[str, Decimal]) -> None:
@@ -268,6 +280,7 @@ def yaml_texts(draw: st.DrawFn) -> tuple[str, bool]:
     return text[:at] + insert + text[at + cut :], False
 
 
+@reaches(0.5, "valid, loaded", "mutated, loaded")
 @FUZZ
 @given(yaml_texts())
 def test_yaml_loads_as_pyyaml_does(text_valid: tuple[str, bool]) -> None:
@@ -287,6 +300,7 @@ def test_yaml_loads_as_pyyaml_does(text_valid: tuple[str, bool]) -> None:
     )
 
 
+@reaches(0.25, "valid, served")
 @FUZZ
 @given(profiles().flatmap(lambda p: mutated(p, rate=4)))
 def test_profiles_are_served_or_refused_by_field(doc_n: tuple[Any, int]) -> None:
@@ -311,6 +325,8 @@ BUSY = allocated("busy", "node-a", [device_names(WEBHOOK_SLICES)[0], device_name
 WEBHOOK_VALIDATOR = Validator(DRIVER, WEBHOOK_SLICES, [GPU_CLASS], [BUSY])  # the server's view
 
 
+@reaches(0.7, "valid allowed", "valid denied", "mutated allowed", "mutated denied")
+@reaches(0.2, "valid allowed", "mutated allowed")
 @fuzz_settings(20)
 @given(claim_models().map(lambda m: m.json()).flatmap(mutated), json_values)
 def test_webhook_answers_as_validate(tmp_path_factory: Any, obj_n: tuple[Any, int], request: Any) -> None:

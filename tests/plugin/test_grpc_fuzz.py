@@ -53,7 +53,7 @@ from dra_gpu.plugin.checkpoint import COMPLETED
 from dra_gpu.plugin.gpu_driver import GpuDriver
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names
 from tests.controller.generators import like
-from tests.mutation import fuzz_settings, paths, reach, replace_at
+from tests.mutation import fuzz_settings, paths, reach, reaching, replace_at
 
 FUZZ = fuzz_settings(40)
 BOUND_S = 10.0  # per call, a batch of up to a few hundred claims included
@@ -266,7 +266,8 @@ def test_prepare_and_unprepare_answer_every_claim(core: PluginCore) -> None:
                     core.claims.pop((m["metadata"]["namespace"], m["metadata"]["name"]), None)
             reach("a claim prepared" if fuzz.tried["prepared"] > prepared_before else "none prepared")
 
-        one()
+        with reaching(0.07, "a claim prepared"):
+            one()
     finally:
         fuzz.close()
     print(f"\ngRPC fuzz (requests): {dict(sorted(fuzz.tried.items()))}")
@@ -331,7 +332,8 @@ def test_mutated_wire_bytes_and_oversized_messages(core: PluginCore) -> None:
             finally:
                 fuzz.run(fuzz.reset())
 
-        one()
+        with reaching(0.1, "answered"):  # decoded and handled, not refused at the wire
+            one()
     finally:
         fuzz.close()
     assert outcomes
@@ -486,7 +488,12 @@ def test_generated_claims_prepared_concurrently(core: PluginCore) -> None:
                 for c, _, _ in batch:
                     core.claims.pop((c["metadata"]["namespace"], c["metadata"]["name"]), None)
 
-        one()
+        with reaching(
+            0.15,
+            "valid claim, devices its own: prepared",
+            "valid claim, a device wanted by another: prepared",
+        ):
+            one()
     finally:
         fuzz.close()
 
