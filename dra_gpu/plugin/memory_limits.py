@@ -158,6 +158,7 @@ def detect(
     host_driver_root: str,
     hook_env: dict[str, str] | None = None,
     is_cgroup_v2: Callable[[], bool] = cgroup_v2,
+    hook_subcommands: frozenset[str] | None = None,
 ) -> MemoryLimits:
     """What this node can do for memory shares. `mode`: "auto" (driver limits where everything
     needed is there) or "off"; `gpus`: (UUID, NVML handle) of the GPUs that can be shared."""
@@ -176,6 +177,8 @@ def detect(
         return cooperative("the node runs cgroup v1; per-cgroup GPU memory limits need cgroup v2")
     if hook_path is None:
         return cooperative(f"no --cdi-hook-path: NVIDIA's {HOOK} hook sets a container's limit")
+    if hook_subcommands is not None and HOOK not in hook_subcommands:
+        return cooperative(f"{hook_path} has no {HOOK} hook (NVIDIA's container toolkit 1.20.1 or newer)")
     unsupported = set()
     for uuid, handle in gpus:
         answer = _probe(nvml, handle, bytes(CGROUP_ROOT))

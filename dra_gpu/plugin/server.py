@@ -138,6 +138,8 @@ class KubeletPlugin:
             hook_path=self.cfg.cdi_hook_path,
             host_driver_root=driver_files.host_root,
             hook_env=backend.tool_env,
+            # What the hook said it has at start (None: no hook, or not asked).
+            hook_subcommands=driver_files.hook.subcommands if driver_files.hook else None,
         )
         log.info(
             "memory shares enforced_by=%s reason=%r%s",

@@ -26,12 +26,15 @@ from pathlib import Path
 pynvml.nvmlInit()
 handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
 gpus = [(pynvml.nvmlDeviceGetUUID(h), h) for h in handles]
-def ask(mode="auto", v2=True, hook="/opt/nvidia-cdi-hook"):
+def ask(mode="auto", v2=True, hook="/opt/nvidia-cdi-hook", hooks=None):
     limits = detect(mode=mode, nvml=pynvml, nvml_library=Path(LIB), driver_version=sys.argv[2],
-                    gpus=gpus, hook_path=hook, host_driver_root="/", is_cgroup_v2=lambda: v2)
+                    gpus=gpus, hook_path=hook, host_driver_root="/", is_cgroup_v2=lambda: v2,
+                    hook_subcommands=hooks)
     return (limits.enforcement.kind, limits.enforcement.reason, sorted(limits.unsupported),
             [limits.for_gpu(u).kind for u, _ in gpus])
-out({"auto": ask(), "v1": ask(v2=False), "nohook": ask(hook=None), "off": ask(mode="off")})
+out({"auto": ask(), "v1": ask(v2=False), "nohook": ask(hook=None), "off": ask(mode="off"),
+     "old": ask(hooks=frozenset({"create-symlinks", "update-ldcache"})),
+     "new": ask(hooks=frozenset({"create-symlinks", "update-ldcache", "apply-cuda-memory-limits"}))})
 """
 
 
@@ -54,6 +57,10 @@ def test_driver_limits_need_driver_580_cgroup_v2_and_the_hook(
             "the node runs cgroup v1; per-cgroup GPU memory limits need cgroup v2",
         )
         assert res["nohook"][0] == "cooperative" and "--cdi-hook-path" in res["nohook"][1]
+        # A hook program without apply-cuda-memory-limits (toolkit before 1.20.1, as it says at start).
+        assert res["old"][0] == "cooperative"
+        assert res["old"][1].startswith("/opt/nvidia-cdi-hook has no apply-cuda-memory-limits hook")
+        assert res["new"][0] == "driver"
     assert res["off"][0] == "cooperative" and "off" in res["off"][1]
 
 
