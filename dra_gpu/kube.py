@@ -96,11 +96,34 @@ def small_tls_read_buffers(size: int = TLS_READ_BUFFER) -> None:
         protocol.max_size = size
 
 
+MAX_RETRY_AFTER = 60.0  # seconds: a Retry-After beyond this is taken as this
+
+
 class KubeError(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after = retry_after  # the answer's Retry-After (429, 503), in seconds
+
+
+def _retry_after(resp: Any) -> float | None:
+    """The Retry-After header's seconds (the apiserver's 429s send a number), bounded; None
+    without one or in the HTTP-date form."""
+    value = str((getattr(resp, "headers", None) or {}).get("Retry-After") or "").strip()
+    return min(float(value), MAX_RETRY_AFTER) if value.isdigit() else None
+
+
+class wait_retry_after(wait_base):  # named like tenacity's waits
+    """`wait`, or longer when the failed answer asked to be retried later (Retry-After)."""
+
+    def __init__(self, wait: wait_base) -> None:
+        self.wait = wait
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        error = retry_state.outcome.exception() if retry_state.outcome else None
+        asked = getattr(error, "retry_after", None) or 0.0
+        return max(self.wait(retry_state), asked)
 
 
 class ContinueExpired(KubeError):
@@ -118,7 +141,7 @@ async def _json(resp: Any, what: str, resource: str = "") -> dict[str, Any]:
             message = json.loads(body).get("message", body.decode(errors="replace"))
         except (ValueError, RecursionError, AttributeError):
             message = body[:1000].decode(errors="replace")
-        raise KubeError(resp.status, f"{what}: {message}")
+        raise KubeError(resp.status, f"{what}: {message}", _retry_after(resp))
     data: dict[str, Any] = decode_object(body, resource or what)
     return data
 

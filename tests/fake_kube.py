@@ -41,6 +41,7 @@ class Failure:
     status: int = 500
     error: BaseException | None = None
     count: int = 1
+    retry_after: int | None = None  # seconds, sent as the answer's Retry-After header
 
     def matches(self, method: str, plural: str, watch: bool) -> bool:
         return (
@@ -153,7 +154,10 @@ class FakeApiServer:
                 failure.count -= 1
                 if failure.error is not None:
                     raise failure.error
-                return _status(failure.status, f"injected failure of {req.method} {req.path}")
+                answer = _status(failure.status, f"injected failure of {req.method} {req.path}")
+                if failure.retry_after is not None:
+                    answer.headers["Retry-After"] = str(failure.retry_after)
+                return answer
         gate = self.gates.get(plural)
         if gate is not None and req.method == "GET":
             async with asyncio.timeout(timeout):
@@ -286,6 +290,7 @@ class FakeResponse:
         self.body = body
         self.content: WatchStream | Body = stream or Body(body)
         self.released = False
+        self.headers: dict[str, str] = {}
 
     async def read(self) -> bytes:
         return self.body

@@ -29,7 +29,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.manager import HealthManager
-from dra_gpu.kube import Kube, KubeError
+from dra_gpu.kube import Kube, KubeError, wait_retry_after
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,10 @@ class ClaimStatusWriter:
         task = asyncio.current_task()
         try:
             async for attempt in AsyncRetrying(
-                wait=wait_exponential(multiplier=self._retry_initial, max=10)
-                + wait_random(0, self._retry_initial),
+                wait=wait_retry_after(
+                    wait_exponential(multiplier=self._retry_initial, max=10)
+                    + wait_random(0, self._retry_initial)
+                ),
                 stop=stop_after_delay(STATUS_RETRY_SECONDS),
                 retry=retry_if_exception(_transient),
                 reraise=True,

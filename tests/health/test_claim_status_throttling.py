@@ -120,3 +120,19 @@ def test_a_status_write_refused_for_good_is_not_retried() -> None:
         await writer.close()
 
     asyncio.run(body())
+
+
+def test_a_throttled_status_write_waits_as_long_as_retry_after_asks() -> None:
+    """The apiserver's 429 says when to come back (Retry-After: 1): the next try is not before."""
+
+    async def body() -> None:
+        server = TimedServer()
+        server.fail(method="PATCH", plural="resourceclaims", status=429, count=1, retry_after=1)
+        writer, devices = writer_for(server)
+        await asyncio.wait_for(writer.write("ns", "c", "uid-1", devices), timeout=10)
+        assert stored_status(server) == devices[0]["deviceName"]
+        (first, second) = server.patched_at
+        assert second - first >= 0.95, server.patched_at  # the backoff alone would be ~INITIAL
+        await writer.close()
+
+    asyncio.run(body())
