@@ -176,8 +176,14 @@ def test_daemonset_driver_root_and_cdi_hook(render: Render) -> None:
         assert volumes["driver-root"]["hostPath"]["path"] == parent, root
         assert env_of(container(ds))["NVIDIA_DRIVER_ROOT"] == in_pod, root
     assert "NVIDIA_CDI_HOOK_PATH" not in env
-    hooked = env_of(container(one(render("kubeletPlugin.cdiHookPath=/usr/bin/nvidia-cdi-hook"), "DaemonSet")))
-    assert hooked["NVIDIA_CDI_HOOK_PATH"] == "/usr/bin/nvidia-cdi-hook"
+    hooked_ds = one(render("kubeletPlugin.cdiHookPath=/usr/bin/nvidia-cdi-hook"), "DaemonSet")
+    assert env_of(container(hooked_ds))["NVIDIA_CDI_HOOK_PATH"] == "/usr/bin/nvidia-cdi-hook"
+    # The plugin runs the program at start (its version and hooks): mounted, read-only, same path.
+    hook_mount = {m["mountPath"]: m for m in container(hooked_ds)["volumeMounts"]}["/usr/bin/nvidia-cdi-hook"]
+    assert hook_mount["readOnly"] is True
+    hook_volume = {v["name"]: v for v in hooked_ds["spec"]["template"]["spec"]["volumes"]}[hook_mount["name"]]
+    assert hook_volume["hostPath"] == {"path": "/usr/bin/nvidia-cdi-hook", "type": "File"}
+    assert "/usr/bin/nvidia-cdi-hook" not in {m["mountPath"] for m in container(ds)["volumeMounts"]}
     assert "DRA_GPU_DYNAMIC_MIG" not in env
     objs = render("kubeletPlugin.dynamicMig=true")
     assert env_of(container(one(objs, "DaemonSet")))["DRA_GPU_DYNAMIC_MIG"] == "true"
