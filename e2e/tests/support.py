@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,23 @@ def wait_for(what, check, timeout=30.0, interval=0.1):
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def never(what: str, check: Callable[[], object], window: float, interval: float = 0.1) -> None:
+    """Poll `check` for the whole `window` seconds (and once more at its end); fail at the first
+    truthy result, naming `what` and when it happened. For a negative no event settles: the
+    caller says in a comment which latency the window covers."""
+    start = time.monotonic()
+    deadline = start + window
+    while True:
+        got = check()
+        if got:
+            took = time.monotonic() - start
+            raise AssertionError(f"{what} after {took:.1f}s of a {window:.1f}s window: {got!r}")
+        now = time.monotonic()
+        if now >= deadline:
+            return
+        time.sleep(min(interval, deadline - now))
 
 
 @functools.cache

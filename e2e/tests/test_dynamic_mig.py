@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from support import ROOT, wait_for
@@ -363,18 +362,22 @@ def test_a_trace_sample_places_as_explain_predicts(mig_plugin, core, dyn, namesp
             delete_pods(core, namespace, pod)
             del live[pod]
             wait_for(f"{pod}'s claim to go", lambda pod=pod: not claim_of(pod), timeout=60)
-        if leaving:
-            time.sleep(2)  # the scheduler's informer sees the deletion a moment after the API does
+        # No pause after the departures: the scheduler tries a pod only once the pod's claim is in
+        # its claim cache (the DRA plugin's PreEnqueue holds the pod until then), and that claim is
+        # made after the departed claims were gone from the API, so the one watch that feeds the
+        # cache (events in resourceVersion order) delivered their deletions first. A refusal is
+        # checked below to be the DRA filter's, which looked at that cache.
         pod = f"t{a.step}"
         template_name = "t-" + a.profile.replace(".", "")
         claim_pod(
             core, namespace, pod, {"resource_claim_template_name": template_name}, "sleep 3600", busybox_image
         )
         if want is None:
-            wait_for(
+            verdict = wait_for(
                 f"step {a.step}: the scheduler to refuse {a.profile}",
                 lambda pod=pod: unschedulable(core, namespace, pod),
             )
+            assert "cannot allocate all claims" in verdict, f"step {a.step}: {verdict}"
             assert not allocated(dyn, namespace, pod), (
                 f"step {a.step}: {a.profile} was expected to be refused"
             )

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from support import wait_for
+from support import never, wait_for
 from test_kubelet_plugin import (
     CDI_DIR,
     DRIVER,
@@ -194,28 +194,46 @@ def test_apiserver_outage_of_30s_while_pods_come_and_go(plugin, core, dyn, names
     wait_for("the arriving claim unprepared", lambda: not arriving.exists(), timeout=90)
 
 
-def test_containerd_restart_leaves_running_pods_alone(plugin, core, dyn, namespace, busybox_image, wait_pod):
+def test_containerd_restart_leaves_running_pods_alone(plugin, core, dyn, namespace, busybox_image):
     template(dyn, namespace, "one-gpu")
     src = {"resource_claim_template_name": "one-gpu"}
     claim_pod(core, namespace, "steady", src, "sleep 3600", busybox_image)
     before = wait_for("the steady pod to run", lambda: running(core, namespace, "steady"), timeout=90)
     container_id = before.status.container_statuses[0].container_id
     t0 = time.time()
-    cluster("restart-containerd")
+    cluster("restart-containerd")  # returns once the new containerd answers
     restart_s = time.time() - t0
-    # A window, long enough: the kubelet relists the runtime's containers every second (PLEG) once
-    # containerd answers again, and a container found gone or changed is an event that makes it
-    # sync the pod at once (a new container, a new ID in the status); 5 s are several relists.
-    time.sleep(5)
-    after = running(core, namespace, "steady")
-    assert after is not None, core.read_namespaced_pod("steady", namespace).status
-    status = after.status.container_statuses[0]
-    assert status.container_id == container_id and status.restart_count == 0 and status.state.running
-    assert plugin.proc.poll() is None
+
+    def replaced() -> str | None:
+        """What the kubelet did to the steady pod's container, once it did something."""
+        pod = core.read_namespaced_pod("steady", namespace)
+        s = (pod.status.container_statuses or [None])[0]
+        if s is None or s.container_id != container_id or s.restart_count != 0 or not s.state.running:
+            return f"phase {pod.status.phase}, container {s}"
+        return None
+
+    # The event that shows the kubelet has looked at the runtime again: a new GPU pod runs to
+    # completion, which takes the kubelet's calls to the new containerd (sandbox, container) and
+    # a relist of every container (PLEG: that is how it sees the pod's container exit), the steady
+    # one's included. A replaced container (new ID, restart count) never changes back, so the
+    # steady pod is watched throughout, from the restart to the fresh pod's end.
     t0 = time.time()
     claim_pod(core, namespace, "fresh", src, "env | grep ^DRA_GPU_VISIBLE", busybox_image)
-    assert wait_pod(core, namespace, "fresh", timeout=120) == "Succeeded"
+
+    def fresh_done() -> str | None:
+        if why := replaced():
+            raise AssertionError(f"the kubelet replaced the steady pod's container: {why}")
+        phase = core.read_namespaced_pod("fresh", namespace).status.phase
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = wait_for("the fresh pod to finish", fresh_done, timeout=120, interval=0.5)
+    assert phase == "Succeeded", core.read_namespaced_pod_log("fresh", namespace)
     fresh_s = time.time() - t0
+    # The steady pod's status, if that relist changed it, is written by the kubelet's status
+    # manager at once (a changed status is not batched), as the fresh pod's was: 2 s cover that
+    # write's round trip.
+    never("the kubelet to replace the steady pod's container", replaced, window=2, interval=0.2)
+    assert plugin.proc.poll() is None
     assert "DRA_GPU_VISIBLE_DEVICES=GPU-" in core.read_namespaced_pod_log("fresh", namespace)
     print(
         f"\n[e2e] outage containerd restarted in {restart_s:.1f} s: running pod kept its container "
