@@ -46,6 +46,9 @@ FEATURES = {
     "memory shares": ("DRAConsumableCapacity", "allowMultipleAllocations"),
     "dynamic MIG": ("DRAPartitionableDevices", "consumesCounters"),
 }
+# The minor release from which each gate is on by default (Kubernetes' kube_features.go: alpha,
+# off, before; beta, on, from 1.36).
+ON_BY_DEFAULT_FROM = {"DRADeviceTaints": 36, "DRAConsumableCapacity": 36, "DRAPartitionableDevices": 36}
 
 
 def get_raw(core, path: str) -> str:
@@ -78,6 +81,21 @@ def cluster_gates_mode() -> str:
     except OSError:
         recorded = {}
     return os.environ.get("DRA_GPU_E2E_DRA_GATES") or recorded.get("gates", "")
+
+
+def expected_gates(kube: str, mode: str) -> dict[str, bool] | None:
+    """Each feature's gate as the cluster's gate mode says the apiserver must have it; None where
+    the mode says nothing (gates set by hand, or a cluster e2e/cluster did not bring up)."""
+    gates = [gate for gate, _ in FEATURES.values()]
+    if "DRA_GPU_E2E_FEATURE_GATES" in os.environ:
+        return None
+    if mode in ("all", "pinned"):  # pinned: e2e/harness/config.py's list turns all three on
+        return dict.fromkeys(gates, True)
+    if mode == "default":
+        version = re.match(r"v?(\d+)\.(\d+)", kube)
+        assert version, f"the apiserver's version {kube!r}: no major.minor"
+        return {gate: int(version[2]) >= ON_BY_DEFAULT_FROM[gate] for gate in gates}
+    return None
 
 
 class Record:
@@ -167,6 +185,20 @@ def doctor_row(target) -> dict:
     return {c["check"]: c for c in json.loads(r.stdout)["checks"]}["cluster/dra-features"]
 
 
+def test_the_apiserver_has_the_gates_the_run_claims(record):
+    """The gates of the three features as the run's gate mode says (the apiserver's own metric):
+    otherwise a run that claims a release's defaults, where they are off, would take (and record)
+    the gate-on path of every feature and never check what the driver says with a gate off."""
+    gates = [gate for gate, _ in FEATURES.values()]
+    unlisted = [gate for gate in gates if gate not in record.gates]
+    assert not unlisted, f"kubernetes_feature_enabled of {record.kube} lists no {unlisted}"
+    want = expected_gates(record.kube, record.mode)
+    if want is None:
+        pytest.skip(f"gate mode {record.mode or 'unknown'!r}: no expectation (gates set by hand)")
+    got = {gate: record.gates[gate] for gate in gates}
+    assert got == want, f"Kubernetes {record.kube} with DRA gates {record.mode!r}: the apiserver has {got}"
+
+
 def test_core_path_slices_prepare_restart_unprepare(node_plugin, record, core, dyn, namespace, busybox_image):
     node_plugin.start()
     wait_for("the node's slices", lambda: our_slices(dyn)[1], timeout=30)
@@ -234,8 +266,11 @@ def use(feature: str, core, dyn, namespace, busybox_image, gpu: str | None) -> s
     return "an XID 79 taints the GPU in its slice (NoExecute)"
 
 
-def degraded(feature: str, plugin, dyn, gpu: str | None) -> str:
-    """What the plugin publishes instead when the apiserver drops the feature's fields; what it says."""
+def degraded(feature: str, plugin, core, dyn, namespace, busybox_image, gpu: str | None) -> str:
+    """What the plugin does instead when the apiserver drops the feature's fields; what it says.
+    Only what the driver does is checked here: the fields the apiserver drops (counters,
+    allowMultipleAllocations) are missing from the stored slices whatever the plugin sends."""
+    gate, _ = FEATURES[feature]
 
     def devices():
         return [d for s in our_slices(dyn)[1] for d in s["spec"].get("devices") or []]
@@ -245,7 +280,9 @@ def degraded(feature: str, plugin, dyn, gpu: str | None) -> str:
             lines = plugin.log_path.read_text(errors="replace").splitlines()
             return next((x for x in lines if text in x), None)
 
-        return wait_for(f"the plugin to say {text!r}", line, timeout=30).split(" msg=", 1)[-1]
+        words = wait_for(f"the plugin to say {text!r}", line, timeout=30).split(" msg=", 1)[-1]
+        assert gate in words, f"the plugin's warning does not name {gate}: {words}"
+        return words
 
     if feature == "device taints (GPU health)":
         # Nothing would keep new claims off the failed GPU: it is withdrawn from the slices.
@@ -257,19 +294,36 @@ def degraded(feature: str, plugin, dyn, gpu: str | None) -> str:
         assert devices(), "only the failed GPU is withdrawn"
         return said("withdrawn from the slices instead")
     if feature == "dynamic MIG":
-        # Overlapping placements would be allocated together: none is published.
-        wait_for(
-            "no placement and no counter set in the slices",
-            lambda: (
-                not any(d.get("consumesCounters") for d in devices())
-                and not any(s["spec"].get("sharedCounters") for s in our_slices(dyn)[1])
-            ),
-            timeout=30,
-        )
-        return said("placements are not published")
-    # Memory shares: the GPUs are published whole (one claim at a time), which is safe as it is.
-    assert devices() and not any(d.get("allowMultipleAllocations") for d in devices())
-    return "GPUs published whole: one claim at a time"
+        # Overlapping placements would be allocated together: none is published. A placement (a
+        # MIG device not made yet: no UUID) the plugin kept would still be listed, its counters
+        # dropped; the plugin published some before it learnt of the drop (the line about the
+        # dropped consumesCounters), so this waits for its new publication.
+        words = said("placements are not published")
+
+        def placements():
+            return [
+                d["name"]
+                for d in devices()
+                if (d.get("attributes") or {}).get("type", {}).get("string") == "mig"
+                and "uuid" not in d["attributes"]
+            ]
+
+        wait_for("the placements to leave the slices", lambda: not placements(), timeout=30)
+        return words
+    # Memory shares: the GPUs stay published, whole (the apiserver also drops a claim's capacity
+    # request): two claims of the shares' template get a GPU each, prepared into running pods.
+    from test_sharing import memory_template
+
+    memory_template(dyn, namespace, "twenty", "20Gi")
+    pods = ["whole-a", "whole-b"]
+    show = "env | grep ^DRA_GPU_VISIBLE; sleep 3600"
+    for pod in pods:
+        claim_pod(core, namespace, pod, {"resource_claim_template_name": "twenty"}, show, busybox_image)
+    logs = [running(core, namespace, pod) for pod in pods]
+    got = [allocated(dyn, namespace, pod) for pod in pods]
+    assert all(len(g) == 1 for g in got) and got[0] != got[1], (got, logs)
+    delete_and_wait_unprepared(core, dyn, namespace, pods)
+    return f"GPUs published whole: two 20Gi claims got {got[0][0]} and {got[1][0]}, one each"
 
 
 # feature -> the simulated node it needs (profile, plugin flags)
@@ -285,16 +339,24 @@ def test_gated_feature_works_or_says_why(
     feature, node_plugin, record, target, core, dyn, namespace, busybox_image
 ):
     gate, field = FEATURES[feature]
+    assert gate in record.gates, f"kubernetes_feature_enabled of {record.kube} lists no {gate}"
+    on = record.gates[gate]
+    # The path taken is the one the run's gate mode says (else a gate on where the mode says off
+    # would skip every check below and record "works").
+    want = expected_gates(record.kube, record.mode)
+    if want is not None:
+        assert on == want[gate], f"{gate} on: {on}, but {record.mode!r} on {record.kube} says {want[gate]}"
     node_plugin.profile, node_plugin.extra_args = NODES[feature]
     node_plugin.start()
-    if record.gates.get(gate, False) or feature != "dynamic MIG":
+    if on or feature != "dynamic MIG":
         # (Without counters a dynamic-MIG node may publish nothing at all: every GPU is in MIG mode.)
         wait_for("the node's slices", lambda: our_slices(dyn)[1], timeout=30)
     gpu = simulate_xid_79(dyn) if feature == "device taints (GPU health)" else None
-    if record.gates.get(gate, False):
+    if on:
         record.add(feature, "works", use(feature, core, dyn, namespace, busybox_image, gpu))
         return
-    # Gate off: the apiserver drops the field; the plugin logs it, and doctor names the gate.
+    # Gate off: the apiserver drops the field; the plugin logs it naming the gate, does what is
+    # safe instead, and doctor names the gate.
     line = wait_for(
         f"the plugin's line about the dropped {field}",
         lambda: next(
@@ -307,8 +369,9 @@ def test_gated_feature_works_or_says_why(
         ),
         timeout=30,
     )
-    instead = degraded(feature, node_plugin, dyn, gpu)
+    said = line[line.index("apiserver dropped") :]
+    assert f"turn on the {gate} feature gate" in said, said
+    instead = degraded(feature, node_plugin, core, dyn, namespace, busybox_image, gpu)
     row = doctor_row(target)
     assert row["status"] == "WARN" and gate in row["detail"] and gate in row["fix"], row
-    said = line[line.index("apiserver dropped") :]
     record.add(feature, f"needs {gate}", f"plugin: {said}; instead: {instead}; doctor: {row['detail']}")
