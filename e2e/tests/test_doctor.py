@@ -216,8 +216,48 @@ class Doctor:
         return last, self.table
 
 
+def _prepare_once(core, dyn, busybox_image: str) -> None:
+    """A GPU pod run to its end, its claim prepared and unprepared by the plugin: the plugin writes
+    its checkpoint at its first prepare, so node/prepared-claims has a file to check, as on any node
+    that ran a GPU pod, whatever ran (or not) before this file."""
+    from kubernetes import client
+
+    namespace = f"doctor-e2e-{RUN}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    try:
+        wait_for(
+            f"the service account of namespace {namespace}",
+            lambda: any(
+                a.metadata.name == "default" for a in core.list_namespaced_service_account(namespace).items
+            ),
+            timeout=30,
+            interval=0.2,
+        )
+        template(dyn, namespace, "one", count=1)
+        _pod(core, namespace, "once", "one", busybox_image)
+
+        def finished() -> str | None:
+            phase = core.read_namespaced_pod("once", namespace).status.phase
+            return phase if phase in ("Succeeded", "Failed") else None
+
+        phase = wait_for("the GPU pod to finish", finished, timeout=120, interval=0.5)
+        assert phase == "Succeeded", core.read_namespaced_pod("once", namespace).status
+        _delete_pod_and_claims(core, dyn, namespace, "once")
+
+        def unprepared() -> bool:
+            try:
+                claims = json.loads((PLUGIN_DIR / "checkpoint.json").read_text())["data"]["claims"]
+            except FileNotFoundError:
+                return False
+            return not any(c.get("namespace") == namespace for c in claims.values())
+
+        wait_for("the plugin's checkpoint, the claim unprepared", unprepared, timeout=60, interval=0.5)
+    finally:
+        core.delete_namespace(namespace)
+
+
 @pytest.fixture(scope="module")
-def env(target, core, dyn, tmp_path_factory):
+def env(target, core, dyn, busybox_image, tmp_path_factory):
     if not target.local:
         pytest.skip("the plugin and the controller run as host processes only on the local e2e cluster")
     assert CONTAINERD_CONFIG.exists(), f"the local cluster's containerd config {CONTAINERD_CONFIG} is missing"
@@ -226,6 +266,11 @@ def env(target, core, dyn, tmp_path_factory):
     ensure_device_classes(dyn)
     plugin = Plugin(target.kubeconfig, node, tmp / "plugin.log")
     plugin.start()
+    try:
+        _prepare_once(core, dyn, busybox_image)
+    except BaseException:
+        plugin.stop()
+        raise
     webhook = Webhook(tmp)
     webhook.start(days=365)
     configs = dyn.resources.get(
@@ -265,7 +310,8 @@ def test_nothing_broken_every_check_ok(env):
     _report("nothing broken", table)
     _all_ok(results)
     assert rc == 0
-    for check in ("node/device-nodes", "node/plugin-registration", "cluster/dra-features", "cluster/webhook"):
+    checks = ("node/device-nodes", "node/plugin-registration", "node/prepared-claims", "cluster/dra-features")
+    for check in (*checks, "cluster/webhook"):
         assert check in results
     assert f"cluster/slices/{env['node']}" in results
 
