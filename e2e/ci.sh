@@ -3,6 +3,9 @@
 # (its session fixture brings the local cluster up and down), then the compatibility suite on the
 # oldest supported Kubernetes release, then check nothing is left.
 # Runs as root on a fresh Debian machine with Go, Python and apt. Extra args go to pytest.
+# A skipped test fails it unless declared expected: e2e/expected-skips.txt, or for this machine
+# DRA_GPU_EXPECTED_SKIPS='PATTERN REASON; ...' (e2e/harness/skips.py; e.g. 'e2e/tests/* not root'
+# where no cluster can be started); pytest's summary names every skip.
 #
 #   PYTHON=path/to/python e2e/ci.sh [-x ...]
 set -euo pipefail

@@ -14,6 +14,7 @@ from dra_gpu.discovery import discover
 from dra_gpu.model import Inventory
 from dra_gpu.simnode.fake import simulated_nvml
 from dra_gpu.simnode.profiles import parse_profile
+from e2e.harness import skips
 from tests.mutation import PROFILE, reach_report
 
 settings.load_profile(PROFILE)  # ci (fixed seed) unless HYPOTHESIS_PROFILE says otherwise
@@ -63,6 +64,11 @@ def base_doc() -> dict:
         },
         "gpus": [{"index": i, "uuid": gpu_uuid(i), "pciBusId": bus(i), "numaNode": i // 2} for i in range(4)],
     }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A skip fails the run unless declared expected (e2e/harness/skips.py)."""
+    skips.register(config)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -2,7 +2,9 @@
 # The kind tier: build (cached) what it needs, run e2e/tests/test_kind.py (a private Docker
 # daemon, a kind cluster from e2e/kind/ on a node image built here, the user's path with the
 # chart), then make sure the daemon is gone and left nothing. Root; hold the e2e lock as
-# scripts/test does (the daemon adds a bridge beside the local cluster's):
+# scripts/test does (the daemon adds a bridge beside the local cluster's). Its skip (not root, so
+# no daemon) fails it unless declared: DRA_GPU_EXPECTED_SKIPS='e2e/tests/test_kind.py::* not root'
+# (e2e/harness/skips.py).
 #
 #   PYTHON=.venv/bin/python bash e2e/kind/test.sh [pytest args]
 set -euo pipefail

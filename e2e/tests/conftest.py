@@ -34,6 +34,9 @@ from controller_support import (
 from support import dra_gpu_image, kubelet_excerpt
 
 E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, E2E_DIR)  # the harness, as e2e/cluster imports it
+from harness import skips  # noqa: E402
+
 CLUSTER = os.path.join(E2E_DIR, "cluster")
 MANIFESTS = os.path.join(E2E_DIR, "manifests")
 
@@ -56,6 +59,8 @@ def pytest_runtest_makereport(item, call):
 def pytest_configure(config):
     config.addinivalue_line("markers", "e2e: end-to-end test against a real Kubernetes cluster")
     config.addinivalue_line("markers", "kind: the kind cluster of e2e/kind/ on a private Docker daemon")
+    # A skip (e.g. every test, run as non-root without KUBECONFIG) fails the tier unless declared.
+    skips.register(config)
 
 
 def _cluster(*args, check=True):
