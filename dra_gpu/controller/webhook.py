@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -54,9 +55,10 @@ from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.review_pool import OverBudget, ReviewPool, ReviewResult
 from dra_gpu.controller.rules import KINDS
 from dra_gpu.controller.schemas import ADMISSION_REVIEW
-from dra_gpu.decoding import decode
+from dra_gpu.decoding import MAX_DEPTH, decode
 from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
+from dra_gpu.kube_bounds import IDENTITY_PREFIX
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 log = logging.getLogger(__name__)
@@ -320,7 +322,19 @@ class Webhook:
             return web.json_response({"error": f"body not received in {BODY_TIMEOUT:.0f} s"}, status=408)
         try:
             review = json.loads(raw)
-        except (ValueError, RecursionError):
+        except RecursionError:
+            # An object nested deeper than the decoder goes: denied by its uid, with the reason
+            # (the apiserver stores such a claim, and no node could read it).
+            too_deep = _too_deep(raw)
+            if too_deep is not None:
+                kind, denial = too_deep
+                self.metrics.reviews.labels(label_of(kind, KIND_LABELS), MALFORMED, "denied").inc()
+                return web.json_response(
+                    {"apiVersion": ADMISSION_API, "kind": "AdmissionReview", "response": denial}
+                )
+            self.metrics.reviews.labels(MALFORMED, MALFORMED, "malformed").inc()
+            return _bad_request("body is not JSON")
+        except ValueError:
             self.metrics.reviews.labels(MALFORMED, MALFORMED, "malformed").inc()
             return _bad_request("body is not JSON")
         problem = _review_problem(review)
@@ -389,6 +403,27 @@ class Webhook:
                 [("(object)", str(exc))],
                 [],
             )
+
+
+# The apiserver writes an AdmissionRequest's uid and kind first, before the objects.
+_REQUEST_UID = re.compile(r'"request"\s*:\s*\{\s*"uid"\s*:\s*"([A-Za-z0-9-]{1,128})"')
+_REQUEST_KIND = re.compile(r'"kind"\s*:\s*\{[^{}]*"kind"\s*:\s*"([A-Za-z]{1,64})"')
+
+
+def _too_deep(raw: bytes) -> tuple[str, dict[str, Any]] | None:
+    """The kind and a denial of a review too deep to decode, when its uid can be read."""
+    head = raw[:IDENTITY_PREFIX].decode(errors="replace")
+    uid = _REQUEST_UID.search(head)
+    if uid is None:
+        return None
+    kind = _REQUEST_KIND.search(head, uid.end())
+    message = f"request.object: nested more than {MAX_DEPTH} levels deep; the GPU driver reads no such object"
+    response = {
+        "uid": uid.group(1),
+        "allowed": False,
+        "status": {"code": 400, "reason": "BadRequest", "message": message},
+    }
+    return (kind.group(1) if kind else MALFORMED), response
 
 
 def _review_problem(review: Any) -> str | None:

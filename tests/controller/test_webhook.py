@@ -214,6 +214,29 @@ def test_malformed_review_is_400(server: Server, body: bytes) -> None:
     assert server.request("/healthz")[0] == 200  # still serving
 
 
+def test_a_claim_too_deep_to_decode_is_denied_by_its_uid(server: Server) -> None:
+    """The apiserver stores a claim nested 1,500 levels (its decoder allows 10,000); the review of
+    its creation is denied with the reason, not answered 400 (which `failurePolicy` would decide)."""
+    parameters = '{"n":' * 1500 + "1" + "}" * 1500
+    body = (
+        '{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"deep-1",'
+        '"kind":{"group":"resource.k8s.io","version":"v1","kind":"ResourceClaim"},"operation":"CREATE",'
+        '"object":{"apiVersion":"resource.k8s.io/v1","kind":"ResourceClaim","metadata":{"name":"p"},'
+        '"spec":{"devices":{"config":[{"opaque":{"driver":"gpu.dra-gpu.io","parameters":'
+        + parameters
+        + "}}]}}}}}"
+    )
+    status, answer = server.request("/validate", body.encode())
+    assert status == 200, answer
+    response = json.loads(answer)["response"]
+    assert response["uid"] == "deep-1" and response["allowed"] is False
+    assert "nested more than 64 levels deep" in response["status"]["message"]
+    metrics = server.request("/metrics")[1].decode()
+    assert (
+        'dra_gpu_admission_reviews_total{kind="ResourceClaim",operation="?",result="denied"} 1.0' in metrics
+    )
+
+
 def test_healthz_and_metrics(server: Server) -> None:
     server.review(claim("one"))
     server.request("/validate", b"junk")
