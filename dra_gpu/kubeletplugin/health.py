@@ -2,14 +2,16 @@
 kubelet reads on the DRA socket. The two versions have the same messages in another proto package.
 
 The full list is re-sent well within the kubelet's timeout, and at once after notify() (a device's
-health changed), so a pod learns of a broken GPU in well under a second.
+health changed), so a pod learns of a broken GPU in well under a second. sent() waits until every
+open stream has written that change: the plugin tells the kubelet before it publishes the taint
+that evicts the pod (see KubeletPluginHelper.health_changed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2 as health_pb
@@ -18,6 +20,7 @@ from dra_gpu.kubeletplugin.driver import DeviceHealth, Health
 
 HEALTH_RESEND_SECONDS = 10
 HEALTH_TIMEOUT_SECONDS = 30
+HEALTH_SEND_SECONDS = 0.5  # how long sent() waits for a stream whose kubelet does not read
 MAX_MESSAGE = 1024
 
 _WIRE_HEALTH = {  # the same numbers in v1alpha1 and v1
@@ -40,11 +43,31 @@ class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc
         self.device_health = device_health
         self.resend_seconds = resend_seconds
         self._changed = asyncio.Event()
+        self._version = 0  # bumped by notify()
+        self._written: dict[object, int] = {}  # open stream -> the version it last wrote
+        self._progress = asyncio.Event()  # set (and replaced) when a stream wrote or closed
 
     def notify(self) -> None:
         """Wake every open stream: the driver's device health changed."""
+        self._version += 1
         self._changed.set()
         self._changed = asyncio.Event()
+
+    async def sent(self, timeout: float = HEALTH_SEND_SECONDS) -> bool:
+        """Wait until every open stream has written the health of the last notify() to the
+        kubelet's connection; False when one has not within `timeout`."""
+        version = self._version
+        try:
+            async with asyncio.timeout(timeout):
+                while any(v < version for v in self._written.values()):
+                    await self._progress.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _progressed(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
 
     def snapshot(self) -> Any:
         now = int(time.time())
@@ -62,12 +85,22 @@ class HealthService(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc
             ]
         )
 
-    async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        while True:
-            changed = self._changed
-            yield self.snapshot()
-            try:
-                async with asyncio.timeout(self.resend_seconds):
-                    await changed.wait()
-            except TimeoutError:
-                pass
+    async def NodeWatchResources(self, request: Any, context: Any) -> None:
+        # context.write returns once gRPC has written the message: sent() knows what reached
+        # the kubelet's connection.
+        stream = object()
+        self._written[stream] = -1
+        try:
+            while True:
+                changed, version = self._changed, self._version
+                await context.write(self.snapshot())
+                self._written[stream] = version
+                self._progressed()
+                try:
+                    async with asyncio.timeout(self.resend_seconds):
+                        await changed.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            del self._written[stream]
+            self._progressed()

@@ -28,7 +28,7 @@ from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.driver import Driver
-from dra_gpu.kubeletplugin.health import HEALTH_RESEND_SECONDS, HealthService
+from dra_gpu.kubeletplugin.health import HEALTH_RESEND_SECONDS, HEALTH_SEND_SECONDS, HealthService
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.node_service import DraV1beta1Service, DraV1Service, NodeService
 from dra_gpu.kubeletplugin.publisher import SlicePublisher
@@ -134,9 +134,20 @@ class KubeletPluginHelper:
                 await self._publishing
 
     async def health_changed(self) -> None:
-        """The driver's device health changed: every open health stream sends it now."""
+        """The driver's device health changed: every open health stream sends it now; returns once
+        they have written it (or after HEALTH_SEND_SECONDS). Called before the taint is published:
+        the kubelet puts a device's health into a pod's status only when it syncs the pod, and an
+        evicted pod is synced once before its containers are killed and next after its claims are
+        unprepared, so health that comes after the eviction never shows in the pod's status."""
         self.health.notify()
         self.health_v1.notify()
+        sent = await asyncio.gather(self.health.sent(), self.health_v1.sent())
+        if not all(sent):
+            log.warning(
+                "device health change not written to every kubelet health stream within %.1fs; "
+                "the slices are published anyway",
+                HEALTH_SEND_SECONDS,
+            )
 
     async def self_check(self, timeout: float = 2.0) -> str | None:
         """None when both sockets answer as the kubelet calls them, else what failed (self_check.py:

@@ -278,8 +278,9 @@ class KubeletPlugin:
                 freeze_startup_objects()
             await helper.start()
             stack.push_async_callback(helper.stop)
-            health.subscribe(helper.publisher.refresh)
+            # The kubelet hears first (health_changed says why), then the taint goes out.
             health.subscribe(helper.health_changed)
+            health.subscribe(helper.publisher.refresh)
             if claim_status is not None:
                 health.subscribe(claim_status.sync)
             await health.start()
