@@ -72,8 +72,9 @@ def taints(dyn) -> dict[str, list[dict]]:
 
 
 def gpu_pod(core, namespace, name, template_name, image, grace=30):
-    """A pod holding the claim `gpus` from a template; `sh` ignores SIGTERM, so with a grace period
-    an evicted pod stays Terminating for a while and its status can still be read."""
+    """A pod holding the claim `gpus` from a template; busybox `sh -c` execs `sleep`, the container's
+    PID 1 with no handler, so SIGTERM is ignored: with a grace period an evicted pod stays
+    Terminating for a while and its status can still be read."""
     core.create_namespaced_pod(
         namespace,
         {
@@ -114,6 +115,20 @@ def unhealthy_resources(pod) -> list[dict]:
         for entry in cs.get("allocatedResourcesStatus") or []:
             out += [r for r in entry.get("resources") or [] if r.get("health") == "Unhealthy"]
     return out
+
+
+def resources_status(pod) -> str:
+    """Where the pod is and what its containers' allocatedResourcesStatus says, for a failure
+    message: gone, or evicted (deletionTimestamp) before the kubelet wrote the device's health."""
+    if pod is None:
+        return "the pod is gone"
+    status = pod.get("status") or {}
+    conditions = {c["type"]: c.get("lastTransitionTime") for c in status.get("conditions") or []}
+    return (
+        f"phase={status.get('phase')} deletionTimestamp={pod['metadata'].get('deletionTimestamp')} "
+        f"DisruptionTarget={conditions.get('DisruptionTarget')} allocatedResourcesStatus="
+        f"{[cs.get('allocatedResourcesStatus') for cs in status.get('containerStatuses') or []]}"
+    )
 
 
 def why(core, dyn, namespace, pod) -> str:
@@ -192,13 +207,25 @@ def test_xid_79_taints_evicts_avoids_and_recovers(hplugin, core, dyn, namespace,
     assert {c["type"]: c["status"] for c in entry["conditions"]}["Ready"] == "True"
     assert sorted(claim_status()) == sorted(mine)
 
-    # The kubelet's health stream: the pod's status names the device unhealthy.
-    bad = wait_for(
-        "allocatedResourcesStatus to show the device unhealthy",
-        lambda: unhealthy_resources(pod_json(dyn, namespace, "victim")),
-        timeout=30,
+    # The kubelet's health stream: the pod's status names the device unhealthy. The kubelet writes
+    # it only when it syncs the pod, and an evicted pod is synced once before its containers are
+    # killed and next after its claims are unprepared: the plugin tells the kubelet before it
+    # publishes the taint, so the status shows it whether or not the eviction has begun.
+    seen: dict = {}
+
+    def victim_unhealthy():
+        seen["pod"] = pod_json(dyn, namespace, "victim")
+        return unhealthy_resources(seen["pod"])
+
+    try:
+        bad = wait_for("allocatedResourcesStatus to show the device unhealthy", victim_unhealthy, timeout=30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{resources_status(seen.get('pod'))}") from None
+    evicting = bool(seen["pod"]["metadata"].get("deletionTimestamp"))
+    print(
+        f"[e2e] pod status after {time.monotonic() - t0:.1f} s (evicted yet: {evicting}): "
+        f"allocatedResourcesStatus {bad}"
     )
-    print(f"[e2e] pod status after {time.monotonic() - t0:.1f} s: allocatedResourcesStatus {bad}")
     # NoExecute: the controller-manager evicts the pod.
     wait_for(
         "the victim to be evicted",
