@@ -53,8 +53,14 @@ class SelfCheck:
     async def check(self, timeout: float = 2.0) -> str | None:
         if self._closed:
             return STOPPED
+        # The socket files every time (two stats): a kept "ok" never outlives a socket removed
+        # or replaced since; only the RPCs' answer is kept.
+        problem, identity = self._sockets()
+        if problem is not None:
+            return problem
         loop = asyncio.get_running_loop()
-        if self._last is not None and loop.time() - self._last[0] < self.max_age:
+        fresh = self._last is not None and loop.time() - self._last[0] < self.max_age
+        if self._last is not None and fresh and identity == self._identity:
             return self._last[1]
         if self._running is None:
             self._running = asyncio.create_task(self._run(timeout), name="self-check")
@@ -63,6 +69,19 @@ class SelfCheck:
             return await asyncio.wait_for(asyncio.shield(self._running), timeout)
         except TimeoutError:
             return f"self-check did not finish within {timeout:g}s"
+
+    def _sockets(self) -> tuple[str | None, list[tuple[int, int]]]:
+        """What is wrong with the socket files (None: nothing), and their (device, inode)."""
+        identity = []
+        for path in (self.registration, self.dra):
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                return f"socket {path}: {exc.strerror}", []
+            if not stat.S_ISSOCK(st.st_mode):
+                return f"socket {path}: not a socket", []
+            identity.append((st.st_dev, st.st_ino))
+        return None, identity
 
     async def close(self) -> None:
         """Stops answering from the sockets (every later check says STOPPED) and closes the channels."""
@@ -93,15 +112,9 @@ class SelfCheck:
     async def _probe(self, timeout: float) -> str | None:
         # The kubelet connects by path: a socket file removed fails the check, one replaced gets
         # fresh channels (those open still reach the socket that was there).
-        identity = []
-        for path in (self.registration, self.dra):
-            try:
-                st = os.stat(path)
-            except OSError as exc:
-                return f"socket {path}: {exc.strerror}"
-            if not stat.S_ISSOCK(st.st_mode):
-                return f"socket {path}: not a socket"
-            identity.append((st.st_dev, st.st_ino))
+        problem, identity = self._sockets()
+        if problem is not None:
+            return problem
         if self._identity != identity:
             await self._close_channels()
             self._identity = identity

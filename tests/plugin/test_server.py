@@ -133,7 +133,8 @@ def serve_a_simulated_node(tmp_path: Path) -> None:
                 await asyncio.sleep(0.2)  # a few stale-claim sweeps (nothing to sweep)
                 cfg.sockets.dra.unlink()  # the kubelet could not reach the plugin any more
                 async with http.get("/healthz") as resp:
-                    assert resp.status == 503 and (await resp.text()).startswith("unhealthy: UNAVAILABLE")
+                    text = await resp.text()
+                    assert resp.status == 503 and text.startswith("unhealthy: "), (resp.status, text)
         finally:
             plugin.stopping.set()
             await asyncio.wait_for(task, 30)
