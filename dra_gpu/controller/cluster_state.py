@@ -62,7 +62,7 @@ class ClusterState:
             slim = view_records.slim(store, obj)
         else:
             return
-        key = self.key(obj)
+        key = self.key(obj if slim is None else slim)  # a record's own key: one string a claim
         held = self.stores[store]
         if slim is None:
             if held.pop(key, None) is None:
