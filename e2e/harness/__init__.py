@@ -6,6 +6,8 @@
 - components: how each program is configured and started (etcd ... kubelet, the peer driver)
 - cleanup: stopping everything `up` started and wiping what an old cluster left
 - cli: the commands (`up`, `down`, `status`, ...) and `main`
+- skips: which skipped tests a run declares expected (the others fail the tier)
+- shuffle: a test run in a shuffled order, from a seed
 
 Standard library only: it runs under whichever Python calls `e2e/cluster`.
 """

@@ -35,7 +35,7 @@ from support import dra_gpu_image, kubelet_excerpt
 
 E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, E2E_DIR)  # the harness, as e2e/cluster imports it
-from harness import skips  # noqa: E402
+from harness import shuffle, skips  # noqa: E402
 
 CLUSTER = os.path.join(E2E_DIR, "cluster")
 MANIFESTS = os.path.join(E2E_DIR, "manifests")
@@ -61,6 +61,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "kind: the kind cluster of e2e/kind/ on a private Docker daemon")
     # A skip (e.g. every test, run as non-root without KUBECONFIG) fails the tier unless declared.
     skips.register(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    """DRA_GPU_TEST_SHUFFLE=<seed>: the tests in a shuffled order (harness/shuffle.py), said
+    with its seed so that a failing order can be run again."""
+    seed = os.environ.get("DRA_GPU_TEST_SHUFFLE")
+    if seed:
+        items[:] = shuffle.shuffled(items, lambda item: str(item.fspath), seed)
+        print(f"\n[e2e] shuffled order, seed {seed}: {', '.join(i.nodeid.split('/')[-1] for i in items)}")
 
 
 def _cluster(*args, check=True):

@@ -28,9 +28,10 @@ DEPTH = 1500
 
 
 def poisoned_claim(name: str) -> dict:
-    parameters: object = "bottom"
+    nested: object = "bottom"
     for _ in range(DEPTH):
-        parameters = {"n": parameters}
+        nested = [nested]  # 2 bytes a level: opaque parameters may be at most 10 KiB
+    parameters = {"n": nested}
     return {
         "apiVersion": RESOURCE,
         "kind": "ResourceClaim",
