@@ -49,7 +49,7 @@ from dra_gpu.kube_bounds import (
     resource_of,
 )
 from dra_gpu.kube_client import ApiClient, Configuration, load_incluster_config, load_kube_config
-from dra_gpu.kube_list import Keep, ListDecoder
+from dra_gpu.kube_list import Keep, ListDecoder, Transform
 
 log = logging.getLogger(__name__)
 
@@ -259,9 +259,11 @@ class Kube:
         keep: Keep | None = None,
         limit: int = LIST_PAGE,
         backoff: Backoff | None = None,
-    ) -> tuple[list[dict[str, Any]], str]:
+        transform: Transform | None = None,
+    ) -> tuple[list[Any], str]:
         """The objects of a collection (e.g. RESOURCE_V1 + "/resourceclaims") that `keep` accepts
-        (default: all), and the list's resourceVersion (its last page's: where a watch begins).
+        (default: all), each as `transform` makes it (default: whole), and the list's
+        resourceVersion (its last page's: where a watch begins).
 
         Read in pages of `limit`, each decoded one object at a time, so that only the kept objects
         are held, whatever the collection's size. A continue token that expired between pages
@@ -274,13 +276,18 @@ class Kube:
             reraise=True,
         ):
             with attempt:
-                return await self._list_pages(path, field_selector, keep, limit)
+                return await self._list_pages(path, field_selector, keep, limit, transform)
         raise AssertionError("unreachable: the last attempt's error is raised")
 
     async def _list_pages(
-        self, path: str, field_selector: str | None, keep: Keep | None, limit: int
-    ) -> tuple[list[dict[str, Any]], str]:
-        kept: list[dict[str, Any]] = []
+        self,
+        path: str,
+        field_selector: str | None,
+        keep: Keep | None,
+        limit: int,
+        transform: Transform | None,
+    ) -> tuple[list[Any], str]:
+        kept: list[Any] = []
         token = ""
         while True:
             query = {"limit": str(limit)}
@@ -288,14 +295,19 @@ class Kube:
                 query["fieldSelector"] = field_selector
             if token:
                 query["continue"] = token
-            page = await self._list_page(path, query, keep, continued=bool(token))
+            page = await self._list_page(path, query, keep, transform, continued=bool(token))
             kept += page.items
             token = str(page.metadata.get("continue") or "")
             if not token:
                 return kept, str(page.metadata.get("resourceVersion", ""))
 
     async def _list_page(
-        self, path: str, query: dict[str, str], keep: Keep | None, continued: bool
+        self,
+        path: str,
+        query: dict[str, str],
+        keep: Keep | None,
+        transform: Transform | None,
+        continued: bool,
     ) -> ListDecoder:
         resp = await self._request("GET", path, query, timeout=LIST_PAGE_TIMEOUT)
         if resp.status >= 400:
@@ -305,7 +317,7 @@ class Kube:
                 if continued and exc.status == HTTP_GONE:
                     raise ContinueExpired(exc.status, exc.message) from exc
                 raise
-        page = ListDecoder(keep, resource_of(path), self.rejections.report)
+        page = ListDecoder(keep, resource_of(path), self.rejections.report, transform)
         try:
             async for chunk in resp.content.iter_chunked(READ_CHUNK):
                 page.feed(chunk)
@@ -448,7 +460,7 @@ class Backoff:
         return wait_exponential(multiplier=self.initial, max=self.maximum) + wait_random(0, self.initial)
 
 
-ListHandler = Callable[[list[dict[str, Any]], str], Awaitable[None]]
+ListHandler = Callable[[list[Any], str], Awaitable[None]]
 EventHandler = Callable[[str, dict[str, Any]], Awaitable[bool]]
 
 
@@ -463,11 +475,13 @@ async def list_watch(
     watch_seconds: int = 300,
     backoff: Backoff = Backoff(),
     instance: str = "",
+    transform: Transform | None = None,
 ) -> None:
     """List a collection, then watch it from the list's resourceVersion, forever (cancel to stop).
 
     `on_list(items, resourceVersion)` gets every full list (of the objects `keep` accepts, when
-    given: the others are dropped as each page is decoded); `on_event(type, object)` every ADDED,
+    given: the others are dropped as each page is decoded; each as `transform` makes it, when
+    given, so that a list holds what the view keeps); `on_event(type, object)` every ADDED,
     MODIFIED or DELETED event and returns False to have the collection listed again at once. An
     object over the bounds (kube_bounds) is left out of a list and is a REJECTED event in a watch
     (its metadata only: drop the copy held); each is reported (Kube.rejections, an Event as
@@ -484,7 +498,16 @@ async def list_watch(
         ):
             with attempt:
                 await _list_then_watch(
-                    kube, path, on_list, on_event, field_selector, keep, watch_seconds, backoff, instance
+                    kube,
+                    path,
+                    on_list,
+                    on_event,
+                    field_selector,
+                    keep,
+                    watch_seconds,
+                    backoff,
+                    instance,
+                    transform,
                 )
 
 
@@ -498,8 +521,11 @@ async def _list_then_watch(
     watch_seconds: int,
     backoff: Backoff,
     instance: str,
+    transform: Transform | None,
 ) -> None:
-    items, version = await kube.list_objects(path, field_selector, keep=keep, backoff=backoff)
+    items, version = await kube.list_objects(
+        path, field_selector, keep=keep, backoff=backoff, transform=transform
+    )
     await on_list(items, version)
     await kube.post_rejection_events(instance or _instance())
     # Each watch (and so each list after it) lasts between one and two `watch_seconds`, like

@@ -38,6 +38,9 @@ from dra_gpu.kube_bounds import (
 )
 
 Keep = Callable[[dict[str, Any]], bool]
+# What is held of a kept item (None: nothing): a view that keeps a few fields of every object
+# holds those, never the list's objects whole.
+Transform = Callable[[dict[str, Any]], Any]
 OnRejected = Callable[[Rejected], None]
 
 _WHITESPACE = " \t\n\r"
@@ -51,14 +54,19 @@ class ListDecoder:
     """`feed` the body's bytes, then `close`; `items` are the kept items, `metadata` the list's."""
 
     def __init__(
-        self, keep: Keep | None = None, resource: str = "", on_rejected: OnRejected | None = None
+        self,
+        keep: Keep | None = None,
+        resource: str = "",
+        on_rejected: OnRejected | None = None,
+        transform: Transform | None = None,
     ) -> None:
         self.keep = keep
+        self.transform = transform
         self.resource = resource
         self.on_rejected = on_rejected
         self.rejected = 0  # items left out for their bounds
         self._skipper = ValueSkipper()
-        self.items: list[dict[str, Any]] = []
+        self.items: list[Any] = []
         self.metadata: dict[str, Any] = {}
         self.seen = 0  # items decoded, kept or not
         self._utf8 = codecs.getincrementaldecoder("utf-8")()
@@ -162,8 +170,10 @@ class ListDecoder:
                     reason = over_bounds(item, self._pos - start)
                     if reason:
                         self._reject(reject(self.resource, item, reason))
-                    else:
+                    elif self.transform is None:
                         self.items.append(item)
+                    elif (held := self.transform(item)) is not None:
+                        self.items.append(held)
                 self._first = False
         return True
 

@@ -403,3 +403,29 @@ def test_a_list_of_large_foreign_objects_is_never_held_whole() -> None:
 
     peak = asyncio.run(body())
     assert peak < 6_000_000, f"peak {peak / 1e6:.1f} MB while listing 20 MB"
+
+
+def test_a_transformed_list_holds_what_the_view_keeps_of_every_object() -> None:
+    """Every one of 200 claims of 100 kB is kept (a webhook's view) as a few fields: the peak
+    while listing stays near one page, not the 20 MB of claims; None drops an object."""
+    import tracemalloc
+
+    def slim(claim: dict[str, Any]) -> tuple[str, str] | None:
+        pool = claim["status"]["allocation"]["devices"]["results"][0]["pool"]
+        return None if claim["metadata"]["name"].endswith("7") else (claim["metadata"]["name"], pool)
+
+    async def body() -> tuple[list[Any], int]:
+        api = FakeApiServer()
+        claims_in(api, 200, size=100_000)
+        tracemalloc.start()
+        try:
+            items, _ = await api.kube().list_objects(
+                f"{RESOURCE_V1}/resourceclaims", limit=10, transform=slim
+            )
+            return items, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    items, peak = asyncio.run(body())
+    assert items[:2] == [("claim-00000", "here"), ("claim-00001", "there")] and len(items) == 180
+    assert peak < 6_000_000, f"peak {peak / 1e6:.1f} MB while listing 20 MB"

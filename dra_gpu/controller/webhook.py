@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from dra_gpu.controller import view_records
 from dra_gpu.controller.cluster_state import ClusterState
 from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.review_pool import OverBudget, ReviewPool, ReviewResult
@@ -486,7 +488,16 @@ async def watch_resource(
         state.apply(store, kind, obj)  # REJECTED (undecodable) drops the object, as DELETED does
         return True
 
-    await list_watch(kube, path, replace, apply, watch_seconds=300, backoff=backoff)
+    # Each listed object is reduced as it is decoded: a relist holds the view, not the claims.
+    await list_watch(
+        kube,
+        path,
+        replace,
+        apply,
+        watch_seconds=300,
+        backoff=backoff,
+        transform=functools.partial(view_records.slim, store),
+    )
 
 
 async def start_watches(
