@@ -6,7 +6,6 @@ Its own module so that the webhook can read files without importing the command 
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +15,8 @@ import yaml
 
 from dra_gpu.controller.schemas import decode_object, object_label
 from dra_gpu.decoding import MAX_FILE_BYTES, DecodeError, load_yaml_all, read_bounded, yaml_problem
+from dra_gpu.kube_bounds import Rejected
+from dra_gpu.kube_list import ListDecoder
 
 
 class InputError(Exception):
@@ -76,6 +77,10 @@ def load_files(paths: Sequence[str], inputs: Inputs | None = None) -> Inputs:
     return inputs
 
 
+def _say_left_out(rejected: Rejected) -> None:
+    print(f"warning: {rejected.describe()}; left out", file=sys.stderr)
+
+
 def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
     """Add the cluster's slices, classes and claims to `inputs` (read-only list calls)."""
     from kubernetes import client, config
@@ -83,15 +88,20 @@ def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
     try:
         api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
         api = client.ResourceV1Api(api_client)
-        fns: tuple[tuple[Any, str, list[dict[str, Any]]], ...]
+        fns: tuple[tuple[Any, str, str, list[dict[str, Any]]], ...]
         fns = (
-            (api.list_resource_slice, "ResourceSlice", inputs.slices),
-            (api.list_device_class, "DeviceClass", inputs.classes),
-            (api.list_resource_claim_for_all_namespaces, "ResourceClaim", inputs.claims),
+            (api.list_resource_slice, "ResourceSlice", "resourceslices", inputs.slices),
+            (api.list_device_class, "DeviceClass", "deviceclasses", inputs.classes),
+            (api.list_resource_claim_for_all_namespaces, "ResourceClaim", "resourceclaims", inputs.claims),
         )
-        for fn, kind, dest in fns:
+        for fn, kind, plural, dest in fns:
             resp: Any = fn(_preload_content=False)
-            for item in json.loads(resp.data).get("items") or []:
+            # Under the bounds every reader of the apiserver keeps (dra_gpu.kube_bounds): a tenant's
+            # claim nested 1,500 levels is left out, said on stderr, and the rest is read.
+            page = ListDecoder(resource=plural, on_rejected=_say_left_out)
+            page.feed(resp.data)
+            page.close()
+            for item in page.items:
                 # A list's items carry no kind of their own.
                 item.setdefault("apiVersion", "resource.k8s.io/v1")
                 item.setdefault("kind", kind)

@@ -230,3 +230,48 @@ def test_a_costly_claim_between_others_costs_only_its_own_answer(tmp_path: Path)
     assert answers["before"]["allocatable"] and answers["after"]["allocatable"], answers
     assert not answers["hostile"]["allocatable"]
     assert "memory budget" in answers["hostile"]["reason"] or "took longer" in answers["hostile"]["reason"]
+
+
+def test_a_cluster_claim_too_deep_to_decode_is_left_out_and_said(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`validate` / `explain --kubeconfig` read the cluster's claims under the bounds the plugin
+    and the webhook keep: a tenant's claim nested 1,500 levels (which the apiserver stores) is left
+    out with a warning naming it, and the cluster's other objects are read."""
+    import kubernetes
+
+    from dra_gpu.controller.inputs import Inputs, load_cluster
+
+    deep = '{"n":' + "[" * 1500 + "1" + "]" * 1500 + "}"
+    claims = (
+        '{"kind":"ResourceClaimList","metadata":{},"items":['
+        '{"metadata":{"name":"poisoned","namespace":"t"},"spec":{"devices":{"config":[{"opaque":'
+        '{"driver":"d","parameters":' + deep + "}}]}}},"
+        '{"metadata":{"name":"fine","namespace":"t"},"spec":{}}]}'
+    ).encode()
+
+    class Answer:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+    class Api:
+        def __init__(self, _client: object) -> None:
+            pass
+
+        def list_resource_slice(self, **_: object) -> Answer:
+            return Answer(b'{"items":[]}')
+
+        def list_device_class(self, **_: object) -> Answer:
+            return Answer(b'{"items":[{"metadata":{"name":"c"},"spec":{}}]}')
+
+        def list_resource_claim_for_all_namespaces(self, **_: object) -> Answer:
+            return Answer(claims)
+
+    monkeypatch.setattr(kubernetes.config, "new_client_from_config", lambda **_: object())
+    monkeypatch.setattr(kubernetes.client, "ResourceV1Api", Api)
+    inputs = Inputs()
+    load_cluster("kubeconfig", inputs)
+    assert [c["metadata"]["name"] for c in inputs.claims] == ["fine"]
+    assert [c["metadata"]["name"] for c in inputs.classes] == ["c"]
+    err = capsys.readouterr().err
+    assert "resourceclaims t/poisoned: nested more than 64 levels deep; left out" in err
