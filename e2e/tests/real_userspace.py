@@ -65,25 +65,29 @@ def dpkg_md5(root: Path, rel: str) -> str:
     raise AssertionError(f"{rel} is in no package of {root}")
 
 
-def toolkit_pin() -> str:
+def toolkit_pin(name: str = "NVIDIA_CTK_VERSION") -> str:
     for line in (ROOT / "e2e" / "versions.sh").read_text().splitlines():
-        if line.startswith("NVIDIA_CTK_VERSION="):
+        if line.startswith(f"{name}="):
             return line.split("=", 1)[1].strip()
-    raise AssertionError("e2e/versions.sh has no NVIDIA_CTK_VERSION")
+    raise AssertionError(f"e2e/versions.sh has no {name}")
 
 
-def install_cdi_hook() -> Path:
+def install_cdi_hook(old: bool = False) -> Path:
     """NVIDIA's nvidia-cdi-hook (e2e/build.sh toolkit, built when not cached) installed on the
     node as the GPU Operator's toolkit installs it: a copy in a toolkit directory of the node's
     own (the Debian package would put it at /usr/bin/nvidia-cdi-hook; this one stays under the
-    e2e state dir, so the machine's /usr is not changed)."""
-    built = CACHE / "bin" / f"nvidia-container-toolkit-{toolkit_pin()}"
+    e2e state dir, so the machine's /usr is not changed). `old`: the older release's hook
+    (NVIDIA_CTK_OLD_VERSION), which lacks the newer hooks."""
+    if old:
+        built = CACHE / "bin" / f"nvidia-cdi-hook-{toolkit_pin('NVIDIA_CTK_OLD_VERSION')}"
+    else:
+        built = CACHE / "bin" / f"nvidia-container-toolkit-{toolkit_pin()}"
     if not (built / ".complete").is_file():
         proc = subprocess.run(
             ["bash", str(ROOT / "e2e" / "build.sh"), "toolkit"], capture_output=True, text=True, timeout=1800
         )
         assert proc.returncode == 0, f"e2e/build.sh toolkit failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
-    dest = STATE / "toolkit" / "nvidia-cdi-hook"
+    dest = STATE / ("toolkit-old" if old else "toolkit") / "nvidia-cdi-hook"
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(".nvidia-cdi-hook.tmp")
     shutil.copyfile(built / "nvidia-cdi-hook", tmp)

@@ -97,15 +97,16 @@ class Nodes:
         self.dyn = dyn
         self.host_like = e2e_script("host_like_root")
         self.debian = e2e_script("debian_driver_root")
-        self.current: tuple[str, str, bool] | None = None
+        self.current: tuple[str, str, str] | None = None
         self.plugin: RealUserspacePlugin | None = None
-        self.hook: Path | None = None
+        self.hooks: dict[str, Path] = {}
         self.timings: dict[str, float] = {}
 
     def root(self, suite: str) -> Path:
         return Path(self.debian.driver_root(suite))
 
-    def get(self, suite: str, layout: str = "debian", hook: bool = False) -> RealUserspacePlugin:
+    def get(self, suite: str, layout: str = "debian", hook: str = "") -> RealUserspacePlugin:
+        """`hook`: "" (no hook path), "new" (the toolkit pin's hook) or "old" (the older release's)."""
         key = (suite, layout, hook)
         if self.current == key and self.plugin is not None:
             return self.plugin
@@ -117,22 +118,22 @@ class Nodes:
         else:
             root = run_layout_root(debian, version, STATE / f"run-layout-{suite}")
             nvml_rel = f"{RUN_LIB_DIR}/libnvidia-ml.so.{version}"
-        if hook and self.hook is None:
-            self.hook = install_cdi_hook()
+        if hook and hook not in self.hooks:
+            self.hooks[hook] = install_cdi_hook(old=hook == "old")
         dev_root = STATE / f"dev-{suite}"
         if not dev_root.exists():
             # The kernel's side of a loaded driver of the suite's version: nodes, proc/devices.
             make_kernel_files(self.host_like.node_profile(PROFILE, suite), dev_root)
         nvml = self.host_like.simulated_nvml(PROFILE, suite=suite)
-        log = self.logs / f"plugin-{suite}-{layout}{'-hook' if hook else ''}.log"
+        log = self.logs / f"plugin-{suite}-{layout}{'-hook-' + hook if hook else ''}.log"
         t0 = time.time()
         plugin = RealUserspacePlugin(
-            self.kubeconfig, self.node, log, root, nvml, nvml_rel, dev_root, self.hook if hook else None
+            self.kubeconfig, self.node, log, root, nvml, nvml_rel, dev_root, self.hooks.get(hook)
         )
         plugin.start()
         self.plugin, self.current = plugin, key
         wait_for_gpus(self.dyn, version)
-        self.timings[f"{suite}/{layout}{'+hook' if hook else ''}"] = time.time() - t0
+        self.timings[f"{suite}/{layout}{'+hook-' + hook if hook else ''}"] = time.time() - t0
         return plugin
 
     def stop(self) -> None:
@@ -247,12 +248,15 @@ HOOK_PROBE = (
 )
 
 
-@pytest.mark.parametrize("hooked", [True, False], ids=["hook-path-set", "no-hook-path"])
+@pytest.mark.parametrize("hooked", ["new", "old", ""], ids=["hook-path-set", "hook-1.17", "no-hook-path"])
 def test_update_ldcache_makes_a_loader_that_does_not_search_the_folder_find_libcuda(
     nodes, hooked, core, dyn, namespace, wait_pod
 ):
     """NVIDIA's `.run` layout (usr/lib64) under a Debian image, whose loader searches the multiarch
-    directories and /usr/lib only: libcuda.so.1 is found only through the ld cache the hook makes."""
+    directories and /usr/lib only: libcuda.so.1 is found only through the ld cache the hook makes.
+    With the older release's hook (1.17.8, no disable-device-node-modification) too: the plugin
+    names only the hooks that program has, so the container starts (it did not when every spec
+    named that hook)."""
     plugin = nodes.get("trixie", layout="run", hook=hooked)
     version = SUITES["trixie"]
     phase, log = run_pod(core, dyn, namespace, wait_pod, "ldcache", DEBIAN_IMAGE, HOOK_PROBE)
@@ -265,6 +269,12 @@ def test_update_ldcache_makes_a_loader_that_does_not_search_the_folder_find_libc
         assert int(value(log, "ld cache:")) >= 2  # libcuda.so.1 and libcuda.so (update-ldcache)
         assert value(log, "cuInit") == "100" and value(log, "nvmlInit_v2") == "9"
         assert NO_DRIVER in log
+        # What the program said it has at start (the claim's spec names only those: it ran).
+        said = next(x for x in plugin.log_path.read_text().splitlines() if "CDI hook path=" in x)
+        if hooked == "old":
+            assert "version=1.17.8" in said and "disable-device-node-modification" not in said, said
+        else:
+            assert "disable-device-node-modification" in said, said
     else:
         assert "libcuda.so.1 not loaded: libcuda.so.1: cannot open shared object file" in log, log
         assert "libnvidia-ml.so.1 not loaded: libnvidia-ml.so.1: cannot open shared object file" in log, log
