@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dra_gpu.doctor.report import Result, fail, ok, skip, warn
+from dra_gpu.doctor.report import Result, fail, ok, warn
 from dra_gpu.doctor.settings import NodeCheckSettings
 from dra_gpu.plugin.cdi_hook import APPLY_CUDA_MEMORY_LIMITS, OPTIONAL, REQUIRED, CdiHookError, probe
 
@@ -19,7 +19,8 @@ UPGRADE = (
 def check_cdi_hook(settings: NodeCheckSettings) -> Iterable[Result]:
     path = settings.cdi_hook_path
     if not path:
-        yield skip(NAME, "no --cdi-hook-path ($NVIDIA_CDI_HOOK_PATH): claims' specs name no NVIDIA hook")
+        # Nothing to check, nothing wrong: the specs then bind-mount the driver's files as they are.
+        yield ok(NAME, "no --cdi-hook-path ($NVIDIA_CDI_HOOK_PATH): claims' specs name no NVIDIA hook")
         return
     try:
         hook = probe(path)

@@ -69,8 +69,9 @@ def test_an_unusable_program_fails_naming_its_path(tmp_path: Path) -> None:
     assert result.status is Status.FAIL and "lacks update-ldcache" in result.detail
 
 
-def test_no_hook_path_is_skipped(tmp_path: Path) -> None:
-    assert check(tmp_path, None).status is Status.SKIP
+def test_no_hook_path_is_nothing_to_fix(tmp_path: Path) -> None:
+    result = check(tmp_path, None)
+    assert result.status is Status.OK and "no --cdi-hook-path" in result.detail
 
 
 def test_doctor_takes_the_plugins_hook_path_from_its_environment(
