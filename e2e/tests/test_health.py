@@ -390,7 +390,8 @@ def test_explain_and_validate_name_the_taint_of_the_live_slices(hplugin, dyn, tm
 
 
 def test_mig_device_and_parent_events(hplugin, dyn):
-    """Last in the module: restarts the plugin on the dgx-a100-mig node."""
+    """Restarts the plugin on the dgx-a100-mig node, and on the module's hgx-2x4 node after it:
+    the tests after it (in any order) find the node they were written for."""
     hplugin.stop()
     hplugin.profile = "dgx-a100-mig"
     try:
@@ -414,3 +415,9 @@ def test_mig_device_and_parent_events(hplugin, dyn):
     finally:
         hplugin.stop()
         hplugin.profile = "hgx-2x4"
+        hplugin.start()
+        wait_for(
+            "the hgx-2x4 node's slices again",
+            lambda: len(devices(dyn)) == 8 and not any("mig" in d for d in devices(dyn)),
+            timeout=30,
+        )
