@@ -235,8 +235,19 @@ def fresh_plugin(core, node) -> None:
     wait_for("the plugin's new pod", ready, timeout=120, interval=0.3)
 
 
+def node_at_old(root, node, core, dyn) -> None:
+    """The module's node as it starts: 535's files and module, a plugin pod not yet restarted,
+    535 published, whichever test ran before (a test file's tests run in any order)."""
+    if root.version == NEW:
+        root.downgrade()
+        set_module(node.dev_root, OLD)
+    fresh_plugin(core, node)
+    wait_for("535 published", lambda: published_versions(dyn) == {"535.261.3"}, timeout=60)
+
+
 def test_upgrade_with_pods_running(upgrade, core, dyn, namespace):
     root, node = upgrade
+    node_at_old(root, node, core, dyn)
     assert published_versions(dyn) == {"535.261.3"}
     show("consistent 535", rows := doctor(core, node))
     assert (
