@@ -25,12 +25,13 @@ So, what the plugin can know it refuses: a claim whose driver-held shares are of
 instead would let a tenant opt out of the driver's limit by the shape of its claim. Allowed, because
 every order and subset holds each GPU to no more than the container holds on it: shares of one
 size, on one GPU or several, beside whole GPUs and MPS devices (they set no limit and carry no hook).
-What it cannot know: two claims given to one container (it prepares claims one at a time and never
-sees containers). There the GPUs of the container's driver-held shares are all held to one of those
-shares' sizes, so a share may reach the largest share the same container holds on this node, never
-more; a client that goes through MPS is still held by its daemon's pinned-memory limit (one daemon
-per share, sized to it). Closing it needs either a per-device limit in NVIDIA's hook or a check
-across claims of the pods that reserve them (`status.reservedFor`).
+Across claims it never sees containers, only the pods that reserve each claim
+(`status.reservedFor`): a claim held to another size than a prepared claim one of its pods also
+reserves is refused (`sharing.with_pods`, checked with the node's other claims under the journal's
+lock, so two claims of one pod prepared at once see each other). What it still cannot see: a claim
+prepared for one pod and reserved by another pod later (its recorded pods are those of its
+prepare). There the container's GPUs are all held to one of its shares' sizes: at most the largest
+share it holds on this node, and a client through MPS is still held by its daemon's pinned limit.
 
 Where the driver, the node or the configuration lacks something, a share is enforced only by its
 MPS daemon's pinned-memory limit (cooperative: a client that bypasses MPS is not held to it); the

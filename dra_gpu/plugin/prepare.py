@@ -35,7 +35,7 @@ from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances
 from dra_gpu.plugin.plan import BusyPrepareError, ClaimPlan, Planner, PrepareError
 from dra_gpu.plugin.reconcile import API_DEADLINE, ClaimLister, ClaimSource, Reconciler
 from dra_gpu.plugin.record import ClaimRecord, ClaimState, PreparedDevice
-from dra_gpu.plugin.sharing import Sharing
+from dra_gpu.plugin.sharing import Sharing, with_pods
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,9 @@ class Preparer:
                     return done
                 record = None  # rolled back: the allocation no longer matches what was made
             plan = self.planner.plan(ref, allocation, {})
+            # Who reserves it, next to a driver-held memory limit: check_free refuses a pod that
+            # would get two claims held to different sizes.
+            plan.sharing.record = with_pods(plan.sharing.record, claim)
             if record is not None and record.mig_steps:
                 await self.instances.destroy(record)  # an earlier partial attempt's instances
             entry = self._started(ref, plan).evolve(sharing=plan.sharing.record or None)
@@ -167,6 +170,7 @@ class Preparer:
                     await self.journal.commit()
                     created, entry = await self.instances.create(ref, entry, plan.targets)
                     plan = self.planner.plan(ref, allocation, created)
+                    plan.sharing.record = with_pods(plan.sharing.record, claim)
                     # The made MIG devices' sharing (their UUIDs are known only now).
                     entry = entry.evolve(cdi_spec=plan.spec, sharing=plan.sharing.record or None)
                     async with self.journal.state_lock:

@@ -21,7 +21,7 @@ re-adopts the daemons, restarts a dead one, and stops those no claim owns any mo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import InvalidOperation
 from pathlib import Path
@@ -41,7 +41,15 @@ from dra_gpu.plugin.compute_mode import (
 )
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_programs import program_locator
-from dra_gpu.plugin.memory_limits import COOPERATIVE, Enforcement, MemoryLimits, mixed_sizes
+from dra_gpu.plugin.memory_limits import (
+    COOPERATIVE,
+    HOOK,
+    LIMIT_ENV,
+    Enforcement,
+    MemoryLimits,
+    limit_mib,
+    mixed_sizes,
+)
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
 from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSlices
 
@@ -88,6 +96,37 @@ class SharingPlan:
     record: dict[str, Any] = field(default_factory=dict)
     device_edits: dict[str, DeviceEdits] = field(default_factory=dict)
     memory: dict[str, Enforcement] = field(default_factory=dict)
+
+
+# A sharing record's driver-held memory limit (MiB) and the pods that reserved the claim when it
+# was prepared (its `status.reservedFor`): NVIDIA's hook holds every GPU of a container to one
+# container-wide limit, so two claims held to different sizes must not reach one pod.
+DRIVER_LIMIT = "driverMemoryLimitMiB"
+PODS = "pods"
+
+
+def with_pods(record: dict[str, Any], claim: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` with the pods that reserve `claim`, when the claim is held to a driver limit."""
+    if DRIVER_LIMIT not in record:
+        return record
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    pods = sorted(
+        {str(r.get("uid")) for r in reserved if isinstance(r, dict) and r.get("resource") == "pods"}
+    )
+    return {**record, PODS: pods}
+
+
+def _limit_conflict(record: dict[str, Any], ref: str, other: dict[str, Any]) -> str | None:
+    mine, theirs = record.get(DRIVER_LIMIT), other.get(DRIVER_LIMIT)
+    shared = set(record.get(PODS) or ()) & set(other.get(PODS) or ())
+    if mine is None or theirs is None or mine == theirs or not shared:
+        return None
+    return (
+        f"its memory share is held to {mine} MiB and claim {ref}'s to {theirs} MiB, and pod "
+        f"{sorted(shared)[0]} reserves both: NVIDIA's {HOOK} hook holds every GPU of a container to "
+        f"one container-wide {LIMIT_ENV}, so a container given both would hold one share's GPU to "
+        f"the other's size; give a pod memory shares of one size"
+    )
 
 
 def _daemons(record: dict[str, Any]) -> list[MpsDaemon]:
@@ -173,6 +212,9 @@ class Sharing:
                 modes[d.uuid] = {"mode": EXCLUSIVE_PROCESS}
                 plan.device_edits[d.name] = DeviceEdits(*self.mps.cdi_edits(daemon))
         modes = {uuid: mode for uuid, mode in modes.items() if settable(uuid)}
+        held = {limit_mib(size) for enforcement, size in limited.values() if enforcement.by_driver and size}
+        if held:  # one size (mixed sizes were refused): what the claim's containers are held to
+            plan.record[DRIVER_LIMIT] = held.pop()
         if daemons:
             plan.record["mps"] = [d.to_dict() for d in daemons]
         if modes:
@@ -273,6 +315,9 @@ class Sharing:
             clash = my_mps & {u for d in _daemons(other) for u in d.uuids}  # shares or not
             if clash:
                 return f"device {sorted(clash)[0]} already has an MPS daemon for claim {ref}"
+            problem = _limit_conflict(record, ref, other)
+            if problem:
+                return problem
             for uuid, theirs in _slices(other).items():
                 mine_ts = _slices(record).get(uuid)
                 if mine_ts is not None and mine_ts["level"] != theirs["level"]:

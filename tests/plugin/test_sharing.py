@@ -531,6 +531,40 @@ def test_driver_held_shares_of_different_sizes_in_one_claim_are_refused(core: Pl
     assert core.checkpoint.records() == [] and not core.cdi.path(c["metadata"]["uid"]).exists()
 
 
+def test_a_pod_reserving_two_claims_held_to_different_sizes_gets_the_second_refused(core: PluginCore) -> None:
+    """Across claims: the kubelet prepares a pod's claims one by one, and CDI gives a container
+    one NVIDIA_GPU_MEMORY_LIMIT whatever its devices (the later device's). A claim held to 20Gi
+    whose pod also reserves a claim held to 40Gi is refused, naming the other claim and the pod;
+    the same sizes, or another pod, are prepared."""
+    assert core.preparer.sharing is not None
+    core.preparer.sharing.memory_limits = driver_limits()
+    g0, g1, g2, g3 = gpu_names(core)[:4]
+
+    def held(gpu: str, size: str, pod: str) -> dict:
+        c = share(claim(uid(), [gpu]), str(uuid.uuid4()), {"memory": size})
+        c["status"]["reservedFor"] = [{"resource": "pods", "name": pod, "uid": f"uid-{pod}"}]
+        core.add(c)
+        return c
+
+    first = held(g0, "40Gi", "p")
+    asyncio.run(prepare_claim(core.preparer, ref_of(first)))
+    record = core.checkpoint.get(first["metadata"]["uid"])
+    assert record is not None and record.sharing is not None
+    assert (record.sharing["driverMemoryLimitMiB"], record.sharing["pods"]) == (40960, ["uid-p"])
+    second = held(g1, "20Gi", "p")
+    with pytest.raises(PrepareError) as err:
+        asyncio.run(prepare_claim(core.preparer, ref_of(second)))
+    assert str(err.value).startswith(
+        f"claim {ref_of(second)}: its memory share is held to 20480 MiB and claim {ref_of(first)}'s "
+        "to 40960 MiB, and pod uid-p reserves both: NVIDIA's apply-cuda-memory-limits hook holds"
+    ), err.value
+    assert core.checkpoint.get(second["metadata"]["uid"]) is None
+    assert not core.cdi.path(second["metadata"]["uid"]).exists()
+    for ok in (held(g2, "40Gi", "p"), held(g3, "20Gi", "q")):  # same size; another pod
+        asyncio.run(prepare_claim(core.preparer, ref_of(ok)))
+        assert core.cdi.path(ok["metadata"]["uid"]).exists()
+
+
 def test_unprepare_restores_no_compute_mode_on_a_gpu_gone_from_the_node(tmp_path: Path) -> None:
     """A claim prepared on a GPU the node no longer has (removed, or another node's driver root
     after a restart): its unprepare succeeds instead of failing for ever; other errors still fail."""
