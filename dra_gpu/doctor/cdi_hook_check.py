@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from dra_gpu.doctor.report import Result, fail, ok, warn
 from dra_gpu.doctor.settings import NodeCheckSettings
-from dra_gpu.plugin.cdi_hook import APPLY_CUDA_MEMORY_LIMITS, OPTIONAL, REQUIRED, CdiHookError, probe
+from dra_gpu.plugin.cdi_hook import APPLY_CUDA_MEMORY_LIMITS, OPTIONAL, CdiHookError, probe
 
 NAME = "node/cdi-hook"
 UPGRADE = (
@@ -32,7 +32,7 @@ def check_cdi_hook(settings: NodeCheckSettings) -> Iterable[Result]:
         )
         return
     detail = f"{path}: version {hook.version}, hooks {', '.join(sorted(hook.subcommands))}"
-    required = [name for name in REQUIRED if not hook.supports(name)]
+    required = hook.missing_required()
     if required:
         yield fail(NAME, f"{detail}; lacks {', '.join(required)}: the plugin does not start with it", UPGRADE)
         return

@@ -54,6 +54,13 @@ class CdiHookError(ValueError):
     a ValueError: a setting of the node to fix, as the plugin's start reports it."""
 
 
+def argv_prefix(path: str) -> list[str]:
+    """A spec's argv up to the hook's name: nvidia-ctk runs hooks as `nvidia-ctk hook NAME`,
+    nvidia-cdi-hook as `nvidia-cdi-hook NAME`."""
+    base = os.path.basename(path)
+    return [base, "hook"] if base == "nvidia-ctk" else [base]
+
+
 @dataclass(frozen=True)
 class CdiHook:
     """The hook program and what it answered at start."""
@@ -62,14 +69,12 @@ class CdiHook:
     version: str  # as the program reports it, e.g. "1.17.8"
     subcommands: frozenset[str]  # the hooks it knows (with their aliases), "help" left out
 
-    @property
-    def prefix(self) -> list[str]:
-        """The spec's argv up to the hook's name: nvidia-ctk runs hooks as `nvidia-ctk hook NAME`."""
-        base = os.path.basename(self.path)
-        return [base, "hook"] if base == "nvidia-ctk" else [base]
-
     def supports(self, subcommand: str) -> bool:
         return subcommand in self.subcommands
+
+    def missing_required(self) -> list[str]:
+        """The hooks the driver files cannot do without (REQUIRED) that this program lacks."""
+        return [name for name in REQUIRED if not self.supports(name)]
 
     def missing_optional(self) -> list[str]:
         """The driver files' optional hooks this program lacks (left out of every spec)."""
@@ -144,8 +149,7 @@ def probe(path: str, timeout: float = PROBE_TIMEOUT) -> CdiHook:
             f"CDI hook {path}: no such file where the plugin runs (it must see the host's program at "
             "the same path)"
         )
-    base = os.path.basename(path)
-    hook_help = [path, "hook", "--help"] if base == "nvidia-ctk" else [path, "--help"]
+    hook_help = [path, *argv_prefix(path)[1:], "--help"]
     version = parse_version(_run([path, "--version"], timeout))
     if version is None:
         raise CdiHookError(f"CDI hook {path}: `{path} --version` printed no version")
@@ -159,7 +163,7 @@ def probe_for_driver_files(path: str, timeout: float = PROBE_TIMEOUT) -> CdiHook
     """`probe`, and a CdiHookError when the program lacks a hook the driver files cannot do
     without (REQUIRED)."""
     hook = probe(path, timeout)
-    missing = [name for name in REQUIRED if not hook.supports(name)]
+    missing = hook.missing_required()
     if missing:
         raise CdiHookError(
             f"CDI hook {path} (version {hook.version}) has no {', '.join(missing)} hook; it has "

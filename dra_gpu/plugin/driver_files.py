@@ -46,6 +46,7 @@ from dra_gpu.plugin.cdi_hook import (
     OPTIONAL,
     UPDATE_LDCACHE,
     CdiHook,
+    argv_prefix,
     probe_for_driver_files,
 )
 from dra_gpu.plugin.driver_upgrade import DriverUpgradeError, DriverVersionWatch
@@ -86,12 +87,10 @@ def _links_beside(lib: Library) -> dict[str, str]:
 
 
 def _hook(hook_path: str, name: str, args: list[str]) -> dict[str, Any]:
-    base = os.path.basename(hook_path)
-    prefix = [base, "hook"] if base == "nvidia-ctk" else [base]
     return {
         "hookName": "createContainer",
         "path": hook_path,
-        "args": [*prefix, name, *args],
+        "args": [*argv_prefix(hook_path), name, *args],
         "env": ["NVIDIA_CTK_DEBUG=false"],
     }
 

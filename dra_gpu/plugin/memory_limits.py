@@ -42,15 +42,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dra_gpu.plugin.cdi_hook import APPLY_CUDA_MEMORY_LIMITS, argv_prefix
+
 log = logging.getLogger(__name__)
 
-HOOK = "apply-cuda-memory-limits"
+HOOK = APPLY_CUDA_MEMORY_LIMITS
 LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
 REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"
 SET_FUNCTION = "nvmlDeviceSetMemoryLimits_v1"
@@ -96,14 +97,19 @@ class MemoryLimits:
         if not self.for_gpu(uuid).by_driver or self.hook_path is None:
             return {}, []
         mib = str(limit_mib(memory_bytes))
-        base = os.path.basename(self.hook_path)
-        prefix = [base, "hook"] if base == "nvidia-ctk" else [base]
         # The hook's only per-device argument is the GPU; the limit it sets on that GPU is the
         # container's environment value (see the module docstring).
         hook = {
             "hookName": "createRuntime",
             "path": self.hook_path,
-            "args": [*prefix, HOOK, "--driver-root", self.host_driver_root, "--gpu-id", uuid],
+            "args": [
+                *argv_prefix(self.hook_path),
+                HOOK,
+                "--driver-root",
+                self.host_driver_root,
+                "--gpu-id",
+                uuid,
+            ],
             "env": ["NVIDIA_CTK_DEBUG=false", *(f"{k}={v}" for k, v in sorted(self.hook_env.items()))],
         }
         return {LIMIT_ENV: mib, REQUEST_ENV: mib}, [hook]

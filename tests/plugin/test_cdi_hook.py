@@ -14,6 +14,7 @@ import pytest
 
 from dra_gpu.plugin.cdi_hook import (
     CdiHookError,
+    argv_prefix,
     parse_subcommands,
     parse_version,
     probe,
@@ -57,7 +58,7 @@ def test_nvidia_ctk_is_asked_for_its_hook_command(tmp_path: Path) -> None:
         str(fake_hook(tmp_path, HELP_V3, "NVIDIA Container Toolkit CLI version 1.20.2", "nvidia-ctk"))
     )
     assert ctk.supports("disable-device-node-modification")
-    assert ctk.prefix == ["nvidia-ctk", "hook"]
+    assert argv_prefix(ctk.path) == ["nvidia-ctk", "hook"]
 
 
 def test_runs_with_a_small_fixed_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
