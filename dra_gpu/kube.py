@@ -365,8 +365,9 @@ class Kube:
             return REJECTED, {"metadata": event.metadata()}
         return event
 
-    async def post_rejection_events(self, instance: str) -> None:
-        """An Event on each object rejected lately (Rejections.take_events), as `instance`. The
+    async def post_rejection_events(self, instance: str | None = None) -> None:
+        """An Event on each object rejected lately (Rejections.take_events), as `instance`
+        (default: this node, or this pod or host). The
         Event's name is derived from the object's, so every replica and node posts the same one
         (the apiserver keeps the first: 409); without RBAC for Events, none is tried again."""
         for rejected in self.rejections.take_events():
@@ -375,7 +376,7 @@ class Kube:
             try:
                 await self.create(
                     f"{EVENTS_V1}/namespaces/{rejected.namespace or 'default'}/events",
-                    rejection_event(rejected, instance),
+                    rejection_event(rejected, instance or _instance()),
                 )
             except KubeError as exc:
                 if exc.status == HTTP_FORBIDDEN:
@@ -474,7 +475,6 @@ async def list_watch(
     keep: Keep | None = None,
     watch_seconds: int = 300,
     backoff: Backoff = Backoff(),
-    instance: str = "",
     transform: Transform | None = None,
 ) -> None:
     """List a collection, then watch it from the list's resourceVersion, forever (cancel to stop).
@@ -484,8 +484,7 @@ async def list_watch(
     given, so that a list holds what the view keeps); `on_event(type, object)` every ADDED,
     MODIFIED or DELETED event and returns False to have the collection listed again at once. An
     object over the bounds (kube_bounds) is left out of a list and is a REJECTED event in a watch
-    (its metadata only: drop the copy held); each is reported (Kube.rejections, an Event as
-    `instance`). A new
+    (its metadata only: drop the copy held); each is reported (Kube.rejections, an Event). A new
     list also follows the end of each watch and a 410 Gone (the resourceVersion is too old). Any
     other failure is retried after a backoff that grows until a round (list, then watch to its end)
     succeeds. The watch has a deadline of its own, so a stalled connection cannot hang the loop.
@@ -506,7 +505,6 @@ async def list_watch(
                     keep,
                     watch_seconds,
                     backoff,
-                    instance,
                     transform,
                 )
 
@@ -520,14 +518,13 @@ async def _list_then_watch(
     keep: Keep | None,
     watch_seconds: int,
     backoff: Backoff,
-    instance: str,
     transform: Transform | None,
 ) -> None:
     items, version = await kube.list_objects(
         path, field_selector, keep=keep, backoff=backoff, transform=transform
     )
     await on_list(items, version)
-    await kube.post_rejection_events(instance or _instance())
+    await kube.post_rejection_events()
     # Each watch (and so each list after it) lasts between one and two `watch_seconds`, like
     # client-go's reflectors: a fleet started together does not list again in step.
     seconds = random.randint(watch_seconds, 2 * watch_seconds)
@@ -546,7 +543,7 @@ async def _list_then_watch(
                         return
                     raise KubeError(code, f"watch {path}: {obj.get('message') or obj}")
                 if kind == REJECTED:
-                    await kube.post_rejection_events(instance or _instance())
+                    await kube.post_rejection_events()
                 if not await on_event(kind, obj):
                     return
     except KubeError as exc:

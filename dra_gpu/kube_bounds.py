@@ -91,6 +91,9 @@ def reject(resource: str, obj: Any, reason: str) -> Rejected:
     )
 
 
+TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
+
+
 def too_large(size: int, at_least: bool = False) -> str:
     size_text = f"more than {size}" if at_least else str(size)
     return f"its JSON is {size_text} bytes, more than the {MAX_OBJECT_BYTES} accepted"
@@ -101,7 +104,7 @@ def over_bounds(obj: Any, size: int) -> str | None:
     if size > MAX_OBJECT_BYTES:
         return too_large(size)
     if isinstance(obj, dict | list) and nested_deeper(obj, MAX_DEPTH):
-        return f"nested more than {MAX_DEPTH} levels deep"
+        return TOO_DEEP
     return None
 
 
@@ -129,7 +132,7 @@ def decode_object(raw: bytes, resource: str) -> Any:
         obj = json.loads(raw)
     except RecursionError:
         text = raw[:IDENTITY_PREFIX].decode(errors="replace")
-        raise ObjectRejected(identify(resource, text, f"nested more than {MAX_DEPTH} levels deep")) from None
+        raise ObjectRejected(identify(resource, text, TOO_DEEP)) from None
     reason = over_bounds(obj, len(raw))
     if reason:
         raise ObjectRejected(reject(resource, obj, reason))
@@ -321,7 +324,7 @@ def decode_event(line: bytes | LongLine, resource: str) -> tuple[str, Any] | Rej
         event = json.loads(line)
     except RecursionError:
         text = line[:IDENTITY_PREFIX].decode(errors="replace")
-        return identify(resource, text, f"nested more than {MAX_DEPTH} levels deep")
+        return identify(resource, text, TOO_DEEP)
     obj = event.get("object") if isinstance(event, dict) else None
     if not isinstance(obj, dict):
         raise ValueError(f"watch {resource}: a line is not an event: {line[:200]!r}")

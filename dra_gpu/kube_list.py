@@ -25,10 +25,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from dra_gpu.decoding import MAX_DEPTH
 from dra_gpu.kube_bounds import (
     IDENTITY_PREFIX,
     MAX_OBJECT_BYTES,
+    TOO_DEEP,
     Rejected,
     ValueSkipper,
     identify,
@@ -184,7 +184,7 @@ class ListDecoder:
         try:
             value = self._value()
         except RecursionError:
-            reason = f"nested more than {MAX_DEPTH} levels deep"
+            reason = TOO_DEEP
         else:
             if value is not _MORE:
                 return value

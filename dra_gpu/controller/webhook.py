@@ -57,10 +57,10 @@ from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.review_pool import OverBudget, ReviewPool, ReviewResult
 from dra_gpu.controller.rules import KINDS
 from dra_gpu.controller.schemas import ADMISSION_REVIEW
-from dra_gpu.decoding import MAX_DEPTH, decode
+from dra_gpu.decoding import decode
 from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
-from dra_gpu.kube_bounds import IDENTITY_PREFIX
+from dra_gpu.kube_bounds import IDENTITY_PREFIX, TOO_DEEP
 from dra_gpu.model import DEFAULT_DRIVER_NAME
 
 log = logging.getLogger(__name__)
@@ -419,7 +419,7 @@ def _too_deep(raw: bytes) -> tuple[str, dict[str, Any]] | None:
     if uid is None:
         return None
     kind = _REQUEST_KIND.search(head, uid.end())
-    message = f"request.object: nested more than {MAX_DEPTH} levels deep; the GPU driver reads no such object"
+    message = f"request.object: {TOO_DEEP}; the GPU driver reads no such object"
     response = {
         "uid": uid.group(1),
         "allowed": False,
