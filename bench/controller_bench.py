@@ -42,9 +42,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from simnode.fake import discover_node  # noqa: E402
+
 from bench.open_loop import open_loop  # noqa: E402
-from dra_gpu.simnode.fake import discover_node  # noqa: E402
-from dra_gpu.slices import build_slices  # noqa: E402
+from dra_gpu.node.slices import build_slices  # noqa: E402
 from tests.controller.objects import GPU_CLASS, NVLINK, allocated, claim  # noqa: E402
 from tests.controller.test_webhook import make_cert  # noqa: E402
 

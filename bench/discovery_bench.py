@@ -11,10 +11,11 @@ import statistics
 import time
 import tracemalloc
 
+from simnode.fake import simulated_nvml
+from simnode.profiles import load_profile
+
 from dra_gpu.discovery import discover
-from dra_gpu.simnode.fake import simulated_nvml
-from dra_gpu.simnode.profiles import load_profile
-from dra_gpu.slices import build_slices
+from dra_gpu.node.slices import build_slices
 
 PROFILES = ("hgx-2x4", "dgx-h100", "dgx-a100-mig")
 

@@ -1,5 +1,5 @@
 """What durability alone costs a write on this machine's disk: the atomic, fsynced write the
-plugin makes of the files that must outlive a power loss (`dra_gpu.durable.replace_durably`: a
+plugin makes of the files that must outlive a power loss (`dra_gpu.common.durable.replace_durably`: a
 temp file, fsync, rename, fsync of the directory; the health taint book), the atomic write without
 fsync it makes of the boot-scoped ones (`replace_atomically`: a claim's CDI spec and the
 checkpoint), and the same bytes written as the peer driver writes its spec (one `write`, no temp
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dra_gpu.durable import fsync_dir, remove_file, replace_atomically, replace_durably
+from dra_gpu.common.durable import fsync_dir, remove_file, replace_atomically, replace_durably
 
 DEFAULT_DIRS = ("/var/run/cdi", "/var/lib/kubelet/plugins")
 

@@ -26,16 +26,16 @@ from typing import Any
 
 import pynvml
 from prometheus_client import CollectorRegistry
+from simnode.fake import simulated_nvml
+from simnode.profiles import load_profile
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.discovery import discover
 from dra_gpu.health.node import HealthConfig, HealthNode, taint_key
-from dra_gpu.kube import RESOURCE_V1, Kube
+from dra_gpu.kube.api import RESOURCE_V1, Kube
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import SlicePublisher
+from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.gpu_driver import GpuDriver
-from dra_gpu.simnode.fake import simulated_nvml
-from dra_gpu.simnode.profiles import load_profile
 
 DRIVER = "bench-health.dra-gpu.io"
 NODE = "bench-health-node"

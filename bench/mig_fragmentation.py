@@ -29,14 +29,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from simnode.fake import discover_node  # noqa: E402
+
 from dra_gpu.controller.allocator import place  # noqa: E402
 from dra_gpu.controller.allocator_view import Cluster  # noqa: E402
 from dra_gpu.controller.rules import Validator  # noqa: E402
-from dra_gpu.device_catalog import DeviceCatalog  # noqa: E402
-from dra_gpu.dynamic_mig import PLACEMENT_ORDERS, PlacementOrder  # noqa: E402
-from dra_gpu.model import DEFAULT_DRIVER_NAME as DRIVER  # noqa: E402
-from dra_gpu.simnode.fake import discover_node  # noqa: E402
-from dra_gpu.slices import SliceBuilder  # noqa: E402
+from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME as DRIVER  # noqa: E402
+from dra_gpu.node.catalog import DeviceCatalog  # noqa: E402
+from dra_gpu.node.dynamic_mig import PLACEMENT_ORDERS, PlacementOrder  # noqa: E402
+from dra_gpu.node.slices import SliceBuilder  # noqa: E402
 
 NODE = "node-a"
 MIX = (("1g.10gb", 0.45), ("2g.20gb", 0.25), ("3g.40gb", 0.20), ("7g.80gb", 0.10))

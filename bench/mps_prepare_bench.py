@@ -22,16 +22,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dra_gpu.api import API_VERSION
-from dra_gpu.device_catalog import DeviceCatalog
+from simnode.builder import ensure_driver_root
+from simnode.fake import discover_node
+
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.model.config import API_VERSION
+from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.simnode.builder import ensure_driver_root
-from dra_gpu.simnode.fake import discover_node
 from tests.fake_node import create_simulated, fake_sharing
 
 ROOT = Path(__file__).resolve().parents[1]

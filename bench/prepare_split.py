@@ -30,16 +30,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from simnode.fake import discover_node  # noqa: E402
+
 from bench.prepare_bench import bench_profile  # noqa: E402
-from dra_gpu.device_catalog import DeviceCatalog  # noqa: E402
 from dra_gpu.kubeletplugin.claims import ClaimFetcher  # noqa: E402
 from dra_gpu.kubeletplugin.driver import ClaimRef  # noqa: E402
+from dra_gpu.node.catalog import DeviceCatalog  # noqa: E402
 from dra_gpu.plugin.cdi import CdiSpecs  # noqa: E402
 from dra_gpu.plugin.checkpoint import Checkpoint  # noqa: E402
 from dra_gpu.plugin.device_nodes import DeviceNodes  # noqa: E402
 from dra_gpu.plugin.driver_files import DriverFiles  # noqa: E402
 from dra_gpu.plugin.prepare import Preparer  # noqa: E402
-from dra_gpu.simnode.fake import discover_node  # noqa: E402
 from tests.fake_node import create_simulated  # noqa: E402
 
 DRIVER, NODE = "gpu.dra-gpu.io", "bench-node"

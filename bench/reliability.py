@@ -127,7 +127,7 @@ def objects(n: int, rng: random.Random) -> list[str]:
 
 
 def opaque_configs(n: int, rng: random.Random) -> list[str]:
-    from dra_gpu.api import ConfigError, decode
+    from dra_gpu.model.config import ConfigError, decode
 
     base = {"apiVersion": "gpu.dra-gpu.io/v1alpha1", "kind": "GpuConfig",
             "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 50,
@@ -141,7 +141,7 @@ def opaque_configs(n: int, rng: random.Random) -> list[str]:
 
 
 def quantities(n: int, rng: random.Random) -> list[str]:
-    from dra_gpu.kubernetes_values import parse_quantity
+    from dra_gpu.kube.values import parse_quantity
 
     def check(text: str) -> None:
         """Parse, then what the callers do with a quantity: compare it and convert it to bytes."""
@@ -163,7 +163,7 @@ def quantities(n: int, rng: random.Random) -> list[str]:
 
 
 def profiles(n: int, rng: random.Random) -> list[str]:
-    from dra_gpu.simnode.profiles import ProfileError, parse_profile
+    from simnode.profiles import ProfileError, parse_profile
 
     base = yaml.safe_load(profile([gpu(0, nvlinkCount=2, mig={"enabled": False}), gpu(1)]))
 

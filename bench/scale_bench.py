@@ -51,8 +51,8 @@ from typing import Any, cast
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dra_gpu.durable import replace_atomically  # noqa: E402
-from dra_gpu.kube import RESOURCE_V1, Kube, list_watch  # noqa: E402
+from dra_gpu.common.durable import replace_atomically  # noqa: E402
+from dra_gpu.kube.api import RESOURCE_V1, Kube, list_watch  # noqa: E402
 
 DRIVER = "gpu.dra-gpu.io"
 PROFILE = "hgx-2x4"
@@ -458,12 +458,12 @@ async def run_publishers(
     `case`: mig, the dgx-h100-mig profile with dynamic MIG on; share, memory shares on."""
     from kubernetes.aio import client as kclient
     from kubernetes.aio import config as kconfig
+    from simnode.fake import discover_node
 
     from dra_gpu.kubeletplugin.metrics import PluginMetrics
     from dra_gpu.kubeletplugin.publisher import SlicePublisher
+    from dra_gpu.node.slices import build_slices
     from dra_gpu.plugin.claim_cache import ClaimCache
-    from dra_gpu.simnode.fake import discover_node
-    from dra_gpu.slices import build_slices
 
     configuration = kclient.Configuration()
     await kconfig.load_kube_config(  # type: ignore[no-untyped-call]
@@ -543,7 +543,7 @@ class InstantInstances:
         }
 
     async def bind(self, _ref: Any, claim: dict[str, Any]) -> dict[str, Any]:
-        from dra_gpu.model import MigDevice
+        from dra_gpu.model.inventory import MigDevice
 
         results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")
         made = {}

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dra_gpu.common.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
+from dra_gpu.common.safe_output import safe_streams
 from dra_gpu.controller.commands import add_commands
-from dra_gpu.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
-from dra_gpu.model import DEFAULT_DRIVER_NAME
-from dra_gpu.safe_output import safe_streams
+from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 CONTROLLER_COMMANDS = ("validate", "explain", "controller")
 
@@ -103,14 +103,14 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
 def _add_node_commands(sub: Any) -> None:
     from dra_gpu.doctor.command import add_doctor_command
     from dra_gpu.health.command import add_health_command, add_health_flags
-    from dra_gpu.node_flags import add_node_flags
-    from dra_gpu.simnode.profiles import BUILTIN_PROFILES
+    from dra_gpu.node.flags import add_node_flags
 
     inv = sub.add_parser("inventory", help="discover this node's GPUs (or a simulated node's)")
     inv.add_argument(
         "--profile",
         metavar="NAME|PATH",
-        help=f"simulated node: one of {', '.join(BUILTIN_PROFILES)} or a YAML file",
+        help="a simulated node: a built-in profile's name or a YAML file (needs the simulator package, "
+        "dra-gpu-simnode)",
     )
     inv.add_argument(
         "--node-name", default=None, help="node (and pool) name; default: $NODE_NAME or the host name"
@@ -218,14 +218,13 @@ def _add_node_commands(sub: Any) -> None:
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
-    from dra_gpu import failpoints
+    from dra_gpu.common import failpoints
     from dra_gpu.discovery import NvmlUnavailableError
     from dra_gpu.health.command import health_config
-    from dra_gpu.node_settings import NodeSettings
+    from dra_gpu.node.profiles import NodePreparationError
+    from dra_gpu.node.settings import NodeSettings
     from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
     from dra_gpu.plugin.server import PluginConfig, run
-    from dra_gpu.simnode.node import SimulatedNodeError
-    from dra_gpu.simnode.profiles import ProfileError
 
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
@@ -255,7 +254,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     except (CheckpointVersionError, CheckpointRebuildError) as exc:
         print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
         return EXIT_STATE
-    except (NvmlUnavailableError, ProfileError, SimulatedNodeError, ValueError) as exc:
+    except (NvmlUnavailableError, NodePreparationError, ValueError) as exc:
         print(f"dra-gpu kubelet-plugin: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -269,12 +268,11 @@ def cmd_inventory(args: argparse.Namespace) -> int:
     from dra_gpu.discovery.driver_install import describe as describe_installation
     from dra_gpu.discovery.driver_install import discover_installation
     from dra_gpu.discovery.driver_versions import DriverVersionMismatchError
-    from dra_gpu.inventory_report import render
-    from dra_gpu.node_backend import open_backend
-    from dra_gpu.node_settings import NodeSettings
-    from dra_gpu.simnode.node import SimulatedNodeError
-    from dra_gpu.simnode.profiles import BUILTIN_PROFILES, ProfileError
-    from dra_gpu.slices import SliceLimitError, build_slices
+    from dra_gpu.node.backend import open_backend
+    from dra_gpu.node.inventory_report import render
+    from dra_gpu.node.profiles import INSTALL_HINT, NodePreparationError, profile_names
+    from dra_gpu.node.settings import NodeSettings
+    from dra_gpu.node.slices import SliceLimitError, build_slices
 
     node = NodeSettings.from_args(args)
     try:
@@ -283,7 +281,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
             dev_root = Path(scratch) if node.simulated else node.dev_root
             backend = open_backend(node.profile, node.driver_root, dev_root, node.cache_dir)
             inventory = backend.discover(node.node_name, dynamic_mig=node.dynamic_mig)
-    except SimulatedNodeError as exc:
+    except NodePreparationError as exc:
         print(f"dra-gpu: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except DriverVersionMismatchError as exc:  # a driver is there, of two versions
@@ -293,14 +291,12 @@ def cmd_inventory(args: argparse.Namespace) -> int:
         if args.profile:
             print(f"dra-gpu: simulated node {args.profile}: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        names = profile_names()
         print(
             f"dra-gpu: {exc}. No NVIDIA driver on this machine? Use a simulated node: "
-            f"--profile NAME (one of {', '.join(BUILTIN_PROFILES)}) or --profile FILE.",
+            + (f"--profile NAME (one of {', '.join(names)}) or --profile FILE." if names else INSTALL_HINT),
             file=sys.stderr,
         )
-        return EXIT_USAGE
-    except ProfileError as exc:
-        print(f"dra-gpu: invalid profile: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.slices:
         try:

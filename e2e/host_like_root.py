@@ -10,7 +10,7 @@ installed: a root of `e2e/debian_driver_root.py` (by default trixie's: NVIDIA's 
 firmware, and the root's own glibc 2.41, unlike the plugin image's; `--suite bookworm`: 535.261.03
 and glibc 2.36), in which only Debian's
 `usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.<version>` is replaced by the simulated
-NVML of `dra_gpu.simnode` (compiled against NVIDIA's nvml.h) reporting the suite's driver version
+NVML of `simnode` (compiled against NVIDIA's nvml.h) reporting the suite's driver version
 and its CUDA version (12.4 for 550, 12.2 for 535) for the profile's GPUs. Same path, same file
 name: Debian's alternatives links
 (`usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 -> /etc/alternatives/... -> nvidia/current/
@@ -55,9 +55,9 @@ from types import ModuleType
 E2E = Path(__file__).resolve().parent
 sys.path.insert(0, str(E2E.parent))  # the checkout's dra_gpu, also when run as a script
 
-from dra_gpu.simnode.builder import default_cache_dir, ensure_nvml_library  # noqa: E402
-from dra_gpu.simnode.devnodes import make_device_nodes  # noqa: E402
-from dra_gpu.simnode.profiles import NodeProfile, load_profile  # noqa: E402
+from simnode.builder import default_cache_dir, ensure_nvml_library  # noqa: E402
+from simnode.devnodes import make_device_nodes  # noqa: E402
+from simnode.profiles import NodeProfile, load_profile  # noqa: E402
 
 SUITE = "trixie"  # the default suite
 # What NVIDIA's libcuda of each suite reports (cuDriverGetVersion): CUDA 12.4 (550), 12.2 (535).

@@ -29,6 +29,11 @@ SUITE=bookworm
 MIRROR="${E2E_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 ARCHIVE="$IMAGES/dra-gpu.tar"
 META="$IMAGES/dra-gpu.json"
+# The simulator's image: the driver's image plus the simulator's own distribution (sim/), for the
+# chart's simulatedProfile. The driver's image never carries it.
+SIM_ARCHIVE="$IMAGES/dra-gpu-simnode.tar"
+SIM_META="$IMAGES/dra-gpu-simnode.json"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 
 log() { printf '[image %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -134,8 +139,14 @@ main() {
   name="localhost/dra-gpu:$version"
   if [ -f "$ARCHIVE" ] && [ -f "$META" ] && grep -q "\"key\": \"$key\"" "$META"; then
     log "$name cached ($ARCHIVE, inputs $key)"
-    return
+  else
+    driver_image "$key" "$base" "$build_base" "$version" "$name"
   fi
+  simnode_image "$key" "$version"
+}
+
+driver_image() { # KEY BASE BUILD_BASE VERSION NAME: builds the driver's image into $ARCHIVE
+  local key="$1" base="$2" build_base="$3" version="$4" name="$5" t0=$SECONDS
   local ctx="$CACHE/image-context"
   rm -rf "$ctx" && mkdir -p "$ctx"
   (cd "$ROOT" && context_files | xargs -0 cp --parents -t "$ctx")
@@ -155,6 +166,9 @@ main() {
   local c="$CONTAINER"
   mnt="$(bah mount "$c")"
   size="$(du -sb "$mnt" | cut -f1)"
+  # The simulator is its own distribution: nothing of it (package, C sources) is in the driver's image.
+  local sim_files
+  sim_files="$(find "$mnt/opt" \( -path '*simnode*' -o -name 'libnvidia-ml.c' -o -name 'simgpu.h' \) | wc -l)"
   bah umount "$c" >/dev/null
   version_out="$(bah run --isolation chroot --user 65532:65532 "$c" -- dra-gpu --version)"
   packages="$(bah run --isolation chroot "$c" -- python3 -c 'import importlib.metadata as m, json
@@ -169,12 +183,45 @@ print(json.dumps(sorted(f"{d.name}=={d.version}" for d in m.distributions())))')
   rm -rf "$ctx"
   cat >"$META" <<EOF
 {"key": "$key", "name": "$name", "base": "$base", "build_base": "$build_base",
- "rootfs_bytes": $size,
+ "rootfs_bytes": $size, "simulator_files": $sim_files,
  "archive_bytes": $(stat -c %s "$ARCHIVE"), "build_seconds": $build_s,
  "version": "$version_out", "packages": $packages}
 EOF
   log "$name: rootfs $((size / 1000000)) MB, archive $(($(stat -c %s "$ARCHIVE") / 1000000)) MB," \
     "bud $build_s s, all $((SECONDS - t0)) s; '$version_out'"
+}
+
+simnode_image() { # KEY VERSION: the driver's image plus the simulator package, into $SIM_ARCHIVE
+  local key="$1" version="$2" t0=$SECONDS sim_key site purelib profiles
+  local name="localhost/dra-gpu-simnode:$version"
+  sim_key="$( { echo "$key"; (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard -- sim \
+    | sort -z | xargs -0 sha256sum); } | sha256sum | cut -c1-16)"
+  if [ -f "$SIM_ARCHIVE" ] && [ -f "$SIM_META" ] && grep -q "\"key\": \"$sim_key\"" "$SIM_META"; then
+    log "$name cached ($SIM_ARCHIVE, inputs $sim_key)"
+    return
+  fi
+  site="$(mktemp -d)"
+  # A pure-Python distribution: pip installs it into a directory, copied into the image's venv.
+  "$PYTHON" -m pip install --quiet --no-deps --no-compile --no-build-isolation --target "$site" "$ROOT/sim" >&2
+  CONTAINER="$(bah from --quiet "oci-archive:$ARCHIVE")"
+  purelib="$(bah run --isolation chroot "$CONTAINER" -- python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  bah copy --quiet "$CONTAINER" "$site" "$purelib" >/dev/null
+  rm -rf "$site"
+  bah config --label org.opencontainers.image.title="dra-gpu-simnode" \
+    --label org.opencontainers.image.description="dra-gpu with its simulated GPU node (demos, tests)" "$CONTAINER"
+  # The driver finds it through its entry point, as the image's user.
+  profiles="$(bah run --isolation chroot --user 65532:65532 "$CONTAINER" -- python3 -c \
+    'from dra_gpu.node.profiles import profile_names; print(" ".join(profile_names()))')"
+  [ -n "$profiles" ] || { log "$name: dra-gpu does not see the simulator's profiles"; return 1; }
+  bah commit --quiet --rm "$CONTAINER" "$name" >/dev/null && CONTAINER=
+  rm -f "$SIM_ARCHIVE.tmp"
+  bah push --quiet "$name" "oci-archive:$SIM_ARCHIVE.tmp:$name" >&2
+  mv "$SIM_ARCHIVE.tmp" "$SIM_ARCHIVE"
+  bah rmi "$name" >/dev/null 2>&1 || true
+  cat >"$SIM_META" <<EOF
+{"key": "$sim_key", "name": "$name", "profiles": "$profiles", "seconds": $((SECONDS - t0))}
+EOF
+  log "$name: profiles $profiles, $((SECONDS - t0)) s"
 }
 
 main "$@"

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 from hypothesis import settings
+from simnode.fake import simulated_nvml
+from simnode.profiles import parse_profile
 
-from dra_gpu import failpoints
+from dra_gpu.common import failpoints
 from dra_gpu.discovery import discover
-from dra_gpu.model import Inventory
-from dra_gpu.simnode.fake import simulated_nvml
-from dra_gpu.simnode.profiles import parse_profile
+from dra_gpu.model.inventory import Inventory
 from e2e.harness import skips
 from tests.mutation import PROFILE, reach_report
 

@@ -13,7 +13,7 @@ from types import ModuleType
 
 DEB = "usr/lib/x86_64-linux-gnu"
 VERSION = "570.133.20"
-MPS_CONTROL_SOURCE = Path(__file__).parents[1] / "dra_gpu" / "simnode" / "src" / "mps-control.c"
+MPS_CONTROL_SOURCE = Path(__file__).parents[1] / "sim" / "simnode" / "src" / "mps-control.c"
 
 
 def _so(path: Path, soname: str | None) -> None:
@@ -43,7 +43,7 @@ def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: boo
         '#!/bin/sh\necho "$*" >> "${DRA_GPU_SIM_DEV_DIR:-/tmp}/nvidia-smi.calls"\n'
     )
     (bindir / "nvidia-smi").chmod(0o755)
-    # The simulated MPS control daemon (dra_gpu/simnode): the plugin starts and asks it for real.
+    # The simulated MPS control daemon (sim/simnode): the plugin starts and asks it for real.
     subprocess.run(
         ["cc", "-O1", "-o", str(bindir / "nvidia-cuda-mps-control"), str(MPS_CONTROL_SOURCE)], check=True
     )
@@ -105,8 +105,8 @@ def with_simulated_nvml(root: Path, dest: Path, profile: str | Path, cache: Path
     import os
     import shutil
 
-    from dra_gpu.simnode.builder import ensure_nvml_library
-    from dra_gpu.simnode.profiles import load_profile
+    from simnode.builder import ensure_nvml_library
+    from simnode.profiles import load_profile
 
     version = load_profile(str(profile)).driver_version
 

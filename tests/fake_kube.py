@@ -1,4 +1,4 @@
-"""An in-memory Kubernetes API behind the `ApiClient` interface that `dra_gpu.kube.Kube` calls.
+"""An in-memory Kubernetes API behind the `ApiClient` interface that `dra_gpu.kube.api.Kube` calls.
 
 It answers the few requests the driver makes (list, get, server-side apply, delete, watch) the way
 the apiserver does: resourceVersions, field selectors, lists in pages (`limit` / `continue`, 410
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dra_gpu.kube import Kube
+from dra_gpu.kube.api import Kube
 
 _PATH = re.compile(
     r"^/(?:apis/[^/]+|api)/[^/]+/(?:namespaces/(?P<ns>[^/]+)/)?(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"

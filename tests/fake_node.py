@@ -1,7 +1,7 @@
 """The Python fake's node for pure in-process unit tests and benchmarks: device nodes and MIG
 capability files as a loaded driver would have made them, and sharing on a `FakeNvml`.
 
-The product never uses these: a simulated node's nodes are made by `dra_gpu.simnode.node` and its
+The product never uses these: a simulated node's nodes are made by `simnode.node` and its
 NVML is the simulated C library. Unit tests of the preparer, health and sharing construct them
 directly with the fake, which runs in-process (several profiles per process, no mknod needed for
 most of it, no compiler)."""
@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from simnode.devnodes import NVIDIA_MAJOR, NVIDIACTL_MINOR, make_char
+from simnode.fake_nvml import FakeNvml
+from simnode.node import CAPS_MAJOR as SIM_CAPS_MAJOR
+from simnode.node import MODESET_MINOR as NVIDIA_MODESET_MINOR
+from simnode.node import UVM_MAJOR as SIM_UVM_MAJOR
+from simnode.profiles import load_profile
+
 from dra_gpu.discovery.kernel_devices import CAPS, UVM
-from dra_gpu.model import Inventory
+from dra_gpu.model.inventory import Inventory
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.sharing import Sharing, node_sharing
-from dra_gpu.simnode.devnodes import NVIDIA_MAJOR, NVIDIACTL_MINOR, make_char
-from dra_gpu.simnode.fake_nvml import FakeNvml
-from dra_gpu.simnode.node import CAPS_MAJOR as SIM_CAPS_MAJOR
-from dra_gpu.simnode.node import MODESET_MINOR as NVIDIA_MODESET_MINOR
-from dra_gpu.simnode.node import UVM_MAJOR as SIM_UVM_MAJOR
-from dra_gpu.simnode.profiles import load_profile
 
 
 def fake_sharing(mps_root: Path, driver_files: DriverFiles, profile: str, dev_root: Path) -> Sharing:

@@ -9,8 +9,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import build_slices
+from simnode.fake import discover_node
+
+from dra_gpu.node.slices import build_slices
 from tests.controller.objects import DRIVER
 
 

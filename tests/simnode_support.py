@@ -1,4 +1,4 @@
-"""Helpers for the tests of the simulated libnvidia-ml.so.1 (dra_gpu/simnode).
+"""Helpers for the tests of the simulated libnvidia-ml.so.1 (sim/simnode).
 
 One process can load only one libnvidia-ml.so.1, so every check runs in a child Python that loads
 the library by full path first (`ctypes.CDLL(<path>)`), then uses pynvml as a real node does. The
@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from dra_gpu.simnode.builder import default_cache_dir, ensure_nvml_library
-from dra_gpu.simnode.devnodes import make_device_nodes
-from dra_gpu.simnode.nvml_header import HEADER_ENV, NvmlHeaderUnreachable, nvml_header
-from dra_gpu.simnode.profiles import load_profile
+from simnode.builder import default_cache_dir, ensure_nvml_library
+from simnode.devnodes import make_device_nodes
+from simnode.nvml_header import HEADER_ENV, NvmlHeaderUnreachable, nvml_header
+from simnode.profiles import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "tests" / "data" / "h200.yaml"

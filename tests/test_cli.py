@@ -104,7 +104,7 @@ def test_user_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
 
 
 def test_inventory_shows_the_driver_installation() -> None:
-    from dra_gpu.simnode.builder import default_cache_dir, ensure_driver_root
+    from simnode.builder import default_cache_dir, ensure_driver_root
 
     # Without --driver-root: the profile's simulated driver, whose NVML answered.
     data = json.loads(run("inventory", "--profile", "hgx-2x4", "-o", "json").stdout)
@@ -171,7 +171,7 @@ def test_node_commands_read_the_same_paths_from_the_environment(monkeypatch: pyt
 
 def test_nvml_probe_of_a_simulated_node_runs_its_simulated_driver() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "dra_gpu.discovery.nvml_probe", "--profile", "dgx-h100-mig"],
+        [sys.executable, "-m", "dra_gpu.node.nvml_probe", "--profile", "dgx-h100-mig"],
         capture_output=True,
         text=True,
         timeout=120,

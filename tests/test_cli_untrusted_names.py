@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-from dra_gpu.safe_output import safe_streams
+from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.common.safe_output import safe_streams
 
 DRA_GPU = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
 ASCII_TERMINAL = {"PYTHONIOENCODING": "ascii", "LANG": "C", "LC_ALL": "C"}

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.api import API_VERSION, ConfigError, decode
+from dra_gpu.model.config import API_VERSION, ConfigError, decode
 
 
 def cfg(**sharing: Any) -> dict[str, Any]:

@@ -8,21 +8,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dra_gpu import decoding
-from dra_gpu.decoding import (
+from dra_gpu.common import decoding
+from dra_gpu.common.decoding import (
     MAX_DEPTH,
     DecodeError,
     Int,
     ListOf,
     NoAliasSafeLoader,
     Obj,
-    Quantity,
     Str,
     check_bounds,
     decode,
     load_yaml_all,
     read_bounded,
 )
+from dra_gpu.kube.values import Quantity
 
 
 def test_read_bounded_refuses_special_and_large_files(tmp_path: Path) -> None:

@@ -4,12 +4,12 @@ device's GPU, kind and the health events that reach it."""
 from __future__ import annotations
 
 import pytest
+from simnode.fake import discover_node
 
-from dra_gpu.device_catalog import DeviceCatalog, DeviceKind
 from dra_gpu.health.control import _find_gpu
 from dra_gpu.health.monitor import NO_ID
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import build_slices
+from dra_gpu.node.catalog import DeviceCatalog, DeviceKind
+from dra_gpu.node.slices import build_slices
 
 
 @pytest.mark.parametrize(

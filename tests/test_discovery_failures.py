@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import DATA, discover_doc
+from simnode.profiles import ProfileError, load_profile, parse_profile
 
 from dra_gpu.discovery import NvmlUnavailableError
-from dra_gpu.discovery.nvml_probe import probe
-from dra_gpu.simnode.profiles import ProfileError, load_profile, parse_profile
-from dra_gpu.slices import build_slices
+from dra_gpu.node.nvml_probe import probe
+from dra_gpu.node.slices import build_slices
 
 
 def test_nvlink_not_supported_keeps_the_gpu(base_doc: dict) -> None:
@@ -112,7 +112,7 @@ def test_malformed_profile_names_file_gpu_and_field(base_doc: dict, edit, messag
 
 
 def test_overlapping_mig_placements_are_rejected() -> None:
-    text = (Path(__file__).parents[1] / "dra_gpu/simnode/profiles/dgx-a100-mig.yaml").read_text()
+    text = (Path(__file__).parents[1] / "sim/simnode/profiles/dgx-a100-mig.yaml").read_text()
     doc = yaml.safe_load(text)
     doc["gpus"][0]["mig"]["instances"].append({"profile": "1g.10gb", "placement": 1})
     with pytest.raises(ProfileError, match=r"GPU 0: mig.instances: 1g.10gb at 1 overlaps 3g.40gb"):
@@ -146,7 +146,7 @@ def _comparable(line: str) -> str:
 
 def test_fake_answers_like_the_real_h200(capsys: pytest.CaptureFixture[str]) -> None:
     """The probe's output on a real H200 and on its simulated copy agree call by call."""
-    from dra_gpu.simnode.fake import simulated_nvml
+    from simnode.fake import simulated_nvml
 
     nvml, _ = simulated_nvml(load_profile(str(DATA / "h200.yaml")))
     probe(nvml)

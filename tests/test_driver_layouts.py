@@ -265,9 +265,8 @@ def test_dra_gpu_inventory_on_the_debian_root(suite: str, version: str, tmp_path
     import subprocess
     import sys
 
+    import simnode.profiles as profiles_pkg
     import yaml
-
-    import dra_gpu.simnode.profiles as profiles_pkg
 
     root = debian_root(suite)
     doc = yaml.safe_load((Path(profiles_pkg.__file__).parent / "profiles" / "hgx-2x4.yaml").read_text())

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu import failpoints
-from dra_gpu.durable import remove_stale_temps, replace_atomically, replace_durably, temp_target, write_temp
+from dra_gpu.common import failpoints
+from dra_gpu.common.durable import (
+    remove_stale_temps,
+    replace_atomically,
+    replace_durably,
+    temp_target,
+    write_temp,
+)
 from tests.fsync_counter import fsync_counter
 
 

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from simnode.fake import simulated_nvml
+from simnode.fake_mig import MigStateError, SimulatedMig
+from simnode.fake_nvml import FakeNvml
+from simnode.profiles import load_profile
 
 from dra_gpu.discovery import discover
-from dra_gpu.dynamic_mig import counter_totals, placement_consumption
-from dra_gpu.model import Gpu, MigPlacement
-from dra_gpu.simnode.fake import simulated_nvml
-from dra_gpu.simnode.fake_mig import MigStateError, SimulatedMig
-from dra_gpu.simnode.fake_nvml import FakeNvml
-from dra_gpu.simnode.profiles import load_profile
-from dra_gpu.slices import build_slices
+from dra_gpu.model.inventory import Gpu, MigPlacement
+from dra_gpu.node.dynamic_mig import counter_totals, placement_consumption
+from dra_gpu.node.slices import build_slices
 
 PROFILE = "dgx-h100-mig"
 

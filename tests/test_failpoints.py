@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from dra_gpu import cli, failpoints
+from dra_gpu import cli
+from dra_gpu.common import failpoints
 
 
 def test_the_variable_alone_is_ignored_with_one_warning(
@@ -17,7 +18,7 @@ def test_the_variable_alone_is_ignored_with_one_warning(
 ) -> None:
     monkeypatch.setattr(failpoints._Switch, "warned", False)
     monkeypatch.setenv(failpoints.ENV, "somewhere=error,elsewhere=kill")
-    caplog.set_level(logging.WARNING, logger="dra_gpu.failpoints")
+    caplog.set_level(logging.WARNING, logger="dra_gpu.common.failpoints")
     for _ in range(3):
         failpoints.hit("somewhere")
         failpoints.hit("elsewhere")  # `kill`: the test process would die here
@@ -46,7 +47,7 @@ def test_the_plugin_command_turns_them_on_only_with_the_flag(flag: list[str]) ->
     failpoint is hit right after the command line is read, in a child process."""
     code = (
         "import sys\n"
-        "from dra_gpu import cli, failpoints\n"
+        "from dra_gpu import cli\nfrom dra_gpu.common import failpoints\n"
         "import dra_gpu.plugin.server as server\n"
         "server.run = lambda cfg: failpoints.hit('x') or 0\n"
         f"sys.exit(cli.main(['kubelet-plugin', '--node-name', 'n', '--profile', 'hgx-2x4', *{flag!r}]))\n"

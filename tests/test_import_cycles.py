@@ -1,4 +1,4 @@
-"""The package's modules import each other without cycles.
+"""The driver's and the simulator's modules import each other without cycles.
 
 A cycle works only in some import orders (whoever is imported first sees the other half-initialised),
 which is why late imports used to hide them. Every import counts here: top-level, inside functions and
@@ -10,18 +10,21 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import simnode
+
 import dra_gpu
 
-PACKAGE_DIR = Path(dra_gpu.__file__).parent
+# The driver, and the simulator built on it (its own distribution: imports run one way only).
+PACKAGE_DIRS = (Path(dra_gpu.__file__).parent, Path(simnode.__file__).parent)
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+def _module_name(path: Path, package_dir: Path) -> str:
+    parts = path.relative_to(package_dir.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+    return {_module_name(p, d): p for d in PACKAGE_DIRS for p in sorted(d.rglob("*.py"))}
 
 
 def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -90,7 +93,7 @@ def test_graph_sees_the_package() -> None:
     graph = import_graph()
     assert "dra_gpu.controller.rules" in graph
     assert "dra_gpu.controller.allocator_view" in graph["dra_gpu.controller.rules"]
-    assert "dra_gpu.slices" in graph["dra_gpu.cli"]
+    assert "dra_gpu.node.slices" in graph["dra_gpu.cli"]
 
 
 def test_cycle_finder_finds_a_cycle() -> None:

@@ -1,4 +1,4 @@
-"""dra_gpu.kube against the in-memory API (tests/fake_kube.py): requests, errors, list_watch."""
+"""dra_gpu.kube.api against the in-memory API (tests/fake_kube.py): requests, errors, list_watch."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from aiohttp import web
 from controller.test_webhook import make_cert, serve_tls
 from fake_kube import FakeApiServer, until
 
-from dra_gpu import kube as kube_module
-from dra_gpu.kube import (
+from dra_gpu.kube import api as kube_module
+from dra_gpu.kube.api import (
     RESOURCE_V1,
     TLS_READ_BUFFER,
     Backoff,
@@ -195,7 +195,7 @@ def test_relists_at_once_on_410_gone(how: str) -> None:
 
 
 def test_backs_off_on_failures_and_resets_after_a_good_round(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="dra_gpu.kube")
+    caplog.set_level(logging.WARNING, logger="dra_gpu.kube.api")
 
     async def body() -> None:
         api = FakeApiServer()
@@ -224,7 +224,7 @@ def test_backs_off_on_failures_and_resets_after_a_good_round(caplog: pytest.LogC
 
 
 def test_watch_error_event_other_than_410_is_retried_with_backoff(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="dra_gpu.kube")
+    caplog.set_level(logging.WARNING, logger="dra_gpu.kube.api")
 
     async def body() -> None:
         api = FakeApiServer()
@@ -252,7 +252,7 @@ def test_a_stalled_watch_is_cut_by_its_deadline(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(kube_module, "REQUEST_TIMEOUT", 0.2)  # the deadline: watch_seconds + this
-    caplog.set_level(logging.WARNING, logger="dra_gpu.kube")
+    caplog.set_level(logging.WARNING, logger="dra_gpu.kube.api")
 
     async def body() -> None:
         api = FakeApiServer(stall_watches=True)
@@ -362,7 +362,7 @@ def test_lists_in_pages_and_keeps_only_what_keep_accepts() -> None:
 def test_an_expired_continue_token_begins_the_list_again_after_a_backoff(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="dra_gpu.kube")
+    caplog.set_level(logging.INFO, logger="dra_gpu.kube.api")
 
     async def body() -> None:
         api = FakeApiServer()

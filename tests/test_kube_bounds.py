@@ -1,4 +1,4 @@
-"""One tenant's object cannot stop a list or watch: dra_gpu.kube_bounds, the list decoder and
+"""One tenant's object cannot stop a list or watch: dra_gpu.kube.bounds, the list decoder and
 list_watch against the in-memory API with a claim nested 1,500 levels deep (the apiserver stores
 it: its own decoder allows 10,000) and one larger than an object may be."""
 
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from dra_gpu.kube import REJECTED, RESOURCE_V1, Backoff, list_watch
-from dra_gpu.kube_bounds import (
+from dra_gpu.kube.api import REJECTED, RESOURCE_V1, Backoff, list_watch
+from dra_gpu.kube.bounds import (
     EVENTS_PER_MINUTE,
     MAX_OBJECT_BYTES,
     LineSplitter,
@@ -27,7 +27,7 @@ from dra_gpu.kube_bounds import (
     ValueSkipper,
     decode_event,
 )
-from dra_gpu.kube_list import ListDecoder
+from dra_gpu.kube.list_decoder import ListDecoder
 
 CLAIMS = f"{RESOURCE_V1}/resourceclaims"
 FAST = Backoff(initial=0.01, maximum=0.04)

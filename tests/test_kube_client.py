@@ -1,4 +1,4 @@
-"""dra_gpu.kube_client: the kubelet plugin loads only the parts of the Kubernetes client it calls.
+"""dra_gpu.kube.official_client: the kubelet plugin loads only the parts of the Kubernetes client it calls.
 
 Each check runs in a fresh interpreter: this test process has imported the whole client already.
 """
@@ -35,7 +35,7 @@ import dra_gpu.cli
 import dra_gpu.plugin.server
 from aiohttp import web
 
-from dra_gpu.kube import Kube
+from dra_gpu.kube.api import Kube
 
 CLAIM = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
          "metadata": {"name": "c", "namespace": "ns", "uid": "u-1"}}
@@ -98,13 +98,13 @@ def test_the_plugin_makes_a_request_without_the_generated_client_or_the_sync_one
 def test_other_code_in_the_process_still_gets_the_whole_client() -> None:
     out = run_python(
         """
-        import dra_gpu.kube_client
+        import dra_gpu.kube.official_client
         import kubernetes
         from kubernetes import client, config
         from kubernetes.aio.client import ApiClient, CoreV1Api, V1ObjectMeta
         import kubernetes.aio
 
-        assert ApiClient is dra_gpu.kube_client.ApiClient
+        assert ApiClient is dra_gpu.kube.official_client.ApiClient
         assert client.CoreV1Api.__module__ == "kubernetes.client.api.core_v1_api"
         assert callable(config.load_kube_config)
         assert V1ObjectMeta(name="x").name == "x" and CoreV1Api.__name__ == "CoreV1Api"
@@ -120,9 +120,9 @@ def test_a_client_imported_first_is_left_as_it_is() -> None:
         """
         import kubernetes.aio.client
         before = kubernetes.aio.client
-        import dra_gpu.kube_client
+        import dra_gpu.kube.official_client
         assert kubernetes.aio.client is before
-        assert dra_gpu.kube_client.ApiClient is kubernetes.aio.client.ApiClient
+        assert dra_gpu.kube.official_client.ApiClient is kubernetes.aio.client.ApiClient
         print("ok")
         """
     )

@@ -1,4 +1,4 @@
-"""dra_gpu.kube_list: a list response decoded one item at a time, as its bytes arrive in any pieces."""
+"""dra_gpu.kube.list_decoder: a list response decoded one item at a time, as its bytes arrive."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dra_gpu.kube_list import ListDecodeError, ListDecoder
+from dra_gpu.kube.list_decoder import ListDecodeError, ListDecoder
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
 VALUES = st.recursive(

@@ -6,7 +6,7 @@ from decimal import Decimal
 
 import pytest
 
-from dra_gpu.kubernetes_values import parse_quantity, quantity_or_none
+from dra_gpu.kube.values import parse_quantity, quantity_or_none
 
 
 @pytest.mark.parametrize(

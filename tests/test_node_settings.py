@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from simnode.builder import default_cache_dir
 
 from dra_gpu.cli import _parser
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.settings import NodeSettings
 
 COMMANDS = {
     "kubelet-plugin": ["kubelet-plugin"],
@@ -51,9 +52,11 @@ def test_a_simulated_node_from_the_environment(monkeypatch: pytest.MonkeyPatch, 
         s = settings(COMMANDS[name])
         assert (s.node_name, s.driver, s.profile) == ("node-b", "gpu.example.com", "hgx-2x4")
         assert s.dev_root == tmp_path / "plugin" / "simulated-root"
-        assert s.driver_root is None and s.cache_dir == tmp_path / "cache"  # built on first use
+        # The profile's package builds its driver root on first use, in its own cache dir.
+        assert s.driver_root is None and s.cache_dir is None
         assert s.registration_socket == Path("/var/lib/kubelet/plugins_registry/gpu.example.com-reg.sock")
     assert settings(COMMANDS["health"]).plugin_dir == tmp_path / "plugin"
+    assert default_cache_dir() == tmp_path / "cache"
 
 
 def test_the_plugins_own_options() -> None:

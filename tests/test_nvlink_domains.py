@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import bus, discover_doc, gpu_uuid
+from simnode.fake import discover_node
 
 from dra_gpu.discovery.nvlink_domains import domain_id
-from dra_gpu.simnode.fake import discover_node
 
 
 def domain_sets(profile: str) -> set[frozenset[int]]:

@@ -14,6 +14,8 @@ import pynvml
 import pytest
 import yaml
 from conftest import discover_doc
+from simnode.fake import simulated_nvml
+from simnode.profiles import parse_profile
 
 from dra_gpu.discovery.nvml_compat import (
     FALLBACKS,
@@ -21,15 +23,13 @@ from dra_gpu.discovery.nvml_compat import (
     exported_in,
     gpu_instance_profile_info_by_id,
 )
-from dra_gpu.model import Inventory
-from dra_gpu.simnode.fake import simulated_nvml
-from dra_gpu.simnode.profiles import parse_profile
+from dra_gpu.model.inventory import Inventory
 
 BY_ID = "nvmlDeviceGetGpuInstanceProfileInfoByIdV"
 
 
 def _mig_doc(driver: str, nvml_errors: dict[str, str] | None = None) -> dict[str, Any]:
-    ref = resources.files("dra_gpu.simnode").joinpath("profiles/dgx-a100-mig.yaml")
+    ref = resources.files("simnode").joinpath("profiles/dgx-a100-mig.yaml")
     doc: dict[str, Any] = yaml.safe_load(ref.read_text(encoding="utf-8"))
     doc["driverVersion"] = driver
     if nvml_errors:

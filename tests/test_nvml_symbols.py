@@ -48,8 +48,9 @@ from tests.simnode_support import (
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = Path(dra_gpu.__file__).resolve().parent
 NVML_NAME = re.compile(r"nvml[A-Z]\w*")
-# The simulators (dra_gpu/simnode: the C library's builder and the pynvml-shaped fake, whose nvml*
-# names are its own methods): what they name is what they serve, not what the product calls.
+# The simulator (the C library's builder and the pynvml-shaped fake, whose nvml* names are its own
+# methods) lives outside the product, in sim/simnode; under the product, what it names would be
+# what it serves, not what the product calls.
 NOT_CALLS = re.compile(r"simnode/.*\.py")
 REGISTRY = "discovery/nvml_compat.py"  # its strings are C symbol names, not calls
 
@@ -154,7 +155,7 @@ KNOWN_CALLS = {
     "nvmlDeviceSetComputeMode": "plugin/compute_mode.py",
     "nvmlDeviceCreateGpuInstanceWithPlacement": "plugin/mig_lifecycle.py",
     "nvmlGpuInstanceCreateComputeInstance": "plugin/mig_lifecycle.py",
-    "nvmlDeviceIsMigDeviceHandle": "discovery/nvml_probe.py",
+    "nvmlDeviceIsMigDeviceHandle": "node/nvml_probe.py",
 }
 
 KNOWN_SYMBOLS = {

@@ -1,4 +1,4 @@
-"""The simulated driver root (dra_gpu/simnode, through its CLI e2e/simdriver/build.py): real ELF
+"""The simulated driver root (sim/simnode, through its CLI e2e/simdriver/build.py): real ELF
 files, sonames, and what they report.
 
 The device nodes are real character devices made with mknod in a temporary directory that the

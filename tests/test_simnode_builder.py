@@ -1,4 +1,4 @@
-"""Where the simulated NVML comes from (dra_gpu/simnode): NVIDIA's header from the module proxy
+"""Where the simulated NVML comes from (sim/simnode): NVIDIA's header from the module proxy
 or a named file, the export table against the C source, and the errors that say what is missing."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from dra_gpu.simnode import builder, exports, nvml_header
+from simnode import builder, exports, nvml_header
 
 C_SOURCE = Path(builder.SRC) / "libnvidia-ml.c"
 

@@ -8,10 +8,9 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from dra_gpu.simnode import devnodes
-from dra_gpu.simnode.devnodes import RealDriverMajorError, character_majors, make_char, make_device_nodes
-from dra_gpu.simnode.node import SimulatedNodeError, prepare_simulated_node
+from simnode import devnodes
+from simnode.devnodes import RealDriverMajorError, character_majors, make_char, make_device_nodes
+from simnode.node import SimulatedNodeError, prepare_simulated_node
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root (CAP_MKNOD)")
 

@@ -11,7 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from dra_gpu.simnode import inject
+from simnode import inject
+
 from tests.simnode_support import (
     PRELUDE,
     REPO,
@@ -27,7 +28,7 @@ from tests.simnode_support import (
 pytestmark = [needs_toolchain, needs_root]
 
 MIG_SETUP = """
-from dra_gpu.model import MigPlacement, MigProfile
+from dra_gpu.model.inventory import MigPlacement, MigProfile
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances
 P3G = MigProfile("3g.40gb", 9, 3, 4, (0, 4), 40448 << 20, 60)
 mi = MigInstances(pynvml)
@@ -174,7 +175,7 @@ say(step="lost", wait=wait(10000), memory=memory,
 def test_injected_events_reach_an_event_set_in_another_process(libcache: Path, tmp_path: Path) -> None:  # noqa: F811
     lib = library(libcache, "dgx-h100")
     dev = devdir_for(tmp_path / "dev", "dgx-h100")
-    from dra_gpu.simnode.profiles import load_profile
+    from simnode.profiles import load_profile
 
     uuids = [g.uuid for g in load_profile("dgx-h100").gpus]
     inject.inject_xid(dev, uuids[0], 31)  # before the set exists: never delivered to it

@@ -1,4 +1,4 @@
-"""A simulated node through the node backend (`dra_gpu.node_backend`, `dra_gpu.simnode.node`): the
+"""A simulated node through the node backend (`dra_gpu.node.backend`, `simnode.node`): the
 state the plugin changes (compute modes, time slices, MIG instances and their capability files)
 is the simulated kernel's, so the plugin, NVIDIA's nvidia-smi and a restarted plugin agree. Each
 plugin process is a child (one simulated libnvidia-ml.so.1 per process)."""
@@ -11,18 +11,18 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from simnode.builder import nvml_library
+from simnode.node import SimulatedNodeError, prepare_simulated_node
+from simnode.profiles import load_profile
+from simnode.state import read_state
 
-from dra_gpu.model import MigPlacement
-from dra_gpu.node_backend import open_backend
+from dra_gpu.model.inventory import MigPlacement
+from dra_gpu.node.backend import open_backend
 from dra_gpu.plugin.compute_mode import EXCLUSIVE_PROCESS, ComputeModes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.sharing import node_sharing
 from dra_gpu.plugin.timeslice import LEVELS
-from dra_gpu.simnode.builder import nvml_library
-from dra_gpu.simnode.node import SimulatedNodeError, prepare_simulated_node
-from dra_gpu.simnode.profiles import load_profile
-from dra_gpu.simnode.state import read_state
 from tests.simnode_support import in_child, needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
 pytestmark = [needs_toolchain, needs_root, pytest.mark.usefixtures("nvml_h")]

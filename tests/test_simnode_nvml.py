@@ -1,4 +1,4 @@
-"""The simulated libnvidia-ml.so.1 (dra_gpu/simnode) under the real pynvml: the same node as the
+"""The simulated libnvidia-ml.so.1 (sim/simnode) under the real pynvml: the same node as the
 profile's FakeNvml, NVML's answers by driver version, and how it is loaded.
 
 Each check runs in a child process (one libnvidia-ml.so.1 per process); see simnode_support.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from simnode import exports
+from simnode.state import read_state
 
-from dra_gpu.simnode import exports
-from dra_gpu.simnode.state import read_state
 from tests.simnode_support import (
     H200,
     devdir_for,
@@ -32,8 +32,8 @@ pytestmark = [needs_toolchain, needs_root]
 
 PROFILES = ["dgx-a100-mig", "dgx-h100-mig", "hgx-2x4", "dgx-h100", "mixed", "pcie-pairs", str(H200)]
 EQUIVALENCE = """
-from dra_gpu.simnode.fake import simulated_nvml
-from dra_gpu.simnode.profiles import load_profile
+from simnode.fake import simulated_nvml
+from simnode.profiles import load_profile
 from dra_gpu.discovery.nvml_discovery import discover
 fake, pcie_root = simulated_nvml(load_profile(sys.argv[2]))
 real = discover(pynvml, "node-a", pcie_root, dynamic_mig=True)

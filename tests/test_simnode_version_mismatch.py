@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from simnode.builder import default_cache_dir, ensure_driver_root, nvml_library
+from simnode.node import kernel_version_text, prepare_simulated_node
 
 from dra_gpu.discovery.driver_versions import DriverVersionMismatchError, kernel_module_version
-from dra_gpu.node_backend import open_backend
-from dra_gpu.simnode.builder import default_cache_dir, ensure_driver_root, nvml_library
-from dra_gpu.simnode.node import kernel_version_text, prepare_simulated_node
+from dra_gpu.node.backend import open_backend
 from tests.simnode_support import (
     devdir_for,
     in_child,

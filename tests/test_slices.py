@@ -9,11 +9,11 @@ from typing import Any
 import pynvml
 import pytest
 from conftest import bus, discover_doc, gpu_uuid
+from simnode.fake import discover_node
 
-from dra_gpu.attributes import cuda_version, normalise_version
-from dra_gpu.kubernetes_values import format_quantity
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import SliceLimitError, build_slices, validate_device
+from dra_gpu.kube.values import format_quantity
+from dra_gpu.model.attributes import cuda_version, normalise_version
+from dra_gpu.node.slices import SliceLimitError, build_slices, validate_device
 
 GPU_ATTRIBUTES = {
     "type",
@@ -197,8 +197,9 @@ def test_invalid_node_or_driver_name_is_rejected() -> None:
 
 
 def test_memory_shares_publish_whole_gpus_with_request_policies() -> None:
-    from dra_gpu.simnode.fake import discover_node
-    from dra_gpu.slices import build_slices as build
+    from simnode.fake import discover_node
+
+    from dra_gpu.node.slices import build_slices as build
 
     inv = discover_node("node-a", "hgx-2x4")
     (dev, *_) = build(inv, memory_shares=True)[0]["spec"]["devices"]
@@ -227,8 +228,8 @@ def _readme_capacities(device: str) -> set[str]:
 def test_whole_gpus_publish_the_capacities_the_readme_lists_and_no_sm_count(profile: str) -> None:
     """NVML gives no whole GPU's SM count (nvmlDeviceGetAttributes answers NOT_SUPPORTED but for
     MIG devices): `multiprocessors` is left out on whole GPUs, not guessed, and the README says so."""
-    from dra_gpu.simnode.fake import FakeNvml
-    from dra_gpu.simnode.profiles import load_profile
+    from simnode.fake import FakeNvml
+    from simnode.profiles import load_profile
 
     nvml = FakeNvml(load_profile(profile))
     nvml.nvmlInit()
@@ -253,8 +254,8 @@ def test_what_an_apiserver_without_the_gates_gets_instead() -> None:
     """Taints dropped: a failed GPU is left out (nothing else keeps claims off it). Counters
     dropped: no dynamic-MIG placement, no counter set (overlapping placements would be allocated
     together); whole GPUs stay."""
-    from dra_gpu.device_catalog import DeviceCatalog
-    from dra_gpu.slices import SliceBuilder
+    from dra_gpu.node.catalog import DeviceCatalog
+    from dra_gpu.node.slices import SliceBuilder
 
     builder = SliceBuilder(DeviceCatalog.build(discover_node("node-a", "dgx-h100-mig", dynamic_mig=True)))
     full = builder.slices()
@@ -279,8 +280,8 @@ def test_what_an_apiserver_without_the_gates_gets_instead() -> None:
 def test_the_1_34_layout_keeps_each_counter_set_beside_its_placements() -> None:
     """1.34 refuses a device whose counter set is in another slice, and more than 32 counters a
     slice (1.35+ refuses a slice with both): one GPU's placements and its set a slice."""
-    from dra_gpu.device_catalog import DeviceCatalog
-    from dra_gpu.slices import SliceBuilder
+    from dra_gpu.node.catalog import DeviceCatalog
+    from dra_gpu.node.slices import SliceBuilder
 
     builder = SliceBuilder(DeviceCatalog.build(discover_node("node-a", "dgx-h100-mig", dynamic_mig=True)))
     default, old = builder.slices(), builder.slices(counters_beside_devices=True)

@@ -16,7 +16,7 @@ from dra_gpu.controller.cel import CelEnvironment, CelError, SelectorEvalError
 from dra_gpu.controller.cel.environment import Selector, device_value
 from dra_gpu.controller.claim_requests import Request, SubRequest
 from dra_gpu.controller.published_devices import Device, Pool
-from dra_gpu.kubernetes_values import parse_quantity, quantity_or_none
+from dra_gpu.kube.values import parse_quantity, quantity_or_none
 
 DEFAULT_STEP_BUDGET = 500_000
 

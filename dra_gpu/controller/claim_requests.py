@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from dra_gpu.kubernetes_values import quantity_or_none
+from dra_gpu.kube.values import quantity_or_none
 
 
 @dataclass

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from dra_gpu.controller.inputs import InputError, Inputs, load_cluster, load_files
-from dra_gpu.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 # ---------------------------------------------------------------- validate
 
@@ -185,7 +185,7 @@ def _explain_inputs(inputs: Inputs, driver: str, bounded: bool) -> dict[str, Any
 def _result(request: str, d: Any, consumed: dict[str, Any]) -> dict[str, Any]:
     """An allocation result as the scheduler would write it; a share says what it consumes
     (request policy applied: rounded up to a valid amount)."""
-    from dra_gpu.kubernetes_values import format_quantity
+    from dra_gpu.kube.values import format_quantity
 
     out: dict[str, Any] = {"request": request, "driver": d.driver, "pool": d.pool, "device": d.name}
     if consumed:

@@ -17,7 +17,7 @@ from dra_gpu.controller.allocator import place
 from dra_gpu.controller.allocator_view import Cluster
 from dra_gpu.controller.claim_requests import Constraint, Request, SubRequest, parse_requests
 from dra_gpu.controller.published_devices import Device, blocking_taint, describe_taint
-from dra_gpu.kubernetes_values import format_quantity
+from dra_gpu.kube.values import format_quantity
 
 _CAP_COMPARE = re.compile(
     r"capacity\s*\[\s*[\"']([^\"']+)[\"']\s*\]\s*\.\s*(\w+)\s*\.\s*"

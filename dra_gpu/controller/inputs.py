@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
+from dra_gpu.common.decoding import MAX_FILE_BYTES, DecodeError, load_yaml_all, read_bounded, yaml_problem
 from dra_gpu.controller.schemas import decode_object, object_label
-from dra_gpu.decoding import MAX_FILE_BYTES, DecodeError, load_yaml_all, read_bounded, yaml_problem
-from dra_gpu.kube_bounds import Rejected
-from dra_gpu.kube_list import ListDecoder
+from dra_gpu.kube.bounds import Rejected
+from dra_gpu.kube.list_decoder import ListDecoder
 
 
 class InputError(Exception):
@@ -96,7 +96,7 @@ def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
         )
         for fn, kind, plural, dest in fns:
             resp: Any = fn(_preload_content=False)
-            # Under the bounds every reader of the apiserver keeps (dra_gpu.kube_bounds): a tenant's
+            # Under the bounds every reader of the apiserver keeps (dra_gpu.kube.bounds): a tenant's
             # claim nested 1,500 levels is left out, said on stderr, and the rest is read.
             page = ListDecoder(resource=plural, on_rejected=_say_left_out)
             page.feed(resp.data)

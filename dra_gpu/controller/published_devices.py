@@ -12,7 +12,7 @@ from decimal import Decimal
 from typing import Any
 
 from dra_gpu.controller.claim_requests import SubRequest
-from dra_gpu.kubernetes_values import parse_quantity, quantity_or_none
+from dra_gpu.kube.values import parse_quantity, quantity_or_none
 
 
 @dataclass(eq=False)

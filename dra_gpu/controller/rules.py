@@ -14,21 +14,21 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from dra_gpu.api import ConfigError, decode
 from dra_gpu.controller import sharing_fit
 from dra_gpu.controller.allocation_errors import AllocationError
 from dra_gpu.controller.allocator_view import Cluster, allocated_devices, shared_consumption
 from dra_gpu.controller.cel import CelEnvironment, Schema
 from dra_gpu.controller.explain import Failure, explain
 from dra_gpu.controller.schemas import decode_object
-from dra_gpu.kubernetes_values import (
+from dra_gpu.kube.values import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
     QUALIFIED_NAME_PART,
     RESOURCE_API_VERSION,
     qualified_name_problem,
 )
-from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.model.config import ConfigError, decode
+from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 KINDS = ("DeviceClass", "ResourceClaim", "ResourceClaimTemplate")
 MAX_OBJECT_BYTES = 3 * 1024 * 1024  # the apiserver's request size limit

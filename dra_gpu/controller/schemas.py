@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dra_gpu.decoding import ANY, Bool, Int, ListOf, MapOf, Obj, Problems, Quantity, Shape, Str, decode
+from dra_gpu.common.decoding import ANY, Bool, Int, ListOf, MapOf, Obj, Problems, Shape, Str, decode
+from dra_gpu.kube.values import Quantity
 
 METADATA = Obj(
     {

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dra_gpu.api import ConfigError, GpuConfig, decode
 from dra_gpu.controller.allocator_view import Cluster
 from dra_gpu.controller.claim_requests import parse_requests
 from dra_gpu.controller.published_devices import Device
+from dra_gpu.model.config import ConfigError, GpuConfig, decode
 
 MPS_LIMITS_MIN_CC = (7, 0)
 

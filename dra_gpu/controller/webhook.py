@@ -1,7 +1,7 @@
 """`dra-gpu controller`: the validating admission webhook (AdmissionReview v1 over HTTPS).
 
 One asyncio loop serves HTTPS (aiohttp, already a dependency of `kubernetes.aio`, so no second HTTP
-stack) and keeps the cluster view current with list+watch loops (`dra_gpu.kube.list_watch`) on
+stack) and keeps the cluster view current with list+watch loops (`dra_gpu.kube.api.list_watch`) on
 ResourceSlices, DeviceClasses and ResourceClaims. The certificate and key are re-read when their files
 change: the new chain is loaded into the live SSLContext, so new connections get it without a restart.
 
@@ -51,17 +51,17 @@ from prometheus_client import (
     generate_latest,
 )
 
+from dra_gpu.common.decoding import decode
+from dra_gpu.common.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.controller import view_records
 from dra_gpu.controller.cluster_state import ClusterState
 from dra_gpu.controller.inputs import InputError, load_files
 from dra_gpu.controller.review_pool import OverBudget, ReviewPool, ReviewResult
 from dra_gpu.controller.rules import KINDS
 from dra_gpu.controller.schemas import ADMISSION_REVIEW
-from dra_gpu.decoding import decode
-from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
-from dra_gpu.kube import RESOURCE_V1, Backoff, Kube, list_watch
-from dra_gpu.kube_bounds import IDENTITY_PREFIX, TOO_DEEP
-from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.kube.api import RESOURCE_V1, Backoff, Kube, list_watch
+from dra_gpu.kube.bounds import IDENTITY_PREFIX, TOO_DEEP
+from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 log = logging.getLogger(__name__)
 MAX_REVIEW_BYTES = 4 * 1024 * 1024
@@ -470,7 +470,7 @@ async def watch_resource(
     metrics: Metrics,
     backoff: Backoff = WATCH_BACKOFF,
 ) -> None:
-    """Keep one store of the cluster view current (see dra_gpu.kube.list_watch)."""
+    """Keep one store of the cluster view current (see dra_gpu.kube.api.list_watch)."""
 
     async def replace(items: list[dict[str, Any]], version: str) -> None:
         listed = len(items)

@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterable
 
-from dra_gpu.model import Gpu, Inventory
+from dra_gpu.model.inventory import Gpu, Inventory
 
 MAX_ATTRIBUTE_STRING = 64
 

@@ -1,7 +1,7 @@
 """NVML -> Inventory.
 
 `discover()` takes the `pynvml` module (bound to the driver root's libnvidia-ml.so.1 on a real
-and a simulated node alike: `dra_gpu.node_backend`) or anything shaped like it (unit tests'
+and a simulated node alike: `dra_gpu.node.backend`) or anything shaped like it (unit tests'
 `FakeNvml`). Optional data that a GPU does
 not support is left out; a GPU whose core calls fail is left out with a log line naming it.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from dra_gpu.discovery.nvlink_domains import assign_domains
 from dra_gpu.discovery.nvml_compat import gpu_instance_profile_info_by_id
-from dra_gpu.model import FabricInfo, Gpu, Inventory, MigDevice, MigProfile, NvLink
+from dra_gpu.model.inventory import FabricInfo, Gpu, Inventory, MigDevice, MigProfile, NvLink
 
 log = logging.getLogger(__name__)
 

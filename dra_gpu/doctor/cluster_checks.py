@@ -17,7 +17,7 @@ from dra_gpu.doctor.pending_pods import check_pending_pods
 from dra_gpu.doctor.report import Result, crashed, fail, first_line, guarded, ok, skip, warn
 from dra_gpu.doctor.settings import ClusterSettings
 from dra_gpu.doctor.webhook_check import check_webhook
-from dra_gpu.kube import RESOURCE_V1, Kube, KubeError
+from dra_gpu.kube.api import RESOURCE_V1, Kube, KubeError
 from dra_gpu.kubeletplugin.publisher import GATED_SLICE_FIELDS
 
 # Fields of the features this driver uses; an apiserver with the gate off drops them silently.

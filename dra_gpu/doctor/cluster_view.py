@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dra_gpu.doctor.report import first_line
-from dra_gpu.kube import RESOURCE_V1, Kube
+from dra_gpu.kube.api import RESOURCE_V1, Kube
 
 FAILED_PREPARE = "FailedPrepareDynamicResources"  # the kubelet's event reason
 LIST_KINDS = {"slices": "ResourceSlice", "classes": "DeviceClass", "claims": "ResourceClaim"}

@@ -18,7 +18,7 @@ from dra_gpu.doctor.settings import (
     ClusterSettings,
     NodeCheckSettings,
 )
-from dra_gpu.node_flags import add_node_flags
+from dra_gpu.node.flags import add_node_flags
 
 
 def add_doctor_command(sub: Any) -> None:
@@ -73,7 +73,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     results: list[Result] = []
     if args.only != "cluster":
         from dra_gpu.doctor.node_checks import run_node_checks
-        from dra_gpu.node_settings import NodeSettings
+        from dra_gpu.node.settings import NodeSettings
 
         node = NodeCheckSettings.of(
             NodeSettings.from_args(args),

@@ -16,11 +16,11 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from dra_gpu.common.exit_codes import EXIT_DRIVER_CHANGED
 from dra_gpu.discovery.driver_versions import KERNEL_VERSION_FILE, kernel_module_version
 from dra_gpu.discovery.nvml_library import NVML_SONAME
 from dra_gpu.doctor.report import Result, fail, ok, skip, warn
 from dra_gpu.doctor.settings import NodeCheckSettings
-from dra_gpu.exit_codes import EXIT_DRIVER_CHANGED
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.driver_upgrade import library_file_version
 

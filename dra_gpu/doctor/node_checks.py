@@ -33,10 +33,9 @@ from dra_gpu.doctor.driver_upgrade import driver_upgrade_results
 from dra_gpu.doctor.plugin_probe import ProbeError, get_info, prepare_nothing
 from dra_gpu.doctor.report import Result, fail, guarded, ok, skip, warn
 from dra_gpu.doctor.settings import NodeCheckSettings
-from dra_gpu.model import Inventory
-from dra_gpu.node_backend import open_backend
-from dra_gpu.simnode.node import SimulatedNodeError
-from dra_gpu.simnode.profiles import ProfileError
+from dra_gpu.model.inventory import Inventory
+from dra_gpu.node.backend import open_backend
+from dra_gpu.node.profiles import NodePreparationError
 
 NVIDIA_MAJOR = 195  # /dev/nvidia<minor> and /dev/nvidiactl; uvm and caps majors are dynamic
 CONTROL_NODES = ("dev/nvidiactl", "dev/nvidia-uvm", "dev/nvidia-uvm-tools")
@@ -70,9 +69,7 @@ class NodeFacts:
             self.problem, self.mismatch = exc.problem, exc
         except NvmlUnavailableError as exc:
             self.problem, self.no_nvml = str(exc), True
-        except ProfileError as exc:
-            self.problem = f"invalid profile {settings.profile!r}: {exc}"
-        except SimulatedNodeError as exc:
+        except NodePreparationError as exc:
             self.problem = str(exc)
 
     @property

@@ -13,7 +13,7 @@ import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from dra_gpu.exit_codes import EXIT_INVALID, EXIT_OK
+from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.settings import NodeSettings
 
 DEFAULT_NODE_SELECTOR = "nvidia.com/gpu.present=true"  # the chart's DaemonSet nodeSelector
 DEFAULT_CONTAINERD_CONFIG = "/etc/containerd/config.toml"

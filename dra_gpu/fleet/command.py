@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from dra_gpu.exit_codes import EXIT_OK, EXIT_USAGE
-from dra_gpu.model import DEFAULT_DRIVER_NAME
+from dra_gpu.common.exit_codes import EXIT_OK, EXIT_USAGE
+from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -81,7 +81,7 @@ class Printer:
 
 async def _run(args: argparse.Namespace, printer: Printer) -> None:
     from dra_gpu.fleet.read import Scope, read_once, watch
-    from dra_gpu.kube import Kube
+    from dra_gpu.kube.api import Kube
 
     scope = Scope(args.driver_name, args.node, args.namespace)
     kube = await Kube.connect(_kubeconfig(args.kubeconfig))

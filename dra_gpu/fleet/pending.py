@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from dra_gpu.decoding import MAX_FILE_BYTES
+from dra_gpu.common.decoding import MAX_FILE_BYTES
 from dra_gpu.fleet.snapshot import Pod, Snapshot, WaitingClaim
 
 MAX_EXPLAINED = 20  # claims explained per drawing: a job of 1,000 Pending pods costs 20 simulations

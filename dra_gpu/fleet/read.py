@@ -1,5 +1,5 @@
 """Reading what `dra-gpu top` shows from the API: once (list calls, paged and decoded as they
-arrive: dra_gpu.kube), or kept current by watches (`watch`: dra_gpu.kube.list_watch, which lists
+arrive: dra_gpu.kube.api), or kept current by watches (`watch`: dra_gpu.kube.api.list_watch, which lists
 again when a watch ends or expires) that call back on every change.
 
 Five collections: the driver's ResourceSlices (field selector on the driver, and the node with
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dra_gpu.fleet.snapshot import COLLECTIONS, Record, Snapshot, assemble, parse_object
-from dra_gpu.kube import REJECTED, RESOURCE_V1, Kube, list_watch
+from dra_gpu.kube.api import REJECTED, RESOURCE_V1, Kube, list_watch
 
 log = logging.getLogger(__name__)
 

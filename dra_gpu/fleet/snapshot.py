@@ -4,7 +4,7 @@ sets, the claims' allocations and reservations, the pods that hold them, and wha
 to say why a Pending pod's claim is not allocated (the claims waiting for an allocation, the
 DeviceClasses, and the slices and allocated claims as the API served them).
 
-Every object is decoded (bounds, then shape: dra_gpu.decoding) before a field of it is read; one
+Every object is decoded (bounds, then shape: dra_gpu.common.decoding) before a field of it is read; one
 that does not decode is left out with a line in `problems`, so a malformed object costs its own
 row, not the screen. Attributes and capacities are read the way the allocator reads them
 (dra_gpu.controller.published_devices.Device): the driver's own may be published unqualified.
@@ -16,12 +16,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dra_gpu.common.decoding import ANY, Bool, ListOf, MapOf, Obj, Str, decode
 from dra_gpu.controller.published_devices import Device
 from dra_gpu.controller.schemas import COUNTER, METADATA, TOLERATION
-from dra_gpu.decoding import ANY, Bool, ListOf, MapOf, Obj, Quantity, Str, decode
-from dra_gpu.kubernetes_values import quantity_or_none
+from dra_gpu.kube.values import Quantity, quantity_or_none
 
-MEMORY_SLICE_PREFIX = "memory-slice-"  # dynamic MIG: one counter per memory slice (dra_gpu.dynamic_mig)
+MEMORY_SLICE_PREFIX = "memory-slice-"  # dynamic MIG: one counter per memory slice (dra_gpu.node.dynamic_mig)
 
 _TAINT = Obj({"key": Str(), "value": Str(), "effect": Str()})
 # The fields of a slice read here. Attribute and capacity values are read by Device, which takes

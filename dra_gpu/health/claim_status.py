@@ -27,9 +27,9 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.manager import HealthManager
-from dra_gpu.kube import Kube, KubeError, wait_retry_after
+from dra_gpu.kube.api import Kube, KubeError, wait_retry_after
+from dra_gpu.node.catalog import DeviceCatalog
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ import os
 import sys
 from typing import Any
 
-from dra_gpu.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from dra_gpu.health.classification import Classifier, parse_xids
 from dra_gpu.health.control import SIMULATED_EVENTS, SOCKET_NAME, request
 from dra_gpu.health.node import HealthConfig
 from dra_gpu.health.taint_book import HoldDown
-from dra_gpu.node_flags import add_node_flags
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.flags import add_node_flags
+from dra_gpu.node.settings import NodeSettings
 
 
 def add_health_flags(plug: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@
 One JSON object per line each way. `taint` and `clear` are the operator's overrides, on any node
 (in a pod: `kubectl exec` into the plugin). `simulate` exists only on a simulated node: it makes
 the node's simulated kernel report an XID, an ECC error, a lost GPU, a recovery action or the
-recovery (`dra_gpu.simnode.inject`, into the node's device-node directory), which the plugin's
+recovery (`simnode.inject`, into the node's device-node directory), which the plugin's
 monitor then receives through NVML (`nvmlEventSetWait_v2`, `GPU_IS_LOST`, the recovery-action
 field) exactly as on a real node.
 """
@@ -22,12 +22,12 @@ from typing import Any
 
 import pynvml
 
-from dra_gpu.device_catalog import DeviceCatalog, MadeInstances
 from dra_gpu.health.classification import Effect
 from dra_gpu.health.manager import RECOVERY_ACTIONS, HealthManager
 from dra_gpu.health.monitor import NO_ID
-from dra_gpu.model import Gpu
-from dra_gpu.simnode.node import SimulatedEvents
+from dra_gpu.model.inventory import Gpu
+from dra_gpu.node.catalog import DeviceCatalog, MadeInstances
+from dra_gpu.node.profiles import NodeEvents
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _find_gpu(catalog: DeviceCatalog, target: str, made: MadeInstances) -> tuple
 
 
 class ControlServer:
-    def __init__(self, path: Path, manager: HealthManager, events: SimulatedEvents | None) -> None:
+    def __init__(self, path: Path, manager: HealthManager, events: NodeEvents | None) -> None:
         self.path = path
         self.manager = manager
         self.events = events  # None on a real node

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from dra_gpu.device_catalog import DeviceCatalog, MadeInstances
 from dra_gpu.health.classification import Classifier, Effect, EventKind, Verdict
 from dra_gpu.health.monitor import NO_ID, Observation, Seen
 from dra_gpu.health.taint_book import TaintBook
+from dra_gpu.node.catalog import DeviceCatalog, MadeInstances
 
 log = logging.getLogger(__name__)
 

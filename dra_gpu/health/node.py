@@ -14,13 +14,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from dra_gpu.device_catalog import DeviceCatalog, MadeInstances
 from dra_gpu.health.classification import Classifier
 from dra_gpu.health.control import SOCKET_NAME, ControlServer
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Monitor
 from dra_gpu.health.taint_book import HoldDown, TaintBook
-from dra_gpu.simnode.node import SimulatedEvents
+from dra_gpu.node.catalog import DeviceCatalog, MadeInstances
+from dra_gpu.node.profiles import NodeEvents
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class HealthNode:
         plugin_dir: Path,
         registry: CollectorRegistry,
         nvml: Any,
-        events: SimulatedEvents | None = None,
+        events: NodeEvents | None = None,
         made_instances: Callable[[], MadeInstances] | None = None,
     ) -> None:
         """`catalog`: the node's published devices, each of which health can taint; `nvml`: the

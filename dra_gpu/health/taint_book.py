@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dra_gpu.durable import replace_durably
+from dra_gpu.common.durable import replace_durably
 from dra_gpu.health.classification import Effect, Verdict
 
 log = logging.getLogger(__name__)

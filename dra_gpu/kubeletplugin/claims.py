@@ -12,7 +12,7 @@ from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
 
 
 class ClaimGetter(Protocol):
-    """The apiserver's ResourceClaims (dra_gpu.kube.Kube)."""
+    """The apiserver's ResourceClaims (dra_gpu.kube.api.Kube)."""
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
 

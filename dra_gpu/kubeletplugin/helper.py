@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from dra_gpu.kube import Kube
+from dra_gpu.kube.api import Kube
 from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2 as health_v1_pb
 from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2_grpc as health_v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_health_v1alpha1_pb2_grpc as health_grpc

@@ -18,7 +18,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay
 
-from dra_gpu.kube import REJECTED, RESOURCE_V1, Backoff, Kube, KubeError, list_watch
+from dra_gpu.kube.api import REJECTED, RESOURCE_V1, Backoff, Kube, KubeError, list_watch
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
 log = logging.getLogger(__name__)

@@ -66,7 +66,7 @@ class ConfigEntry:
     source: str
     requests: tuple[str, ...]
     opaque_driver: str | None
-    parameters: Any  # the opaque parameters, decoded by dra_gpu.api
+    parameters: Any  # the opaque parameters, decoded by dra_gpu.model.config
 
     @classmethod
     def parse(cls, index: int, entry: Mapping[str, Any]) -> ConfigEntry:

@@ -25,7 +25,7 @@ Readers keep fields they do not know (`ClaimRecord.extra`, written back as they 
 checksum is over canonical JSON of whatever is there, so adding a field never makes an old file
 "corrupt". A checkpoint written during another boot is discarded: CDI specs under /var/run and
 device state do not survive a reboot, and the kubelet prepares the claims again. So the file is
-replaced atomically but not fsynced (dra_gpu.durable): a power loss leaves nothing to restore.
+replaced atomically but not fsynced (dra_gpu.common.durable): a power loss leaves nothing to restore.
 
 A power loss may tear a write that was not synced, though (an empty or half-written file on some
 file systems), and a torn file of another boot must be discarded like an intact one, not taken
@@ -59,8 +59,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dra_gpu import failpoints
-from dra_gpu.durable import replace_atomically, replace_durably
+from dra_gpu.common import failpoints
+from dra_gpu.common.durable import replace_atomically, replace_durably
 from dra_gpu.plugin.record import ClaimRecord, ClaimState
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class Checkpoint:
         return "{" + ",".join(top) + "}"
 
     def write(self, blob: bytes) -> None:
-        # Not fsynced: the records are scoped to the boot (module docstring, dra_gpu.durable).
+        # Not fsynced: the records are scoped to the boot (module docstring, dra_gpu.common.durable).
         replace_atomically(self.path, blob, failpoint=failpoints.CHECKPOINT_AFTER_TEMP)
 
     def stage(self, uid: str, entry: ClaimRecord | Mapping[str, Any] | None) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dra_gpu.kube import REJECTED, RESOURCE_V1, Backoff, Kube, list_watch
+from dra_gpu.kube.api import REJECTED, RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.allocation import Allocation
 

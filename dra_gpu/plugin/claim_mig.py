@@ -12,9 +12,9 @@ import asyncio
 import logging
 from dataclasses import replace
 
-from dra_gpu import failpoints
+from dra_gpu.common import failpoints
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.model import Gpu, MigDevice, MigPlacement
+from dra_gpu.model.inventory import Gpu, MigDevice, MigPlacement
 from dra_gpu.plugin.journal import Journal
 from dra_gpu.plugin.mig_lifecycle import MigError, MigInstances, made_device
 from dra_gpu.plugin.plan import MigTarget, PrepareError

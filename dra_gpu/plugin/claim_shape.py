@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dra_gpu.decoding import Bool, ListOf, MapOf, Obj, Quantity, Str, decode
+from dra_gpu.common.decoding import Bool, ListOf, MapOf, Obj, Str, decode
+from dra_gpu.kube.values import Quantity
 
 RESULT = Obj(
     {

@@ -2,7 +2,7 @@
 
 On a real node `dev_root` is "/" and the NVIDIA driver made the nodes. On a simulated node the
 simulator made real character devices with mknod under `<dev_root>/dev`, and its NVML keeps the
-MIG capability files the driver would expose under `<dev_root>/proc` (`dra_gpu.simnode.node`),
+MIG capability files the driver would expose under `<dev_root>/proc` (`simnode.node`),
 so the runtime injects something real.
 
 Nodes whose numbers the kernel publishes go into the spec as numbers (`type: c`, `major`,
@@ -35,7 +35,7 @@ from typing import Any
 from dra_gpu.discovery.driver_install import BINARY_DIRS
 from dra_gpu.discovery.kernel_devices import CAPS, UVM, UVM_HOST_FIX, UVM_MINORS, char_majors, uvm_missing
 from dra_gpu.discovery.root_paths import regular_file_in_root
-from dra_gpu.model import Gpu, MigDevice
+from dra_gpu.model.inventory import Gpu, MigDevice
 from dra_gpu.plugin.cdi import DeviceNode
 
 log = logging.getLogger(__name__)

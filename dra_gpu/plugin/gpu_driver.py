@@ -9,13 +9,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.kubeletplugin.driver import ClaimRef, DeviceHealth, Health
+from dra_gpu.node.catalog import DeviceCatalog
+from dra_gpu.node.slices import SliceBuilder
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import PreparedDevice
-from dra_gpu.slices import SliceBuilder
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 CDI spec files. Both are replaced atomically but not fsynced: they are scoped to the boot (the
 checkpoint's records of another boot are discarded, `/var/run/cdi` is a tmpfs, and a spec left in
 a persistent CDI directory is removed by the start-up reconcile), so a power loss leaves nothing
-to protect and a process crash loses nothing the page cache does not keep (dra_gpu.durable).
+to protect and a process crash loses nothing the page cache does not keep (dra_gpu.common.durable).
 
 Prepare stages a record in memory under the state lock (`stage`) and makes it durable with
 `commit`: whoever writes, writes all that is staged, so 100 claims in flight need far fewer than
@@ -23,8 +23,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from dra_gpu import failpoints
-from dra_gpu.durable import remove_file, remove_stale_temps, replace_atomically
+from dra_gpu.common import failpoints
+from dra_gpu.common.durable import remove_file, remove_stale_temps, replace_atomically
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import SPEC_MODE, CdiSpecs, CdiWriteError
 from dra_gpu.plugin.checkpoint import Checkpoint

@@ -15,10 +15,10 @@ import logging
 import time
 from typing import Any
 
-from dra_gpu.dynamic_mig import FAILED_CONDITION, READY_CONDITION
-from dra_gpu.kube import Kube, KubeError
+from dra_gpu.kube.api import Kube, KubeError
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.model import MigDevice
+from dra_gpu.model.inventory import MigDevice
+from dra_gpu.node.dynamic_mig import FAILED_CONDITION, READY_CONDITION
 from dra_gpu.plugin.allocation import Allocation
 from dra_gpu.plugin.plan import BusyPrepareError, PrepareError
 from dra_gpu.plugin.prepare import Preparer

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from dra_gpu.model import MigDevice, MigPlacement
+from dra_gpu.model.inventory import MigDevice, MigPlacement
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dra_gpu.api import ConfigError, GpuConfig, decode
-from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
-from dra_gpu.model import Gpu, MigDevice, MigPlacement
+from dra_gpu.model.config import ConfigError, GpuConfig, decode
+from dra_gpu.model.config.v1alpha1 import DEFAULT_GPU_CONFIG, DEFAULT_MIG_CONFIG
+from dra_gpu.model.inventory import Gpu, MigDevice, MigPlacement
+from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.allocation import Allocation, ShapeError
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, visible_devices_env
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes

@@ -19,10 +19,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-from dra_gpu import failpoints
-from dra_gpu.device_catalog import DeviceCatalog
+from dra_gpu.common import failpoints
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.model import MigDevice
+from dra_gpu.model.inventory import MigDevice
+from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.allocation import Allocation
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint

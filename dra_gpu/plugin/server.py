@@ -14,19 +14,19 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dra_gpu.device_catalog import DeviceCatalog, DeviceKind
+from dra_gpu.common.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.discovery.driver_versions import library_version
-from dra_gpu.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
-from dra_gpu.kube import Kube, server_minor_version, small_tls_read_buffers
+from dra_gpu.kube.api import Kube, server_minor_version, small_tls_read_buffers
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.heap_trim import freeze_startup_objects, limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
-from dra_gpu.node_backend import NodeBackend, open_backend
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.backend import NodeBackend, open_backend
+from dra_gpu.node.catalog import DeviceCatalog, DeviceKind
+from dra_gpu.node.settings import NodeSettings
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.claim_cache import ClaimCache

@@ -27,9 +27,9 @@ from decimal import InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from dra_gpu import failpoints
-from dra_gpu.api import GpuConfig
-from dra_gpu.kubernetes_values import parse_quantity
+from dra_gpu.common import failpoints
+from dra_gpu.kube.values import parse_quantity
+from dra_gpu.model.config import GpuConfig
 from dra_gpu.plugin.compute_mode import (
     DEFAULT,
     EXCLUSIVE_PROCESS,

@@ -1,6 +1,6 @@
 """Atomic file changes of concurrent prepares, made together in rounds.
 
-Each change is what `dra_gpu.durable` does one file at a time (a temp file, renamed over the
+Each change is what `dra_gpu.common.durable` does one file at a time (a temp file, renamed over the
 target, or the target unlinked), but every change queued while a round runs goes into the next
 round: one worker-thread job per round. `durable` rounds also fsync each temp file and, once per
 round, each directory touched (instead of once per file). A caller's change is made (and, when
@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dra_gpu import failpoints
-from dra_gpu.durable import fsync_dir, write_temp
+from dra_gpu.common import failpoints
+from dra_gpu.common.durable import fsync_dir, write_temp
 
 
 @dataclass
@@ -36,7 +36,7 @@ class _Change:
 
 class WriteRounds:
     def __init__(self, *, durable: bool, failpoint: str | None = None) -> None:
-        """`durable`: whether the changes must outlive a power loss (fsyncs), see dra_gpu.durable."""
+        """`durable`: whether the changes must outlive a power loss (fsyncs), see dra_gpu.common.durable."""
         self._durable = durable
         self._failpoint = failpoint  # hit in each round between its temp files and its renames
         self._queue: list[_Change] = []

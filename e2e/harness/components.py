@@ -372,14 +372,16 @@ def import_images() -> None:
             raise Fail(f"importing {tar} into containerd failed: {r.stderr.strip()}")
     ctr("-n", "k8s.io", "images", "label", PAUSE_IMAGE, "io.cri-containerd.pinned=pinned", check=False)
     import_dra_gpu_image()
+    import_dra_gpu_image("dra-gpu-simnode")
 
 
-def import_dra_gpu_image() -> str | None:
-    """The image of deploy/Dockerfile (CACHE/images/dra-gpu.tar, written by e2e/image_build.sh)
-    into containerd when containerd lacks it or holds another build under its name. Returns the
-    image's name, or None when it has not been built."""
+def import_dra_gpu_image(image: str = "dra-gpu") -> str | None:
+    """An image written by e2e/image_build.sh (CACHE/images/<image>.tar: `dra-gpu`, the driver's
+    image of deploy/Dockerfile, or `dra-gpu-simnode`, the driver's plus the simulator) into
+    containerd when containerd lacks it or holds another build under its name. Returns the image's
+    name, or None when it has not been built."""
     imgdir = os.path.join(CACHE, "images")
-    archive, meta = os.path.join(imgdir, "dra-gpu.tar"), os.path.join(imgdir, "dra-gpu.json")
+    archive, meta = os.path.join(imgdir, f"{image}.tar"), os.path.join(imgdir, f"{image}.json")
     if not (os.path.exists(archive) and os.path.exists(meta)):
         return None
     with open(meta) as f:

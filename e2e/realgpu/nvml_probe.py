@@ -8,7 +8,7 @@ with ctypes, so the return codes are NVML's own; when `pynvml` is importable it 
 loaded object (its `CDLL("libnvidia-ml.so.1")` is answered by the SONAME already loaded) and
 cross-checks the driver version, the device count and GetAttributes on a whole GPU. Read-only: no
 NVML setter is called. Python stdlib only (the function table comes from the checkout's
-dra_gpu/simnode/exports.py and dra_gpu/discovery/nvml_compat.py, read by path without their
+sim/simnode/exports.py and dra_gpu/discovery/nvml_compat.py, read by path without their
 packages' dependencies).
 
 Prints one block per answer and `RESULT nvml: ok|FAIL <reason>`; with --json writes what later
@@ -150,7 +150,7 @@ def decode_events(mask: int) -> str:
 
 
 def functions_section(nv: Nvml, version: str, fails: list[str]) -> None:
-    exports = _by_path("_rgc_exports", "dra_gpu/simnode/exports.py")
+    exports = _by_path("_rgc_exports", "sim/simnode/exports.py")
     compat = _by_path("_rgc_nvml_compat", "dra_gpu/discovery/nvml_compat.py")
     if exports is None:
         fails.append("the product's NVML function table is not readable")
@@ -164,7 +164,7 @@ def functions_section(nv: Nvml, version: str, fails: list[str]) -> None:
     names = list(exports.FUNCTIONS)
     missing = [n for n in names if not nv.has(n)]
     print(
-        f"  product NVML functions (dra_gpu/simnode/exports.py): {len(names) - len(missing)} of "
+        f"  product NVML functions (sim/simnode/exports.py): {len(names) - len(missing)} of "
         f"{len(names)} resolve (dlsym)"
     )
     for name in missing:

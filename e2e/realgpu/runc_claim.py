@@ -52,8 +52,8 @@ HOST_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 def claim_spec(root: Path, dev_root: Path, version: str, gpu: dict[str, Any]) -> dict[str, Any]:
     """The claim's spec as the plugin composes it; `dev_root` holds `dev/` (and `proc/devices`)."""
-    from dra_gpu.api.v1alpha1 import DEFAULT_GPU_CONFIG
     from dra_gpu.discovery.driver_install import discover_installation
+    from dra_gpu.model.config.v1alpha1 import DEFAULT_GPU_CONFIG
     from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, visible_devices_env
     from dra_gpu.plugin.device_nodes import DeviceNodes, NumberedNode
     from dra_gpu.plugin.driver_files import container_edits

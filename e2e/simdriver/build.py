@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Build a simulated NVIDIA driver root (CLI over dra_gpu.simnode.builder).
+"""Build a simulated NVIDIA driver root (CLI over simnode.builder).
 
     python3 e2e/simdriver/build.py --profile NAME|PATH (--out DIR | --cache DIR)
                                    [--version V] [--stale-version V]
 
 Run it with the project's .venv python (it imports dra_gpu). What a root holds and how the
-simulated NVML behaves: dra_gpu/simnode/README.md.
+simulated NVML behaves: sim/simnode/README.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-from dra_gpu.simnode.builder import (  # noqa: F401 - re-exported for the builder's callers
+from simnode.builder import (  # noqa: F401 - re-exported for the builder's callers
     DEFAULT_CUDA_VERSION,
     LIBRARIES,
     TOOLS,
@@ -30,7 +30,7 @@ from dra_gpu.simnode.builder import (  # noqa: F401 - re-exported for the builde
     profile_of_gpus,
     profile_versions,
 )
-from dra_gpu.simnode.profiles import ProfileError, load_profile
+from simnode.profiles import ProfileError, load_profile
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simdriver"))
 from runc_check import _read_image, _unpack
-
-from dra_gpu.simnode.state import read_state
+from simnode.state import read_state
 
 RUNS_FOR = 4  # seconds the container sleeps: the limit is looked at while it runs
 CGROUP = "/dra-gpu-e2e-memory-limits"

@@ -236,8 +236,9 @@ def peer_driver(target, dyn):
 def published(target, core, dyn):
     """Simulated slices of both profiles on the real node, and the classes for them (for the
     test_controller_*.py files; each publishes them for itself and removes them at its end)."""
-    from dra_gpu.simnode.fake import discover_node
-    from dra_gpu.slices import build_slices
+    from simnode.fake import discover_node
+
+    from dra_gpu.node.slices import build_slices
 
     node = core.list_node().items[0].metadata.name
     slices_api = dyn.resources.get(api_version=RESOURCE, kind="ResourceSlice")
@@ -294,3 +295,10 @@ def image(target):
     """The `--set` values that make the chart use the dra-gpu image of deploy/Dockerfile, built
     (or found cached) and imported into the local cluster's containerd."""
     return dra_gpu_image(target)
+
+
+@pytest.fixture(scope="session")
+def simnode_image(target):
+    """The `--set` values that make the chart use the driver's image plus the simulator
+    (`localhost/dra-gpu-simnode`), which the chart's simulatedProfile needs."""
+    return dra_gpu_image(target, "dra-gpu-simnode")

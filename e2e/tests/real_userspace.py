@@ -2,7 +2,7 @@
 NVIDIA's real files, seeing the simulated NVML in place of NVIDIA's in its own mount namespace only.
 
 Why that split: the plugin needs an NVML that sees GPUs (here the GPU simulation at NVIDIA's C
-interface, dra_gpu/simnode); a workload must get NVIDIA's real libnvidia-ml, exactly as on a node
+interface, sim/simnode); a workload must get NVIDIA's real libnvidia-ml, exactly as on a node
 whose kernel module is absent. So the node's driver root on the host is the pure Debian root (what
 the CDI specs point containerd at), and only the plugin's process has the simulated library
 bind-mounted over `libnvidia-ml.so.<version>` (`unshare --mount --propagation private`: the bind

@@ -99,10 +99,12 @@ def kubelet_excerpt(log: Path, start: float, stop: float, limit: int = 60, width
     return "\n".join(picked[-limit:])
 
 
-def dra_gpu_image(target) -> tuple[str, ...]:
-    """The dra-gpu image, built (or found cached) by e2e/image_build.sh and imported into the local
-    cluster's containerd; returns the `--set` values that make the chart use it (the `image`
-    fixture of conftest.py)."""
+def dra_gpu_image(target, image: str = "dra-gpu") -> tuple[str, ...]:
+    """An image built (or found cached) by e2e/image_build.sh and imported into the local cluster's
+    containerd: `dra-gpu`, the driver's (the `image` fixture of conftest.py), whose rootfs and
+    Python distributions are checked to hold nothing of the simulator, or `dra-gpu-simnode`, the
+    driver's plus the simulator (`simnode_image`, for the chart's simulatedProfile). Returns the
+    `--set` values that make the chart use it."""
     if not target.local:
         pytest.skip("the image is imported into the local e2e cluster's containerd")
     t0 = time.time()
@@ -112,15 +114,21 @@ def dra_gpu_image(target) -> tuple[str, ...]:
     sys.path.insert(0, str(ROOT / "e2e"))
     from harness.components import CACHE, import_dra_gpu_image
 
-    name = import_dra_gpu_image()
-    assert name, "e2e/image_build.sh wrote no image archive"
-    with open(os.path.join(CACHE, "images", "dra-gpu.json")) as f:
+    name = import_dra_gpu_image(image)
+    assert name, f"e2e/image_build.sh wrote no {image} image archive"
+    with open(os.path.join(CACHE, "images", f"{image}.json")) as f:
         meta = json.load(f)
-    print(
-        f"\n[image] {name}: rootfs {meta['rootfs_bytes'] / 1e6:.0f} MB, archive "
-        f"{meta['archive_bytes'] / 1e6:.0f} MB, {len(meta['packages'])} Python distributions; "
-        f"build + import {time.time() - t0:.1f} s"
-    )
+    if image == "dra-gpu":
+        # The driver's image carries no simulator: not its package, not its C sources.
+        assert meta["simulator_files"] == 0, meta
+        assert not [p for p in meta["packages"] if p.startswith("dra-gpu-simnode")], meta["packages"]
+        print(
+            f"\n[image] {name}: rootfs {meta['rootfs_bytes'] / 1e6:.0f} MB, archive "
+            f"{meta['archive_bytes'] / 1e6:.0f} MB, {len(meta['packages'])} Python distributions, "
+            f"no simulator; build + import {time.time() - t0:.1f} s"
+        )
+    else:
+        print(f"\n[image] {name}: profiles {meta['profiles']}; build + import {time.time() - t0:.1f} s")
     repository, tag = name.rsplit(":", 1)
     return (f"image.repository={repository}", f"image.tag={tag}", "image.pullPolicy=Never")
 

@@ -43,7 +43,7 @@ BROKEN_CEL = "device.attributes['gpu.dra-gpu.io'].productName =="  # a syntax er
 CAP_MKNOD = 1 << 27
 
 
-def test_daemonset_serves_a_simulated_node(image, dyn, core, namespace, wait_pod):
+def test_daemonset_serves_a_simulated_node(simnode_image, dyn, core, namespace, wait_pod):
     from kubernetes.client.exceptions import ApiException
 
     node = core.list_node().items[0].metadata.name
@@ -52,7 +52,7 @@ def test_daemonset_serves_a_simulated_node(image, dyn, core, namespace, wait_pod
     objs = render(
         release,
         namespace,
-        *image,
+        *simnode_image,
         "simulatedProfile=hgx-2x4",
         f"kubeletPlugin.nvidiaDriverRoot={sim_driver_root('hgx-2x4')}",
         "controller.enabled=false",

@@ -30,12 +30,11 @@ import time
 from pathlib import Path
 
 import pytest
+from simnode.node import kernel_version_text
 from support import container_process, exec_in, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, failed_prepare, glibc_images  # noqa: F401 - a fixture
 from test_kubelet_plugin import CDI_DIR, DRIVER, PLUGIN_DIR, template
 from test_real_node import HGX, dpkg_md5, finish, installs, slice_devices  # noqa: F401 - a fixture
-
-from dra_gpu.simnode.node import kernel_version_text
 
 pytestmark = pytest.mark.e2e
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from simnode.profiles import load_profile
+from simnode.state import read_state, reboot
 from support import ROOT, wait_for
 from test_kubelet_plugin import (
     CDI_DIR,
@@ -24,9 +26,6 @@ from test_kubelet_plugin import (
     our_slices,
     template,
 )
-
-from dra_gpu.simnode.profiles import load_profile
-from dra_gpu.simnode.state import read_state, reboot
 
 pytestmark = pytest.mark.e2e
 

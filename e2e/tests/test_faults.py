@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from simnode.state import read_state, reboot
 from support import wait_for
 from test_dynamic_mig import SIM_DEV, instances, profile_is, running_log, visible
 from test_kubelet_plugin import (
@@ -41,8 +42,6 @@ from test_kubelet_plugin import (
 )
 from test_sharing import MPS_ROOT, mps_config
 
-from dra_gpu.simnode.state import read_state, reboot
-
 pytestmark = pytest.mark.e2e
 
 ENV = "DRA_GPU_FAILPOINTS"
@@ -51,7 +50,7 @@ SPEC_PREFIX = f"k8s.{DRIVER}-claim_"
 MIG_PROFILE = "dgx-h100-mig"
 SHOW = "ls -l /dev/nvidia*; env | grep -E '^(NVIDIA|DRA_GPU|CUDA_MPS)'; sleep 3600"
 
-# (failpoint, claim kind), the names as in dra_gpu/failpoints.py (the e2e tier does not import
+# (failpoint, claim kind), the names as in dra_gpu/common/failpoints.py (the e2e tier does not import
 # the package). Every failpoint once at least; the MIG cases last (another node profile).
 CASES = [
     ("checkpoint-after-temp", "gpu"),

@@ -20,7 +20,7 @@ from test_compat import get_raw
 from test_controller_webhook import Controller, _webhook_config
 from test_kubelet_plugin import claim_pod, plugin, template  # noqa: F401 - fixture
 
-from dra_gpu.kube_bounds import MAX_OBJECT_BYTES
+from dra_gpu.kube.bounds import MAX_OBJECT_BYTES
 
 pytestmark = pytest.mark.e2e
 

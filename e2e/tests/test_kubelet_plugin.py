@@ -15,10 +15,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from simnode.inject import set_gpu_lost
+from simnode.state import reboot
 from support import ROOT, sim_driver_root, wait_for
-
-from dra_gpu.simnode.inject import set_gpu_lost
-from dra_gpu.simnode.state import reboot
 
 pytestmark = pytest.mark.e2e
 

@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 from kubernetes.client.exceptions import ApiException
 from real_userspace import install_cdi_hook
+from simnode.state import read_state
 from support import CACHE, ROOT, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
 from test_kubelet_plugin import CDI_DIR, DRIVER, PROFILE, SIM_DEV, our_slices
 from test_sharing import memory_template, pod_log, wait_for_shareable_gpus
 
 from dra_gpu.plugin.memory_limits import cgroup_v2
-from dra_gpu.simnode.state import read_state
 
 pytestmark = pytest.mark.e2e
 
@@ -65,7 +65,7 @@ def node_cgroups() -> str:
 
 def profile_at(version: str, where: Path) -> str:
     """The A100 node's profile with another driver (libraries and kernel module alike)."""
-    text = (ROOT / "dra_gpu" / "simnode" / "profiles" / f"{BASE_PROFILE}.yaml").read_text()
+    text = (ROOT / "sim" / "simnode" / "profiles" / f"{BASE_PROFILE}.yaml").read_text()
     path = where / f"{BASE_PROFILE}-{version}.yaml"
     path.write_text(re.sub(r"(?m)^driverVersion: .*$", f"driverVersion: {version}", text))
     return str(path)

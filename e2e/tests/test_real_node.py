@@ -36,6 +36,10 @@ from pathlib import Path
 import pytest
 import yaml
 from real_userspace import e2e_script
+from simnode.inject import inject_xid
+from simnode.node import make_kernel_files
+from simnode.profiles import load_profile
+from simnode.state import read_state
 from support import (
     apply_all,
     container_process,
@@ -58,11 +62,6 @@ from test_kubelet_plugin import (
     template,
 )
 from test_sharing import mps_config
-
-from dra_gpu.simnode.inject import inject_xid
-from dra_gpu.simnode.node import make_kernel_files
-from dra_gpu.simnode.profiles import load_profile
-from dra_gpu.simnode.state import read_state
 
 pytestmark = pytest.mark.e2e
 

@@ -38,12 +38,12 @@ from real_userspace import (
     run_layout_root,
     wait_for_gpus,
 )
+from simnode.node import make_kernel_files
 from support import wait_for
 from test_driver_userspace import CUDA_STYLE_IMAGE, DEBIAN_IMAGE, glibc_images, gpu_pod  # noqa: F401
 from test_kubelet_plugin import ensure_device_classes, our_slices, template
 
 from dra_gpu.discovery.driver_install import read_soname
-from dra_gpu.simnode.node import make_kernel_files
 
 pytestmark = pytest.mark.e2e
 

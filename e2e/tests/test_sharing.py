@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from simnode.state import read_state
 from support import sim_driver_root, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
 from test_kubelet_plugin import (
@@ -23,8 +24,6 @@ from test_kubelet_plugin import (
     our_slices,
     template,
 )
-
-from dra_gpu.simnode.state import read_state
 
 pytestmark = pytest.mark.e2e
 

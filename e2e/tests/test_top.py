@@ -82,7 +82,7 @@ def expected_holdings(claims):
 
 
 def quantity_bytes(text: str | None) -> int | None:
-    from dra_gpu.kubernetes_values import parse_quantity
+    from dra_gpu.kube.values import parse_quantity
 
     return None if text is None else int(parse_quantity(text))
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import build_slices
+from simnode.fake import discover_node
+
+from dra_gpu.node.slices import build_slices
 
 DRIVER = "gpu.dra-gpu.io"
 GPU_SELECTOR = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'

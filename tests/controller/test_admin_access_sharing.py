@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.api import API_VERSION
 from dra_gpu.controller.rules import Validator
+from dra_gpu.model.config import API_VERSION
 
 from .objects import DRIVER, GPU_CLASS, claim, node_slices
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from simnode.fake import discover_node
+
 from dra_gpu.controller.commands import explain_inputs
 from dra_gpu.controller.inputs import Inputs
 from dra_gpu.controller.rules import Validator
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import build_slices
+from dra_gpu.node.slices import build_slices
 
 from .objects import DRIVER, GPU_CLASS, allocated
 

@@ -30,17 +30,17 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
+from simnode.profiles import ProfileError, parse_profile
 
-from dra_gpu.api import ConfigError, decode
+from dra_gpu.common.decoding import decode as decode_shape
+from dra_gpu.common.decoding import load_yaml_all
 from dra_gpu.controller.allocator_view import Cluster
 from dra_gpu.controller.explain import explain
 from dra_gpu.controller.inputs import Inputs
 from dra_gpu.controller.rules import ProblemKind, Validator
 from dra_gpu.controller.schemas import ADMISSION_REVIEW, decode_object
-from dra_gpu.decoding import decode as decode_shape
-from dra_gpu.decoding import load_yaml_all
-from dra_gpu.kubernetes_values import parse_quantity
-from dra_gpu.simnode.profiles import ProfileError, parse_profile
+from dra_gpu.kube.values import parse_quantity
+from dra_gpu.model.config import ConfigError, decode
 from tests.conftest import discover_doc
 from tests.mutation import fuzz_settings, reach, reaches
 

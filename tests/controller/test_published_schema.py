@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from simnode.fake import discover_node
+from simnode.profiles import BUILTIN_PROFILES
 
-from dra_gpu.attributes import STANDARD_ATTRIBUTES, STANDARD_DOMAIN
 from dra_gpu.controller.rules import Validator
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.simnode.profiles import BUILTIN_PROFILES
-from dra_gpu.slices import build_slices
+from dra_gpu.model.attributes import STANDARD_ATTRIBUTES, STANDARD_DOMAIN
+from dra_gpu.node.slices import build_slices
 
 from .objects import DRIVER
 

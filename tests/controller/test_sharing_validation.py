@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dra_gpu.api import API_VERSION
+from simnode.fake import discover_node
+
 from dra_gpu.controller.published_devices import policy_amount
 from dra_gpu.controller.rules import ProblemKind, Validator
-from dra_gpu.kubernetes_values import parse_quantity
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import build_slices
+from dra_gpu.kube.values import parse_quantity
+from dra_gpu.model.config import API_VERSION
+from dra_gpu.node.slices import build_slices
 
 from .objects import DRIVER, GPU_CLASS, claim
 

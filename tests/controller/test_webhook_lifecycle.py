@@ -20,7 +20,7 @@ from fake_kube import FakeApiServer, until
 
 from dra_gpu.controller import webhook
 from dra_gpu.controller.webhook import ClusterState, Metrics, WebhookConfig, serve, watch_resource
-from dra_gpu.kube import RESOURCE_V1, Backoff, Kube
+from dra_gpu.kube.api import RESOURCE_V1, Backoff, Kube
 
 from .objects import GPU_CLASS, claim, node_slices
 from .test_cli_controller import DRA_GPU

@@ -230,7 +230,7 @@ def test_chart_env_names_are_read_by_the_cli(render: Render) -> None:
     """Every DRA_GPU_*/driver env var the chart sets is one `dra-gpu kubelet-plugin` reads."""
     cli = (ROOT / "dra_gpu" / "cli.py").read_text()
     cli += (ROOT / "dra_gpu" / "health" / "command.py").read_text()  # the health flags
-    cli += (ROOT / "dra_gpu" / "node_flags.py").read_text()  # the node's names and paths
+    cli += (ROOT / "dra_gpu" / "node" / "flags.py").read_text()  # the node's names and paths
     env = env_of(container(one(render("simulatedProfile=hgx-2x4"), "DaemonSet")))
     for name in env:
         if name.startswith(("DRA_GPU_", "NVIDIA_DRIVER", "NVIDIA_HOST", "NVIDIA_CDI")) or name in (
@@ -511,7 +511,7 @@ def test_rbac_is_least_privilege(render: Render) -> None:
         ("resource.k8s.io", "resourceclaims/status", "patch", ""),
         ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
         ("", "nodes", "get", ""),
-        # a Warning Event on an object left out of the view (dra_gpu.kube_bounds)
+        # a Warning Event on an object left out of the view (dra_gpu.kube.bounds)
         ("events.k8s.io", "events", "create", ""),
     }
     assert rules_of(objs, "controller") == {
@@ -705,9 +705,10 @@ def test_memory_shares_value_reaches_the_plugin(render: Render) -> None:
 def test_mig_profiles_reach_the_plugin_and_limit_what_it_publishes(render: Render) -> None:
     """The chart's migProfiles become the plugin's --mig-profiles, and the node publishes only
     those profiles' placements, with every GPU's counter set whole."""
-    from dra_gpu.node_settings import NodeSettings
-    from dra_gpu.simnode.fake import discover_node
-    from dra_gpu.slices import build_slices
+    from simnode.fake import discover_node
+
+    from dra_gpu.node.settings import NodeSettings
+    from dra_gpu.node.slices import build_slices
 
     assert "DRA_GPU_MIG_PROFILES" not in env_of(
         container(one(render("kubeletPlugin.dynamicMig=true"), "DaemonSet"))

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from simnode.fake import discover_node
 
 from dra_gpu.doctor import node_checks
 from dra_gpu.doctor.settings import NodeCheckSettings as NodeSettings
-from dra_gpu.model import Inventory
-from dra_gpu.simnode.fake import discover_node
+from dra_gpu.model.inventory import Inventory
 
 
 @pytest.fixture(autouse=True)

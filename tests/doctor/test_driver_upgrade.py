@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from simnode.node import kernel_version_text
 
 from dra_gpu.doctor.node_checks import NodeFacts, check_driver_upgrade, run_node_checks
 from dra_gpu.doctor.report import Status
 from dra_gpu.doctor.settings import NodeCheckSettings
-from dra_gpu.simnode.node import kernel_version_text
 from tests.doctor.test_node_checks import DRIVER, settings
 from tests.driver_root import make_root
 

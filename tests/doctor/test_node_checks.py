@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from simnode.fake import discover_node
 
 from dra_gpu.doctor.containerd_config import ContainerdConfigError, read_containerd_cdi
 from dra_gpu.doctor.node_checks import (
@@ -33,7 +34,6 @@ from dra_gpu.doctor.plugin_probe import GET_INFO, decode_plugin_info
 from dra_gpu.doctor.report import Status
 from dra_gpu.doctor.settings import NodeCheckSettings as NodeSettings
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
-from dra_gpu.simnode.fake import discover_node
 from tests.driver_root import make_root
 from tests.fake_node import create_simulated
 

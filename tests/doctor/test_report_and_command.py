@@ -102,12 +102,12 @@ def test_the_plugin_and_the_controller_never_import_doctor() -> None:
 def test_doctor_on_a_simulated_node_runs_its_simulated_driver(tmp_path: Path) -> None:
     """`dra-gpu doctor --profile` as a user runs it: NVML is the simulated driver's library; the
     device nodes and MIG capability files are those the plugin's node has under --dev-root."""
-    from dra_gpu.simnode.node import prepare_simulated_node
+    from simnode.node import prepare_simulated_node
 
     dev_root = tmp_path / "plugin" / "simulated-root"
     node = prepare_simulated_node("dgx-a100-mig", dev_root)  # what the plugin does at start
     env = {**os.environ, **node.env()}
-    probe = [sys.executable, "-m", "dra_gpu.discovery.nvml_probe", "--driver-root", str(node.driver_root)]
+    probe = [sys.executable, "-m", "dra_gpu.node.nvml_probe", "--driver-root", str(node.driver_root)]
     nvml = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
     assert nvml.returncode == 0 and "nvmlDeviceGetCount = 8" in nvml.stdout, nvml.stderr
     out = subprocess.run(

@@ -8,15 +8,15 @@ from typing import Any
 
 from fake_kube import until
 from prometheus_client import CollectorRegistry
+from simnode.fake import discover_node
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.claim_status import WRITES_IN_FLIGHT, ClaimStatusWriter
 from dra_gpu.health.classification import Classifier, EventKind
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Observation, Seen
 from dra_gpu.health.taint_book import TaintBook
-from dra_gpu.kube import KubeError
-from dra_gpu.simnode.fake import discover_node
+from dra_gpu.kube.api import KubeError
+from dra_gpu.node.catalog import DeviceCatalog
 
 DRIVER = "gpu.dra-gpu.io"
 

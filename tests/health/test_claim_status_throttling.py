@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 from fake_kube import FakeApiServer, FakeResponse, Request
+from simnode.fake import discover_node
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health import claim_status
 from dra_gpu.health.claim_status import ClaimStatusWriter
-from dra_gpu.simnode.fake import discover_node
+from dra_gpu.node.catalog import DeviceCatalog
 
 DRIVER = "gpu.dra-gpu.io"
 INITIAL = 0.05  # the writer's first wait, seconds

@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from simnode.fake import discover_node
 
-from dra_gpu.device_catalog import DeviceCatalog
-from dra_gpu.dynamic_mig import READY_CONDITION
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.classification import Classifier, EventKind
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Observation, Seen
 from dra_gpu.health.taint_book import TaintBook
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.node.catalog import DeviceCatalog
+from dra_gpu.node.dynamic_mig import READY_CONDITION
 from dra_gpu.plugin.mig_binding import MigBinder
-from dra_gpu.simnode.fake import discover_node
 
 DRIVER = "gpu.dra-gpu.io"
 NODE = "node-a"

@@ -7,9 +7,8 @@ import time
 
 import pynvml
 import pytest
-
-from dra_gpu.simnode.fake import FakeNvml
-from dra_gpu.simnode.profiles import load_profile
+from simnode.fake import FakeNvml
+from simnode.profiles import load_profile
 
 
 @pytest.fixture

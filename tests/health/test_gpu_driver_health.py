@@ -8,17 +8,17 @@ from typing import Any
 from unittest.mock import ANY
 
 from prometheus_client import CollectorRegistry
+from simnode.fake import discover_node
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.classification import Classifier, Effect, EventKind
 from dra_gpu.health.manager import HealthManager
 from dra_gpu.health.monitor import Observation, Seen
 from dra_gpu.health.taint_book import TaintBook
 from dra_gpu.kubeletplugin.driver import Health
-from dra_gpu.model import Gpu
+from dra_gpu.model.inventory import Gpu
+from dra_gpu.node.catalog import DeviceCatalog
+from dra_gpu.node.slices import build_slices
 from dra_gpu.plugin.gpu_driver import GpuDriver
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import build_slices
 
 DRIVER = "gpu.dra-gpu.io"
 

@@ -16,11 +16,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from dra_gpu.cli import main
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.control import SOCKET_NAME, request
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.health.taint_book import HoldDown
-from dra_gpu.node_backend import open_backend
+from dra_gpu.node.backend import open_backend
+from dra_gpu.node.catalog import DeviceCatalog
 from tests.simnode_support import in_child, needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
 DRIVER = "gpu.dra-gpu.io"

@@ -7,12 +7,12 @@ import time
 from typing import Any
 
 import pynvml
+from simnode.fake import FakeNvml
+from simnode.profiles import load_profile
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.health.classification import EventKind
 from dra_gpu.health.monitor import Monitor, Observation, Seen
-from dra_gpu.simnode.fake import FakeNvml
-from dra_gpu.simnode.profiles import load_profile
+from dra_gpu.node.catalog import DeviceCatalog
 
 
 class NoEvents(FakeNvml):
@@ -97,11 +97,11 @@ def test_only_a_lost_gpu_taints_other_nvml_errors_are_retried_and_counted() -> N
     (a NoExecute taint would evict the pods), the call retried and counted; an event sent after
     the errors still arrives. GPU_IS_LOST taints NoExecute."""
     from prometheus_client import CollectorRegistry
+    from simnode.fake import discover_node
 
     from dra_gpu.health.classification import Classifier, Effect
     from dra_gpu.health.manager import HealthManager
     from dra_gpu.health.taint_book import TaintBook
-    from dra_gpu.simnode.fake import discover_node
 
     inv = discover_node("node-a", "hgx-2x4")
     registry = CollectorRegistry()

@@ -11,12 +11,9 @@ GPU_SPECIFIC = (
     "dra_gpu.plugin",
     "dra_gpu.discovery",
     "dra_gpu.model",
-    "dra_gpu.api",
-    "dra_gpu.slices",
-    "dra_gpu.device_catalog",
+    "dra_gpu.node",
     "dra_gpu.health",
-    "dra_gpu.node_backend",
-    "dra_gpu.simnode",
+    "simnode",
 )
 
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 from fake_kube import FakeApiServer, until
+from simnode.fake import discover_node
 
-from dra_gpu.kube import Backoff, KubeError
+from dra_gpu.kube.api import Backoff, KubeError
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import SlicePublisher, missing_fields
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.slices import build_slices
+from dra_gpu.node.slices import build_slices
 
 from .conftest import DRIVER, NODE, FakeDriver, slice_of
 

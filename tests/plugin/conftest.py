@@ -18,19 +18,19 @@ from typing import Any
 import jsonschema
 import pytest
 import referencing
+from simnode.fake import discover_node
 
-from dra_gpu.device_catalog import DeviceCatalog
-from dra_gpu.durable import temp_target
+from dra_gpu.common.durable import temp_target
 from dra_gpu.kubeletplugin.claims import ClaimFetcher, ClaimLookup
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.model import Inventory
+from dra_gpu.model.inventory import Inventory
+from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import PreparedDevice
-from dra_gpu.simnode.fake import discover_node
 from tests.driver_root import make_root
 from tests.fake_node import create_simulated, fake_sharing
 

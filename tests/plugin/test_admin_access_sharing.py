@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.api import API_VERSION
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.model.config import API_VERSION
 from dra_gpu.plugin.compute_mode import DEFAULT
 from dra_gpu.plugin.plan import PrepareError
 from plugin.conftest import DRIVER, PluginCore, claim, gpu_names, prepare_claim

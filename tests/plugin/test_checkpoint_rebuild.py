@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.exit_codes import EXIT_STATE
+from dra_gpu.common.exit_codes import EXIT_STATE
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.checkpoint import (
     BOUND,

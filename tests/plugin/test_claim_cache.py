@@ -13,7 +13,7 @@ from typing import Any
 
 from fake_kube import FakeApiServer, until
 
-from dra_gpu.kube import Backoff
+from dra_gpu.kube.api import Backoff
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.claim_cache import ClaimCache
 

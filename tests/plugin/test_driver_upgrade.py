@@ -20,16 +20,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from simnode.node import kernel_version_text
 
-from dra_gpu.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
+from dra_gpu.common.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.node_backend import NodeBackend
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.backend import NodeBackend
+from dra_gpu.node.settings import NodeSettings
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_upgrade import POLL_SECONDS, DriverState, DriverVersions, DriverVersionWatch
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.server import KubeletPlugin, PluginConfig
-from dra_gpu.simnode.node import kernel_version_text
 from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
 from tests.driver_root import make_root
 

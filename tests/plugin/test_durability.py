@@ -1,4 +1,4 @@
-"""Which of the plugin's writes pay for durability (dra_gpu.durable): a prepare and an unprepare
+"""Which of the plugin's writes pay for durability (dra_gpu.common.durable): a prepare and an unprepare
 fsync nothing, the health taint book fsyncs every change, and what a power loss can leave of the
 boot-scoped files (a CDI spec in a persistent CDI directory, a torn or missing checkpoint) is
 removed or discarded at the next boot's start."""

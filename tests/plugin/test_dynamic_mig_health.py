@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from simnode.profiles import load_profile
 
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.classification import Effect, EventKind
@@ -18,7 +19,6 @@ from dra_gpu.health.monitor import Observation, Seen
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kubeletplugin.driver import Health
 from dra_gpu.plugin.gpu_driver import GpuDriver
-from dra_gpu.simnode.profiles import load_profile
 from plugin.conftest import DRIVER, NODE, claim, prepare_claim
 from plugin.test_dynamic_mig_prepare import GPU0, PROFILE, start_node
 from tests.driver_root import make_root

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from simnode.fake_nvml import FakeNvml
+from simnode.profiles import load_profile
 
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.discovery import discover
 from dra_gpu.kubeletplugin.driver import ClaimRef
-from dra_gpu.model import Inventory
+from dra_gpu.model.inventory import Inventory
+from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes
@@ -26,8 +28,6 @@ from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.record import MIG_GPU_INSTANCE, MIG_PLANNED
-from dra_gpu.simnode.fake_nvml import FakeNvml
-from dra_gpu.simnode.profiles import load_profile
 from plugin.conftest import DRIVER, NODE, ClaimStore, claim, prepare_claim, validate_cdi
 from tests.driver_root import make_root
 from tests.fake_node import create_simulated
@@ -243,8 +243,9 @@ def test_an_instance_in_use_is_not_destroyed_and_the_claim_stays(node: Node) -> 
 
 @pytest.mark.usefixtures("enabled_failpoints")
 def test_failpoints_and_simulated_failures_parse_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dra_gpu import failpoints
-    from dra_gpu.simnode.fake_nvml import parse_failures
+    from simnode.fake_nvml import parse_failures
+
+    from dra_gpu.common import failpoints
 
     monkeypatch.setenv(failpoints.ENV, "a=error")
     with pytest.raises(failpoints.FailpointError):

@@ -10,19 +10,19 @@ import uuid
 from pathlib import Path
 
 import pytest
+from simnode.fake_nvml import FakeNvml
+from simnode.profiles import load_profile
 
-from dra_gpu.api.v1alpha1 import API_VERSION
-from dra_gpu.device_catalog import DeviceCatalog
 from dra_gpu.discovery import discover
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.model.config.v1alpha1 import API_VERSION
+from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.mig_lifecycle import MigInstances
 from dra_gpu.plugin.prepare import Preparer
-from dra_gpu.simnode.fake_nvml import FakeNvml
-from dra_gpu.simnode.profiles import load_profile
 from plugin.conftest import DRIVER, NODE, ClaimStore, claim, prepare_claim, stop_daemons
 from plugin.test_dynamic_mig_prepare import h100_driver_root  # noqa: F401 - a fixture
 from tests.fake_node import create_simulated, fake_sharing

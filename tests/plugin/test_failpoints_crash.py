@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu import failpoints
+from dra_gpu.common import failpoints
 from dra_gpu.plugin.checkpoint import COMPLETED
 from plugin.conftest import PluginCore, assert_only_live_files, claim, gpu_names, prepare_claim, temp_files
 from plugin.test_dynamic_mig_prepare import GPU0, Node, start_node
@@ -87,7 +87,7 @@ def mps_pids(mps_root: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def h100_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dra_gpu.simnode.profiles import load_profile
+    from simnode.profiles import load_profile
 
     return make_root(tmp_path_factory.mktemp("driver") / "root", load_profile("dgx-h100-mig").driver_version)
 

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from fake_kube import FakeApiServer
 
-from dra_gpu.kube import Kube
+from dra_gpu.kube.api import Kube
 from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2 as v1_health_pb
 from dra_gpu.kubeletplugin._proto import dra_health_v1_pb2_grpc as v1_health_grpc
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.settings import NodeSettings
 from dra_gpu.plugin import server
 from dra_gpu.plugin.server import KubeletPlugin, PluginConfig
 from tests.plugin.conftest import DRIVER, NODE

@@ -10,7 +10,7 @@ import aiohttp
 import grpc
 import pytest
 
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.settings import NodeSettings
 from dra_gpu.plugin.server import NOT_REGISTERED, KubeletPlugin, PluginConfig
 from tests.kubeletplugin.conftest import DRIVER, NODE
 from tests.kubeletplugin.test_helper import Running, run_plugin

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu.api import API_VERSION
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef
+from dra_gpu.model.config import API_VERSION
 from dra_gpu.plugin.checkpoint import COMPLETED, STARTED, Checkpoint
 from dra_gpu.plugin.plan import PrepareError
 from plugin.conftest import DRIVER, NODE, PluginCore, claim, gpu_names, mig_names, prepare_claim, validate_cdi

@@ -45,7 +45,7 @@ CHILD = textwrap.dedent(
     import asyncio, json, sys
     from pathlib import Path
     from plugin.conftest import ClaimStore, make_core, prepare_claim, slow_renames
-    from dra_gpu.simnode.fake import discover_node
+    from simnode.fake import discover_node
     from dra_gpu.kubeletplugin.driver import ClaimRef
 
     root, driver_root, claims = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])

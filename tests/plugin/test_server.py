@@ -16,14 +16,14 @@ import aiohttp
 import grpc
 import pytest
 from fake_kube import FakeApiServer
+from simnode.builder import default_cache_dir, ensure_driver_root, nvml_library
 
-from dra_gpu.kube import Kube
+from dra_gpu.kube.api import Kube
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2 as reg_pb
 from dra_gpu.kubeletplugin._proto import pluginregistration_v1_pb2_grpc as reg_grpc
-from dra_gpu.node_settings import NodeSettings
+from dra_gpu.node.settings import NodeSettings
 from dra_gpu.plugin import server
 from dra_gpu.plugin.server import KubeletPlugin, PluginConfig
-from dra_gpu.simnode.builder import default_cache_dir, ensure_driver_root, nvml_library
 from tests.plugin.conftest import DRIVER, NODE
 from tests.simnode_support import in_child, needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 

@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from simnode.fake import discover_node
+from simnode.fake_nvml import FakeNvml
+from simnode.profiles import load_profile
 
-from dra_gpu.api import API_VERSION, decode
 from dra_gpu.kubeletplugin.driver import ClaimRef
+from dra_gpu.model.config import API_VERSION, decode
 from dra_gpu.plugin.compute_mode import DEFAULT, EXCLUSIVE_PROCESS, ComputeModes
 from dra_gpu.plugin.driver_programs import DriverProgram
 from dra_gpu.plugin.memory_limits import DRIVER as DRIVER_LIMIT
 from dra_gpu.plugin.memory_limits import Enforcement, MemoryLimits
 from dra_gpu.plugin.plan import PrepareError
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError
-from dra_gpu.simnode.fake import discover_node
-from dra_gpu.simnode.fake_nvml import FakeNvml
-from dra_gpu.simnode.profiles import load_profile
 from plugin.conftest import (
     DRIVER,
     NODE,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu import failpoints
-from dra_gpu.durable import remove_stale_temps
+from dra_gpu.common import failpoints
+from dra_gpu.common.durable import remove_stale_temps
 from dra_gpu.plugin.write_rounds import WriteRounds
 from plugin.conftest import kill_in_a_write, slow_renames, temp_files
 

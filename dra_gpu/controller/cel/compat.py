@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from dra_gpu.kubernetes_values import MAX_ATTRIBUTES_AND_CAPACITIES
+from dra_gpu.kube.values import MAX_ATTRIBUTES_AND_CAPACITIES
 
 MAX_EXPRESSION_LENGTH = 10 * 1024  # CELSelectorExpressionMaxLength
 MAX_ESTIMATED_COST = 1_000_000  # CELSelectorExpressionMaxCost

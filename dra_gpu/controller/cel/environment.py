@@ -27,7 +27,6 @@ from cel_expr_python import cel
 from cel_expr_python.ext import ext_bindings, ext_optional, ext_strings
 from google.protobuf import message_factory
 
-from dra_gpu.attributes import STANDARD_DOMAIN
 from dra_gpu.controller.cel.compat import (
     MAX_ESTIMATED_COST,
     MAX_EXPRESSION_LENGTH,
@@ -46,6 +45,7 @@ from dra_gpu.controller.cel.schema import (
     Schema,
     descriptor_pool_for,
 )
+from dra_gpu.model.attributes import STANDARD_DOMAIN
 
 # What cel-expr-python's compile() raises: RuntimeError with cel-cpp's status text for an invalid
 # expression (syntax, undeclared names, types, recursion limit); TypeError for a str it cannot pass

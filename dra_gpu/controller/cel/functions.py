@@ -15,7 +15,7 @@ from typing import Any
 from cel_expr_python import cel
 
 from dra_gpu.controller.cel.schema import QUANTITY, SEMVER
-from dra_gpu.kubernetes_values import SemverValue, parse_quantity, parse_semver
+from dra_gpu.kube.values import SemverValue, parse_quantity, parse_semver
 
 
 class KubernetesFunctions:

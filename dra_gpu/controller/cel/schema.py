@@ -1,6 +1,6 @@
 """The attributes and capacities the selectors of one driver may use, and their protobuf types.
 
-The schema starts from what dra-gpu declares (dra_gpu.attributes) and learns what the published
+The schema starts from what dra-gpu declares (dra_gpu.model.attributes) and learns what the published
 slices add. As protobuf messages (cel-expr-python takes custom types only as messages) it gives the
 check environment a typed `device.attributes["<driver>"]`, so typos and type errors are caught.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, struct_pb2
 
-from dra_gpu.attributes import CAPACITIES, DRIVER_ATTRIBUTES
+from dra_gpu.model.attributes import CAPACITIES, DRIVER_ATTRIBUTES
 
 PACKAGE = "k8sdra"
 QUANTITY = f"{PACKAGE}.Quantity"
@@ -35,7 +35,7 @@ class Schema:
 
     @classmethod
     def default(cls, driver: str) -> Schema:
-        """The attributes and capacities dra-gpu declares (dra_gpu.attributes)."""
+        """The attributes and capacities dra-gpu declares (dra_gpu.model.attributes)."""
         return cls(driver, dict(DRIVER_ATTRIBUTES), set(CAPACITIES))
 
     def add_slices(self, slices: Iterable[Mapping[str, Any]]) -> None:
