@@ -1,5 +1,5 @@
 """Prepare latency of an MPS claim, daemon start included: the preparer in-process (no apiserver:
-claims come from memory), on a simulated node whose driver root (e2e/simdriver) has the
+claims come from memory), on a simulated node whose driver root (e2e/node/simdriver) has the
 simulated `nvidia-cuda-mps-control`, a real daemon process. Each prepare starts the claim's
 daemon, waits until it answers on its pipe, sets and reads back its limits, sets the compute mode
 and writes the CDI spec and checkpoint; each is followed by its unprepare (daemon stopped).

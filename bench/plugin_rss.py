@@ -209,7 +209,12 @@ def bench_node(tmp: Path) -> tuple[str, Path]:
     profile = tmp / "bench-node.yaml"
     bench_profile(profile)
     cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
-    simdriver = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", str(profile)]
+    simdriver = [
+        sys.executable,
+        str(ROOT / "e2e" / "node" / "simdriver" / "build.py"),
+        "--profile",
+        str(profile),
+    ]
     driver_root = subprocess.run(
         [*simdriver, "--cache", str(cache)], check=True, capture_output=True, text=True
     ).stdout.split()[-1]

@@ -394,7 +394,7 @@ class Bench:
         cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
         simdriver = [
             sys.executable,
-            str(ROOT / "e2e" / "simdriver" / "build.py"),
+            str(ROOT / "e2e" / "node" / "simdriver" / "build.py"),
             "--profile",
             str(self.profile),
         ]

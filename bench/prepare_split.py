@@ -63,7 +63,7 @@ def setup(work: Path) -> tuple[Preparer, list[ClaimRef]]:
     inventory = discover_node(NODE, str(profile))
     create_simulated(inventory, work / "devroot")
     cache = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu"))
-    build = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", str(profile)]
+    build = [sys.executable, str(ROOT / "e2e" / "node" / "simdriver" / "build.py"), "--profile", str(profile)]
     root = subprocess.run([*build, "--cache", str(cache)], check=True, capture_output=True, text=True)
     driver_files = DriverFiles(Path(root.stdout.split()[-1]), inventory.driver_version)
     claims = Claims()

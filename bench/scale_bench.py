@@ -1,10 +1,10 @@
 """Scale on the real control plane: KWOK nodes, dra-gpu's publishers and webhook, the real scheduler.
 
-    bash e2e/build.sh kubernetes && bash e2e/build.sh etcd && bash e2e/build.sh kwok   # cached
+    bash e2e/node/build.sh kubernetes && bash e2e/node/build.sh etcd && bash e2e/node/build.sh kwok   # cached
     .venv/bin/python bench/scale_bench.py --nodes 50,100,250,500 [--claims 1000] [--json FILE]
 
 For each node count N, a fresh control plane of its own (etcd, kube-apiserver, kube-scheduler from
-e2e/build.sh's cache, the e2e DRA feature gates) in a temporary state dir on ports of its own, so it
+e2e/node/build.sh's cache, the e2e DRA feature gates) in a temporary state dir on ports of its own, so it
 runs beside the e2e cluster; no kubelet, no controller-manager, no containers. (e2e/ci.sh's last
 check takes any process of the cache's programs for a cluster leftover: an e2e run that ends while
 this bench runs fails that check, so run them one after the other.)
@@ -238,7 +238,7 @@ class ControlPlane:
         ]
         missing = [b for b in need if not os.access(b, os.X_OK)]
         if missing:
-            sys.exit(f"missing {', '.join(missing)}: run e2e/build.sh kubernetes, etcd and kwok first")
+            sys.exit(f"missing {', '.join(missing)}: run e2e/node/build.sh kubernetes, etcd and kwok first")
 
     def up(self) -> None:
         shutil.rmtree(os.path.join(self.state, "etcd"), ignore_errors=True)
@@ -287,7 +287,7 @@ class ControlPlane:
         delete on stop)."""
         binary = os.path.join(self.config.BIN_K8S, "dra-test-driver")
         if not os.access(binary, os.X_OK):
-            sys.exit(f"missing {binary}: run e2e/build.sh kubernetes first")
+            sys.exit(f"missing {binary}: run e2e/node/build.sh kubernetes first")
         dirs = {d: os.path.join(self.state, "peer", d) for d in ("plugins", "registry", "cdi")}
         for d in dirs.values():
             os.makedirs(d, exist_ok=True)

@@ -4,7 +4,7 @@
 #   deploy/build-helm.sh        # prints the path of the helm binary on its last line
 #
 # The binary lands in ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/helm-<version>/helm, built from a
-# generated go.mod in .../src/helm-<version>/ (never in the repo), like e2e/build.sh does for the
+# generated go.mod in .../src/helm-<version>/ (never in the repo), like e2e/node/build.sh does for the
 # cluster's programs. A directory with a .complete marker is not rebuilt; changing the pin builds
 # a new one. GOMODCACHE/GOCACHE are Go's defaults.
 set -euo pipefail

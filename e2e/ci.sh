@@ -14,7 +14,7 @@ ROOT="$(dirname "$HERE")"
 PYTHON="${PYTHON:-python3}"
 
 t0=$SECONDS
-bash "$HERE/build.sh" all
+bash "$HERE/node/build.sh" all
 echo "[e2e/ci] build step: $((SECONDS - t0)) s"
 
 if ! "$PYTHON" -c 'import kubernetes, pytest, yaml' 2>/dev/null; then
@@ -34,7 +34,7 @@ echo "[e2e/ci] e2e tests: $((SECONDS - t1)) s (rc $rc)"
 OLDEST=v1.34.4
 "$PYTHON" "$HERE/cluster" down >/dev/null 2>&1 || true
 t2=$SECONDS
-DRA_GPU_KUBE_VERSION="$OLDEST" bash "$HERE/build.sh" kubernetes
+DRA_GPU_KUBE_VERSION="$OLDEST" bash "$HERE/node/build.sh" kubernetes
 (cd "$ROOT" && DRA_GPU_KUBE_VERSION="$OLDEST" DRA_GPU_E2E_DRA_GATES=default \
   "$PYTHON" -m pytest -m e2e "$HERE/tests/test_compat.py" -p no:cacheprovider "$@") || rc=1
 echo "[e2e/ci] compatibility suite on Kubernetes $OLDEST: $((SECONDS - t2)) s (rc $rc)"

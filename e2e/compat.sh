@@ -5,7 +5,7 @@
 #
 #   PYTHON=.venv/bin/python e2e/compat.sh [--readme]      # --readme: rewrite the README's table
 #
-# Each release is built once (e2e/build.sh, cached per version). Runs as root, like e2e/ci.sh.
+# Each release is built once (e2e/node/build.sh, cached per version). Runs as root, like e2e/ci.sh.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
@@ -26,8 +26,8 @@ rc=0
 for run in "${runs[@]}"; do
   read -r kube kubelet gates <<<"$run"
   echo "== Kubernetes $kube, kubelet $kubelet, DRA gates: $gates"
-  DRA_GPU_KUBE_VERSION="$kube" bash "$HERE/build.sh" kubernetes
-  [ "$kubelet" = "$kube" ] || DRA_GPU_KUBE_VERSION="$kubelet" bash "$HERE/build.sh" kubernetes
+  DRA_GPU_KUBE_VERSION="$kube" bash "$HERE/node/build.sh" kubernetes
+  [ "$kubelet" = "$kube" ] || DRA_GPU_KUBE_VERSION="$kubelet" bash "$HERE/node/build.sh" kubernetes
   "$PYTHON" "$HERE/cluster" down >/dev/null 2>&1 || true
   (cd "$ROOT" && DRA_GPU_KUBE_VERSION="$kube" DRA_GPU_KUBELET_VERSION="$kubelet" DRA_GPU_E2E_DRA_GATES="$gates" \
     "$PYTHON" -m pytest -q -m e2e "$HERE/tests/test_compat.py" -p no:cacheprovider) || rc=1

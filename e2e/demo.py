@@ -155,13 +155,20 @@ def main() -> int:
     node = core.list_node().items[0].metadata.name
     say("simulated driver installation of the node and the Debian image (built once, cached)")
     driver_root = subprocess.run(
-        [sys.executable, str(HERE / "simdriver" / "build.py"), "--profile", PROFILE, "--cache", str(CACHE)],
+        [
+            sys.executable,
+            str(HERE / "node" / "simdriver" / "build.py"),
+            "--profile",
+            PROFILE,
+            "--cache",
+            str(CACHE),
+        ],
         check=True,
         capture_output=True,
         text=True,
     ).stdout.split()[-1]
     path = env["PATH"].strip('"').replace("$PATH", os.environ["PATH"])
-    images = [sys.executable, str(HERE / "images.py"), str(CACHE / "images"), "--debian"]
+    images = [sys.executable, str(HERE / "node" / "images.py"), str(CACHE / "images"), "--debian"]
     address = env["CONTAINERD_ADDRESS"].strip('"')
     subprocess.run([*images, "--import-to", address], check=True, env={**os.environ, "PATH": path})
     # Slices an earlier run's plugin left (another profile's GPUs) would be explained and allocated

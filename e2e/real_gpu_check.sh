@@ -30,7 +30,7 @@
 #              /dev/shm (expected on a GPU: success) and with another one (expected: CUDA error 805)
 #   host-dev   nothing new under the host's /dev; nothing left running
 #
-# On a host-like root (e2e/host_like_root.py: NVIDIA's real 550.163.01 user space, a simulated
+# On a host-like root (e2e/node/host_like_root.py: NVIDIA's real 550.163.01 user space, a simulated
 # NVML, no kernel module) the expected answers differ where no kernel module can be simulated:
 # nvidia-smi stops at its NVML version check, cuInit answers 100 (CUDA_ERROR_NO_DEVICE).
 set -uo pipefail

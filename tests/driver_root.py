@@ -57,11 +57,11 @@ def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: boo
 
 
 def debian_driver_roots() -> ModuleType:
-    """e2e/debian_driver_root.py as a module (it is a script of the e2e, not a package)."""
+    """e2e/node/debian_driver_root.py as a module (it is a script of the e2e, not a package)."""
     name = "debian_driver_root"
     if name in sys.modules:
         return sys.modules[name]
-    path = Path(__file__).parents[1] / "e2e" / "debian_driver_root.py"
+    path = Path(__file__).parents[1] / "e2e" / "node" / "debian_driver_root.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -73,7 +73,7 @@ def debian_driver_roots() -> ModuleType:
 def _cannot_build_debian_root() -> str | None:
     missing = [tool for tool in ("mmdebstrap", "dpkg-query") if shutil.which(tool) is None]
     if missing:
-        return f"needs {' and '.join(missing)} (e2e/build.sh debs installs mmdebstrap)"
+        return f"needs {' and '.join(missing)} (e2e/node/build.sh debs installs mmdebstrap)"
     if os.geteuid() != 0:
         return "needs root (mmdebstrap runs dpkg in the root)"
     return None

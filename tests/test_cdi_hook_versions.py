@@ -1,7 +1,7 @@
 """NVIDIA's real nvidia-cdi-hook of two toolkit releases, probed as the plugin probes it at start,
 and the spec the driver files make for each run past the program itself.
 
-The programs are what `e2e/build.sh toolkit` builds from the Go module
+The programs are what `e2e/node/build.sh toolkit` builds from the Go module
 github.com/NVIDIA/nvidia-container-toolkit: the pinned release (NVIDIA_CTK_VERSION, 1.20) and an
 older one (NVIDIA_CTK_OLD_VERSION, 1.17), which has no `disable-device-node-modification`. A
 spec naming a hook the 1.17 program lacks fails every container of a claim; 1.18 and later skip an
@@ -34,8 +34,8 @@ DRIVER = "570.133.20"
 
 
 def _pin(name: str) -> str:
-    match = re.search(rf"^{name}=(\S+)", (REPO / "e2e" / "versions.sh").read_text(), re.M)
-    assert match, f"e2e/versions.sh has no {name}"
+    match = re.search(rf"^{name}=(\S+)", (REPO / "e2e" / "node" / "versions.sh").read_text(), re.M)
+    assert match, f"e2e/node/versions.sh has no {name}"
     return match.group(1)
 
 
@@ -43,7 +43,7 @@ def _built(directory: str, program: str) -> Path:
     cache = Path(os.environ.get("DRA_GPU_CACHE") or Path.home() / ".cache" / "dra-gpu")
     out = cache / "bin" / directory
     if not (out / ".complete").is_file():
-        pytest.skip(f"NVIDIA's {program} is not built in {out}: run `bash e2e/build.sh toolkit`")
+        pytest.skip(f"NVIDIA's {program} is not built in {out}: run `bash e2e/node/build.sh toolkit`")
     return out / program
 
 

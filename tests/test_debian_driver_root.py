@@ -1,4 +1,4 @@
-"""e2e/debian_driver_root.py without the network: a stand-in mmdebstrap writes a dpkg database.
+"""e2e/node/debian_driver_root.py without the network: a stand-in mmdebstrap writes a dpkg database.
 
 Checks the cache (one build per input hash, built beside the target and renamed into place, a
 `.complete` marker, older roots of the suite removed), the manifest of installed versions (read
@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pytest
 
-BUILDER = Path(__file__).resolve().parents[1] / "e2e" / "debian_driver_root.py"
+BUILDER = Path(__file__).resolve().parents[1] / "e2e" / "node" / "debian_driver_root.py"
 
 pytestmark = pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="needs dpkg-query")
 

@@ -1,7 +1,7 @@
 """Driver-root layouts real nodes have, and what a container gets from each (the CDI mounts).
 
 - Debian's packages (bookworm 535.261.03, trixie 550.163.01): NVIDIA's real files, installed by
-  dpkg with Debian's alternatives (tests/driver_root.py `debian_root`: e2e/debian_driver_root.py's
+  dpkg with Debian's alternatives (tests/driver_root.py `debian_root`: e2e/node/debian_driver_root.py's
   cached roots). Libraries in `usr/lib/x86_64-linux-gnu/nvidia/current/`, `nvidia-smi` in
   `usr/lib/nvidia/current/`, both reached through absolute links via `/etc/alternatives`.
 - Ubuntu's packages and NVIDIA's `.run` installer (libraries in `usr/lib/x86_64-linux-gnu/` or

@@ -1,8 +1,8 @@
-"""The host-like driver root (e2e/host_like_root.py): NVIDIA's real 550.163.01 Debian user space and
+"""The host-like driver root (e2e/node/host_like_root.py): NVIDIA's real 550.163.01 Debian user space and
 its glibc 2.41, with only libnvidia-ml.so.550.163.01 replaced by the simulated NVML reporting that
 version.
 
-Built into a temporary cache (the Debian trixie root of e2e/debian_driver_root.py comes from the
+Built into a temporary cache (the Debian trixie root of e2e/node/debian_driver_root.py comes from the
 user cache, built when missing: root, mmdebstrap and Debian's archive; skipped when it cannot be
 had). Nothing of NVIDIA's is run or loaded here: only the simulated library, in a child process.
 """
@@ -40,7 +40,7 @@ pytestmark = [needs_toolchain, needs_root]
 def _load(name: str) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "e2e" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "e2e" / "node" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

@@ -1,4 +1,4 @@
-"""e2e/images.py --debian without the network: a stand-in mmdebstrap emits a tiny root tarball.
+"""e2e/node/images.py --debian without the network: a stand-in mmdebstrap emits a tiny root tarball.
 
 Checks the layer filtering (no /dev nodes, no apt lists, no "./" prefixes), the OCI digests
 (compressed blob, uncompressed diff_id), the two image configs, and that the layer is cached.
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-IMAGES = Path(__file__).resolve().parents[1] / "e2e" / "images.py"
+IMAGES = Path(__file__).resolve().parents[1] / "e2e" / "node" / "images.py"
 
 FAKE_MMDEBSTRAP = """#!{python}
 import io, os, sys, tarfile

@@ -1,7 +1,7 @@
 """NVIDIA's own CDI spec generator as the reference for ours, over NVIDIA's real Debian packages.
 
 `nvidia-ctk cdi generate --mode=management` (NVIDIA's container toolkit, built from its Go module
-by `e2e/build.sh toolkit`) runs over the Debian driver roots of `e2e/debian_driver_root.py`
+by `e2e/node/build.sh toolkit`) runs over the Debian driver roots of `e2e/node/debian_driver_root.py`
 (bookworm 535.261.03, trixie 550.163.01) with a dev root of real character devices made here.
 Our spec for the same root is what a claim of one GPU gets: the driver's user space
 (`driver_files.container_edits`, with the same hook program) composed with the claim's own part
@@ -140,25 +140,28 @@ DIFFERENCES = (
 
 
 def _pin() -> str:
-    text = (REPO / "e2e" / "versions.sh").read_text()
+    text = (REPO / "e2e" / "node" / "versions.sh").read_text()
     match = re.search(r"^NVIDIA_CTK_VERSION=(\S+)", text, re.M)
-    assert match, "e2e/versions.sh has no NVIDIA_CTK_VERSION"
+    assert match, "e2e/node/versions.sh has no NVIDIA_CTK_VERSION"
     return match.group(1)
 
 
 @cache
 def nvidia_ctk() -> Path:
-    """nvidia-ctk of the pinned toolkit: the cached build, else built by `e2e/build.sh toolkit`."""
+    """nvidia-ctk of the pinned toolkit: the cached build, else built by `e2e/node/build.sh toolkit`."""
     cache_dir = Path(os.environ.get("DRA_GPU_CACHE") or Path.home() / ".cache" / "dra-gpu")
     out = cache_dir / "bin" / f"nvidia-container-toolkit-{_pin()}"
     if not (out / ".complete").is_file():
         proc = subprocess.run(
-            ["bash", str(REPO / "e2e" / "build.sh"), "toolkit"], capture_output=True, text=True, timeout=1800
+            ["bash", str(REPO / "e2e" / "node" / "build.sh"), "toolkit"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
         if proc.returncode != 0 or not (out / ".complete").is_file():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
             pytest.fail(
-                f"cannot build NVIDIA's container toolkit {_pin()} (e2e/build.sh toolkit exited "
+                f"cannot build NVIDIA's container toolkit {_pin()} (e2e/node/build.sh toolkit exited "
                 f"{proc.returncode}; it needs Go, a C compiler and the Go module proxy):\n{tail}"
             )
     return out / "nvidia-ctk"

@@ -10,7 +10,7 @@
    `nvmlDeviceGetCount_v2`, `nvmlInit` -> `nvmlInitWithFlags`). A wrapper with version branches
    gives all of its symbols (a superset of what one call needs).
 3. The libraries: NVIDIA's real `libnvidia-ml.so.<version>` from Debian's packages, in the driver
-   roots of `e2e/debian_driver_root.py` (bookworm 535.261.03, trixie 550.163.01; built once and
+   roots of `e2e/node/debian_driver_root.py` (bookworm 535.261.03, trixie 550.163.01; built once and
    cached, which needs root, mmdebstrap and Debian's archive; skipped when a root is neither cached
    nor buildable here). Symbols are read from the ELF dynamic symbol table with pyelftools: the
    library is never loaded, so none of its code runs (run as root without a driver, NVIDIA's

@@ -1,4 +1,4 @@
-"""The simulated driver root (sim/simnode, through its CLI e2e/simdriver/build.py): real ELF
+"""The simulated driver root (sim/simnode, through its CLI e2e/node/simdriver/build.py): real ELF
 files, sonames, and what they report.
 
 The device nodes are real character devices made with mknod in a temporary directory that the
@@ -25,7 +25,7 @@ import pytest
 from tests.simnode_support import nvml_h  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parents[1]
-BUILDER = REPO / "e2e" / "simdriver" / "build.py"
+BUILDER = REPO / "e2e" / "node" / "simdriver" / "build.py"
 VERSION = "570.133.20"
 STALE = "550.54.15"
 SMI_FAILED = (

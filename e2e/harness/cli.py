@@ -5,7 +5,7 @@
                 | apiserver stop|start | restart-containerd
 
 Everything (certs, kubeconfigs, configs, data, logs, pids) lives under the state dir
-$DRA_GPU_E2E_STATE (default /var/lib/dra-gpu-e2e). Binaries come from e2e/build.sh's cache
+$DRA_GPU_E2E_STATE (default /var/lib/dra-gpu-e2e). Binaries come from e2e/node/build.sh's cache
 (${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin). Must run as root. See e2e/README.md.
 """
 
@@ -43,11 +43,11 @@ from .processes import Fail, kubectl, log_tail, logfile, read_pid, run, running,
 
 
 def cmd_build() -> None:
-    run(["bash", os.path.join(E2E_DIR, "build.sh"), "all"])
+    run(["bash", os.path.join(E2E_DIR, "node", "build.sh"), "all"])
 
 
 def cmd_images() -> None:
-    run([sys.executable, os.path.join(E2E_DIR, "images.py"), os.path.join(CACHE, "images")])
+    run([sys.executable, os.path.join(E2E_DIR, "node", "images.py"), os.path.join(CACHE, "images")])
 
 
 def cmd_up() -> None:
@@ -61,13 +61,13 @@ def cmd_up() -> None:
     if alive:
         raise Fail(f"partly running ({', '.join(alive)}); run `e2e/cluster down` first")
     if not components.binaries_present():
-        say(f"binaries missing under {CACHE}: building (e2e/build.sh)")
+        say(f"binaries missing under {CACHE}: building (e2e/node/build.sh)")
         cmd_build()
     else:
-        run(["bash", os.path.join(E2E_DIR, "build.sh"), "debs"])
+        run(["bash", os.path.join(E2E_DIR, "node", "build.sh"), "debs"])
     if KUBELET_VERSION != KUBE_VERSION and not os.access(os.path.join(BIN_KUBELET, "kubelet"), os.X_OK):
         say(f"kubelet {KUBELET_VERSION} missing: building it (version skew)")
-        build = os.path.join(E2E_DIR, "build.sh")
+        build = os.path.join(E2E_DIR, "node", "build.sh")
         run(["env", f"DRA_GPU_KUBE_VERSION={KUBELET_VERSION}", "bash", build, "kubernetes"])
     t0 = time.time()
     os.makedirs(STATE, exist_ok=True)

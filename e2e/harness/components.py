@@ -359,10 +359,10 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
 
 
 def import_images() -> None:
-    """The pause and busybox images of e2e/images.py (built once, cached) into containerd, and
-    the dra-gpu image of e2e/image_build.sh when it has been built."""
+    """The pause and busybox images of e2e/node/images.py (built once, cached) into containerd, and
+    the dra-gpu image of e2e/node/image_build.sh when it has been built."""
     imgdir = os.path.join(CACHE, "images")
-    run([sys.executable, os.path.join(E2E_DIR, "images.py"), imgdir])
+    run([sys.executable, os.path.join(E2E_DIR, "node", "images.py"), imgdir])
     have = ctr("-n", "k8s.io", "images", "ls", "-q").stdout.split()
     for tar, name in (("pause.tar", PAUSE_IMAGE), ("busybox.tar", BUSYBOX_IMAGE)):
         if name in have:
@@ -376,7 +376,7 @@ def import_images() -> None:
 
 
 def import_dra_gpu_image(image: str = "dra-gpu") -> str | None:
-    """An image written by e2e/image_build.sh (CACHE/images/<image>.tar: `dra-gpu`, the driver's
+    """An image written by e2e/node/image_build.sh (CACHE/images/<image>.tar: `dra-gpu`, the driver's
     image of deploy/Dockerfile, or `dra-gpu-simnode`, the driver's plus the simulator) into
     containerd when containerd lacks it or holds another build under its name. Returns the image's
     name, or None when it has not been built."""

@@ -12,7 +12,7 @@ E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _versions() -> dict[str, str]:
     """The simple `NAME=value` pins of e2e/versions.sh."""
     out = {}
-    with open(os.path.join(E2E_DIR, "versions.sh")) as f:
+    with open(os.path.join(E2E_DIR, "node", "versions.sh")) as f:
         for line in f:
             line = line.strip()
             if "=" in line and not line.startswith(("#", "K8S_PKGS")) and "(" not in line:

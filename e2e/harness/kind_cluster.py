@@ -51,7 +51,9 @@ def config(extra_mounts: Sequence[str] = ()) -> dict[str, Any]:
     with open(HERE_CONFIG) as f:
         here: dict[str, Any] = yaml.safe_load(f)
     if kind_node.ETCD_TAG not in "".join(here.get("kubeadmConfigPatches", [])):
-        raise RuntimeError(f"{HERE_CONFIG}: the etcd imageTag must be {kind_node.ETCD_TAG} (e2e/versions.sh)")
+        raise RuntimeError(
+            f"{HERE_CONFIG}: the etcd imageTag must be {kind_node.ETCD_TAG} (e2e/node/versions.sh)"
+        )
     cfg = _merge(cfg, here)
     if extra_mounts:
         mounts = [{"hostPath": p, "containerPath": p, "readOnly": True} for p in extra_mounts]

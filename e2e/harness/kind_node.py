@@ -46,8 +46,8 @@ from tenacity import retry, retry_if_result, stop_after_delay, wait_exponential
 from . import kind_engine
 from .config import BIN_CTRD, BIN_ETCD, BIN_K8S, CACHE, E2E_DIR, V
 
-# e2e/images.py (a script, untyped): the OCI layout writer and pause layer of the local cluster.
-sys.path.insert(0, E2E_DIR)
+# e2e/node/images.py (a script, untyped): the OCI layout writer and pause layer of the local cluster.
+sys.path.insert(0, os.path.join(E2E_DIR, "node"))
 images: Any = importlib.import_module("images")
 
 K8S_VERSION = V["K8S_VERSION"]
@@ -249,7 +249,7 @@ def component_images(outdir: str) -> list[str]:
             layer = _binary_layer({"usr/local/bin/" + what: progs[what]})
             _write_image(path, name, layer, {"Env": path_env, "Entrypoint": ["/usr/local/bin/" + what]})
         archives.append(path)
-    # The pause image of the local cluster (e2e/images.py), under kind's sandbox image name.
+    # The pause image of the local cluster (e2e/node/images.py), under kind's sandbox image name.
     pause_name = next(n for n, w in image_names().items() if w.startswith("pause"))
     pause = os.path.join(outdir, "pause.tar")
     images.write_image(pause, pause_name, images.build_layer(), {"Entrypoint": ["/bin/sleep", "2147483647"]})

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Build (once) and cache the Go programs the kind path needs beyond e2e/build.sh's:
+# Build (once) and cache the Go programs the kind path needs beyond e2e/node/build.sh's:
 #
 #   e2e/kind/build.sh [all|kind|kubernetes|crictl|coredns]
 #
 # - kind itself (sigs.k8s.io/kind, pinned below);
-# - kubeadm and kube-proxy from the same k8s.io/kubernetes module as e2e/build.sh's programs;
+# - kubeadm and kube-proxy from the same k8s.io/kubernetes module as e2e/node/build.sh's programs;
 # - crictl (sigs.k8s.io/cri-tools) for the node image, as kind's base image has it;
 # - CoreDNS at the version kubeadm of the pinned Kubernetes deploys.
 # Each lands in ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/ with a
-# .complete marker, like e2e/build.sh; a changed pin builds into a new directory.
+# .complete marker, like e2e/node/build.sh; a changed pin builds into a new directory.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 E2E="$(dirname "$HERE")"
 # shellcheck source=../versions.sh
-source "$E2E/versions.sh"
+source "$E2E/node/versions.sh"
 CACHE="${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}"
 GO_P="${E2E_GO_P:-2}"
 export CGO_ENABLED=0
@@ -52,13 +52,13 @@ build_coredns() {
   go_build coredns "$COREDNS_VERSION" "github.com/coredns/coredns@$COREDNS_VERSION" "" github.com/coredns/coredns
 }
 
-# kubeadm and kube-proxy: in e2e/build.sh's kubernetes workspace (its module graph is resolved
+# kubeadm and kube-proxy: in e2e/node/build.sh's kubernetes workspace (its module graph is resolved
 # there and Go's build cache holds the shared packages), into their own directory.
 build_kubernetes_extra() {
   local out="$CACHE/bin/kubernetes-kind-$K8S_VERSION"
   if [ -f "$out/.complete" ]; then log "kubeadm, kube-proxy $K8S_VERSION cached in $out"; return; fi
   local ws="$CACHE/src/kubernetes-$K8S_VERSION" t0=$SECONDS
-  [ -f "$ws/go.mod" ] || bash "$E2E/build.sh" kubernetes
+  [ -f "$ws/go.mod" ] || bash "$E2E/node/build.sh" kubernetes
   cd "$ws"
   local pkgs=(k8s.io/kubernetes/cmd/kubeadm k8s.io/kubernetes/cmd/kube-proxy)
   # The packages must be in the module graph: a second tools file, tidied once.

@@ -16,7 +16,7 @@ trap 'rm -rf "$IMAGES"; [ "${KEEP_CLUSTER:-0}" = 1 ] || kind delete cluster --na
 kind create cluster --name "$NAME" --config "$HERE/kind-config.yaml" \
   ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"} --wait 120s
 # The tests' busybox image, built locally like on the upstream-programs cluster.
-"$PYTHON" "$E2E/images.py" "$IMAGES"
+"$PYTHON" "$E2E/node/images.py" "$IMAGES"
 kind load image-archive --name "$NAME" "$IMAGES/busybox.tar"
 # The driver image under test, if given (e.g. from `docker save`).
 if [ $# -ge 1 ]; then kind load image-archive --name "$NAME" "$1"; fi

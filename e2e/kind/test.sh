@@ -16,7 +16,7 @@ PYTHON="${PYTHON:-python3}"
 case "$PYTHON" in */*) PYTHON="$(realpath -s "$PYTHON")" ;; esac
 
 t0=$SECONDS
-bash "$E2E/build.sh" all
+bash "$E2E/node/build.sh" all
 bash "$HERE/build.sh" all
 echo "[kind/test] build step: $((SECONDS - t0)) s"
 

@@ -13,7 +13,7 @@ CDI hook (NVIDIA's nvidia-cdi-hook is not assumed). Applied as a CDI-aware runti
 appended, each deviceNode made in the container from its host node's type/major/minor and allowed
 in the device cgroup, each mount bind-mounted with its options, hooks copied into runc's config.
 
-The rootfs: the layer of the Debian test image (`e2e/images.py OUT --debian`: bookworm minbase
+The rootfs: the layer of the Debian test image (`e2e/node/images.py OUT --debian`: bookworm minbase
 with python3, no NVIDIA file), or, offline on a GPU machine, one assembled read-only from the
 host's own /usr, /lib*, /bin, /sbin, /etc, copy-on-write over a tmpfs so that runc can make the
 spec's mount points (the host's files are never written; they may include NVIDIA files of the
@@ -86,7 +86,7 @@ def claim_spec(root: Path, dev_root: Path, version: str, gpu: dict[str, Any]) ->
 
 
 def _runc_check() -> Any:
-    path = REPO / "e2e" / "simdriver" / "runc_check.py"
+    path = REPO / "e2e" / "node" / "simdriver" / "runc_check.py"
     spec = importlib.util.spec_from_file_location("runc_check", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simdriver"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node" / "simdriver"))
 from runc_check import _read_image, _unpack
 from simnode.state import read_state
 

@@ -40,10 +40,10 @@ BIND_THEN_EXEC = 'set -e; mount --bind "$1" "$2"; shift 2; exec "$@"'
 
 
 def e2e_script(name: str) -> ModuleType:
-    """A script of e2e/ (host_like_root.py, debian_driver_root.py) as a module, loaded once."""
+    """A script of e2e/node/ (host_like_root.py, debian_driver_root.py) as a module, loaded once."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "e2e" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "e2e" / "node" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
@@ -66,14 +66,14 @@ def dpkg_md5(root: Path, rel: str) -> str:
 
 
 def toolkit_pin(name: str = "NVIDIA_CTK_VERSION") -> str:
-    for line in (ROOT / "e2e" / "versions.sh").read_text().splitlines():
+    for line in (ROOT / "e2e" / "node" / "versions.sh").read_text().splitlines():
         if line.startswith(f"{name}="):
             return line.split("=", 1)[1].strip()
-    raise AssertionError(f"e2e/versions.sh has no {name}")
+    raise AssertionError(f"e2e/node/versions.sh has no {name}")
 
 
 def install_cdi_hook(old: bool = False) -> Path:
-    """NVIDIA's nvidia-cdi-hook (e2e/build.sh toolkit, built when not cached) installed on the
+    """NVIDIA's nvidia-cdi-hook (e2e/node/build.sh toolkit, built when not cached) installed on the
     node as the GPU Operator's toolkit installs it: a copy in a toolkit directory of the node's
     own (the Debian package would put it at /usr/bin/nvidia-cdi-hook; this one stays under the
     e2e state dir, so the machine's /usr is not changed). `old`: the older release's hook
@@ -84,9 +84,14 @@ def install_cdi_hook(old: bool = False) -> Path:
         built = CACHE / "bin" / f"nvidia-container-toolkit-{toolkit_pin()}"
     if not (built / ".complete").is_file():
         proc = subprocess.run(
-            ["bash", str(ROOT / "e2e" / "build.sh"), "toolkit"], capture_output=True, text=True, timeout=1800
+            ["bash", str(ROOT / "e2e" / "node" / "build.sh"), "toolkit"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
-        assert proc.returncode == 0, f"e2e/build.sh toolkit failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        assert proc.returncode == 0, (
+            f"e2e/node/build.sh toolkit failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
     dest = STATE / ("toolkit-old" if old else "toolkit") / "nvidia-cdi-hook"
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(".nvidia-cdi-hook.tmp")

@@ -66,13 +66,13 @@ CACHE = Path(os.environ.get("DRA_GPU_CACHE", Path.home() / ".cache" / "dra-gpu")
 
 @functools.cache
 def sim_driver_root(profile: str, version: str | None = None) -> str:
-    """The simulated NVIDIA driver installation of a profile's node (e2e/simdriver, cached):
+    """The simulated NVIDIA driver installation of a profile's node (e2e/node/simdriver, cached):
     real ELF libraries, nvidia-smi and firmware of the profile's driver version (or `version`)."""
-    cmd = [sys.executable, str(ROOT / "e2e" / "simdriver" / "build.py"), "--profile", profile]
+    cmd = [sys.executable, str(ROOT / "e2e" / "node" / "simdriver" / "build.py"), "--profile", profile]
     cmd += ["--cache", str(CACHE)] + (["--version", version] if version else [])
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
-        pytest.fail(f"e2e/simdriver/build.py failed:\n{r.stderr[-3000:]}")
+        pytest.fail(f"e2e/node/simdriver/build.py failed:\n{r.stderr[-3000:]}")
     return r.stdout.strip().splitlines()[-1]
 
 
@@ -100,7 +100,7 @@ def kubelet_excerpt(log: Path, start: float, stop: float, limit: int = 60, width
 
 
 def dra_gpu_image(target, image: str = "dra-gpu") -> tuple[str, ...]:
-    """An image built (or found cached) by e2e/image_build.sh and imported into the local cluster's
+    """An image built (or found cached) by e2e/node/image_build.sh and imported into the local cluster's
     containerd: `dra-gpu`, the driver's (the `image` fixture of conftest.py), whose rootfs and
     Python distributions are checked to hold nothing of the simulator, or `dra-gpu-simnode`, the
     driver's plus the simulator (`simnode_image`, for the chart's simulatedProfile). Returns the
@@ -108,14 +108,16 @@ def dra_gpu_image(target, image: str = "dra-gpu") -> tuple[str, ...]:
     if not target.local:
         pytest.skip("the image is imported into the local e2e cluster's containerd")
     t0 = time.time()
-    r = subprocess.run(["bash", str(ROOT / "e2e" / "image_build.sh")], capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", str(ROOT / "e2e" / "node" / "image_build.sh")], capture_output=True, text=True
+    )
     if r.returncode != 0:
-        pytest.fail(f"e2e/image_build.sh failed:\n{r.stderr[-4000:]}")
+        pytest.fail(f"e2e/node/image_build.sh failed:\n{r.stderr[-4000:]}")
     sys.path.insert(0, str(ROOT / "e2e"))
     from harness.components import CACHE, import_dra_gpu_image
 
     name = import_dra_gpu_image(image)
-    assert name, f"e2e/image_build.sh wrote no {image} image archive"
+    assert name, f"e2e/node/image_build.sh wrote no {image} image archive"
     with open(os.path.join(CACHE, "images", f"{image}.json")) as f:
         meta = json.load(f)
     if image == "dra-gpu":

@@ -1,6 +1,6 @@
 """The chart's kubelet-plugin DaemonSet and controller Deployment, installed for real and run as
 pods of the e2e cluster from the image of deploy/Dockerfile (built with buildah by
-e2e/image_build.sh and imported into the cluster's containerd): the image's own Python and
+e2e/node/image_build.sh and imported into the cluster's containerd): the image's own Python and
 package, started through its entrypoint, with the chart's security contexts (the plugin as root
 with only CAP_MKNOD on a simulated node, the controller as 65532 with no capabilities, both with a
 read-only root filesystem), host paths, downward-API env, probes and service accounts; a claim

@@ -1,9 +1,9 @@
 """The driver's user space in the container: a pod with a GPU claim gets the node's NVIDIA
 libraries, binaries and firmware through its CDI spec, and its own loader resolves them.
 
-The node's driver installation is simulated (e2e/simdriver: real ELF libraries with the real
+The node's driver installation is simulated (e2e/node/simdriver: real ELF libraries with the real
 SONAMEs, an `nvidia-smi` linked against libnvidia-ml.so.1 that lists the GPUs whose device nodes
-the container has); the images have no NVIDIA files at all (e2e/images.py --debian)."""
+the container has); the images have no NVIDIA files at all (e2e/node/images.py --debian)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def glibc_images(target):
 
     env = _cluster_env()
     path = {**os.environ, "PATH": env["PATH"].replace("$PATH", os.environ["PATH"])}
-    images = [sys.executable, str(ROOT / "e2e" / "images.py"), str(CACHE / "images"), "--debian"]
+    images = [sys.executable, str(ROOT / "e2e" / "node" / "images.py"), str(CACHE / "images"), "--debian"]
     subprocess.run([*images, "--import-to", env["CONTAINERD_ADDRESS"]], env=path, check=True)
 
 

@@ -112,9 +112,9 @@ def cluster(engine):
 
 
 def driver_image() -> str:
-    """The image archive of e2e/image_build.sh (built when its inputs changed) that serves a
+    """The image archive of e2e/node/image_build.sh (built when its inputs changed) that serves a
     simulated node: the driver's image plus the simulator, `dra-gpu-simnode`."""
-    run("bash", str(E2E / "image_build.sh"))
+    run("bash", str(E2E / "node" / "image_build.sh"))
     with open(os.path.join(CACHE, "images", "dra-gpu-simnode.json")) as f:
         return json.load(f)["name"]
 
@@ -130,7 +130,7 @@ def test_users_path_on_kind(cluster):
     name = timed("driver image (build or cache)", driver_image)
     timed("kind load image-archive", k.kind, "load", "image-archive", "--name", kind_cluster.NAME,
           os.path.join(CACHE, "images", "dra-gpu-simnode.tar"))  # fmt: skip
-    run(sys.executable, str(E2E / "images.py"), os.path.join(CACHE, "images"))
+    run(sys.executable, str(E2E / "node" / "images.py"), os.path.join(CACHE, "images"))
     k.kind("load", "image-archive", "--name", kind_cluster.NAME, os.path.join(CACHE, "images", "busybox.tar"))
     images = k.on_node("crictl", "images", "-o", "json").stdout
     assert name in images and "localhost/dra-gpu-e2e/busybox:1" in images

@@ -1,5 +1,5 @@
 """Memory shares held to their size by the driver (issue 26 item 2), with NVIDIA's real
-`apply-cuda-memory-limits` hook (nvidia-cdi-hook v1.20.2, e2e/build.sh toolkit) and the simulated
+`apply-cuda-memory-limits` hook (nvidia-cdi-hook v1.20.2, e2e/node/build.sh toolkit) and the simulated
 driver of an A100 node at 580 (which has NVML 13's per-cgroup limits) or 570 (which has not).
 
 The hook needs cgroup v2. On a node whose kubelet and containerd run cgroup v1 with the unified

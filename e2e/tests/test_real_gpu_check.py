@@ -1,9 +1,9 @@
 """e2e/real_gpu_check.sh runs to the end against the host-like driver root and gives the simulated
 node's answers, leaving nothing behind on the host.
 
-The root is e2e/host_like_root.py's (NVIDIA's real 550.163.01 Debian user space and glibc 2.41, the
+The root is e2e/node/host_like_root.py's (NVIDIA's real 550.163.01 Debian user space and glibc 2.41, the
 simulated NVML), its GPUs the character devices of a temporary dev dir; the container section
-runs the Debian test image (e2e/images.py --debian) under runc. No cluster: needs root, runc,
+runs the Debian test image (e2e/node/images.py --debian) under runc. No cluster: needs root, runc,
 unshare, a C compiler, and mmdebstrap with Debian's archive unless the roots and the image are
 cached. NVIDIA's real binaries run only inside the script's private mount namespace; the test
 checks that the host's /dev got nothing and that no NVIDIA process was left running.
@@ -57,7 +57,9 @@ def test_real_gpu_check_on_the_host_like_root(needs: None, tmp_path: Path) -> No
     root = host_like.host_like_root("hgx-2x4")  # type: ignore[attr-defined]
     devdir = host_like.make_dev_dir(tmp_path / "dev", "hgx-2x4")  # type: ignore[attr-defined]
     images = CACHE / "images"
-    subprocess.run([sys.executable, str(ROOT / "e2e" / "images.py"), str(images), "--debian"], check=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "e2e" / "node" / "images.py"), str(images), "--debian"], check=True
+    )
     dev_before, procs_before = _dev_entries(), _nvidia_processes()
 
     proc = subprocess.run(

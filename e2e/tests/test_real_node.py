@@ -1,7 +1,7 @@
 """The chart's real-node mode in the real cluster: the kubelet-plugin DaemonSet as the chart renders
 it for a node with NVIDIA's driver installed (no `simulatedProfile`: no `--profile`, privileged,
 `NVIDIA_VISIBLE_DEVICES=void`, the driver root read-only at /driver-root), run from the image of
-deploy/Dockerfile, against the host-like driver root of e2e/host_like_root.py mounted at the
+deploy/Dockerfile, against the host-like driver root of e2e/node/host_like_root.py mounted at the
 chart's driver-root path: Debian trixie with NVIDIA's real 550.163.01 user space (libcuda, the MPS
 control daemon and server, nvidia-smi, firmware) and its own glibc 2.41, whose libnvidia-ml.so.1
 is the simulated NVML (NVIDIA's C interface) reporting 550.163.01 for a profile.

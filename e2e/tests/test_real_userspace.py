@@ -1,6 +1,6 @@
 """NVIDIA's real user space in the pods, for both Debian driver versions (issue 25 items 2 and 3).
 
-The node's driver root is a root of e2e/debian_driver_root.py: NVIDIA's real files as Debian's
+The node's driver root is a root of e2e/node/debian_driver_root.py: NVIDIA's real files as Debian's
 packages install them (bookworm 535.261.03, trixie 550.163.01). The kubelet plugin runs as a host
 process in real-node mode over it, seeing the simulated NVML over NVIDIA's in its own mount
 namespace only (real_userspace.py says why and how); the pods get NVIDIA's real files through
@@ -8,7 +8,7 @@ their CDI specs: the real libcuda.so.1 and libnvidia-ml.so.1 load and answer as 
 node whose kernel module is absent, the real nvidia-smi runs and prints NVIDIA's own message. The
 same images without a claim have none of it.
 
-NVIDIA's CDI hooks for real: nvidia-cdi-hook v1.20.2 (e2e/build.sh toolkit) installed on the node
+NVIDIA's CDI hooks for real: nvidia-cdi-hook v1.20.2 (e2e/node/build.sh toolkit) installed on the node
 and given to the plugin (--cdi-hook-path); runc runs the hooks the specs then carry. The files in
 the layout of NVIDIA's `.run` installer on a RHEL-like host (usr/lib64), which a Debian image's
 loader does not search: with the hook path set, update-ldcache puts them in its ld cache and

@@ -1,5 +1,5 @@
 """deploy/Dockerfile and its build context, read as files (the image itself is built and run by
-e2e/image_build.sh and e2e/tests/test_deploy_daemonset.py)."""
+e2e/node/image_build.sh and e2e/tests/test_deploy_daemonset.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
 
 
 def test_the_chart_runs_the_image_the_build_names() -> None:
-    """`docker build -t localhost/dra-gpu:<version>` and e2e/image_build.sh name the image what the
+    """`docker build -t localhost/dra-gpu:<version>` and e2e/node/image_build.sh name the image what the
     chart runs by default: repository localhost/dra-gpu, tag = appVersion = the package's version."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build a simulated NVIDIA driver root (CLI over simnode.builder).
 
-    python3 e2e/simdriver/build.py --profile NAME|PATH (--out DIR | --cache DIR)
+    python3 e2e/node/simdriver/build.py --profile NAME|PATH (--out DIR | --cache DIR)
                                    [--version V] [--stale-version V]
 
 Run it with the project's .venv python (it imports dra_gpu). What a root holds and how the
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run from a checkout without install
 
 from simnode.builder import (  # noqa: F401 - re-exported for the builder's callers
     DEFAULT_CUDA_VERSION,

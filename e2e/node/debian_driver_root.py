@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Driver roots holding NVIDIA's real user space, from Debian's NVIDIA packages (Python stdlib only).
 
-    e2e/debian_driver_root.py SUITE|VERSION [--mirror URL] [--cache-dir DIR] [--manifest]
+    e2e/node/debian_driver_root.py SUITE|VERSION [--mirror URL] [--cache-dir DIR] [--manifest]
 
 prints the path of a driver root: a Debian root made by `mmdebstrap` from Debian's archive with
 `main contrib non-free non-free-firmware`, into which dpkg installed NVIDIA's driver user space as on
@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e/images.py, also when loaded by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e/node/images.py, also when loaded by path
 import images  # the Debian test images' mirror and mmdebstrap filters
 
 DEBIAN_MIRROR = images.DEBIAN_MIRROR
@@ -185,7 +185,7 @@ def check_versions(suite: Suite, installed: dict[str, dict[str, str]]) -> None:
         listed = ", ".join(f"{n} {v}" for n, v in wrong.items())
         raise DriverRootError(
             f"{suite.name}: Debian's archive no longer carries NVIDIA {suite.driver_version}: "
-            f"installed {listed}; update SUITES in e2e/debian_driver_root.py (and the tests that "
+            f"installed {listed}; update SUITES in e2e/node/debian_driver_root.py (and the tests that "
             "name the version)"
         )
 
@@ -213,7 +213,7 @@ def build(suite: Suite, dest: Path, mirror: str = DEBIAN_MIRROR) -> dict[str, ob
     """Run mmdebstrap into the empty or missing directory dest; return the manifest (not written)."""
     if shutil.which("mmdebstrap") is None:
         raise DriverRootError(
-            "building a Debian driver root needs mmdebstrap (e2e/build.sh debs installs it)"
+            "building a Debian driver root needs mmdebstrap (e2e/node/build.sh debs installs it)"
         )
     if os.geteuid() != 0:
         raise DriverRootError("building a Debian driver root needs root (mmdebstrap's root mode runs dpkg)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build OCI image archives without a registry (Python stdlib only).
 
-    e2e/images.py OUTDIR [--debian]
+    e2e/node/images.py OUTDIR [--debian]
 
 writes OUTDIR/busybox.tar and OUTDIR/pause.tar: OCI image layouts (oci-layout, index.json,
 blobs/sha256/...) that `ctr -n k8s.io images import` and `kind load image-archive` accept.
@@ -146,7 +146,7 @@ def _write_layout(
         "os": "linux",
         "config": dict({"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"}, **config_extra),
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        "history": [{"created_by": "dra-gpu e2e/images.py"}],
+        "history": [{"created_by": "dra-gpu e2e/node/images.py"}],
     }
     tmp = path + ".tmp"
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
@@ -216,7 +216,7 @@ def debian_layer(cache_dir: str) -> tuple[str, dict[str, Any]]:
         with open(meta_path) as f:
             return layer, json.load(f)
     if shutil.which("mmdebstrap") is None:
-        sys.exit("images.py --debian needs mmdebstrap (e2e/build.sh debs installs it)")
+        sys.exit("images.py --debian needs mmdebstrap (e2e/node/build.sh debs installs it)")
     os.makedirs(cache_dir, exist_ok=True)
     t0 = time.monotonic()
     env = dict(os.environ, SOURCE_DATE_EPOCH="0")  # mmdebstrap clamps mtimes: stable layers

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Run the Debian test images with runc and the simulated driver bind-mounted in (no cluster).
 
-    python3 e2e/simdriver/runc_check.py IMAGEDIR DRIVER_ROOT
+    python3 e2e/node/simdriver/runc_check.py IMAGEDIR DRIVER_ROOT
 
-IMAGEDIR holds debian.tar and cuda-style.tar (`e2e/images.py IMAGEDIR --debian`); DRIVER_ROOT is a
-simulated driver root (`e2e/simdriver/build.py`). Each case unpacks the image's layer into a rootfs,
+IMAGEDIR holds debian.tar and cuda-style.tar (`e2e/node/images.py IMAGEDIR --debian`); DRIVER_ROOT is a
+simulated driver root (`e2e/node/simdriver/build.py`). Each case unpacks the image's layer into a rootfs,
 writes a config.json from `runc spec` with the mounts and device nodes a CDI spec would add, runs it
 under a private `runc --root`, and checks what the container printed. This proves that a glibc
 container's own loader finds libnvidia-ml.so.1 / libcuda.so.1 at the mounted paths and that the

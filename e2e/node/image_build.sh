@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the dra-gpu image (deploy/Dockerfile) without a container engine or a registry:
 #
-#   e2e/image_build.sh            (also: e2e/build.sh image)
+#   e2e/node/image_build.sh            (also: e2e/node/build.sh image)
 #
 # 1. The bases: Debian $SUITE, Essential packages only (no apt), made by mmdebstrap from Debian's
 #    archive (docs, man pages, locales, glibc's iconv modules, apt lists and caches left out), each
@@ -21,7 +21,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(dirname "$HERE")"
+ROOT="$(dirname "$(dirname "$HERE")")"
 CACHE="${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}"
 IMAGES="$CACHE/images"
 STORE="$CACHE/buildah"

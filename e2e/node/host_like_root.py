@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """A host-like driver root: NVIDIA's real user space (550.163.01 or 535.261.03) with a simulated NVML.
 
-    e2e/host_like_root.py [--profile hgx-2x4|dgx-h100-mig|NAME|FILE] [--suite trixie|bookworm]
+    e2e/node/host_like_root.py [--profile hgx-2x4|dgx-h100-mig|NAME|FILE] [--suite trixie|bookworm]
                           [--cache-dir DIR] [--dev-dir DIR]
 
 prints the path of a driver root that looks like a real Debian host with NVIDIA's driver
-installed: a root of `e2e/debian_driver_root.py` (by default trixie's: NVIDIA's real 550.163.01
+installed: a root of `e2e/node/debian_driver_root.py` (by default trixie's: NVIDIA's real 550.163.01
 `libcuda`, `nvidia-smi` behind Debian's alternatives links, the MPS control daemon and server, GSP
 firmware, and the root's own glibc 2.41, unlike the plugin image's; `--suite bookworm`: 535.261.03
 and glibc 2.36), in which only Debian's
@@ -52,7 +52,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-E2E = Path(__file__).resolve().parent
+E2E = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(E2E.parent))  # the checkout's dra_gpu, also when run as a script
 
 from simnode.builder import default_cache_dir, ensure_nvml_library  # noqa: E402
@@ -84,11 +84,11 @@ class HostLikeRootError(RuntimeError):
 
 
 def _debian_roots() -> ModuleType:
-    """e2e/debian_driver_root.py (a script beside this one, not a package module)."""
+    """e2e/node/debian_driver_root.py (a script beside this one, not a package module)."""
     name = "debian_driver_root"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, E2E / "debian_driver_root.py")
+    spec = importlib.util.spec_from_file_location(name, E2E / "node" / "debian_driver_root.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Build (once) and cache the upstream programs the e2e cluster runs.
 #
-#   e2e/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit]
+#   e2e/node/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit]
 #
 # Binaries land under ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/,
 # keyed by the pinned version below; a component is rebuilt only when its pin changes
 # (or its directory lacks the .complete marker). The Go workspaces (a generated go.mod per
 # component) live under .../src/, never in the repo. GOMODCACHE/GOCACHE are Go's defaults.
-# `image` builds the dra-gpu image of deploy/Dockerfile with buildah (e2e/image_build.sh), as an
+# `image` builds the dra-gpu image of deploy/Dockerfile with buildah (e2e/node/image_build.sh), as an
 # OCI archive under .../images/, rebuilt only when a hash of its inputs changes.
 set -euo pipefail
 
@@ -36,7 +36,7 @@ debs() {
   command -v mount >/dev/null || missing+=(mount)
   command -v conntrack >/dev/null || missing+=(conntrack)
   [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
-  # The simulated NVIDIA driver root (e2e/simdriver) is compiled C; the glibc test images
+  # The simulated NVIDIA driver root (e2e/node/simdriver) is compiled C; the glibc test images
   # (images.py --debian) are made by mmdebstrap from Debian's archive.
   command -v gcc >/dev/null || missing+=(gcc)
   dpkg-query -W -f='${Status}' libc6-dev 2>/dev/null | grep -q 'ok installed' || missing+=(libc6-dev)
@@ -175,7 +175,7 @@ build_kwok() {
 # (e2e/tests/test_real_userspace.py), and the spec comparison test runs nvidia-ctk.
 toolkit_module_build() { # version out program... (cmd/<program> of the module at version)
   local version="$1" out="$2"; shift 2
-  command -v gcc >/dev/null || { log "the toolkit needs a C compiler (cgo): e2e/build.sh debs"; return 1; }
+  command -v gcc >/dev/null || { log "the toolkit needs a C compiler (cgo): e2e/node/build.sh debs"; return 1; }
   local ws="$CACHE/src/nvidia-container-toolkit-$version"
   new_workspace "$ws" e2e.local/ctkbuild
   cd "$ws"
