@@ -16,6 +16,7 @@ from simnode.node import SimulatedNodeError, prepare_simulated_node
 from simnode.profiles import load_profile
 from simnode.state import read_state
 
+from dra_gpu.discovery.nvml_discovery import sysfs_pcie_root
 from dra_gpu.model.inventory import MigPlacement
 from dra_gpu.node.backend import open_backend
 from dra_gpu.plugin.compute_mode import EXCLUSIVE_PROCESS, ComputeModes
@@ -129,3 +130,33 @@ def test_no_c_compiler_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         prepare_simulated_node(load_profile("hgx-2x4"), tmp_path / "root", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "root").exists()
     assert os.environ.get("DRA_GPU_SIM_DEV_DIR") != str(tmp_path / "root" / "dev")
+
+
+def pcie_roots(dev_root: Path) -> dict[str, str | None]:
+    """A plugin process: each GPU's PCIe root as discovery reads it (sysfs under the dev root)."""
+    inventory = open_backend("pcie-pairs", None, dev_root).discover("node-a")
+    return {g.pci_bus_id: g.pcie_root for g in inventory.gpus}
+
+
+def test_pcie_roots_come_from_the_nodes_sysfs_as_on_a_real_node(tmp_path: Path) -> None:
+    """The simulated node renders its GPUs' PCI devices in sysfs (a link from bus/pci/devices into
+    devices/<root complex>/, with numa_node), and the driver reads the roots there: the one code
+    path a real node takes, no lookup of the profile's own."""
+    dev_root = tmp_path / "simulated-root"
+    profile = load_profile("pcie-pairs")
+    roots = in_child(pcie_roots, dev_root)
+    wanted = {g.pci_bus_id.lower()[-12:]: g.pcie_root for g in profile.gpus}
+    assert {bus[-12:]: root for bus, root in roots.items()} == wanted
+    assert len(set(wanted.values())) > 1
+    gpu = profile.gpus[0]
+    entry = dev_root / "sys" / "bus" / "pci" / "devices" / gpu.pci_bus_id.lower()[4:]
+    assert entry.is_symlink() and entry.resolve().parent.name == gpu.pcie_root
+    numa = (entry / "numa_node").read_text().strip()
+    assert numa == str(-1 if gpu.numa_node is None else gpu.numa_node)
+    # A bus id without an entry, or one whose device is not under a root complex: unknown.
+    lookup = sysfs_pcie_root(str(dev_root / "sys"))
+    assert lookup("0000:99:00.0") is None
+    odd = dev_root / "sys" / "devices" / "platform" / "0000:98:00.0"
+    odd.mkdir(parents=True)
+    (dev_root / "sys" / "bus" / "pci" / "devices" / "0000:98:00.0").symlink_to(odd)
+    assert lookup("0000:98:00.0") is None

@@ -77,14 +77,14 @@ def sysfs_pcie_root(sysfs: str = "/sys") -> PcieRootResolver:
     """The PCIe root complex ("pci0000:00") of a device, from its sysfs path."""
 
     def resolve(pci_bus_id: str) -> str | None:
+        # <sysfs>/bus/pci/devices/<bus id> links to <sysfs>/devices/<root complex>/[bridges/]<bus id>.
         try:
-            real = os.path.realpath(Path(sysfs) / "bus" / "pci" / "devices" / pci_bus_id)
-        except OSError:
+            devices = Path(os.path.realpath(Path(sysfs) / "devices"))
+            real = Path(os.path.realpath(Path(sysfs) / "bus" / "pci" / "devices" / pci_bus_id))
+            first = real.relative_to(devices).parts[0]
+        except (OSError, ValueError, IndexError):
             return None
-        for part in Path(real).parts:
-            if part.startswith("pci") and ":" in part:
-                return part
-        return None
+        return first if first.startswith("pci") and ":" in first else None
 
     return resolve
 

@@ -5,21 +5,20 @@ sharing, and health's event monitor.
 NVML is the driver root's `libnvidia-ml.so.1`, loaded by full path with `pynvml` on top
 (`discovery.nvml_library`), on the node the driver runs on and on one made from a profile alike
 (`--profile`, `dra_gpu.node.profiles`). Such a node differs only in what its package prepared:
-which driver root, the environment its library and NVIDIA's programs are told (`tool_env`), the
-PCIe-root lookup (in place of sysfs), and its kernel's event injection for
-`dra-gpu health simulate`. Nothing else branches on where the node came from.
+which driver root and dev root, the environment its library and NVIDIA's programs are told
+(`tool_env`), and its kernel's event injection for `dra-gpu health simulate`. The PCIe roots come
+from sysfs under the dev root on both (`/sys` on a real node).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dra_gpu.discovery.driver_versions import NVML_ERROR_LIB_RM_VERSION_MISMATCH, version_mismatch
-from dra_gpu.discovery.nvml_discovery import NvmlUnavailableError, discover
+from dra_gpu.discovery.nvml_discovery import NvmlUnavailableError, discover, sysfs_pcie_root
 from dra_gpu.discovery.nvml_library import find_nvml, load_nvml
 from dra_gpu.model.inventory import Inventory
 from dra_gpu.node.profiles import NodeEvents, prepare_node
@@ -32,9 +31,8 @@ log = logging.getLogger(__name__)
 class NodeBackend:
     nvml: Any  # pynvml, bound to the driver root's libnvidia-ml.so.1
     driver_root: Path  # the NVIDIA driver's files, as this process sees them
-    dev_root: Path  # root of dev/ and proc/ ("/" on a real node)
+    dev_root: Path  # root of dev/, proc/ and sys/ ("/" on a real node)
     nvml_library: Path  # the file libnvidia-ml.so.1 was loaded from (links resolved)
-    pcie_root: Callable[[str], str | None] | None = None  # None: sysfs
     tool_env: dict[str, str] = field(default_factory=dict)  # more environment for NVIDIA's tools
     events: NodeEvents | None = None  # a profile's node's event injection; None on a real one
 
@@ -47,7 +45,7 @@ class NodeBackend:
         DriverVersionMismatchError when NVML refuses the loaded kernel module (another driver's
         libraries), naming both versions."""
         try:
-            return discover(self.nvml, node_name, self.pcie_root, dynamic_mig)
+            return discover(self.nvml, node_name, sysfs_pcie_root(str(self.dev_root / "sys")), dynamic_mig)
         except NvmlUnavailableError as exc:
             cause = exc.__cause__
             if getattr(cause, "value", None) == NVML_ERROR_LIB_RM_VERSION_MISMATCH:
@@ -75,7 +73,6 @@ def open_backend(
         node.driver_root,
         dev_root,
         library,
-        pcie_root=node.pcie_root,
         tool_env=dict(node.tool_env),
         events=node.events,
     )

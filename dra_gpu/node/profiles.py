@@ -4,9 +4,9 @@ dra-gpu serves the node it runs on. A node can also be made from a profile, for 
 machines without GPUs, by another installed package (the simulator, distribution `dra-gpu-simnode`),
 which registers itself under the entry-point group `dra_gpu.node_profiles`. The driver neither
 imports nor names that package: it asks the group, and what comes back is what a real node has
-(a driver root with NVML's library, device nodes and kernel files under a dev root), plus the
-environment NVIDIA's programs need there, the PCIe roots of its GPUs, and a way to make its kernel
-report an event (`dra-gpu health simulate`).
+(a driver root with NVML's library; device nodes, the kernel's files and the PCI devices' sysfs
+entries under a dev root), plus the environment NVIDIA's programs need there and a way to make its
+kernel report an event (`dra-gpu health simulate`).
 
 Without such a package, `--profile` is an error that says how to get one.
 """
@@ -14,7 +14,7 @@ Without such a package, `--profile` is an error that says how to get one.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -48,8 +48,7 @@ class NodeEvents(Protocol):
 @dataclass(frozen=True)
 class PreparedNode:
     driver_root: Path  # its NVIDIA driver installation (NVML's library and NVIDIA's programs)
-    dev_root: Path  # root of its dev/ and proc/
-    pcie_root: Callable[[str], str | None]  # PCI bus id -> the root complex (in place of sysfs)
+    dev_root: Path  # root of its dev/, proc/ and sys/
     events: NodeEvents
     tool_env: Mapping[str, str] = field(default_factory=dict)  # for NVML and NVIDIA's programs
 

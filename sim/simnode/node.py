@@ -10,7 +10,8 @@ A simulated node runs the same NVML code path as a real one (its driver root's
   (simulated) tools are told through `$DRA_GPU_SIM_DEV_DIR`; the kernel's files under
   `<dev root>/proc` (`devices`, the module's `driver/nvidia/version`, and the MIG capability
   files the library keeps there while an instance exists: `$DRA_GPU_SIM_PROC_DIR`);
-- the PCIe-root lookup: the profile's data instead of sysfs;
+- the PCI devices' sysfs entries under `<dev root>/sys` (`bus/pci/devices/<bus id>`, a link into
+  `devices/<root complex>/`, with its `numa_node`), which the driver reads there as on a real node;
 - what the kernel would report from outside (XIDs, ECC errors, a lost GPU, recovery actions):
   injected into the device-node directory (`inject`), where the library's event sets see them.
 """
@@ -18,11 +19,11 @@ A simulated node runs the same NVML code path as a real one (its driver root's
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dra_gpu.discovery.kernel_devices import CAPS, UVM
+from dra_gpu.discovery.nvml_discovery import normalise_pci_bus_id
 from simnode import inject
 from simnode.builder import SimDriverError, default_cache_dir, ensure_driver_root
 from simnode.devnodes import NVIDIA_MAJOR, RealDriverMajorError, make_char, make_device_nodes
@@ -54,22 +55,13 @@ class SimulatedNode:
     def proc_dir(self) -> Path:
         return self.dev_root / "proc"
 
+    @property
+    def sys_dir(self) -> Path:
+        return self.dev_root / "sys"
+
     def env(self) -> dict[str, str]:
         """What the simulated library and NVIDIA's tools must be told: where the node's kernel is."""
         return {DEV_DIR_ENV: str(self.dev_dir), PROC_DIR_ENV: str(self.proc_dir)}
-
-    def pcie_root(self) -> Callable[[str], str | None]:
-        """The PCIe-root lookup that stands in for sysfs (profiles name each GPU's root)."""
-        roots = {g.pci_bus_id.lower(): g.pcie_root for g in self.profile.gpus}
-
-        def lookup(bus_id: str) -> str | None:
-            # Profiles use NVML's 8-digit domain; discovery asks with the 4-digit sysfs form.
-            for key, root in roots.items():
-                if key.endswith(bus_id.lower()):
-                    return root
-            return None
-
-        return lookup
 
     def events(self) -> SimulatedEvents:
         return SimulatedEvents(self.dev_dir)
@@ -119,6 +111,31 @@ def make_kernel_files(profile: NodeProfile, dev_root: Path) -> None:
     tmp = nvidia / ".version.tmp"
     tmp.write_text(kernel_version_text(profile.driver_version))
     tmp.replace(nvidia / "version")
+    make_pci_sysfs(profile, dev_root / "sys")
+
+
+def make_pci_sysfs(profile: NodeProfile, sys_dir: Path) -> None:
+    """Each GPU's PCI device in sysfs, as the kernel shows it: `bus/pci/devices/<bus id>`, a link to
+    `devices/<root complex>/<bus id>/`, whose `numa_node` holds its NUMA node (-1: none). A GPU
+    whose profile names no PCIe root has no entry (the root cannot be known)."""
+    for gpu in profile.gpus:
+        if not gpu.pcie_root:
+            continue
+        bus_id = normalise_pci_bus_id(gpu.pci_bus_id)
+        device = sys_dir / "devices" / gpu.pcie_root / bus_id
+        device.mkdir(parents=True, exist_ok=True)
+        tmp = device / ".numa_node.tmp"
+        tmp.write_text(f"{-1 if gpu.numa_node is None else gpu.numa_node}\n")
+        tmp.replace(device / "numa_node")
+        link = sys_dir / "bus" / "pci" / "devices" / bus_id
+        link.parent.mkdir(parents=True, exist_ok=True)
+        target = Path("../../..") / "devices" / gpu.pcie_root / bus_id
+        if link.is_symlink() and Path(os.readlink(link)) == target:
+            continue
+        tmp_link = link.with_name(f".{bus_id}.tmp")
+        tmp_link.unlink(missing_ok=True)
+        tmp_link.symlink_to(target)
+        tmp_link.replace(link)
 
 
 def kernel_version_text(version: str) -> str:

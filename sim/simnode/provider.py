@@ -22,4 +22,4 @@ class SimulatedProfiles:
             raise NodePreparationError(f"invalid profile {profile!r}: {exc}") from exc
         except SimulatedNodeError as exc:
             raise NodePreparationError(str(exc)) from exc
-        return PreparedNode(node.driver_root, node.dev_root, node.pcie_root(), node.events(), node.env())
+        return PreparedNode(node.driver_root, node.dev_root, node.events(), node.env())
