@@ -203,6 +203,7 @@ simnode_image() { # KEY VERSION: the driver's image plus the simulator package, 
   site="$(mktemp -d)"
   # A pure-Python distribution: pip installs it into a directory, copied into the image's venv.
   "$PYTHON" -m pip install --quiet --no-deps --no-compile --no-build-isolation --target "$site" "$ROOT/sim" >&2
+  rm -rf "$ROOT/sim/build"  # setuptools' build tree: stale files there would reach the next image
   CONTAINER="$(bah from --quiet "oci-archive:$ARCHIVE")"
   purelib="$(bah run --isolation chroot "$CONTAINER" -- python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   bah copy --quiet "$CONTAINER" "$site" "$purelib" >/dev/null
