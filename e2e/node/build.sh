@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (once) and cache the upstream programs the e2e cluster runs.
 #
-#   e2e/node/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit]
+#   e2e/node/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit|nvidia-dra]
 #
 # Binaries land under ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/,
 # keyed by the pinned version below; a component is rebuilt only when its pin changes
@@ -213,6 +213,45 @@ build_old_hook() {
   toolkit_module_build "$NVIDIA_CTK_OLD_VERSION" "$out" nvidia-cdi-hook
 }
 
+# NVIDIA's DRA driver (Go module sigs.k8s.io/dra-driver-nvidia-gpu), its gpu-kubelet-plugin: the
+# driver dra-gpu must be a drop-in for, run on the simulated node and measured against. Built from
+# a writable copy of the module in the cache dir with the harness's patch (nothing of NVIDIA's
+# code is in the repository):
+#   - k8s.io/kubernetes v1.37.0-rc.0 and its staging modules at v0.37.0-rc.0 are not served by the
+#     module proxy: required at v1.37.2 / v0.37.2 instead;
+#   - github.com/NVIDIA/go-nvfm (fabric manager's bindings) is not served: pkg/fabricmanager's
+#     go-nvfm client is left out and its NewClient returns the package's own stub client (fabric
+#     manager exists only on NVSwitch systems; FabricManagerPartitioning stays off).
+# cgo (go-nvml's bindings dlopen libnvidia-ml at run time), linked as NVIDIA's Makefile does.
+build_nvidia_dra() {
+  local out="$CACHE/bin/dra-driver-nvidia-gpu-$NVIDIA_DRA_VERSION"
+  if done_marker "$out"; then log "dra-driver-nvidia-gpu $NVIDIA_DRA_VERSION cached in $out"; return; fi
+  command -v gcc >/dev/null || { log "NVIDIA's DRA driver needs a C compiler (cgo): e2e/node/build.sh debs"; return 1; }
+  local ws="$CACHE/src/dra-driver-nvidia-gpu-$NVIDIA_DRA_VERSION" mod=sigs.k8s.io/dra-driver-nvidia-gpu
+  new_workspace "$ws" e2e.local/nvidiadrabuild
+  cd "$ws"
+  log "fetching $mod@$NVIDIA_DRA_VERSION"
+  local dir; dir="$(go mod download -json "$mod@$NVIDIA_DRA_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+  [ -f "$dir/go.mod" ] || { log "module $mod@$NVIDIA_DRA_VERSION not found in the module cache"; return 1; }
+  cp -r "$dir" "$ws/module" && chmod -R u+w "$ws/module" && mkdir -p "$ws/tmp" "$out.tmp"
+  cd "$ws/module"
+  sed -i -E 's#^(\s*k8s\.io/[a-z-]+) v0\.37\.0-rc\.0#\1 v0.37.2#; s#^(\s*k8s\.io/kubernetes) v1\.37\.0-rc\.0#\1 v1.37.2#' go.mod
+  go mod edit -droprequire=github.com/NVIDIA/go-nvfm
+  rm -f pkg/fabricmanager/client_nvfm.go pkg/fabricmanager/client_nvfm_test.go
+  cat >pkg/fabricmanager/client_e2e_stub.go <<'GO'
+package fabricmanager
+
+// NewClient: the package's stub client (the e2e build has no go-nvfm, which is not served).
+func NewClient(libraryPath string, params ConnectParams) Client { return NewStubClient() }
+GO
+  if grep -q 'rc\.0' go.mod; then log "go.mod still requires a release candidate: $(grep 'rc\.0' go.mod)"; return 1; fi
+  local ld="-s -w '-extldflags=-Wl,--export-dynamic -Wl,--unresolved-symbols=ignore-in-object-files -Wl,-z,lazy'"
+  (export TMPDIR="$ws/tmp" CGO_ENABLED=1 GOFLAGS=-mod=mod && timed "dra-driver-nvidia-gpu $NVIDIA_DRA_VERSION" \
+    go build -p "$GO_P" -trimpath -ldflags="$ld" -o "$out.tmp/" ./cmd/gpu-kubelet-plugin)
+  "$out.tmp/gpu-kubelet-plugin" --help >/dev/null || { log "gpu-kubelet-plugin does not start"; return 1; }
+  touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
 main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
@@ -225,7 +264,8 @@ main() {
     image) bash "$HERE/image_build.sh" ;;
     kwok) (build_kwok) ;;
     toolkit) (build_toolkit); (build_old_hook) ;;
-    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit]" >&2; exit 2 ;;
+    nvidia-dra) (build_nvidia_dra) ;;
+    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit|nvidia-dra]" >&2; exit 2 ;;
   esac
   log "done ($what) in $((SECONDS - t0)) s; binaries under $CACHE/bin"
 }

@@ -16,6 +16,11 @@ NVIDIA_CTK_VERSION=v1.20.2
 # node may still have that the plugin must give only the subcommands it knows.
 NVIDIA_CTK_OLD_VERSION=v1.17.8
 
+# NVIDIA's DRA driver (Go module sigs.k8s.io/dra-driver-nvidia-gpu; the only version the proxy
+# serves), its gpu-kubelet-plugin: the driver dra-gpu is a drop-in for and is measured against;
+# built only on request (`build.sh nvidia-dra`), with the harness's patch (see build.sh).
+NVIDIA_DRA_VERSION=v0.5.0
+
 # Programs built from the k8s.io/kubernetes module in one `go build` (packages shared).
 # test/e2e/dra/test-driver is upstream's own DRA test driver (kubelet plugin + CDI), used as the
 # peer driver that proves the DRA path (sigs.k8s.io/dra-example-driver is not served by the proxy).
