@@ -43,3 +43,14 @@ def test_no_nvml_without_the_simulator_names_it_instead_of_profiles(
     assert cli.main(["inventory", "--driver-root", "/nonexistent"]) == 2
     err = capsys.readouterr().err
     assert "NVML is not available" in err and "dra-gpu-simnode" in err
+
+
+def test_the_plugin_on_a_profile_without_the_simulator_exits_saying_so(
+    no_simulator: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The chart's simulatedProfile on the driver's own image: the plugin stops at start, naming
+    what to install, instead of serving nothing."""
+    dirs = ["--plugin-dir", str(tmp_path), "--registry-dir", str(tmp_path), "--cdi-dir", str(tmp_path)]
+    assert cli.main(["kubelet-plugin", "--node-name", "n", "--profile", "hgx-2x4", *dirs]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dra-gpu kubelet-plugin: --profile hgx-2x4:") and "dra-gpu-simnode" in err
