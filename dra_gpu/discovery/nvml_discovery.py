@@ -76,10 +76,11 @@ def normalise_pci_bus_id(raw: str | bytes) -> str:
 def sysfs_pcie_root(sysfs: str = "/sys") -> PcieRootResolver:
     """The PCIe root complex ("pci0000:00") of a device, from its sysfs path."""
 
+    # <sysfs>/bus/pci/devices/<bus id> links to <sysfs>/devices/<root complex>/[bridges/]<bus id>.
+    devices = Path(os.path.realpath(Path(sysfs) / "devices"))
+
     def resolve(pci_bus_id: str) -> str | None:
-        # <sysfs>/bus/pci/devices/<bus id> links to <sysfs>/devices/<root complex>/[bridges/]<bus id>.
         try:
-            devices = Path(os.path.realpath(Path(sysfs) / "devices"))
             real = Path(os.path.realpath(Path(sysfs) / "bus" / "pci" / "devices" / pci_bus_id))
             first = real.relative_to(devices).parts[0]
         except (OSError, ValueError, IndexError):

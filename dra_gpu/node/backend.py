@@ -36,10 +36,6 @@ class NodeBackend:
     tool_env: dict[str, str] = field(default_factory=dict)  # more environment for NVIDIA's tools
     events: NodeEvents | None = None  # a profile's node's event injection; None on a real one
 
-    @property
-    def simulated(self) -> bool:
-        return self.events is not None
-
     def discover(self, node_name: str, dynamic_mig: bool = False) -> Inventory:
         """The node's inventory. NvmlUnavailableError when NVML cannot be initialised; its
         DriverVersionMismatchError when NVML refuses the loaded kernel module (another driver's
