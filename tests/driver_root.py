@@ -56,18 +56,23 @@ def make_root(root: Path, version: str = VERSION, libdir: str = DEB, soname: boo
 # ---------------------------------------------------------------- NVIDIA's real Debian packages
 
 
-def debian_driver_roots() -> ModuleType:
-    """e2e/node/debian_driver_root.py as a module (it is a script of the e2e, not a package)."""
-    name = "debian_driver_root"
+def e2e_node_script(name: str) -> ModuleType:
+    """A script of e2e/node/ (debian_driver_root.py, host_like_root.py) as a module, loaded once:
+    they are scripts of the e2e, not a package."""
     if name in sys.modules:
         return sys.modules[name]
-    path = Path(__file__).parents[1] / "e2e" / "node" / "debian_driver_root.py"
+    path = Path(__file__).parents[1] / "e2e" / "node" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def debian_driver_roots() -> ModuleType:
+    """e2e/node/debian_driver_root.py as a module."""
+    return e2e_node_script("debian_driver_root")
 
 
 def _cannot_build_debian_root() -> str | None:

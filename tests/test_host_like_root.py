@@ -10,18 +10,16 @@ had). Nothing of NVIDIA's is run or loaded here: only the simulated library, in 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import re
 import shutil
 import stat
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from dra_gpu.discovery.root_paths import regular_file_in_root
+from tests.driver_root import e2e_node_script
 from tests.simnode_support import (
     libcache,  # noqa: F401 - fixture
     needs_root,
@@ -30,26 +28,14 @@ from tests.simnode_support import (
     run_child,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 NVML = "usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.550.163.01"
 LIBCUDA = "usr/lib/x86_64-linux-gnu/nvidia/current/libcuda.so.550.163.01"
 
 pytestmark = [needs_toolchain, needs_root]
 
 
-def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "e2e" / "node" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-HOST_LIKE = _load("host_like_root")
-DEBIAN = _load("debian_driver_root")
+HOST_LIKE = e2e_node_script("host_like_root")
+DEBIAN = e2e_node_script("debian_driver_root")
 
 
 @pytest.fixture(scope="module")
