@@ -43,13 +43,14 @@ def problem(config: GpuConfig, d: Device) -> str | None:
             for name, value in (
                 ("defaultActiveThreadPercentage", mps.default_active_thread_percentage),
                 ("defaultPinnedDeviceMemoryLimit", mps.default_pinned_device_memory_limit),
+                ("defaultPerDevicePinnedMemoryLimit", mps.per_device_pinned_memory_limits or None),
             )
             if value is not None
         ]
         cc = _compute_capability(d)
         if limits and cc is not None and cc < MPS_LIMITS_MIN_CC:
             return (
-                f"sharing.mps.{limits[0]}: device {d.name} has compute capability {cc[0]}.{cc[1]}; "
+                f"{mps.path}.{limits[0]}: device {d.name} has compute capability {cc[0]}.{cc[1]}; "
                 "MPS limits need 7.0 or newer"
             )
     return None

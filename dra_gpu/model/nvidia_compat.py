@@ -32,6 +32,17 @@ UNSUPPORTED_CLASSES: Mapping[str, str] = MappingProxyType(
         "imex.nvidia.com": _IMEX,
     }
 )
+# NVIDIA's kinds of resource.nvidia.com/v1beta1 that dra-gpu does not do -> what they are for (its
+# opaque config decoder refuses them on `kind`: dra_gpu.model.config.nvidia_v1beta1).
+UNSUPPORTED_CONFIG_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "VfioDeviceConfig": _VFIO,
+        "ComputeDomainChannelConfig": _IMEX,
+        "ComputeDomainDaemonConfig": _IMEX,
+        "ComputeDomain": _IMEX,
+        "ComputeDomainClique": _IMEX,
+    }
+)
 # NVIDIA's other DRA driver (its devices never come from dra-gpu) -> what it is.
 UNSUPPORTED_DRIVERS: Mapping[str, str] = MappingProxyType({"compute-domain.nvidia.com": _IMEX})
 

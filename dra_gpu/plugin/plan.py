@@ -136,6 +136,11 @@ class Planner:
         shared: list[SharedDevice] = []
         targets: dict[str, MigTarget] = {}
         uuids: list[str] = []
+        # Each config entry (by where) -> its config and the UUIDs of the made devices it applies
+        # to: per-device limits name a device by UUID or by index into them sorted.
+        applies: dict[str, tuple[GpuConfig, list[str]]] = {}
+        unmade: set[str] = set()  # config entries applying to a dynamic MIG device still to be made
+        config_of: dict[str, str] = {}  # CDI device name -> its config entry
         for i, result in enumerate(results):
             device = result.device
             where = f"claim {ref}: status.allocation.devices.results[{i}]"
@@ -154,7 +159,9 @@ class Planner:
                 is_mig = mig is not None
             else:
                 raise PrepareError(f"{where}: device {device} is not published by this node")
-            config = self._config_for(where, result.request, is_mig, configs)
+            config, cwhere = self._config_for(where, result.request, is_mig, configs)
+            if device in targets:
+                unmade.add(cwhere)
             if result.admin_access and config.sharing.strategy != "Exclusive":
                 # Admin access gets a device another claim may hold exclusively: sharing it would
                 # change that claim's GPU (compute mode, an MPS daemon) under it.
@@ -174,9 +181,12 @@ class Planner:
                 uuid = mig.uuid if mig is not None else gpu.uuid
                 if uuid not in uuids:
                     uuids.append(uuid)
-                cdi_devices[cdi_name] = CdiDevice(
-                    name=cdi_name, device_nodes=nodes, env=config.container_env([uuid])
-                )
+                config_uuids = applies.setdefault(cwhere, (config, []))[1]
+                if uuid not in config_uuids:
+                    config_uuids.append(uuid)
+                config_of[cdi_name] = cwhere
+                # Its environment once every device of its config is known (per-device limits).
+                cdi_devices[cdi_name] = CdiDevice(name=cdi_name, device_nodes=nodes)
                 consumed = dict(result.consumed_capacity or {})
                 shared.append(
                     SharedDevice(
@@ -193,6 +203,14 @@ class Planner:
                     admin_access=result.admin_access,
                 )
             )
+        pinned = {
+            cwhere: self._pinned_limits(ref, cwhere, config, config_uuids, cwhere in unmade)
+            for cwhere, (config, config_uuids) in applies.items()
+        }
+        for i, dev in enumerate(shared):
+            limits = pinned[config_of[dev.name]]
+            cdi_devices[dev.name].env.update(dev.config.container_env([dev.uuid], limits))
+            shared[i] = replace(dev, pinned_limit=limits.get(dev.uuid))
         sharing = self._plan_sharing(ref, shared)
         if sharing.memory:
             prepared = [_with_memory_limit(p, sharing) for p in prepared]
@@ -228,11 +246,13 @@ class Planner:
         return out
 
     @staticmethod
-    def _config_for(where: str, request: str, is_mig: bool, configs: _Configs) -> GpuConfig:
-        """The last config naming this request (or naming none) wins; kinds must match."""
+    def _config_for(where: str, request: str, is_mig: bool, configs: _Configs) -> tuple[GpuConfig, str]:
+        """The last config naming this request (or naming none) wins; kinds must match. With
+        where it is (the default: its kind)."""
         base = request.split("/", 1)[0]
         kind = "MigDeviceConfig" if is_mig else "GpuConfig"
         chosen = DEFAULT_MIG_CONFIG if is_mig else DEFAULT_GPU_CONFIG
+        chosen_where = kind
         for requests, config, cwhere in configs:
             named = request in requests or base in requests
             if requests and not named:
@@ -244,8 +264,26 @@ class Planner:
                         f"a {'MIG device' if is_mig else 'whole GPU'} (use {kind})"
                     )
                 continue
-            chosen = config
-        return chosen
+            chosen, chosen_where = config, cwhere
+        return chosen, chosen_where
+
+    @staticmethod
+    def _pinned_limits(
+        ref: ClaimRef, cwhere: str, config: GpuConfig, uuids: list[str], partial: bool
+    ) -> dict[str, int]:
+        """The MPS pinned memory limit (bytes) of each device a config entry applies to, by UUID.
+        `partial`: some of its devices are still to be made, so an index or a UUID cannot be told
+        yet: the default alone (the claim is planned again once they are made)."""
+        mps = config.sharing.mps
+        if mps is None:
+            return {}
+        if partial:
+            limit = mps.default_pinned_device_memory_limit
+            return dict.fromkeys(uuids, limit) if limit is not None else {}
+        try:
+            return mps.pinned_memory_limits(uuids)
+        except ConfigError as exc:  # the webhook cannot know the devices: a key naming none
+            raise PrepareError(f"claim {ref}: {cwhere}.{exc.path}: {exc.message}") from exc
 
     def _plan_sharing(self, ref: ClaimRef, shared: list[SharedDevice]) -> SharingPlan:
         needs = [d for d in shared if d.needs_sharing]

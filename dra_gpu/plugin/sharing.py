@@ -73,6 +73,9 @@ class SharedDevice:
     compute_capability: tuple[int, int] | None = None
     share_id: str | None = None  # a share of a GPU allocated to several claims
     consumed: dict[str, str] = field(default_factory=dict)  # the share's consumedCapacity
+    # Bytes: its MPS pinned memory limit from its config (the default or its per-device limit),
+    # resolved by the planner over the devices its config entry applies to; None: no limit.
+    pinned_limit: int | None = None
 
     @property
     def needs_sharing(self) -> bool:
@@ -200,12 +203,13 @@ class Sharing:
                 modes[dev.uuid] = {"mode": DEFAULT}
         for n, (config, members) in enumerate(groups.items(), start=len(daemons)):
             mps = config.sharing.mps
-            limit = mps.default_pinned_device_memory_limit if mps else None
             daemon = MpsDaemon(
                 id=f"{claim_uid}-{n}",
                 uuids=[d.uuid for d in members],
                 active_thread_percentage=mps.default_active_thread_percentage if mps else None,
-                pinned_memory_limits={d.uuid: pinned_limit(limit) for d in members} if limit else {},
+                pinned_memory_limits={
+                    d.uuid: pinned_limit(d.pinned_limit) for d in members if d.pinned_limit
+                },
             )
             daemons.append(daemon)
             for d in members:
@@ -261,8 +265,8 @@ class Sharing:
         memory = dev.consumed.get("memory")
         if memory is not None:
             limits[dev.uuid] = pinned_limit(_quantity(memory, f"{dev.where}: consumedCapacity.memory"))
-        elif mps and mps.default_pinned_device_memory_limit:
-            limits[dev.uuid] = pinned_limit(mps.default_pinned_device_memory_limit)
+        elif dev.pinned_limit:
+            limits[dev.uuid] = pinned_limit(dev.pinned_limit)
         share = _quantity(
             dev.consumed.get("computeShare", "0"), f"{dev.where}: consumedCapacity.computeShare"
         )
@@ -293,10 +297,11 @@ class Sharing:
         for value, name in (
             (mps.default_active_thread_percentage, "defaultActiveThreadPercentage"),
             (mps.default_pinned_device_memory_limit, "defaultPinnedDeviceMemoryLimit"),
+            (mps.per_device_pinned_memory_limits or None, "defaultPerDevicePinnedMemoryLimit"),
         ):
             if value is not None:
                 raise SharingError(
-                    f"{dev.where}: sharing.mps.{name}: device {dev.name} has compute capability {cc}; "
+                    f"{dev.where}: {mps.path}.{name}: device {dev.name} has compute capability {cc}; "
                     f"MPS limits need {'.'.join(map(str, MPS_LIMITS_MIN_CC))} or newer"
                 )
 

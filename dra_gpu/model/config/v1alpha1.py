@@ -17,7 +17,9 @@ field, a wrong type or an out-of-range value is an error naming the field path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from dra_gpu.common.decoding import type_name
@@ -46,10 +48,61 @@ class TimeSlicing:
     interval: str = "Default"
 
 
+# A per-device key that is an index (into the sorted UUIDs of the devices a config applies to), as
+# NVIDIA's driver reads one (Go's strconv.Atoi: an optional "+", decimal digits; [0-9], not \d).
+INDEX_KEY = re.compile(r"\+?[0-9]+")
+_MAX_INDEX_DIGITS = 18  # more is past any claim's devices (and Python's int() of huge strings)
+
+
 @dataclass(frozen=True)
 class Mps:
     default_active_thread_percentage: int | None = None
     default_pinned_device_memory_limit: int | None = None  # bytes
+    # (key, bytes), sorted by key: a key is a device UUID or an index into the sorted UUIDs of the
+    # devices the config applies to (resource.nvidia.com/v1beta1's defaultPerDevicePinnedMemoryLimit;
+    # a tuple, not a dict, so that configs stay hashable: sharing groups devices by config).
+    per_device_pinned_memory_limits: tuple[tuple[str, int], ...] = ()
+    # Where these fields are in the config's parameters, for messages (sharing.mps in v1alpha1,
+    # sharing.mpsConfig in v1beta1); not part of the value.
+    path: str = field(default="sharing.mps", compare=False)
+
+    def pinned_memory_limits(self, uuids: Collection[str]) -> dict[str, int]:
+        """The pinned device memory limit (bytes) of each device this config applies to (`uuids`:
+        all of them, in any order): the default for each, then the per-device limits, each for the
+        device its key names (a UUID, or an index into the UUIDs sorted). ConfigError naming the key
+        when it names none of the devices, or a device another key names too."""
+        devices = sorted(set(uuids))
+        default = self.default_pinned_device_memory_limit
+        limits = dict.fromkeys(devices, default) if default is not None else {}
+        named: dict[str, str] = {}
+        for key, limit in self.per_device_pinned_memory_limits:
+            path = f"{self.path}.defaultPerDevicePinnedMemoryLimit[{key}]"
+            uuid = _device_of_key(key, devices)
+            if uuid is None:
+                listed = ", ".join(devices) or "none"
+                raise ConfigError(
+                    path,
+                    f"names none of the {len(devices)} devices this config applies to (a key is one "
+                    f"of their UUIDs or an index 0..{len(devices) - 1} into them sorted: {listed})",
+                )
+            if uuid in named:
+                raise ConfigError(path, f"names device {uuid}, which key {named[uuid]!r} names too")
+            named[uuid] = key
+            limits[uuid] = limit
+        return limits
+
+
+def _device_of_key(key: str, devices: list[str]) -> str | None:
+    """The device (of `devices`, sorted) a per-device key names: a UUID of them or an index."""
+    if key in devices:
+        return key
+    if not INDEX_KEY.fullmatch(key):
+        return None
+    digits = key.lstrip("+").lstrip("0") or "0"
+    if len(digits) > _MAX_INDEX_DIGITS:
+        return None
+    index = int(digits)
+    return devices[index] if index < len(devices) else None
 
 
 @dataclass(frozen=True)
@@ -66,17 +119,21 @@ class GpuConfig:
     kind: str
     sharing: Sharing
 
-    def container_env(self, uuids: list[str]) -> dict[str, str]:
-        """Environment the devices' containers get for this configuration."""
+    def container_env(self, uuids: list[str], pinned: Mapping[str, int] | None = None) -> dict[str, str]:
+        """Environment the devices' (`uuids`) containers get for this configuration. `pinned`: the
+        pinned memory limit (bytes) by UUID, as `Mps.pinned_memory_limits` resolved it over every
+        device the config applies to; None: resolved over `uuids` (ConfigError as it raises)."""
         env = {"DRA_GPU_SHARING_STRATEGY": self.sharing.strategy}
         if self.sharing.time_slicing is not None:
             env["DRA_GPU_TIME_SLICE_INTERVAL"] = self.sharing.time_slicing.interval
         mps = self.sharing.mps
         if mps is not None and mps.default_active_thread_percentage is not None:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps.default_active_thread_percentage)
-        if mps is not None and mps.default_pinned_device_memory_limit is not None:
-            mib = mps.default_pinned_device_memory_limit >> 20
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{u}={mib}M" for u in uuids)
+        if mps is not None:
+            limits = mps.pinned_memory_limits(uuids) if pinned is None else pinned
+            parts = [f"{u}={limits[u] >> 20}M" for u in uuids if u in limits]
+            if parts:
+                env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(parts)
         return env
 
 
