@@ -30,8 +30,9 @@ class ChangeListener(Protocol):
 class ClusterState:
     """Slices, classes and claims as last seen; a Validator rebuilt lazily after a change."""
 
-    def __init__(self, driver: str) -> None:
+    def __init__(self, driver: str, nvidia_compatible: bool = False) -> None:
         self.driver = driver
+        self.nvidia_compatible = nvidia_compatible
         self.stores: dict[str, dict[str, Mapping[str, Any]]] = {s: {} for s in view_records.STORES}
         self._validator: Validator | None = None
         self._env: tuple[tuple[Any, ...], CelEnvironment] | None = None
@@ -90,6 +91,7 @@ class ClusterState:
                 self.stores["classes"].values(),
                 self.stores["claims"].values(),  # allocated ones only (view_records.slim_claim)
                 env=self._env[1],
+                nvidia_compatible=self.nvidia_compatible,
             )
         return self._validator
 

@@ -12,19 +12,51 @@ import gc
 import json
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from dra_gpu.controller.inputs import InputError, Inputs, load_cluster, load_files
+from dra_gpu.model import nvidia_compat
+from dra_gpu.model.device_classes import chart_device_classes
 from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
+
+if TYPE_CHECKING:
+    from dra_gpu.controller.rules import Verdict
+
+# ---------------------------------------------------------------- the driver name
+
+
+def _driver(args: argparse.Namespace) -> str | None:
+    """The driver name --driver-name and --nvidia-compatible give; None (said on stderr) when
+    they contradict each other. Running as gpu.nvidia.com is NVIDIA-compatible mode however it was
+    asked for (the chart passes only --driver-name): args.nvidia_compatible is set then."""
+    try:
+        driver = nvidia_compat.driver_name(args.driver_name, args.nvidia_compatible)
+    except nvidia_compat.DriverNameError as exc:
+        print(f"dra-gpu {args.command}: {exc}", file=sys.stderr)
+        return None
+    args.nvidia_compatible = driver == nvidia_compat.DRIVER_NAME
+    return driver
+
+
+def _with_chart_classes(classes: list[dict[str, Any]], driver: str) -> list[dict[str, Any]]:
+    """`classes` and the chart's DeviceClasses for `driver` that none of them names: a user's
+    claims name the chart's classes without shipping them."""
+    known = {str((c.get("metadata") or {}).get("name") or "") for c in classes}
+    return classes + [c for c in chart_device_classes(driver) if c["metadata"]["name"] not in known]
+
 
 # ---------------------------------------------------------------- validate
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from dra_gpu.controller.bounded import OverBudget, run_bounded
+    from dra_gpu.controller.extended_resources import gpu_requests, workload_verdict
     from dra_gpu.controller.rules import Problem, Validator, Verdict  # the CEL engine loads only here
 
+    driver = _driver(args)
+    if driver is None:
+        return EXIT_USAGE
     try:
         inputs = load_files(args.filename)
         if args.kubeconfig:
@@ -41,38 +73,70 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for line in inputs.problems:
         print(line)
     # Files such as the examples hold Pods and other workload objects beside the claims: those
-    # are not DRA objects and are skipped with a note; anything of the resource.k8s.io group (or
-    # with no apiVersion at all) is checked and an unsupported kind there is an error.
-    others = []
+    # are not DRA objects and are skipped with a note, unless they ask for nvidia.com/gpu or
+    # nvidia.com/mig-* (served through a DeviceClass's extendedResourceName); anything of the
+    # resource.k8s.io group (or with no apiVersion at all) is checked and an unsupported kind
+    # there is an error.
+    others, workloads = [], []
     for obj in inputs.others:
         group = str(obj.get("apiVersion") or "").rpartition("/")[0]
         if obj.get("apiVersion") and obj.get("kind") and group != "resource.k8s.io":
+            if gpu_requests(obj):
+                workloads.append(obj)
+                continue
             meta = obj.get("metadata") or {}
-            print(f"{obj['kind']}/{meta.get('name', '?')}: skipped: not a DRA object", file=sys.stderr)
+            where = f"{inputs.file_of(obj)}: " if inputs.from_directory else ""
+            print(f"{where}{obj['kind']}/{meta.get('name', '?')}: skipped: not a DRA object", file=sys.stderr)
         else:
             others.append(obj)
     to_check = inputs.classes + [c for c in inputs.claims if not _allocated(c)] + others
     validator = Validator(
-        args.driver_name, inputs.slices, inputs.classes, [c for c in inputs.claims if _allocated(c)]
+        driver,
+        inputs.slices,
+        _with_chart_classes(inputs.classes, driver),
+        [c for c in inputs.claims if _allocated(c)],
+        nvidia_compatible=args.nvidia_compatible,
     )
-    if not to_check and not inputs.problems:
+    if not to_check and not workloads and not inputs.problems:
         print("dra-gpu: no DeviceClass, ResourceClaim or ResourceClaimTemplate in the input", file=sys.stderr)
         return EXIT_USAGE
-    for obj in to_check:
+    # A directory is a report: every object gets a line, in the input's order, each line names
+    # the file it came from.
+    report = inputs.from_directory
+    judged = [(o, False) for o in to_check] + [(o, True) for o in workloads]
+    if report:
+        judged.sort(key=lambda item: inputs.place_of(item[0]))
+    for obj, is_workload in judged:
         try:  # bounded: a selector too costly to evaluate costs this object its verdict, no more
-            verdict = run_bounded(lambda obj=obj: validator.validate(obj))  # type: ignore[misc]
+            if is_workload:
+                verdict = workload_verdict(validator, obj)
+            else:
+                verdict = run_bounded(lambda obj=obj: validator.validate(obj))  # type: ignore[misc]
         except OverBudget as exc:
             meta = obj.get("metadata") or {}
             name = str(meta.get("name") or meta.get("generateName") or "?")
             verdict = Verdict(
                 str(obj.get("kind") or "?"), name, errors=[Problem("(object)", f"validation {exc}")]
             )
-        for line in verdict.lines():
-            print(line)
+        where = f"{inputs.file_of(obj) or '(cluster)'}: " if report else ""
+        for line in verdict.lines() or ([_passed(verdict, driver)] if report else []):
+            print(where + line)
         for line in verdict.warning_lines():
-            print(line, file=sys.stderr)
+            print(where + line, file=sys.stderr)
         invalid = invalid or not verdict.allowed
     return EXIT_INVALID if invalid else EXIT_OK
+
+
+def _passed(verdict: Verdict, driver: str) -> str:
+    """The report line of an object without errors."""
+    who = f"{verdict.kind}/{verdict.name}"
+    if verdict.kind == "DeviceClass":
+        if verdict.concerned:
+            return f"{who}: selects devices of dra-gpu ({driver})"
+        return f"{who}: selects no device of {driver}: not dra-gpu's, left as it is"
+    if verdict.concerned:
+        return f"{who}: runs on dra-gpu"
+    return f"{who}: asks for no device of {driver}: not dra-gpu's, left as it is"
 
 
 def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
@@ -104,15 +168,16 @@ def _heap_frozen() -> Iterator[None]:
 
 
 def explain_inputs(
-    inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME, bounded: bool = False
+    inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME, bounded: bool = False, nvidia_compatible: bool = False
 ) -> dict[str, Any]:
     """Each claim's simulated allocation. `bounded` (the command line): each claim in a forked
-    child with a deadline and a memory cap (not from a process with threads: the doctor)."""
+    child with a deadline and a memory cap (not from a process with threads: the doctor).
+    `nvidia_compatible`: the rules refuse what of NVIDIA's driver dra-gpu does not do."""
     with _heap_frozen():
-        return _explain_inputs(inputs, driver, bounded)
+        return _explain_inputs(inputs, driver, bounded, nvidia_compatible)
 
 
-def _explain_inputs(inputs: Inputs, driver: str, bounded: bool) -> dict[str, Any]:
+def _explain_inputs(inputs: Inputs, driver: str, bounded: bool, nvidia_compatible: bool) -> dict[str, Any]:
     from dra_gpu.controller.bounded import OverBudget, run_bounded_each
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
@@ -120,7 +185,9 @@ def _explain_inputs(inputs: Inputs, driver: str, bounded: bool) -> dict[str, Any
     allocated = [c for c in inputs.claims if _allocated(c)]
     # One view of the cluster for the rules and the simulation: selector results and candidate
     # lists are worked out once, and the rules' "right now" check is the explanation itself.
-    validator = Validator(driver, inputs.slices, inputs.classes, allocated)
+    validator = Validator(
+        driver, inputs.slices, inputs.classes, allocated, nvidia_compatible=nvidia_compatible
+    )
     cluster = validator.cluster
     cluster.explained = {}
     if bounded:
@@ -217,6 +284,9 @@ def render_text(result: dict[str, Any]) -> str:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    driver = _driver(args)
+    if driver is None:
+        return EXIT_USAGE
     try:
         inputs = load_files(args.filename)
     except InputError as exc:
@@ -231,7 +301,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             "dra-gpu: no ResourceClaim to allocate (without status.allocation) in the input", file=sys.stderr
         )
         return EXIT_USAGE
-    result = explain_inputs(inputs, args.driver_name, bounded=True)
+    inputs.classes = _with_chart_classes(inputs.classes, driver)
+    result = explain_inputs(inputs, driver, bounded=True, nvidia_compatible=args.nvidia_compatible)
     if args.output == "json":
         print(json.dumps(result, indent=2))
     else:
@@ -248,13 +319,17 @@ def cmd_controller(args: argparse.Namespace) -> int:
     if args.client_name and not args.client_ca:
         print("dra-gpu controller: --client-name needs --client-ca", file=sys.stderr)
         return EXIT_USAGE
+    driver = _driver(args)
+    if driver is None:
+        return EXIT_USAGE
     return run(
         WebhookConfig(
             cert=args.cert,
             key=args.key,
             address=args.address,
             port=args.port,
-            driver=args.driver_name,
+            driver=driver,
+            nvidia_compatible=args.nvidia_compatible,
             kubeconfig=args.kubeconfig,
             watch=not args.no_watch,
             files=tuple(args.filename),
@@ -273,6 +348,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_driver_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--driver-name",
+        default=None,
+        help=f"DRA driver name (default: {DEFAULT_DRIVER_NAME}; {nvidia_compat.DRIVER_NAME} with "
+        "--nvidia-compatible)",
+    )
+    parser.add_argument(
+        "--nvidia-compatible",
+        action="store_true",
+        help=f"as NVIDIA's DRA driver: driver and class names {nvidia_compat.GPU_CLASS} and "
+        f"{nvidia_compat.MIG_CLASS}, and claims for what of NVIDIA's driver dra-gpu does not do "
+        "(VFIO, ComputeDomains/IMEX) refused with the reason",
+    )
+
+
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add the controller's subcommands to `sub` (argparse subparsers); returns name -> handler."""
     v = sub.add_parser("validate", help="validate DeviceClasses, ResourceClaims and templates offline")
@@ -282,12 +373,14 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
         action="append",
         required=True,
         metavar="FILE",
-        help="YAML/JSON file ('-' for stdin); may hold ResourceSlices used for feasibility",
+        help="YAML/JSON file ('-' for stdin), or a directory: its *.yaml, *.yml and *.json files, "
+        "recursively, and a line for every object, naming its file; may hold ResourceSlices used for "
+        "feasibility",
     )
     v.add_argument(
         "--kubeconfig", metavar="PATH", help="also read slices, classes and claims from this cluster"
     )
-    v.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
+    _add_driver_flags(v)
     e = sub.add_parser("explain", help="simulate the scheduler's allocation of claims against slices")
     e.add_argument(
         "-f",
@@ -298,13 +391,13 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
         help="files with ResourceSlices, DeviceClasses and ResourceClaims",
     )
     e.add_argument("-o", "--output", choices=("json", "text"), default="text")
-    e.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
+    _add_driver_flags(e)
     c = sub.add_parser("controller", help="run the validating admission webhook (HTTPS)")
     c.add_argument("--cert", required=True, help="TLS certificate file (PEM); reloaded when it changes")
     c.add_argument("--key", required=True, help="TLS private key file (PEM); reloaded when it changes")
     c.add_argument("--address", default="0.0.0.0", help="listen address")
     c.add_argument("--port", type=int, default=8443, help="listen port")
-    c.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
+    _add_driver_flags(c)
     c.add_argument(
         "--metrics-port",
         type=int,

@@ -92,8 +92,10 @@ class ReviewPool:
         workers: int = DEFAULT_WORKERS,
         deadline_s: float = DEFAULT_DEADLINE_S,
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        nvidia_compatible: bool = False,
     ) -> None:
         self.driver = driver
+        self.nvidia_compatible = nvidia_compatible
         self.size = workers
         self.deadline_s = deadline_s
         self.memory_bytes = memory_bytes
@@ -373,7 +375,9 @@ class ReviewPool:
         """A template with the whole view, warmed with the recent reviews; called under the lock."""
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(
-            target=template_main, args=(child, self.driver, self.memory_bytes, WORKER_NICE), daemon=True
+            target=template_main,
+            args=(child, self.driver, self.memory_bytes, WORKER_NICE, self.nvidia_compatible),
+            daemon=True,
         )
         # Off the loop: the fork server forks and answers with the pid, milliseconds that every
         # review waiting on the loop would otherwise wait too.

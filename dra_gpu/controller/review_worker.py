@@ -98,7 +98,9 @@ def _limit_memory(memory_bytes: int) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def template_main(conn: Connection, driver: str, memory_bytes: int, nice: int) -> None:
+def template_main(
+    conn: Connection, driver: str, memory_bytes: int, nice: int, nvidia_compatible: bool = False
+) -> None:
     """The template: apply cluster events and warm-ups, and fork a worker on each request."""
     with contextlib.suppress(OSError):
         os.nice(nice)  # inherited by the workers: below the event loop, which answers /healthz
@@ -109,7 +111,7 @@ def template_main(conn: Connection, driver: str, memory_bytes: int, nice: int) -
     # reviews that were answered within budget.
     from dra_gpu.controller.cluster_state import ClusterState
 
-    state = ClusterState(driver)
+    state = ClusterState(driver, nvidia_compatible)
     warmed_with: list[Any] = []
     for message in _commands(conn, state):
         if message[0] == "warm":

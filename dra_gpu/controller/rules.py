@@ -27,7 +27,9 @@ from dra_gpu.kube.values import (
     RESOURCE_API_VERSION,
     qualified_name_problem,
 )
+from dra_gpu.model import nvidia_compat
 from dra_gpu.model.config import ConfigError, decode
+from dra_gpu.model.device_classes import mig_class_name
 from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 KINDS = ("DeviceClass", "ResourceClaim", "ResourceClaimTemplate")
@@ -94,7 +96,13 @@ def is_extended_resource_name(name: str) -> str | None:
 
 
 class Validator:
-    """The rules, over one view of the cluster (published slices, classes, allocated claims)."""
+    """The rules, over one view of the cluster (published slices, classes, allocated claims).
+
+    `nvidia_compatible` (the driver runs as NVIDIA's gpu.nvidia.com): a request for one of NVIDIA's
+    classes dra-gpu has no devices for, or a config for NVIDIA's other driver, is refused with the
+    reason (nvidia_compat), unless the class exists, or the other driver shows (a class selects
+    it, it publishes slices): then NVIDIA's other driver runs beside this one and serves it.
+    """
 
     def __init__(
         self,
@@ -103,8 +111,10 @@ class Validator:
         classes: Iterable[Mapping[str, Any]] = (),
         claims: Iterable[Mapping[str, Any]] = (),
         env: CelEnvironment | None = None,
+        nvidia_compatible: bool = False,
     ) -> None:
         self.driver = driver
+        self.nvidia_compatible = nvidia_compatible
         self.slices = list(slices)
         if env is None:
             schema = Schema.default(driver)
@@ -117,6 +127,7 @@ class Validator:
             env, self.slices, self.classes, allocated_devices(claims), shared_use=shared_consumption(claims)
         )
         self.has_driver_slices = any((s.get("spec") or {}).get("driver") == driver for s in self.slices)
+        self._other_drivers_present: dict[str, bool] = {}
         self._checked: dict[str, list[str]] = {}
 
     # -- entry point
@@ -177,6 +188,31 @@ class Validator:
     def _mentions_driver(self, text: str) -> bool:
         return self.driver in text
 
+    def _unsupported_class(self, name: str) -> str | None:
+        """Why a request for DeviceClass `name` is refused in NVIDIA-compatible mode, else None."""
+        if not self.nvidia_compatible or name in self.classes:
+            return None
+        return nvidia_compat.unsupported_reason(name)
+
+    def _unsupported_driver(self, driver: Any) -> str | None:
+        """Why an opaque config for `driver` is refused in NVIDIA-compatible mode, else None."""
+        if not self.nvidia_compatible or not isinstance(driver, str):
+            return None
+        what = nvidia_compat.UNSUPPORTED_DRIVERS.get(driver)
+        if what is None or self._driver_present(driver):
+            return None
+        return f"driver {driver} is NVIDIA's driver for {what}, which dra-gpu does not do"
+
+    def _driver_present(self, driver: str) -> bool:
+        """Another driver shows in the view: it publishes slices, or a class names it."""
+        found = self._other_drivers_present.get(driver)
+        if found is None:
+            found = any((s.get("spec") or {}).get("driver") == driver for s in self.slices) or any(
+                driver in json.dumps(c.get("spec") or {}, default=str) for c in self.classes.values()
+            )
+            self._other_drivers_present[driver] = found
+        return found
+
     def _list(self, value: Any, path: str, v: Verdict, limit: int) -> list[Any]:
         if value is None:
             return []
@@ -229,6 +265,16 @@ class Validator:
                             )
                         )
             opaque = c.get("opaque")
+            # A claim's only: a DeviceClass configuring NVIDIA's other driver shows that it runs.
+            refused = (
+                self._unsupported_driver(opaque.get("driver"))
+                if isinstance(opaque, dict) and request_names is not None
+                else None
+            )
+            if refused:
+                v.concerned = True
+                v.errors.append(Problem(f"{p}.opaque.driver", refused))
+                continue
             if not isinstance(opaque, dict) or opaque.get("driver") != self.driver:
                 continue
             v.concerned = True
@@ -264,10 +310,12 @@ class Validator:
 
     # -- ResourceClaim / template
 
-    def _class_concerns_us(self, name: str) -> bool:
+    def class_concerns_driver(self, name: str) -> bool:
+        """DeviceClass `name` selects this driver's devices (an unknown one: by its name, the
+        chart's classes' names or a name under the driver's)."""
         cls = self.classes.get(name)
         if cls is None:
-            return name == self.driver or name.endswith("." + self.driver)
+            return name in (self.driver, mig_class_name(self.driver)) or name.endswith("." + self.driver)
         return self._mentions_driver(json.dumps(cls.get("spec") or {}))
 
     def _claim_spec(self, spec: Any, path: str, v: Verdict, feasibility: bool) -> None:
@@ -395,8 +443,13 @@ class Validator:
         cls = e.get("deviceClassName")
         if not isinstance(cls, str) or not cls:
             v.errors.append(Problem(f"{p}.deviceClassName", "required"))
-        elif self._class_concerns_us(cls):
-            v.concerned = True
+        else:
+            refused = self._unsupported_class(cls)
+            if refused:
+                v.concerned = True
+                v.errors.append(Problem(f"{p}.deviceClassName", refused))
+            elif self.class_concerns_driver(cls):
+                v.concerned = True
         sels = e.get("selectors") or []
         if any(self._mentions_driver(json.dumps(s)) for s in sels if isinstance(s, dict)):
             v.concerned = True

@@ -87,6 +87,7 @@ class WebhookConfig:
     address: str = "0.0.0.0"
     port: int = 8443
     driver: str = DEFAULT_DRIVER_NAME
+    nvidia_compatible: bool = False  # refuse what of NVIDIA's driver dra-gpu does not do (nvidia_compat)
     kubeconfig: str | None = None  # None: in-cluster config
     watch: bool = True  # False: no list+watch of the cluster (tests and local runs)
     files: tuple[str, ...] = ()  # static slices/classes/claims for the cluster view
@@ -527,8 +528,13 @@ async def serve(
 ) -> None:
     """Serve until `stop` is set (or the task is cancelled), then shut down gracefully."""
     metrics = Metrics()
-    state = ClusterState(config.driver)
-    pool = ReviewPool(config.driver, workers=config.workers, deadline_s=config.review_deadline_s)
+    state = ClusterState(config.driver, config.nvidia_compatible)
+    pool = ReviewPool(
+        config.driver,
+        workers=config.workers,
+        deadline_s=config.review_deadline_s,
+        nvidia_compatible=config.nvidia_compatible,
+    )
     state.pool = pool
     if config.files:
         inputs = load_files(config.files)
@@ -554,7 +560,13 @@ async def serve(
         probes = web.AppRunner(webhook.probes_app(), access_log=None, shutdown_timeout=1.0)
         await probes.setup()
         await web.TCPSite(probes, config.address, config.metrics_port).start()
-    log.info("event=serving address=%s port=%d driver=%s", config.address, config.port, state.driver)
+    log.info(
+        "event=serving address=%s port=%d driver=%s nvidia_compatible=%s",
+        config.address,
+        config.port,
+        state.driver,
+        str(config.nvidia_compatible).lower(),
+    )
     tasks = [asyncio.create_task(certs.run(reload_interval))]
     if config.watch:
         tasks += await start_watches(state, config.kubeconfig, metrics)
