@@ -20,7 +20,7 @@ from typing import Any
 from dra_gpu.common.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
 from dra_gpu.common.safe_output import safe_streams
 from dra_gpu.controller.commands import add_commands
-from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
+from dra_gpu.model.nvidia_compat import DriverNameError
 
 CONTROLLER_COMMANDS = ("validate", "explain", "controller")
 
@@ -115,9 +115,8 @@ def _add_node_commands(sub: Any) -> None:
     inv.add_argument(
         "--node-name", default=None, help="node (and pool) name; default: $NODE_NAME or the host name"
     )
-    inv.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="DRA driver name")
     inv.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
-    add_node_flags(inv, "driver-root")
+    add_node_flags(inv, "driver-root", "driver-name", "nvidia-compatible")
     inv.add_argument(
         "--slices", action="store_true", help="print the ResourceSlice objects that would be published"
     )
@@ -392,6 +391,9 @@ def _main(argv: list[str]) -> int:
     }
     try:
         return commands[args.command](args)
+    except DriverNameError as exc:
+        print(f"dra-gpu {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:
         return EXIT_OK
     except KeyboardInterrupt:

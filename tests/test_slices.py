@@ -30,6 +30,7 @@ GPU_ATTRIBUTES = {
     "nvlinkDomain",
     "nvlinkDomainSize",
     "resource.kubernetes.io/pciBusID",
+    "resource.kubernetes.io/numaNode",
     "resource.kubernetes.io/pcieRoot",
 }
 
@@ -221,7 +222,11 @@ def _readme_capacities(device: str) -> set[str]:
     """The capacities README's device table lists for `device` ("whole GPU", "MIG device")."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     (row,) = [line for line in readme.splitlines() if line.startswith(f"| {device} |")]
-    return set(re.findall(r"`(\w+)`", row.rsplit("|", 2)[1]))
+    cell = row.rsplit("|", 2)[1]
+    names = set(re.findall(r"`(\w+)`", cell))
+    if "`memorySlice<i>` (i = 0..7)" in cell:
+        names |= {f"memorySlice{i}" for i in range(8)}
+    return names
 
 
 @pytest.mark.parametrize("profile", ["hgx-2x4", "dgx-h100", "dgx-a100-mig", "mixed", "pcie-pairs"])
@@ -293,3 +298,23 @@ def test_the_1_34_layout_keeps_each_counter_set_beside_its_placements() -> None:
         assert used == set(sets)  # every set referenced is here, and only those
         assert len(s["spec"]["devices"]) <= 128
     assert {s["spec"]["pool"]["resourceSliceCount"] for s in old} == {len(old)}
+
+
+def test_static_mig_devices_name_the_memory_slices_they_hold() -> None:
+    """As NVIDIA's driver publishes them: `memorySlice<i>` = 1 for each memory slice of the GPU
+    the instance holds (placement start .. start + size), nothing for the slices it does not."""
+    inv = discover_node("node-a", "dgx-a100-mig")
+    held = {
+        gpu.mig_device_name(m): set(range(m.placement_start, m.placement_start + m.placement_size))
+        for gpu in inv.gpus
+        for m in gpu.mig_devices
+    }
+    assert held
+    seen = 0
+    for dev in devices(build_slices(inv)):
+        if dev["name"] in held:
+            slices = {int(k.removeprefix("memorySlice")) for k in dev["capacity"] if k.startswith("memorySlice")}
+            assert slices == held[dev["name"]], dev["name"]
+            assert all(dev["capacity"][f"memorySlice{i}"] == {"value": "1"} for i in slices)
+            seen += 1
+    assert seen == len(held)

@@ -21,6 +21,8 @@ from dra_gpu.model.inventory import FabricInfo, Gpu, Inventory, MigDevice, MigPr
 
 log = logging.getLogger(__name__)
 
+# NVML's enums -> the names NVIDIA's own tools (go-nvlib) give them, which NVIDIA's DRA driver
+# publishes: a selector written for it (`architecture == "Ada Lovelace"`) matches here too.
 ARCHITECTURE_NAMES = {
     2: "Kepler",
     3: "Maxwell",
@@ -28,7 +30,7 @@ ARCHITECTURE_NAMES = {
     5: "Volta",
     6: "Turing",
     7: "Ampere",
-    8: "Ada",
+    8: "Ada Lovelace",
     9: "Hopper",
     10: "Blackwell",
     13: "Rubin",
@@ -48,7 +50,7 @@ BRAND_NAMES = {
     11: "NvidiaCloudGaming",
     12: "QuadroRTX",
     13: "NvidiaRTX",
-    14: "NVIDIA",
+    14: "Nvidia",
     15: "GeForceRTX",
     16: "TitanRTX",
 }

@@ -70,10 +70,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         print("dra-gpu doctor: --timeout must be positive", file=sys.stderr)
         return 2
+    from dra_gpu.node.settings import NodeSettings
+
     results: list[Result] = []
     if args.only != "cluster":
         from dra_gpu.doctor.node_checks import run_node_checks
-        from dra_gpu.node.settings import NodeSettings
 
         node = NodeCheckSettings.of(
             NodeSettings.from_args(args),
@@ -94,7 +95,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             results += run_cluster_checks(
                 ClusterSettings(
                     kubeconfig=kubeconfig,
-                    driver=args.driver_name,
+                    driver=NodeSettings.from_args(args).driver,
                     node_selector=args.node_selector,
                     namespace=args.namespace,
                     webhook_url=args.webhook_url,

@@ -96,7 +96,7 @@ def add_health_command(sub: Any) -> None:
         "health",
         help="a running kubelet plugin's device health: status, operator taint/clear, simulated events",
     )
-    add_node_flags(h, "driver-name", "plugin-dir")
+    add_node_flags(h, "driver-name", "nvidia-compatible", "plugin-dir")
     h.add_argument("-o", "--output", choices=("table", "json"), default="table")
     ops = h.add_subparsers(dest="health_op", required=True)
     ops.add_parser("status", help="each device's health and taint")

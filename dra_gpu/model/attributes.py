@@ -41,8 +41,12 @@ DRIVER_ATTRIBUTES: Mapping[str, AttributeType] = MappingProxyType(
 )
 # Published under STANDARD_DOMAIN (Kubernetes' own names, shared by drivers).
 STANDARD_ATTRIBUTES: Mapping[str, AttributeType] = MappingProxyType(
-    {"pciBusID": "string", "pcieRoot": "string"}
+    {"pciBusID": "string", "pcieRoot": "string", "numaNode": "int"}
 )
+# A MIG device made beforehand carries `memorySlice<i>: 1` for each memory slice of its GPU it
+# holds, as NVIDIA's driver publishes them (so `matchAttribute`-free layouts can be told apart).
+MAX_MEMORY_SLICES = 8
+MEMORY_SLICE_CAPACITIES = tuple(f"memorySlice{i}" for i in range(MAX_MEMORY_SLICES))
 # Published unqualified; every capacity is a quantity.
 CAPACITIES = (
     "memory",
@@ -53,6 +57,7 @@ CAPACITIES = (
     "encoders",
     "jpegEngines",
     "ofaEngines",
+    *MEMORY_SLICE_CAPACITIES,
 )
 
 

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
+from dra_gpu.model.nvidia_compat import DRIVER_NAME as NVIDIA_DRIVER_NAME
 
 DEFAULT_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
 DEFAULT_CDI_DIR = "/var/run/cdi"
@@ -26,7 +27,17 @@ def _specs() -> dict[str, dict[str, Any]]:
             "help": "this node's name ($NODE_NAME, from the downward API in a pod); kubelet-plugin "
             "requires it, the other commands default to the host name",
         },
-        "driver-name": {"default": env("DRIVER_NAME", DEFAULT_DRIVER_NAME), "help": "DRA driver name"},
+        "driver-name": {
+            "default": env("DRIVER_NAME"),
+            "help": f"DRA driver name ($DRIVER_NAME; default {DEFAULT_DRIVER_NAME}, with "
+            f"--nvidia-compatible {NVIDIA_DRIVER_NAME})",
+        },
+        "nvidia-compatible": {
+            "action": "store_true",
+            "default": env("DRA_GPU_NVIDIA_COMPATIBLE", "").lower() in ("1", "true", "yes"),
+            "help": "run as NVIDIA's DRA driver does: driver name gpu.nvidia.com, so manifests "
+            "written for it run unchanged ($DRA_GPU_NVIDIA_COMPATIBLE)",
+        },
         "profile": {
             "default": env("DRA_GPU_PROFILE"),
             "metavar": "NAME|PATH",

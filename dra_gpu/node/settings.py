@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
+from dra_gpu.model.nvidia_compat import driver_name
 from dra_gpu.node.flags import DEFAULT_CDI_DIR, DEFAULT_REGISTRY_DIR
 
 REAL_DRIVER_ROOT = Path("/")
@@ -57,7 +57,7 @@ class NodeSettings:
             value = getattr(args, name, None)
             return str(value) if value else None
 
-        driver = arg("driver_name") or DEFAULT_DRIVER_NAME
+        driver = driver_name(arg("driver_name"), bool(getattr(args, "nvidia_compatible", False)))
         profile = arg("profile")
         plugin_dir = Path(arg("plugin_dir") or default_plugin_dir(driver))
         driver_root = arg("driver_root")

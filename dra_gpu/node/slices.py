@@ -25,6 +25,7 @@ from dra_gpu.kube.values import (
 from dra_gpu.model.attributes import (
     CAPACITIES,
     DRIVER_ATTRIBUTES,
+    MAX_MEMORY_SLICES,
     STANDARD_ATTRIBUTES,
     STANDARD_DOMAIN,
     cuda_version,
@@ -65,7 +66,7 @@ def _attribute(name: str, value: str | int) -> dict[str, Any]:
     return {DRIVER_ATTRIBUTES[name]: value}
 
 
-def _standard_attribute(name: str, value: str) -> dict[str, Any]:
+def _standard_attribute(name: str, value: str | int) -> dict[str, Any]:
     """The value object of a declared attribute of the standard domain (KeyError: not declared)."""
     return {STANDARD_ATTRIBUTES[name]: value}
 
@@ -138,8 +139,10 @@ class SliceBuilder:
             attrs["cudaComputeCapability"] = _attribute("cudaComputeCapability", f"{major}.{minor}.0")
         # Copies: shared dicts would show up as YAML anchors in the printed objects.
         attrs.update({k: dict(v) for k, v in self.node_versions.items()})
-        if gpu.numa_node is not None:
+        if gpu.numa_node is not None and gpu.numa_node >= 0:
             attrs["numaNode"] = _attribute("numaNode", gpu.numa_node)
+            # Kubernetes' own name (KEP-5491), as NVIDIA's driver publishes it too.
+            attrs[f"{STANDARD_DOMAIN}/numaNode"] = _standard_attribute("numaNode", gpu.numa_node)
         attrs[f"{STANDARD_DOMAIN}/pciBusID"] = _standard_attribute("pciBusID", gpu.pci_bus_id)
         if gpu.pcie_root:
             attrs[f"{STANDARD_DOMAIN}/pcieRoot"] = _standard_attribute("pcieRoot", gpu.pcie_root)
@@ -203,6 +206,9 @@ class SliceBuilder:
 
     def mig_device(self, gpu: Gpu, mig: MigDevice) -> dict[str, Any]:
         attrs, capacity = self._mig_parts(gpu, mig.profile, mig.uuid, mig.memory_bytes, self._engines(mig))
+        for i in range(mig.placement_start, mig.placement_start + mig.placement_size):
+            if i < MAX_MEMORY_SLICES:
+                capacity[f"memorySlice{i}"] = _capacity(f"memorySlice{i}", "1")
         return {"name": gpu.mig_device_name(mig), "attributes": attrs, "capacity": capacity}
 
     def placement_device(self, gpu: Gpu, placement: MigPlacement) -> dict[str, Any]:

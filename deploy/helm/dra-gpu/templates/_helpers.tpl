@@ -47,12 +47,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 system:serviceaccount:{{ .Release.Namespace }}:{{ include "dra-gpu.pluginName" . }}
 {{- end -}}
 
+{{/* The driver name: gpu.nvidia.com in NVIDIA-compatible mode, else driverName. */}}
+{{- define "dra-gpu.driverName" -}}
+{{- if .Values.nvidiaCompatible -}}
+{{- if not (has .Values.driverName (list "gpu.dra-gpu.io" "gpu.nvidia.com")) -}}
+{{- fail (printf "nvidiaCompatible: true runs the driver as gpu.nvidia.com; driverName %q contradicts it: unset one of them" .Values.driverName) -}}
+{{- end -}}
+gpu.nvidia.com
+{{- else -}}
+{{ .Values.driverName }}
+{{- end -}}
+{{- end -}}
+
 {{/* mig.<domain>: gpu.dra-gpu.io -> mig.dra-gpu.io; any other driver name d -> mig.d */}}
 {{- define "dra-gpu.migClassName" -}}
-{{- if hasPrefix "gpu." .Values.driverName -}}
-mig.{{ trimPrefix "gpu." .Values.driverName }}
+{{- $d := include "dra-gpu.driverName" . -}}
+{{- if hasPrefix "gpu." $d -}}
+mig.{{ trimPrefix "gpu." $d }}
 {{- else -}}
-mig.{{ .Values.driverName }}
+mig.{{ $d }}
 {{- end -}}
 {{- end -}}
 
