@@ -124,6 +124,21 @@ def test_debian_images(images: ModuleType, tmp_path: Path) -> None:
     assert env["PATH"].startswith("/usr/local/nvidia/bin:/usr/local/cuda/bin:")
     assert env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
 
+    # NVIDIA's demo manifests' image: the same Debian layer, and /tmp/sample above it as its cmd.
+    with tarfile.open(out / "nvidia-demo.tar") as tf:
+        (entry,) = json.loads(tf.extractfile("index.json").read())["manifests"]  # type: ignore[union-attr]
+        demo = json.loads(tf.extractfile("blobs/sha256/" + entry["digest"][7:]).read())  # type: ignore[union-attr]
+        base, sample = demo["layers"]
+        assert tf.extractfile("blobs/sha256/" + base["digest"][7:]).read() == layer  # type: ignore[union-attr]
+        demo_config = json.loads(tf.extractfile("blobs/sha256/" + demo["config"]["digest"][7:]).read())  # type: ignore[union-attr]
+        with tarfile.open(
+            fileobj=io.BytesIO(tf.extractfile("blobs/sha256/" + sample["digest"][7:]).read())
+        ) as st:  # type: ignore[union-attr]
+            script = st.extractfile("tmp/sample").read().decode()  # type: ignore[union-attr]
+    assert demo_config["config"]["Cmd"] == ["/tmp/sample"]
+    assert len(demo_config["rootfs"]["diff_ids"]) == 2
+    assert "nvidia-smi -L" in script and "exec sleep" in script
+
     # Cached: no second mmdebstrap run, the archives stay as they are.
     before = (out / "debian.tar").stat().st_mtime_ns
     images.debian_images(str(out))

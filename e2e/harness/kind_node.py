@@ -205,7 +205,7 @@ def _write_image(path: str, name: str, layer: bytes, config: dict[str, Any]) -> 
         tf.addfile(_ti("blobs/sha256/" + diff_id[7:], size=len(layer), mode=0o644), io.BytesIO(layer))
         return {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": diff_id, "size": len(layer)}
 
-    images._write_layout(path, name, add_layer, diff_id, config)
+    images._write_layout(path, name, [(diff_id, add_layer)], config)
 
 
 def _mmdebstrap(packages: list[str], target: str, *hooks: str) -> None:

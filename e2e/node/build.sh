@@ -256,7 +256,7 @@ main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
   case "$what" in
-    all) debs; (build_kubernetes); (build_etcd); (build_containerd); (build_toolkit); (build_old_hook); bash "$HERE/image_build.sh" ;;
+    all) debs; (build_kubernetes); (build_etcd); (build_containerd); (build_toolkit); (build_old_hook); (build_nvidia_dra); bash "$HERE/image_build.sh" ;;
     kubernetes) (build_kubernetes) ;;
     etcd) (build_etcd) ;;
     containerd) (build_containerd) ;;

@@ -21,6 +21,9 @@ file in it; apt lists and caches, docs, man pages and locales left out):
 - debian image: name from $E2E_DEBIAN_IMAGE (default localhost/dra-gpu-e2e/debian:1), cmd sh.
 - cuda-style image: name from $E2E_CUDA_STYLE_IMAGE (default localhost/dra-gpu-e2e/cuda-style:1),
   with the PATH and LD_LIBRARY_PATH of NVIDIA's CUDA base images (/usr/local/nvidia/...).
+- nvidia-demo image: name from $E2E_NVIDIA_DEMO_IMAGE (default localhost/dra-gpu-e2e/nvidia-demo:1),
+  the debian image plus a second layer with /tmp/sample (its cmd), a script in place of the CUDA
+  samples NVIDIA's demo manifests run, which reports the GPUs the container sees and stays up.
 
 The layer (gzip) is cached as OUTDIR/debian-layer/<hash of the mmdebstrap inputs>.tar.gz and
 rebuilt only when those inputs change; $E2E_DEBIAN_MIRROR overrides the Debian mirror.
@@ -45,6 +48,14 @@ BUSYBOX_IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busyb
 PAUSE_IMAGE = os.environ.get("E2E_PAUSE_IMAGE", "registry.k8s.io/pause:3.10.1")
 DEBIAN_IMAGE = os.environ.get("E2E_DEBIAN_IMAGE", "localhost/dra-gpu-e2e/debian:1")
 CUDA_STYLE_IMAGE = os.environ.get("E2E_CUDA_STYLE_IMAGE", "localhost/dra-gpu-e2e/cuda-style:1")
+NVIDIA_DEMO_IMAGE = os.environ.get("E2E_NVIDIA_DEMO_IMAGE", "localhost/dra-gpu-e2e/nvidia-demo:1")
+DEMO_SAMPLE = b"""#!/bin/sh
+# Stands in for the CUDA sample of NVIDIA's demo manifests: what this container sees of its GPUs.
+nvidia-smi -L
+env | grep -E '^(NVIDIA|CUDA)_' | sort
+echo END-OF-REPORT
+exec sleep 2147483647
+"""
 DEBIAN_MIRROR = os.environ.get("E2E_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 DEBIAN_SUITE = "bookworm"
 DEBIAN_LAYER_FORMAT = 1  # bump when the filtering of mmdebstrap's output changes: a new cache key
@@ -125,40 +136,40 @@ def _dumps(obj):
 
 def write_image(path, name, layer, config_extra):
     """An image of one uncompressed layer given as bytes."""
-    diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
+    _write_layout(path, name, [_bytes_layer(layer)], config_extra)
 
-    def add_layer(tf):
+
+# A layer: (diff_id, a function that stores its blob in the archive and returns its descriptor).
+Layer = tuple[str, Callable[[tarfile.TarFile], dict[str, Any]]]
+
+
+def _bytes_layer(layer: bytes) -> Layer:
+    def add_layer(tf: tarfile.TarFile) -> dict[str, Any]:
         return _blob(tf, layer, "application/vnd.oci.image.layer.v1.tar")
 
-    _write_layout(path, name, add_layer, diff_id, config_extra)
+    return "sha256:" + hashlib.sha256(layer).hexdigest(), add_layer
 
 
-def _write_layout(
-    path: str,
-    name: str,
-    add_layer: Callable[[tarfile.TarFile], dict[str, Any]],
-    diff_id: str,
-    config_extra: dict[str, Any],
-) -> None:
-    """Write an OCI layout archive; `add_layer` stores the layer blob and returns its descriptor."""
+def _write_layout(path: str, name: str, layers: list[Layer], config_extra: dict[str, Any]) -> None:
+    """Write an OCI layout archive of `layers`, bottom first."""
     config = {
         "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
         "os": "linux",
         "config": dict({"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"}, **config_extra),
-        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "rootfs": {"type": "layers", "diff_ids": [diff_id for diff_id, _ in layers]},
         "history": [{"created_by": "dra-gpu e2e/node/images.py"}],
     }
     tmp = path + ".tmp"
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
         tf.addfile(_tarinfo("blobs/", type=tarfile.DIRTYPE, mode=0o755))
         tf.addfile(_tarinfo("blobs/sha256/", type=tarfile.DIRTYPE, mode=0o755))
-        layer_desc = add_layer(tf)
+        layer_descs = [add_layer(tf) for _, add_layer in layers]
         config_desc = _blob(tf, _dumps(config), "application/vnd.oci.image.config.v1+json")
         manifest = {
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
             "config": config_desc,
-            "layers": [layer_desc],
+            "layers": layer_descs,
         }
         mdesc = _blob(tf, _dumps(manifest), "application/vnd.oci.image.manifest.v1+json")
         tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
@@ -261,14 +272,26 @@ def debian_layer(cache_dir: str) -> tuple[str, dict[str, Any]]:
     return layer, meta
 
 
+def _demo_layer() -> bytes:
+    """/tmp/sample, in place of the CUDA sample programs of NVIDIA's demo manifests (there is no
+    GPU here to run CUDA on): it reports what the container sees of its GPUs and stays up."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        tf.addfile(_tarinfo("tmp/", type=tarfile.DIRTYPE, mode=0o1777))
+        tf.addfile(_tarinfo("tmp/sample", size=len(DEMO_SAMPLE), mode=0o755), io.BytesIO(DEMO_SAMPLE))
+    return buf.getvalue()
+
+
 def debian_images(outdir: str) -> None:
-    """OUTDIR/debian.tar and OUTDIR/cuda-style.tar, rewritten only when their inputs change."""
+    """OUTDIR/debian.tar, OUTDIR/cuda-style.tar and OUTDIR/nvidia-demo.tar, rewritten only when
+    their inputs change."""
     layer, meta = debian_layer(os.path.join(outdir, "debian-layer"))
     targets = {
         "debian.tar": (DEBIAN_IMAGE, {"Cmd": ["sh"], "Env": [DEBIAN_PATH]}),
         "cuda-style.tar": (CUDA_STYLE_IMAGE, {"Cmd": ["sh"], "Env": CUDA_STYLE_ENV}),
+        "nvidia-demo.tar": (NVIDIA_DEMO_IMAGE, {"Cmd": ["/tmp/sample"], "Env": [DEBIAN_PATH]}),
     }
-    stamp = _dumps([meta["digest"], targets]).decode()
+    stamp = _dumps([meta["digest"], targets, DEMO_SAMPLE.decode()]).decode()
     stamp_path = os.path.join(outdir, ".debian-stamp")
     if (
         os.path.exists(stamp_path)
@@ -286,8 +309,10 @@ def debian_images(outdir: str) -> None:
             **{k: meta[k] for k in ("digest", "size")},
         }
 
+    base: Layer = (meta["diff_id"], add_layer)
     for fname, (name, config) in targets.items():
-        _write_layout(os.path.join(outdir, fname), name, add_layer, meta["diff_id"], config)
+        layers = [base, _bytes_layer(_demo_layer())] if fname == "nvidia-demo.tar" else [base]
+        _write_layout(os.path.join(outdir, fname), name, layers, config)
     with open(stamp_path, "w") as f:
         f.write(stamp)
 
@@ -341,5 +366,9 @@ if __name__ == "__main__":
             import_missing(
                 args.outdir,
                 args.import_to,
-                (("debian.tar", DEBIAN_IMAGE), ("cuda-style.tar", CUDA_STYLE_IMAGE)),
+                (
+                    ("debian.tar", DEBIAN_IMAGE),
+                    ("cuda-style.tar", CUDA_STYLE_IMAGE),
+                    ("nvidia-demo.tar", NVIDIA_DEMO_IMAGE),
+                ),
             )
