@@ -126,15 +126,21 @@ def test_debian_images(images: ModuleType, tmp_path: Path) -> None:
 
     # NVIDIA's demo manifests' image: the same Debian layer, and /tmp/sample above it as its cmd.
     with tarfile.open(out / "nvidia-demo.tar") as tf:
-        (entry,) = json.loads(tf.extractfile("index.json").read())["manifests"]  # type: ignore[union-attr]
-        demo = json.loads(tf.extractfile("blobs/sha256/" + entry["digest"][7:]).read())  # type: ignore[union-attr]
+
+        def member(name: str) -> bytes:
+            f = tf.extractfile(name)
+            assert f is not None, name
+            return f.read()
+
+        (entry,) = json.loads(member("index.json"))["manifests"]
+        demo = json.loads(member("blobs/sha256/" + entry["digest"][7:]))
         base, sample = demo["layers"]
-        assert tf.extractfile("blobs/sha256/" + base["digest"][7:]).read() == layer  # type: ignore[union-attr]
-        demo_config = json.loads(tf.extractfile("blobs/sha256/" + demo["config"]["digest"][7:]).read())  # type: ignore[union-attr]
-        with tarfile.open(
-            fileobj=io.BytesIO(tf.extractfile("blobs/sha256/" + sample["digest"][7:]).read())
-        ) as st:  # type: ignore[union-attr]
-            script = st.extractfile("tmp/sample").read().decode()  # type: ignore[union-attr]
+        assert member("blobs/sha256/" + base["digest"][7:]) == layer
+        demo_config = json.loads(member("blobs/sha256/" + demo["config"]["digest"][7:]))
+        with tarfile.open(fileobj=io.BytesIO(member("blobs/sha256/" + sample["digest"][7:]))) as st:
+            f = st.extractfile("tmp/sample")
+            assert f is not None
+            script = f.read().decode()
     assert demo_config["config"]["Cmd"] == ["/tmp/sample"]
     assert len(demo_config["rootfs"]["diff_ids"]) == 2
     assert "nvidia-smi -L" in script and "exec sleep" in script
