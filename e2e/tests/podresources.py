@@ -10,8 +10,8 @@ downloads that module), found in Go's module cache (`go env GOMODCACHE`, else
 $HOME/go/pkg/mod). A copy of the proto, with any gogo-protobuf import and options taken out
 (protoc cannot resolve them without gogo's protos; the api.proto of v0.34.4 and later has none),
 is compiled by grpc_tools.protoc into a cache dir: under the e2e state dir ($DRA_GPU_E2E_STATE)
-when that is writable, else under the temp dir. The cache key holds the module version, the proto's digest and grpcio-tools'
-version, so a new pin or a new grpcio-tools generates afresh.
+when that is writable, else under the temp dir. The cache key holds the module version, the
+proto's digest and grpcio-tools' version, so a new pin or a new grpcio-tools generates afresh.
 
 Feature gates at v1.37.2 (pkg/features/kube_features.go): KubeletPodResourcesGet and
 KubeletPodResourcesDynamicResources are GA since 1.36 and locked to true, so the Get RPC and
