@@ -229,7 +229,7 @@ def gpu_table_header(version: str, cuda_version: int, profile: NodeProfile) -> s
             f".pcie_switch = {switches.get(g.pcie_switch or '', -1)}, .nvlink_count = {g.nvlink_count}, "
             f".links = SIM_LINKS_{g.minor}, .mig_capable = {int(g.mig_capable)}, "
             f".mig_enabled = {int(g.mig_enabled)}, .npremade = {len(g.mig_instances)}, "
-            f".premade = SIM_PREMADE_{g.minor}, {fabric}}},"
+            f".premade = SIM_PREMADE_{g.minor}, .module_id = {g.module_id}, {fabric}}},"
         )
     mig_rows = [_mig_profile_row(p) for p in profile.mig_profiles.values()]
     # The profile's injected NVML errors (nvmlErrors): per GPU (index into SIM_GPUS) and node-wide.

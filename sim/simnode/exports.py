@@ -43,12 +43,16 @@ FUNCTIONS = (
     "nvmlDeviceGetPciInfo_v2",
     "nvmlDeviceGetPciInfo_v3",
     "nvmlDeviceGetNumaNodeId",
+    "nvmlDeviceGetVirtualizationMode",
+    "nvmlDeviceGetModuleId",
     "nvmlDeviceGetMemoryInfo",
     "nvmlDeviceGetMemoryInfo_v2",
     "nvmlDeviceSetMemoryLimits_v1",
     "nvmlDeviceGetMemoryLimits_v1",
     "nvmlDeviceGetComputeMode",
     "nvmlDeviceSetComputeMode",
+    "nvmlDeviceGetPersistenceMode",
+    "nvmlDeviceSetPersistenceMode",
     "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetAttributes",
     "nvmlDeviceGetAttributes_v2",
@@ -97,6 +101,7 @@ FUNCTIONS = (
 FIRST_DRIVER = {
     "nvmlDeviceGetNumaNodeId": 550,  # first in the CUDA 12.4 header
     "nvmlDeviceGetGpuFabricInfoV": 550,  # first in the CUDA 12.4 header
+    "nvmlDeviceGetModuleId": 535,  # not in the CUDA 12.0 header; in Debian's 535.261.03 library
     "nvmlDeviceGetGpuInstanceProfileInfoByIdV": 580,  # first in the NVML 13 (CUDA 13.0) header
     # Per-cgroup memory limits: "new in NVML 13" (issue 24). go-nvml's headers declare them only
     # from v0.13.4-0 on; modelled from 580 as the issue asks until a real 580 library says more.

@@ -12,6 +12,11 @@ A simulated node runs the same NVML code path as a real one (its driver root's
   files the library keeps there while an instance exists: `$DRA_GPU_SIM_PROC_DIR`);
 - the PCI devices' sysfs entries under `<dev root>/sys` (`bus/pci/devices/<bus id>`, a link into
   `devices/<root complex>/`, with its `numa_node`), which the driver reads there as on a real node;
+- the node's view of its driver root, `<dev root>/driver-root`: the driver's files (links into the
+  driver root) beside `dev/` (a link to the node's device nodes), as a GPU Operator's driver root
+  (`/run/nvidia/driver`) or a host's `/` has its device nodes in `dev/`. NVIDIA's tools (its DRA
+  plugin, the container toolkit's CDI generator) look for device nodes under `<driver root>/dev`
+  when that is a directory, else under `/`, where a simulated node has none;
 - what the kernel would report from outside (XIDs, ECC errors, a lost GPU, recovery actions):
   injected into the device-node directory (`inject`), where the library's event sets see them.
 """
@@ -35,6 +40,7 @@ PROC_DIR_ENV = "DRA_GPU_SIM_PROC_DIR"
 UVM_MAJOR = 509
 CAPS_MAJOR = 508
 MODESET_MINOR = 254
+DRIVER_ROOT_VIEW = "driver-root"  # under the dev root: the driver's files and the node's dev/
 
 
 class SimulatedNodeError(RuntimeError):
@@ -58,6 +64,11 @@ class SimulatedNode:
     @property
     def sys_dir(self) -> Path:
         return self.dev_root / "sys"
+
+    @property
+    def driver_root_view(self) -> Path:
+        """The driver root with the node's `dev/` in it, for tools that find device nodes there."""
+        return self.dev_root / DRIVER_ROOT_VIEW
 
     def env(self) -> dict[str, str]:
         """What the simulated library and NVIDIA's tools must be told: where the node's kernel is."""
@@ -138,6 +149,33 @@ def make_pci_sysfs(profile: NodeProfile, sys_dir: Path) -> None:
         tmp_link.replace(link)
 
 
+def make_driver_root_view(driver_root: Path, dev_root: Path) -> Path:
+    """`<dev_root>/driver-root`: one link per top-level entry of `driver_root` (usr, lib) and `dev`,
+    a link to `<dev_root>/dev`. A link of another target (another driver root) is replaced, one
+    whose entry the driver root no longer has is removed; anything there that is not a link is
+    left alone and refused (SimulatedNodeError)."""
+    view = dev_root / DRIVER_ROOT_VIEW
+    view.mkdir(parents=True, exist_ok=True)
+    source = driver_root.resolve()
+    targets = {e.name: e for e in sorted(source.iterdir()) if e.name != "dev"} if source.is_dir() else {}
+    targets["dev"] = Path("..") / "dev"  # relative: the view moves with the dev root
+    for entry in view.iterdir():
+        if entry.name not in targets and entry.is_symlink():
+            entry.unlink()
+    for name, target in targets.items():
+        link = view / name
+        if link.is_symlink():
+            if Path(os.readlink(link)) == target:
+                continue
+        elif link.exists():
+            raise SimulatedNodeError(f"driver root view {view}: {name} is not a link (into {driver_root})")
+        tmp = view / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target)
+        tmp.replace(link)
+    return view
+
+
 def kernel_version_text(version: str) -> str:
     """`/proc/driver/nvidia/version` of a loaded (proprietary) kernel module of `version`."""
     return (
@@ -175,6 +213,7 @@ def prepare_simulated_node(
             f"simulated node {node.name}: cannot make its device nodes under {dev_root}/dev: {exc} "
             "(mknod of character devices needs root: CAP_MKNOD)"
         ) from exc
+    make_driver_root_view(Path(driver_root), Path(dev_root))
     simulated = SimulatedNode(node, Path(driver_root), Path(dev_root))
     os.environ.update(simulated.env())  # read by the simulated library at every call
     return simulated

@@ -88,6 +88,7 @@ MAX_NVLINKS = 18  # per GPU: NVLink 4 (Hopper) has 18, Blackwell 18
 MAX_MIG_PROFILES = 64
 MAX_MIG_INSTANCES = 7
 MAX_MIG_SLICE = 7  # memory slices 0..7
+MAX_MODULE_ID = 8  # GPU modules of an HGX baseboard: 1..8
 
 
 class ProfileError(ValueError):
@@ -154,6 +155,7 @@ class GpuSpec:
     mig_instances: list[MigInstanceSpec] = field(default_factory=list)
     fabric: FabricSpec | None = None
     nvml_errors: dict[str, int] = field(default_factory=dict)
+    module_id: int = 0  # its module on the baseboard (nvmlDeviceGetModuleId); 0: not on a baseboard
 
 
 @dataclass
@@ -405,6 +407,7 @@ class _Parser:
                 "mig",
                 "fabric",
                 "nvmlErrors",
+                "moduleId",
             },
             where,
         )
@@ -503,7 +506,17 @@ class _Parser:
             mig_instances=instances,
             fabric=fabric,
             nvml_errors=self.errors(g, where),
+            module_id=self.module_id(g, where),
         )
+
+    def module_id(self, g: dict[str, Any], where: str) -> int:
+        """The GPU's module on its baseboard (0: a PCIe card, not a baseboard product)."""
+        value = self.positive(g, "moduleId", where, 0, minimum=0)
+        if value > MAX_MODULE_ID:
+            raise self.fail(
+                f"{where}: moduleId", f"an HGX baseboard has modules 1..{MAX_MODULE_ID}, got {value}"
+            )
+        return value
 
     def mig_instance(
         self, inst: Any, where: str, mig_profiles: dict[str, MigProfileSpec], parent_uuid: str, position: int

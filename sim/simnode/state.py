@@ -4,7 +4,7 @@ compute instances, compute modes, per-cgroup memory limits), in the form the pro
 (it asks NVML).
 
 Lines (written by the library, replaced atomically):
-    gpu <gpu-uuid> <mig-enabled> <compute-mode>
+    gpu <gpu-uuid> <mig-enabled> <compute-mode> <persistence-mode>   (older files: no persistence)
     gi <gpu-uuid> <gi-id> <profile-id> <start>
     ci <gpu-uuid> <gi-id> <ci-id> <compute-mode> <mig-uuid>
     limit <gpu-uuid> <soft> <hard> <cgroup-inode> <namespace>
@@ -33,6 +33,7 @@ class SimState:
     instances: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # GPU UUID -> cgroup path -> (soft, hard) memory limit in bytes
     memory_limits: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    persistent: set[str] = field(default_factory=set)  # GPU UUIDs in driver persistence mode
 
     def compute_mode(self, uuid: str) -> int:
         return self.compute_modes.get(uuid, DEFAULT_COMPUTE_MODE)
@@ -67,6 +68,8 @@ def read_state(dev_dir: Path | str, profile: NodeProfile | None = None) -> SimSt
         if word == "gpu":
             uuid, _mig, mode = rest[:3]
             state.compute_modes[uuid] = int(mode)
+            if rest[3:4] == ["1"]:
+                state.persistent.add(uuid)
             state.instances[uuid] = []
         elif word == "gi":
             uuid, gi, profile_id, start = rest[:4]

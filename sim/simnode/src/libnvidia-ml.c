@@ -124,6 +124,7 @@ struct gi_state {
 };
 struct gpu_state {
     int mig_enabled, compute_mode;
+    int persistence; /* driver persistence mode: disabled at boot (nvml.h: reset on every reboot) */
     struct gi_state gi[MAX_GI + 1]; /* by GI id; 0 is never used */
 };
 struct limit_state {
@@ -185,12 +186,12 @@ static nvmlReturn_t parse_state(FILE *f, struct node_state *s) {
     if (!f) return NVML_SUCCESS;
     while (fgets(line, sizeof line, f)) {
         unsigned a, b, c, d;
-        int m, cm;
+        int m, cm, pm = 0;
         unsigned long long soft, hard, ino;
-        if (sscanf(line, "gpu %127s %d %d", uuid, &m, &cm) == 3) {
+        if (sscanf(line, "gpu %127s %d %d %d", uuid, &m, &cm, &pm) >= 3) {
             int g = gpu_by_uuid(uuid); /* its line comes first and its instances follow it */
             if (g >= 0) {
-                s->gpu[g].mig_enabled = m, s->gpu[g].compute_mode = cm;
+                s->gpu[g].mig_enabled = m, s->gpu[g].compute_mode = cm, s->gpu[g].persistence = pm;
                 memset(s->gpu[g].gi, 0, sizeof s->gpu[g].gi);
             }
         } else if (sscanf(line, "gi %127s %u %u %u", uuid, &a, &b, &c) == 4) {
@@ -340,7 +341,7 @@ static nvmlReturn_t write_state_unlocked(const struct node_state *s) {
     fprintf(f, "# dra-gpu simulated NVML state (kernel-side MIG and compute state) v1\n");
     for (unsigned g = 0; g < SIM_NGPUS; g++) {
         const struct gpu_state *gs = &s->gpu[g];
-        fprintf(f, "gpu %s %d %d\n", SIM_GPUS[g].uuid, gs->mig_enabled, gs->compute_mode);
+        fprintf(f, "gpu %s %d %d %d\n", SIM_GPUS[g].uuid, gs->mig_enabled, gs->compute_mode, gs->persistence);
         for (unsigned id = 1; id <= MAX_GI; id++) {
             const struct gi_state *gi = &gs->gi[id];
             if (!gi->used) continue;
@@ -810,6 +811,26 @@ nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device_, int *major
     return NVML_SUCCESS;
 }
 
+/* A bare-metal GPU: no vGPU host or guest, no passthrough hypervisor below (NVIDIA's DRA plugin
+ * asks before it offers dynamic MIG, which a vGPU guest cannot repartition). A whole GPU's query. */
+nvmlReturn_t nvmlDeviceGetVirtualizationMode(nvmlDevice_t device_, nvmlGpuVirtualizationMode_t *pVirtualMode) {
+    Dev device = device_.handle;
+    DEVICE_FAILPOINT(device);
+    CHECK_GPU(device, pVirtualMode);
+    *pVirtualMode = NVML_GPU_VIRTUALIZATION_MODE_NONE;
+    return NVML_SUCCESS;
+}
+
+/* The GPU's module on its baseboard (the profile's moduleId, 1..8 on an HGX board); "for
+ * non-baseboard products, this ID would always be 0" (nvml.h). */
+nvmlReturn_t nvmlDeviceGetModuleId(nvmlDevice_t device_, unsigned int *moduleId) {
+    Dev device = device_.handle;
+    DEVICE_FAILPOINT(device);
+    CHECK_GPU(device, moduleId);
+    *moduleId = SIM_GPUS[device->gpu].module_id;
+    return NVML_SUCCESS;
+}
+
 static void fill_pci(nvmlPciInfo_t *pci, unsigned dom, unsigned bus, unsigned dev, unsigned fn) {
     memset(pci, 0, sizeof *pci);
     pci->domain = dom, pci->bus = bus, pci->device = dev;
@@ -990,6 +1011,36 @@ nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device_, nvmlComputeMode_t mo
             else gi->ci_compute_mode = (int)mode;
         }
         if (!r) r = write_state_unlocked(&s);
+    }
+    close_lock(fd);
+    return r;
+}
+
+/* Driver persistence mode, kept with the node's state: the kernel keeps it until reboot. A whole
+ * GPU's setting (MIG devices share their GPU's driver state). */
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device_, nvmlEnableState_t *mode) {
+    Dev device = device_.handle;
+    DEVICE_FAILPOINT(device);
+    CHECK_GPU(device, mode);
+    struct node_state s;
+    nvmlReturn_t r = load_state(&s);
+    if (r) return r;
+    *mode = s.gpu[device->gpu].persistence ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceSetPersistenceMode(nvmlDevice_t device_, nvmlEnableState_t mode) {
+    Dev device = device_.handle;
+    DEVICE_FAILPOINT(device);
+    CHECK_DEV(device);
+    if (is_mig(device)) return NVML_ERROR_INVALID_ARGUMENT;
+    if (mode != NVML_FEATURE_DISABLED && mode != NVML_FEATURE_ENABLED) return NVML_ERROR_INVALID_ARGUMENT;
+    struct node_state s;
+    int fd = open_lock(1);
+    nvmlReturn_t r = read_state_unlocked(&s);
+    if (!r) {
+        s.gpu[device->gpu].persistence = mode == NVML_FEATURE_ENABLED;
+        r = write_state_unlocked(&s);
     }
     close_lock(fd);
     return r;

@@ -51,6 +51,7 @@ struct sim_gpu {
     unsigned has_fabric;
     unsigned char cluster_uuid[16];
     unsigned clique_id, fabric_state;
+    unsigned module_id; /* the GPU's module on its baseboard; 0: not a baseboard product */
 };
 
 /* An NVML error the profile injects (nvmlErrors): on one GPU (index into SIM_GPUS; fn "*" = every
