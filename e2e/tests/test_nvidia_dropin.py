@@ -1,0 +1,329 @@
+"""Drop-in for NVIDIA's DRA driver, in the real cluster.
+
+- NVIDIA's own kubelet plugin (gpu-kubelet-plugin, built from its Go module by e2e/node/build.sh)
+  runs on our simulated GPU node: it starts, publishes its ResourceSlices and prepares a claim the
+  real scheduler allocated, whose pod sees the GPU. The first check of our simulated node by
+  software nobody here wrote.
+- The judge: on the same simulated node, NVIDIA's published devices against dra-gpu's in
+  NVIDIA-compatible mode, attribute by attribute (e2e/tests/nvidia_judge.py).
+- NVIDIA's own demo manifests, read from its module in the Go module cache (never copied), run
+  unchanged on dra-gpu in NVIDIA-compatible mode; only the container image is substituted, by a
+  local one (e2e/node/images.py: nvidia-demo) whose `nvidia-smi` comes from the claim's CDI spec.
+
+Both plugins register as gpu.nvidia.com, so they never run at the same time: each fixture stops
+its plugin and removes its slices before the next starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from nvidia_judge import NVIDIA_DRIVER, devices
+from support import CACHE, ROOT, wait_for
+from test_kubelet_plugin import KUBELET_ROOT, Plugin
+
+pytestmark = pytest.mark.e2e
+
+DEMO_IMAGE = os.environ.get("E2E_NVIDIA_DEMO_IMAGE", "localhost/dra-gpu-e2e/nvidia-demo:1")
+COMPAT_PLUGIN_DIR = KUBELET_ROOT / "plugins" / NVIDIA_DRIVER
+
+# NVIDIA's demos that need what dra-gpu does not do, or what no simulated node here has: not run.
+DEMOS_NOT_RUN = {
+    "quickstart/v1/gpu-test4.yaml": "static MIG layout of an A100-40GB (1g.5gb, 2g.10gb, 3g.20gb): "
+    "run on the A100 MIG node below with that node's profiles instead",
+    "quickstart/v1/gpu-test6.yaml": "selects A100s by `index`, an attribute NVIDIA's driver does not publish",
+    "quickstart/v1/gpu-test-vfiopci.yaml": "VFIO passthrough (refused by dra-gpu)",
+    "quickstart/v1/gpu-test-vfio-config.yaml": "VFIO passthrough (refused by dra-gpu)",
+    "quickstart/v1/imex-test1.yaml": "IMEX channels (refused by dra-gpu)",
+    "consumable-shares/unlimited-sharing.yaml": "NVIDIA's --consumable-shares=unlimited mode",
+    "consumable-shares/integer-sharing.yaml": "NVIDIA's --consumable-shares=<N> mode",
+    "consumable-shares/memory-sharing.yaml": "needs the plugin's --memory-shares (another node setup)",
+    "extended-resources/mig-1g-12gb.yaml": "profile 1g.12gb exists on no simulated GPU here",
+}
+# Whole-GPU demos, run together on the 8 GPUs of dgx-h100 (2 + 1 + 1 + 2 + 1 + 1).
+WHOLE_GPU_DEMOS = (
+    "quickstart/v1/gpu-test1.yaml",
+    "quickstart/v1/gpu-test2.yaml",
+    "quickstart/v1/gpu-test3.yaml",
+    "quickstart/v1/gpu-test5.yaml",
+    "quickstart/v1/gpu-test-mps.yaml",
+    "extended-resources/gpu-full.yaml",
+)
+
+
+def pin(name: str) -> str:
+    for line in (ROOT / "e2e" / "node" / "versions.sh").read_text().splitlines():
+        if line.startswith(f"{name}="):
+            return line.split("=", 1)[1].strip()
+    raise AssertionError(f"e2e/node/versions.sh has no {name}")
+
+
+def nvidia_module() -> Path:
+    """NVIDIA's DRA driver module in the Go module cache (e2e/node/build.sh nvidia-dra fetched it)."""
+    try:
+        cache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True, check=True)
+        root = Path(cache.stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        root = Path.home() / "go" / "pkg" / "mod"
+    module = root / "sigs.k8s.io" / f"dra-driver-nvidia-gpu@{pin('NVIDIA_DRA_VERSION')}"
+    assert (module / "demo" / "specs").is_dir(), (
+        f"{module}: not in the module cache (e2e/node/build.sh nvidia-dra)"
+    )
+    return module
+
+
+def demo_objects(rel: str) -> list[dict[str, Any]]:
+    """A demo file's objects as NVIDIA wrote them, but for the container image."""
+    text = (nvidia_module() / "demo" / "specs" / rel).read_text()
+    objs = [o for o in yaml.safe_load_all(text) if o]
+    for obj in objs:
+        for spec in pod_specs(obj):
+            for c in spec.get("containers", []) + spec.get("initContainers", []):
+                c["image"] = DEMO_IMAGE
+                c["imagePullPolicy"] = "Never"
+    return objs
+
+
+def pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    if obj.get("kind") == "Pod":
+        return [obj["spec"]]
+    template = (obj.get("spec") or {}).get("template")
+    return [template["spec"]] if obj.get("kind") in ("Deployment", "Job") and template else []
+
+
+def listed_uuids(log: str) -> list[str]:
+    return sorted(
+        line.split("(UUID: ")[1].rstrip(")") for line in log.splitlines() if line.startswith("GPU ")
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_images(target):
+    if not target.local:
+        pytest.skip("the demo image is imported only into the local e2e cluster")
+    from conftest import _cluster_env
+
+    env = _cluster_env()
+    path = {**os.environ, "PATH": env["PATH"].replace("$PATH", os.environ["PATH"])}
+    images = [sys.executable, str(ROOT / "e2e" / "node" / "images.py"), str(CACHE / "images"), "--debian"]
+    subprocess.run([*images, "--import-to", env["CONTAINERD_ADDRESS"]], env=path, check=True)
+
+
+def apply_classes(dyn) -> list[str]:
+    """The chart's DeviceClasses in NVIDIA-compatible mode (NVIDIA's names and selectors)."""
+    from dra_gpu.model.device_classes import chart_device_classes
+
+    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceClass")
+    names = []
+    for dc in chart_device_classes(NVIDIA_DRIVER):
+        api.server_side_apply(body=dc, field_manager="dra-gpu-e2e", force_conflicts=True)
+        names.append(dc["metadata"]["name"])
+    return names
+
+
+def drop_driver_objects(dyn, node: str, classes: list[str]) -> None:
+    slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
+    for s in published(dyn, node):
+        slices.delete(name=s["metadata"]["name"])
+    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="DeviceClass")
+    for name in classes:
+        try:
+            api.delete(name=name)
+        except Exception as e:
+            if getattr(e, "status", None) != 404:
+                raise
+
+
+def published(dyn, node: str) -> list[dict[str, Any]]:
+    """The node's slices of gpu.nvidia.com (whichever plugin published them)."""
+    api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
+    selector = f"spec.driver={NVIDIA_DRIVER},spec.nodeName={node}"
+    return api.get(field_selector=selector).to_dict()["items"]
+
+
+class CompatPlugin(Plugin):
+    """dra-gpu's plugin in NVIDIA-compatible mode, as the chart's nvidiaCompatible runs it."""
+
+    def __init__(self, kubeconfig: str, node: str, log_path: Path, profile: str) -> None:
+        super().__init__(kubeconfig, node, log_path)
+        self.profile = profile
+        self.extra_args = ["--nvidia-compatible", "--plugin-dir", str(COMPAT_PLUGIN_DIR)]
+
+
+def compat_plugin(target, core, dyn, log: Path, profile: str, count: int):
+    if not target.local:
+        pytest.skip("the plugin runs as a host process only on the local e2e cluster")
+    node = core.list_node().items[0].metadata.name
+    classes = apply_classes(dyn)
+    p = CompatPlugin(target.kubeconfig, node, log, profile)
+    p.start()
+    wait_for(
+        f"{count} devices of {NVIDIA_DRIVER}", lambda: len(devices(published(dyn, node))) == count, timeout=60
+    )
+    return p, classes
+
+
+def run_demos(core, dyn, rels: tuple[str, ...], timeout: float = 180) -> dict[str, str]:
+    """Apply the demos, wait until every pod runs and has reported, check what each container
+    saw against its claim's allocation; returns pod -> log. The namespaces are deleted after."""
+    objs = [o for rel in rels for o in demo_objects(rel)]
+    namespaces = [o["metadata"]["name"] for o in objs if o["kind"] == "Namespace"]
+    drop_namespaces(core, namespaces)  # an earlier run's, if any
+    try:
+        for obj in objs:
+            api = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            ns = obj["metadata"].get("namespace")
+            api.create(body=obj, namespace=ns) if api.namespaced else api.create(body=obj)
+
+        def pods():
+            return [p for ns in namespaces for p in core.list_namespaced_pod(ns).items]
+
+        def reported(p, c) -> bool:
+            log = core.read_namespaced_pod_log(p.metadata.name, p.metadata.namespace, container=c.name)
+            return "(UUID: " in log or "END-OF-REPORT" in log
+
+        def all_reported():
+            ps = pods()
+            running = bool(ps) and all(p.status.phase == "Running" for p in ps)
+            return running and all(reported(p, c) for p in ps for c in p.spec.containers)
+
+        try:
+            wait_for("every demo pod Running, each container's report written", all_reported, timeout=timeout)
+        except AssertionError:
+            lines = [
+                f"{p.metadata.namespace}/{p.metadata.name}: {p.status.phase} {p.status.conditions}"
+                for p in pods()
+            ]
+            events = [
+                f"{e.involved_object.name}: {e.reason}: {e.message}"
+                for ns in namespaces
+                for e in core.list_namespaced_event(ns).items
+            ]
+            raise AssertionError("\n".join(lines + events)) from None
+        logs = {}
+        for p in pods():
+            for c in p.spec.containers:
+                log = core.read_namespaced_pod_log(p.metadata.name, p.metadata.namespace, container=c.name)
+                logs[f"{p.metadata.namespace}/{p.metadata.name}/{c.name}"] = log
+                assert listed_uuids(log) == container_uuids(dyn, p, c), (p.metadata.name, c.name, log)
+                assert listed_uuids(log) == pod_resources_uuids(dyn, p, c.name), (p.metadata.name, c.name)
+        return logs
+    finally:
+        drop_namespaces(core, namespaces)
+
+
+def drop_namespaces(core, names: list[str]) -> None:
+    """Delete the namespaces and wait until they are gone (their claims unprepared)."""
+
+    def present() -> list[str]:
+        return [n.metadata.name for n in core.list_namespace().items if n.metadata.name in names]
+
+    for name in present():
+        core.delete_namespace(name, grace_period_seconds=0)
+    wait_for("the demo namespaces gone (claims unprepared)", lambda: not present(), timeout=120)
+
+
+def pod_resources_uuids(dyn, pod, container: str) -> list[str]:
+    """What a GPU metrics exporter (dcgm-exporter) learns from the kubelet's PodResources API:
+    the container's claims, each device with its driver, pool and device name and its CDI device
+    name; mapped to the GPU's UUID through the device's slice, and checked against the CDI spec
+    the name resolves to (its DRA_GPU_VISIBLE_DEVICES holds the UUID)."""
+    from podresources import get_pod_resources
+
+    attrs = {
+        (s["spec"]["pool"]["name"], d["name"]): d["attributes"]
+        for s in published(dyn, pod.spec.node_name)
+        for d in s["spec"]["devices"]
+    }
+    uuids = []
+    for dynamic in (
+        get_pod_resources(pod.metadata.namespace, pod.metadata.name).container(container).dynamic_resources
+    ):
+        for res in dynamic.claim_resources:
+            assert res.driver_name == NVIDIA_DRIVER, res
+            uuid = next(iter(attrs[(res.pool_name, res.device_name)]["uuid"].values()))
+            uuids.append(uuid)
+            names = {d.name for d in res.cdi_devices}
+            kind, _, _ = next(iter(names)).partition("=")
+            assert kind == f"k8s.{NVIDIA_DRIVER}/claim", names
+            assert any(uuid in cdi_env(n).get("DRA_GPU_VISIBLE_DEVICES", "") for n in names), (names, uuid)
+    return sorted(set(uuids))
+
+
+def cdi_env(name: str) -> dict[str, str]:
+    """The environment a CDI device name gives a container (its device's and its spec's edits)."""
+    import json
+
+    kind, _, device = name.partition("=")
+    for path in Path("/var/run/cdi").glob("*.json"):
+        spec = json.loads(path.read_text())
+        if spec.get("kind") != kind:
+            continue
+        for dev in spec.get("devices") or []:
+            if dev.get("name") == device:
+                env = (spec.get("containerEdits") or {}).get("env", []) + dev["containerEdits"].get("env", [])
+                return dict(e.split("=", 1) for e in env)
+    return {}
+
+
+def container_uuids(dyn, pod, container) -> list[str]:
+    """UUIDs of the devices allocated to what `container` asks for: its claims (or claim
+    requests), or the special claim of its extended resources."""
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    # A claim the pod names directly is in its spec; one made from a template, in its status.
+    by_pod_claim = {
+        c.name: c.resource_claim_name for c in pod.spec.resource_claims or [] if c.resource_claim_name
+    }
+    by_pod_claim |= {s.name: s.resource_claim_name for s in pod.status.resource_claim_statuses or []}
+    wanted: list[tuple[str, str | None]] = []
+    for ref in (container.resources.claims or []) if container.resources else []:
+        wanted.append((by_pod_claim[ref.name], getattr(ref, "request", None)))
+    ext = pod.status.extended_resource_claim_status
+    if ext is not None:
+        wanted += [
+            (ext.resource_claim_name, m.request_name)
+            for m in ext.request_mappings
+            if m.container_name == container.name
+        ]
+    uuids = {
+        d["name"]: next(iter(d["attributes"]["uuid"].values()))
+        for d in devices(published(dyn, pod.spec.node_name))
+        if "uuid" in d["attributes"]
+    }
+    out = []
+    for claim_name, request in wanted:
+        claim = claims.get(name=claim_name, namespace=pod.metadata.namespace).to_dict()
+        for r in claim["status"]["allocation"]["devices"]["results"]:
+            if request is None or r["request"] == request:
+                out.append(uuids[r["device"]])
+    return sorted(set(out))
+
+
+@pytest.fixture(scope="module")
+def compat_h100(target, core, dyn, tmp_path_factory, demo_images):
+    p, classes = compat_plugin(
+        target, core, dyn, tmp_path_factory.mktemp("compat") / "plugin.log", "dgx-h100", 8
+    )
+    yield p
+    p.stop()
+    drop_driver_objects(dyn, p.node, classes)
+
+
+def test_nvidia_demo_manifests_run_unchanged_on_whole_gpus(compat_h100, core, dyn):
+    """gpu-test1/2/3 (one GPU per pod, two containers, a shared claim), gpu-test5 (TimeSlicing
+    Long and MPS 50 % / 10Gi by NVIDIA's v1beta1 GpuConfig), gpu-test-mps, and gpu-full (a pod
+    that asks `nvidia.com/gpu: 1` and gets it through the gpu.nvidia.com class)."""
+    logs = run_demos(core, dyn, WHOLE_GPU_DEMOS)
+    print(
+        "\n[e2e] NVIDIA's demos on dra-gpu:\n"
+        + "\n".join(f"{k}: {listed_uuids(v)}" for k, v in sorted(logs.items()))
+    )
+    assert len(logs) >= 10
+    mps = [v for k, v in logs.items() if k.startswith("gpu-test-mps/") or "/mps-ctr" in k]
+    assert mps and all("CUDA_MPS_PIPE_DIRECTORY=" in v for v in mps), mps
