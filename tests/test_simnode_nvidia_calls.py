@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from simnode.node import DRIVER_ROOT_VIEW, SimulatedNodeError, make_driver_root_view, prepare_simulated_node
+from simnode.node import (
+    DRIVER_ROOT_VIEW,
+    VIEW_SOURCE,
+    SimulatedNodeError,
+    make_driver_root_view,
+    prepare_simulated_node,
+)
 from simnode.profiles import ProfileError, load_profile, parse_profile
 from simnode.state import read_state, reboot
 
@@ -203,13 +209,24 @@ def test_the_driver_root_view_holds_the_nodes_devices(tmp_path: Path, nvml_h: Pa
     assert (view / "dev").resolve() == node.dev_dir.resolve()
     library_file = view / "usr" / "lib"
     assert sorted(p.name for p in library_file.rglob("libnvidia-ml.so.1")) == ["libnvidia-ml.so.1"]
-    assert {p.name for p in view.iterdir()} == {p.name for p in node.driver_root.iterdir()} | {"dev"}
+    assert {p.name for p in view.iterdir()} == {p.name for p in node.driver_root.iterdir()} | {
+        "dev",
+        VIEW_SOURCE,
+    }
+    # Real directories and files, no link out of the view: NVIDIA's CDI generator resolves links,
+    # and a library reached through one would go into containers at the link target's path.
+    assert not (view / "usr").is_symlink()
+    for path in view.rglob("*"):
+        if path.is_symlink() and path.name != "dev":
+            assert path.resolve().is_relative_to(view.resolve()), path
+    nvml = next(view.rglob("libnvidia-ml.so.1"))
+    assert nvml.resolve().is_relative_to(view.resolve())
     # Our own plugin's driver root is untouched: no dev/ in the shared, cached build.
     assert not (node.driver_root / "dev").exists()
-    # Prepared again (a plugin restart), the view is the same.
-    before = {p.name: os.readlink(p) for p in view.iterdir()}
+    # Prepared again (a plugin restart), the view is kept as it is.
+    before = (view / VIEW_SOURCE).stat().st_mtime_ns
     prepare_simulated_node("hgx-2x4", tmp_path / "root")
-    assert {p.name: os.readlink(p) for p in view.iterdir()} == before
+    assert (view / VIEW_SOURCE).stat().st_mtime_ns == before
 
 
 def test_the_view_follows_another_driver_root(tmp_path: Path) -> None:
@@ -218,17 +235,16 @@ def test_the_view_follows_another_driver_root(tmp_path: Path) -> None:
     (old / "opt").mkdir()
     (new / "usr").mkdir(parents=True)
     view = make_driver_root_view(old, tmp_path / "root")
-    assert {p.name for p in view.iterdir()} == {"usr", "opt", "dev"}
+    assert {p.name for p in view.iterdir()} == {"usr", "opt", "dev", VIEW_SOURCE}
     make_driver_root_view(new, tmp_path / "root")
-    assert {p.name: Path(os.readlink(p)) for p in view.iterdir()} == {
-        "usr": new.resolve() / "usr",
-        "dev": Path("..") / "dev",
-    }
+    assert {p.name for p in view.iterdir()} == {"usr", "dev", VIEW_SOURCE}
+    assert (view / VIEW_SOURCE).read_text() == str(new.resolve())
+    assert os.readlink(view / "dev") == str(Path("..") / "dev")
 
 
 def test_the_view_leaves_what_is_not_its_own(tmp_path: Path) -> None:
     (tmp_path / "driver" / "usr").mkdir(parents=True)
     (tmp_path / "root" / DRIVER_ROOT_VIEW / "usr").mkdir(parents=True)
-    with pytest.raises(SimulatedNodeError, match=r"driver root view .*: usr is not a link"):
+    with pytest.raises(SimulatedNodeError, match=r"driver root view .*: not made by the simulator"):
         make_driver_root_view(tmp_path / "driver", tmp_path / "root")
     assert (tmp_path / "root" / DRIVER_ROOT_VIEW / "usr").is_dir()

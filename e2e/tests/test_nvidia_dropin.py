@@ -16,6 +16,7 @@ its plugin and removes its slices before the next starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from nvidia_judge import NVIDIA_DRIVER, devices
+from nvidia_judge import NVIDIA_DRIVER, Exception_, devices, judge
 from support import CACHE, ROOT, wait_for
 from test_kubelet_plugin import KUBELET_ROOT, Plugin
 
@@ -150,26 +151,73 @@ def published(dyn, node: str) -> list[dict[str, Any]]:
 class CompatPlugin(Plugin):
     """dra-gpu's plugin in NVIDIA-compatible mode, as the chart's nvidiaCompatible runs it."""
 
-    def __init__(self, kubeconfig: str, node: str, log_path: Path, profile: str) -> None:
+    def __init__(self, kubeconfig: str, node: str, log_path: Path, profile: str, extra: list[str]) -> None:
         super().__init__(kubeconfig, node, log_path)
         self.profile = profile
-        self.extra_args = ["--nvidia-compatible", "--plugin-dir", str(COMPAT_PLUGIN_DIR)]
+        self.extra_args = ["--nvidia-compatible", "--plugin-dir", str(COMPAT_PLUGIN_DIR), *extra]
 
 
-def compat_plugin(target, core, dyn, log: Path, profile: str, count: int):
+@contextlib.contextmanager
+def running_compat(target, core, dyn, log: Path, profile: str, count: int, extra: list[str] = ()):
+    """dra-gpu in NVIDIA-compatible mode on a node of `profile`, `count` devices published."""
     if not target.local:
         pytest.skip("the plugin runs as a host process only on the local e2e cluster")
     node = core.list_node().items[0].metadata.name
     classes = apply_classes(dyn)
-    p = CompatPlugin(target.kubeconfig, node, log, profile)
+    p = CompatPlugin(target.kubeconfig, node, log, profile, list(extra))
     p.start()
-    wait_for(
-        f"{count} devices of {NVIDIA_DRIVER}", lambda: len(devices(published(dyn, node))) == count, timeout=60
+    try:
+        wait_for(
+            f"{count} devices of {NVIDIA_DRIVER}",
+            lambda: len(devices(published(dyn, node))) == count,
+            timeout=60,
+        )
+        yield p
+    finally:
+        p.stop()
+        drop_driver_objects(dyn, node, classes)
+
+
+@contextlib.contextmanager
+def running_nvidia(target, core, dyn, root: Path, profile: str, count: int, gates: tuple[str, ...] = ()):
+    """NVIDIA's gpu-kubelet-plugin on a simulated node of `profile` (its own node root under
+    `root`), registered with the real kubelet, `count` devices published."""
+    if not target.local:
+        pytest.skip("NVIDIA's plugin runs as a host process only on the local e2e cluster")
+    sys.path.insert(0, str(ROOT / "e2e" / "node"))
+    from nvidia_plugin import NvidiaPlugin
+
+    node = core.list_node().items[0].metadata.name
+    classes = apply_classes(dyn)
+    plugin = NvidiaPlugin.on_profile(
+        profile,
+        root / "node",
+        target.kubeconfig,
+        node,
+        root / "plugins",  # its checkpoint and sockets apart from ours; the kubelet goes by the registration
+        KUBELET_ROOT / "plugins_registry",
+        Path("/var/run/cdi"),
+        feature_gates=list(gates),
+        log_path=root / "nvidia-plugin.log",
     )
-    return p, classes
+    plugin.start()
+    try:
+
+        def published_all() -> bool:
+            if not plugin.running:
+                raise AssertionError(f"NVIDIA's plugin exited {plugin.returncode}:\n{plugin.log()[-4000:]}")
+            return len(devices(published(dyn, node))) == count
+
+        wait_for(f"NVIDIA's plugin: {count} devices published", published_all, timeout=90)
+        yield plugin
+    finally:
+        plugin.stop()
+        drop_driver_objects(dyn, node, classes)
 
 
-def run_demos(core, dyn, rels: tuple[str, ...], timeout: float = 180, while_running=None) -> dict[str, str]:
+def run_demos(
+    core, dyn, rels: tuple[str, ...], timeout: float = 180, while_running=None, pod_resources: bool = True
+) -> dict[str, str]:
     """Apply the demos, wait until every pod runs and has reported, check what each container
     saw against its claim's allocation; returns pod -> log. The namespaces are deleted after."""
     objs = [o for rel in rels for o in demo_objects(rel)]
@@ -205,7 +253,15 @@ def run_demos(core, dyn, rels: tuple[str, ...], timeout: float = 180, while_runn
                 for ns in namespaces
                 for e in core.list_namespaced_event(ns).items
             ]
-            raise AssertionError("\n".join(lines + events)) from None
+            tails = []
+            for p in pods():
+                for c in p.spec.containers:
+                    with contextlib.suppress(Exception):
+                        tail = core.read_namespaced_pod_log(
+                            p.metadata.name, p.metadata.namespace, container=c.name
+                        )
+                        tails.append(f"log {p.metadata.name}/{c.name}: {tail[-600:]}")
+            raise AssertionError("\n".join(lines + events + tails)) from None
         logs = {}
         for p in pods():
             for c in p.spec.containers:
@@ -213,8 +269,9 @@ def run_demos(core, dyn, rels: tuple[str, ...], timeout: float = 180, while_runn
                 logs[f"{p.metadata.namespace}/{p.metadata.name}/{c.name}"] = log
                 assert listed_uuids(log) == container_uuids(dyn, p, c), (p.metadata.name, c.name, log)
                 # The kubelet lists a container's claims whole, every request's devices.
-                whole = container_uuids(dyn, p, c, by_request=False)
-                assert pod_resources_uuids(dyn, p, c.name) == whole, (p.metadata.name, c.name)
+                if pod_resources:
+                    whole = container_uuids(dyn, p, c, by_request=False)
+                    assert pod_resources_uuids(dyn, p, c.name) == whole, (p.metadata.name, c.name)
         if while_running is not None:
             while_running(logs)
         return logs
@@ -309,17 +366,7 @@ def container_uuids(dyn, pod, container, by_request: bool = True) -> list[str]:
     return sorted(set(out))
 
 
-@pytest.fixture(scope="module")
-def compat_h100(target, core, dyn, tmp_path_factory, demo_images):
-    p, classes = compat_plugin(
-        target, core, dyn, tmp_path_factory.mktemp("compat") / "plugin.log", "dgx-h100", 8
-    )
-    yield p
-    p.stop()
-    drop_driver_objects(dyn, p.node, classes)
-
-
-def test_nvidia_demo_manifests_run_unchanged_on_whole_gpus(compat_h100, core, dyn):
+def test_nvidia_demo_manifests_run_unchanged_on_whole_gpus(target, core, dyn, demo_images, tmp_path):
     """gpu-test1/2/3 (one GPU per pod, two containers, a shared claim), gpu-test5 (TimeSlicing
     Long and MPS 50 % / 10Gi by NVIDIA's v1beta1 GpuConfig), gpu-test-mps, and gpu-full (a pod
     that asks `nvidia.com/gpu: 1` and gets it through the gpu.nvidia.com class)."""
@@ -331,3 +378,58 @@ def test_nvidia_demo_manifests_run_unchanged_on_whole_gpus(compat_h100, core, dy
     assert len(logs) >= 10
     mps = [v for k, v in logs.items() if k.startswith("gpu-test-mps/") or "/mps-ctr" in k]
     assert mps and all("CUDA_MPS_PIPE_DIRECTORY=" in v for v in mps), mps
+
+
+def test_nvidia_plugin_publishes_and_prepares_on_the_simulated_node(target, core, dyn, demo_images, tmp_path):
+    """NVIDIA's plugin on a simulated dgx-h100 registers with the real kubelet, publishes the 8
+    GPUs, and prepares NVIDIA's gpu-test1 (two pods, a GPU each) allocated by the real scheduler:
+    each container lists exactly its own GPU with the nvidia-smi NVIDIA's CDI spec gave it."""
+    with running_nvidia(target, core, dyn, tmp_path, "dgx-h100", 8) as plugin:
+        logs = run_demos(core, dyn, ("quickstart/v1/gpu-test1.yaml",), pod_resources=False)
+        cdi = sorted(p.name for p in Path("/var/run/cdi").glob("k8s.gpu.nvidia.com-claim_*"))
+    print(
+        "\n[e2e] NVIDIA's plugin prepared:\n"
+        + "\n".join(f"{k}: {listed_uuids(v)}" for k, v in sorted(logs.items()))
+    )
+    assert len(logs) == 2
+    (one,), (two,) = (listed_uuids(v) for v in logs.values())
+    assert one != two
+    assert "Prepare" in plugin.log() or "prepare" in plugin.log()
+
+
+# (profile, NVIDIA's feature gates, devices NVIDIA publishes, dra-gpu's extra flags, devices ours publishes)
+JUDGED = {
+    "whole GPUs": ("dgx-h100", (), 8, [], 8),
+    "static MIG": ("dgx-a100-mig", (), 15, [], 15),
+    "dynamic MIG": ("dgx-h100-mig", ("DynamicMIG=true",), 152, ["--dynamic-mig"], 144),
+}
+# What NVIDIA publishes and dra-gpu does not, on purpose (the README lists them with these reasons).
+EXCEPTIONS = [
+    Exception_(
+        "device",
+        "(device)",
+        "gpu",
+        "a GPU under dynamic MIG is published by dra-gpu as its MIG placements only: NVIDIA's driver "
+        "also offers the whole GPU and turns MIG mode off to prepare it, which needs every instance "
+        "gone; dra-gpu keeps MIG mode on",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", list(JUDGED))
+def test_judge_nvidia_attributes_against_ours(case, target, core, dyn, tmp_path):
+    """Device by device on the same simulated node: every attribute and capacity NVIDIA's plugin
+    publishes, dra-gpu in NVIDIA-compatible mode publishes with the same type and value."""
+    profile, gates, theirs_count, extra, ours_count = JUDGED[case]
+    with running_nvidia(target, core, dyn, tmp_path, profile, theirs_count, gates):
+        theirs = devices(published(dyn, core.list_node().items[0].metadata.name))
+    with running_compat(target, core, dyn, tmp_path / "plugin.log", profile, ours_count, extra):
+        ours = devices(published(dyn, core.list_node().items[0].metadata.name))
+    found, excused, compared = judge(theirs, ours, EXCEPTIONS)
+    print(
+        f"\n[e2e] judge {case} ({profile}): NVIDIA {len(theirs)} devices, dra-gpu {len(ours)}; "
+        f"{compared} values compared, {len(found)} findings, {len(excused)} excused"
+    )
+    for f, e in excused[:3]:
+        print(f"[e2e]   excused: {f} ({e.reason[:60]}...)")
+    assert not found, "\n".join(str(f) for f in found[:40])

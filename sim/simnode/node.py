@@ -24,6 +24,7 @@ A simulated node runs the same NVML code path as a real one (its driver root's
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ PROC_DIR_ENV = "DRA_GPU_SIM_PROC_DIR"
 UVM_MAJOR = 509
 CAPS_MAJOR = 508
 MODESET_MINOR = 254
+VIEW_SOURCE = ".simnode-driver-root"  # in the view: the driver root it is a copy of
 DRIVER_ROOT_VIEW = "driver-root"  # under the dev root: the driver's files and the node's dev/
 
 
@@ -150,29 +152,36 @@ def make_pci_sysfs(profile: NodeProfile, sys_dir: Path) -> None:
 
 
 def make_driver_root_view(driver_root: Path, dev_root: Path) -> Path:
-    """`<dev_root>/driver-root`: one link per top-level entry of `driver_root` (usr, lib) and `dev`,
-    a link to `<dev_root>/dev`. A link of another target (another driver root) is replaced, one
-    whose entry the driver root no longer has is removed; anything there that is not a link is
-    left alone and refused (SimulatedNodeError)."""
+    """`<dev_root>/driver-root`: a copy of `driver_root` (real directories and files, its own
+    relative links kept, as an installed driver has) with `dev` a link to `<dev_root>/dev`.
+
+    A copy, not links into the cached driver root: NVIDIA's CDI generator resolves links, and a
+    `usr` linked to the cache gave containers the libraries at the cache's paths, where no loader
+    looks (libnvidia-ml.so.1 not found in the container). The simulated driver is a few hundred KB.
+    Made again when `driver_root` is another one (VIEW_SOURCE records which); a directory there
+    that the simulator did not make is left alone and refused (SimulatedNodeError)."""
     view = dev_root / DRIVER_ROOT_VIEW
-    view.mkdir(parents=True, exist_ok=True)
     source = driver_root.resolve()
-    targets = {e.name: e for e in sorted(source.iterdir()) if e.name != "dev"} if source.is_dir() else {}
-    targets["dev"] = Path("..") / "dev"  # relative: the view moves with the dev root
-    for entry in view.iterdir():
-        if entry.name not in targets and entry.is_symlink():
-            entry.unlink()
-    for name, target in targets.items():
-        link = view / name
-        if link.is_symlink():
-            if Path(os.readlink(link)) == target:
-                continue
-        elif link.exists():
-            raise SimulatedNodeError(f"driver root view {view}: {name} is not a link (into {driver_root})")
-        tmp = view / f".{name}.tmp"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(target)
-        tmp.replace(link)
+    marker = view / VIEW_SOURCE
+    if view.exists() or view.is_symlink():
+        if not marker.is_file():
+            raise SimulatedNodeError(f"driver root view {view}: not made by the simulator (no {VIEW_SOURCE})")
+        if marker.read_text() == str(source):
+            return view
+    tmp = dev_root / f".{DRIVER_ROOT_VIEW}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dev_root.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(
+            source, tmp, symlinks=True, ignore=lambda d, names: ["dev"] if Path(d) == source else []
+        )
+    else:
+        tmp.mkdir()
+    (tmp / "dev").symlink_to(Path("..") / "dev")  # relative: the view moves with the dev root
+    (tmp / VIEW_SOURCE).write_text(str(source))
+    if view.exists():
+        shutil.rmtree(view)
+    tmp.rename(view)
     return view
 
 
