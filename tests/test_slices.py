@@ -313,8 +313,27 @@ def test_static_mig_devices_name_the_memory_slices_they_hold() -> None:
     seen = 0
     for dev in devices(build_slices(inv)):
         if dev["name"] in held:
-            slices = {int(k.removeprefix("memorySlice")) for k in dev["capacity"] if k.startswith("memorySlice")}
+            names = [k for k in dev["capacity"] if k.startswith("memorySlice")]
+            slices = {int(k.removeprefix("memorySlice")) for k in names}
             assert slices == held[dev["name"]], dev["name"]
             assert all(dev["capacity"][f"memorySlice{i}"] == {"value": "1"} for i in slices)
             seen += 1
     assert seen == len(held)
+
+
+@pytest.mark.parametrize(("mode", "published"), [(None, None), (1, "HMM"), (2, "ATS"), (0, "None")])
+def test_addressing_mode_is_published_where_nvml_gives_it(mode: int | None, published: str | None) -> None:
+    """NVML 13 (driver 580+) has nvmlDeviceGetAddressingMode; NVIDIA's driver publishes it as
+    `addressingMode` on GPUs and their MIG devices. A library without it (every driver before
+    580, so the simulated ones) gives no attribute, never a guess."""
+    from simnode.fake import simulated_nvml
+    from simnode.profiles import load_profile
+
+    from dra_gpu.discovery.nvml_discovery import discover
+
+    nvml, pcie_root = simulated_nvml(load_profile("dgx-a100-mig"))
+    if mode is not None:
+        nvml.nvmlDeviceGetAddressingMode = lambda handle: mode
+    devs = devices(build_slices(discover(nvml, "node-a", pcie_root)))
+    assert {d["attributes"].get("addressingMode", {}).get("string") for d in devs} == {published}
+    assert {attr(d, "type") for d in devs} == {"gpu", "mig"}

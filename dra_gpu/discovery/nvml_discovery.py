@@ -54,6 +54,8 @@ BRAND_NAMES = {
     15: "GeForceRTX",
     16: "TitanRTX",
 }
+# nvmlDeviceAddressingMode_t -> go-nvlib's names, as NVIDIA's driver publishes `addressingMode`.
+ADDRESSING_MODE_NAMES = {0: "None", 1: "HMM", 2: "ATS"}
 # GPU-instance profile indices dynamic MIG offers: the plain ones and REV2 (1g with double
 # memory); the media-extension variants (+me, -me, +gfx) would need names of their own.
 DYNAMIC_PROFILE_INDICES = (0x0, 0x9, 0x1, 0x2, 0x3, 0x6, 0x4, 0x5)
@@ -153,6 +155,10 @@ class _Discovery:
         attrs = self.optional("attributes", nv.nvmlDeviceGetAttributes, h)
         if attrs is not None and attrs.multiprocessorCount:
             gpu.multiprocessors = int(attrs.multiprocessorCount)
+        # NVML 13 (driver 580+) only; older libraries lack the function (FunctionNotFound).
+        get_mode = getattr(nv, "nvmlDeviceGetAddressingMode", None)
+        mode_id = None if get_mode is None else self.optional("addressingMode", get_mode, h)
+        gpu.addressing_mode = ADDRESSING_MODE_NAMES.get(mode_id) if isinstance(mode_id, int) else None
         numa = self.optional("numaNode", nv.nvmlDeviceGetNumaNodeId, h)
         gpu.numa_node = numa if isinstance(numa, int) and numa >= 0 else None
         gpu.pcie_root = self.pcie_root(gpu.pci_bus_id)

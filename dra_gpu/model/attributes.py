@@ -30,6 +30,7 @@ DRIVER_ATTRIBUTES: Mapping[str, AttributeType] = MappingProxyType(
         "driverVersion": "version",
         "cudaDriverVersion": "version",
         "numaNode": "int",
+        "addressingMode": "string",  # driver 580+: ATS, HMM or None
         "nvlinkDomain": "string",
         "nvlinkDomainSize": "int",
         # MIG devices only

@@ -94,6 +94,7 @@ class Gpu:
     memory_bytes: int | None = None
     multiprocessors: int | None = None
     numa_node: int | None = None
+    addressing_mode: str | None = None  # NVML 13 (driver 580+): ATS, HMM or None
     pcie_root: str | None = None
     mig_enabled: bool = False
     mig_devices: list[MigDevice] = field(default_factory=list)

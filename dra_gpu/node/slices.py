@@ -143,6 +143,8 @@ class SliceBuilder:
             attrs["numaNode"] = _attribute("numaNode", gpu.numa_node)
             # Kubernetes' own name (KEP-5491), as NVIDIA's driver publishes it too.
             attrs[f"{STANDARD_DOMAIN}/numaNode"] = _standard_attribute("numaNode", gpu.numa_node)
+        if gpu.addressing_mode:
+            attrs["addressingMode"] = _attribute("addressingMode", gpu.addressing_mode)
         attrs[f"{STANDARD_DOMAIN}/pciBusID"] = _standard_attribute("pciBusID", gpu.pci_bus_id)
         if gpu.pcie_root:
             attrs[f"{STANDARD_DOMAIN}/pcieRoot"] = _standard_attribute("pcieRoot", gpu.pcie_root)
