@@ -127,3 +127,23 @@ def with_simulated_nvml(root: Path, dest: Path, profile: str | Path, cache: Path
     real[0].unlink()
     shutil.copy2(ensure_nvml_library(cache, str(profile)).resolve(), real[0])
     return dest
+
+
+def run_probe_in_private_namespace(probe: str, root: Path, work: Path) -> str:
+    """Run the Python `probe` (argv: driver root, work dir) as root in a private mount and PID
+    namespace whose /dev is a scratch tmpfs: NVIDIA's real MPS daemon and libraries may create
+    device nodes and daemons, none of which must reach the host. Returns its stdout; fails the test
+    with its stderr when it exits non-zero."""
+    work.mkdir(parents=True, exist_ok=True)
+    script_path = work / "probe.py"
+    script_path.write_text(probe)
+    repo = Path(__file__).resolve().parents[1]
+    script = (
+        "mount -t tmpfs -o size=1m,mode=755 tmpfs /dev && touch /dev/null "
+        "&& mount --bind /proc/1/root/dev/null /dev/null 2>/dev/null; mkdir -p /dev/shm; "
+        f"cd {repo} && exec {sys.executable} {script_path} {root} {work / 'mps'}"
+    )
+    unshare = ["unshare", "--mount", "--propagation", "private", "--fork", "--pid", "--mount-proc"]
+    r = subprocess.run([*unshare, "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout

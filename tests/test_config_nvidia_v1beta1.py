@@ -8,8 +8,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -663,35 +661,11 @@ print(json.dumps(out))
 def test_nvidias_mps_daemon_rejects_a_default_active_thread_percentage_of_0(
     suite: str, tmp_path: Path
 ) -> None:
-    from tests.driver_root import debian_root
+    from tests.driver_root import debian_root, run_probe_in_private_namespace
 
     root = debian_root(suite)
-    (tmp_path / "probe.py").write_text(PROBE)
-    repo = Path(__file__).parents[1]
-    script = (
-        "mount -t tmpfs -o size=1m,mode=755 tmpfs /dev && touch /dev/null "
-        "&& mount --bind /proc/1/root/dev/null /dev/null 2>/dev/null; mkdir -p /dev/shm; "
-        f"cd {repo} && exec {sys.executable} {tmp_path / 'probe.py'} {root} {tmp_path / 'mps'}"
-    )
-    r = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "--fork",
-            "--pid",
-            "--mount-proc",
-            "sh",
-            "-c",
-            script,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    set0, after0, set1, after1, invalid = json.loads(r.stdout.strip().splitlines()[-1])
+    stdout = run_probe_in_private_namespace(PROBE, root, tmp_path)
+    set0, after0, set1, after1, invalid = json.loads(stdout.strip().splitlines()[-1])
     assert (set0, after0) == ("25.0", "25.0")  # 0 not taken: the value it had stays
     assert (set1, after1) == ("1.0", "1.0")
     assert len(invalid) == 1 and "Invalid percentage, expected between (0.0, 100.0]" in invalid[0]

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.driver_root import debian_root
+from tests.driver_root import debian_root, run_probe_in_private_namespace
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -66,32 +64,8 @@ def test_nvidias_daemon_started_checked_and_stopped_with_or_without_a_pid_file(
     suite: str, tmp_path: Path
 ) -> None:
     root = debian_root(suite)
-    (tmp_path / "probe.py").write_text(PROBE)
-    repo = Path(__file__).parents[2]
-    script = (
-        "mount -t tmpfs -o size=1m,mode=755 tmpfs /dev && touch /dev/null "
-        "&& mount --bind /proc/1/root/dev/null /dev/null 2>/dev/null; mkdir -p /dev/shm; "
-        f"cd {repo} && exec {sys.executable} {tmp_path / 'probe.py'} {root} {tmp_path / 'mps'}"
-    )
-    r = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "--fork",
-            "--pid",
-            "--mount-proc",
-            "sh",
-            "-c",
-            script,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    stdout = run_probe_in_private_namespace(PROBE, root, tmp_path)
+    seen = json.loads(stdout.strip().splitlines()[-1])
     print(f"\n[mps] NVIDIA {SUITES[suite]}: {json.dumps(seen)}")
     assert seen["isolate"] is True
     assert seen["processes"] == [[seen["pid"], "nvidia-cuda-mps-control"]]
