@@ -18,7 +18,15 @@ import yaml
 
 from dra_gpu.common.decoding import DecodeError, check_bounds, load_yaml, read_bounded
 
-BUILTIN_PROFILES = ("hgx-2x4", "dgx-h100", "dgx-a100-mig", "dgx-h100-mig", "mixed", "pcie-pairs")
+BUILTIN_PROFILES = (
+    "hgx-2x4",
+    "dgx-h100",
+    "dgx-a100-mig",
+    "dgx-a100-40gb-mig",
+    "dgx-h100-mig",
+    "mixed",
+    "pcie-pairs",
+)
 MEMORY_SLICES = 8  # of an A100 / H100 80GB (MIG user guide)
 
 BRANDS = {
