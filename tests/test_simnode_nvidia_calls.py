@@ -248,3 +248,14 @@ def test_the_view_leaves_what_is_not_its_own(tmp_path: Path) -> None:
     with pytest.raises(SimulatedNodeError, match=r"driver root view .*: not made by the simulator"):
         make_driver_root_view(tmp_path / "driver", tmp_path / "root")
     assert (tmp_path / "root" / DRIVER_ROOT_VIEW / "usr").is_dir()
+
+
+def test_the_view_replaces_the_links_an_older_simulator_made(tmp_path: Path) -> None:
+    (tmp_path / "driver" / "usr" / "bin").mkdir(parents=True)
+    old = tmp_path / "root" / DRIVER_ROOT_VIEW
+    old.mkdir(parents=True)
+    (old / "usr").symlink_to(tmp_path / "driver" / "usr")
+    (old / "dev").symlink_to(Path("..") / "dev")
+    view = make_driver_root_view(tmp_path / "driver", tmp_path / "root")
+    assert not (view / "usr").is_symlink() and (view / "usr" / "bin").is_dir()
+    assert (view / VIEW_SOURCE).is_file()

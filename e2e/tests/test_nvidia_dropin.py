@@ -216,7 +216,7 @@ def running_nvidia(target, core, dyn, root: Path, profile: str, count: int, gate
 
 
 def run_demos(
-    core, dyn, rels: tuple[str, ...], timeout: float = 180, while_running=None, pod_resources: bool = True
+    core, dyn, rels: tuple[str, ...], while_running=None, pod_resources: bool = True, timeout: float = 180
 ) -> dict[str, str]:
     """Apply the demos, wait until every pod runs and has reported, check what each container
     saw against its claim's allocation; returns pod -> log. The namespaces are deleted after."""
@@ -370,31 +370,72 @@ def test_nvidia_demo_manifests_run_unchanged_on_whole_gpus(target, core, dyn, de
     """gpu-test1/2/3 (one GPU per pod, two containers, a shared claim), gpu-test5 (TimeSlicing
     Long and MPS 50 % / 10Gi by NVIDIA's v1beta1 GpuConfig), gpu-test-mps, and gpu-full (a pod
     that asks `nvidia.com/gpu: 1` and gets it through the gpu.nvidia.com class)."""
-    logs = run_demos(core, dyn, WHOLE_GPU_DEMOS)
+    slices_seen: dict[str, str] = {}
+
+    def while_running(logs: dict[str, str]) -> None:
+        # gpu-test5's ts-gpu: NVIDIA's `interval: Long` set on the GPU while its pod runs.
+        (ts,) = {u for k, v in logs.items() if "/ts-ctr" in k for u in listed_uuids(v)}
+        slices_seen[ts] = time_slice(ts)
+
+    with running_compat(target, core, dyn, tmp_path / "plugin.log", "dgx-h100", 8):
+        logs = run_demos(core, dyn, WHOLE_GPU_DEMOS, while_running)
     print(
         "\n[e2e] NVIDIA's demos on dra-gpu:\n"
         + "\n".join(f"{k}: {listed_uuids(v)}" for k, v in sorted(logs.items()))
     )
-    assert len(logs) >= 10
-    mps = [v for k, v in logs.items() if k.startswith("gpu-test-mps/") or "/mps-ctr" in k]
-    assert mps and all("CUDA_MPS_PIPE_DIRECTORY=" in v for v in mps), mps
+    print(f"[e2e] time slice while gpu-test5 ran: {slices_seen}")
+    assert len(logs) == 13
+    assert slices_seen and all("Timeslice 3 (LONG)" in v for v in slices_seen.values()), slices_seen
+    # MPS by NVIDIA's mpsConfig: 50 % of the SMs and 10Gi pinned per GPU, through the daemon's pipe.
+    mps = {k: v for k, v in logs.items() if k.startswith("gpu-test-mps/") or "/mps-ctr" in k}
+    assert len(mps) == 4
+    for key, log in mps.items():
+        (uuid,) = listed_uuids(log)
+        assert "CUDA_MPS_PIPE_DIRECTORY=" in log, (key, log)
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in log, (key, log)
+        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={uuid}=10240M" in log, (key, log)
+
+
+def time_slice(uuid: str) -> str:
+    """What the simulated driver's nvidia-smi says about a GPU's time slice on the host."""
+    from support import sim_driver_root
+
+    root = Path(sim_driver_root("dgx-h100"))
+    nvml = next(root.glob("usr/lib/*/libnvidia-ml.so.1"))
+    out = subprocess.run(
+        [str(root / "usr/bin/nvidia-smi"), "compute-policy", "-l", "-i", uuid],
+        env={
+            "DRA_GPU_SIM_DEV_DIR": str(COMPAT_PLUGIN_DIR / "simulated-root" / "dev"),
+            "LD_PRELOAD": str(nvml),
+        },
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    )
+    return out.stdout.strip()
 
 
 def test_nvidia_plugin_publishes_and_prepares_on_the_simulated_node(target, core, dyn, demo_images, tmp_path):
     """NVIDIA's plugin on a simulated dgx-h100 registers with the real kubelet, publishes the 8
     GPUs, and prepares NVIDIA's gpu-test1 (two pods, a GPU each) allocated by the real scheduler:
     each container lists exactly its own GPU with the nvidia-smi NVIDIA's CDI spec gave it."""
-    with running_nvidia(target, core, dyn, tmp_path, "dgx-h100", 8) as plugin:
-        logs = run_demos(core, dyn, ("quickstart/v1/gpu-test1.yaml",), pod_resources=False)
-        cdi = sorted(p.name for p in Path("/var/run/cdi").glob("k8s.gpu.nvidia.com-claim_*"))
+    cdi: list[str] = []
+
+    def while_running(logs: dict[str, str]) -> None:
+        cdi.extend(sorted(p.name for p in Path("/var/run/cdi").glob("k8s.gpu.nvidia.com-claim_*")))
+
+    with running_nvidia(target, core, dyn, tmp_path, "dgx-h100", 8):
+        logs = run_demos(core, dyn, ("quickstart/v1/gpu-test1.yaml",), while_running, pod_resources=False)
     print(
         "\n[e2e] NVIDIA's plugin prepared:\n"
         + "\n".join(f"{k}: {listed_uuids(v)}" for k, v in sorted(logs.items()))
     )
+    print(f"[e2e] its CDI specs while the pods ran: {cdi}")
     assert len(logs) == 2
     (one,), (two,) = (listed_uuids(v) for v in logs.values())
     assert one != two
-    assert "Prepare" in plugin.log() or "prepare" in plugin.log()
+    assert len(cdi) == 2  # one spec per claim, NVIDIA's own (nvcdi), in the node's CDI dir
 
 
 # (profile, NVIDIA's feature gates, devices NVIDIA publishes, dra-gpu's extra flags, devices ours publishes)

@@ -158,15 +158,17 @@ def make_driver_root_view(driver_root: Path, dev_root: Path) -> Path:
     A copy, not links into the cached driver root: NVIDIA's CDI generator resolves links, and a
     `usr` linked to the cache gave containers the libraries at the cache's paths, where no loader
     looks (libnvidia-ml.so.1 not found in the container). The simulated driver is a few hundred KB.
-    Made again when `driver_root` is another one (VIEW_SOURCE records which); a directory there
-    that the simulator did not make is left alone and refused (SimulatedNodeError)."""
+    Made again when `driver_root` is another one (VIEW_SOURCE records which), or over the links
+    an older simulator made; a directory there that the simulator did not make is left alone and
+    refused (SimulatedNodeError)."""
     view = dev_root / DRIVER_ROOT_VIEW
     source = driver_root.resolve()
     marker = view / VIEW_SOURCE
     if view.exists() or view.is_symlink():
-        if not marker.is_file():
+        made_before = view.is_dir() and all(e.is_symlink() for e in view.iterdir())  # the links of old
+        if not marker.is_file() and not made_before:
             raise SimulatedNodeError(f"driver root view {view}: not made by the simulator (no {VIEW_SOURCE})")
-        if marker.read_text() == str(source):
+        if marker.is_file() and marker.read_text() == str(source):
             return view
     tmp = dev_root / f".{DRIVER_ROOT_VIEW}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
