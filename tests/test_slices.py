@@ -334,6 +334,12 @@ def test_addressing_mode_is_published_where_nvml_gives_it(mode: int | None, publ
     nvml, pcie_root = simulated_nvml(load_profile("dgx-a100-mig"))
     if mode is not None:
         nvml.nvmlDeviceGetAddressingMode = lambda handle: mode
+    else:  # what pynvml does over a library without the function (every driver before 580)
+
+        def missing(handle: object) -> int:
+            raise nvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+        nvml.nvmlDeviceGetAddressingMode = missing
     devs = devices(build_slices(discover(nvml, "node-a", pcie_root)))
     assert {d["attributes"].get("addressingMode", {}).get("string") for d in devs} == {published}
     assert {attr(d, "type") for d in devs} == {"gpu", "mig"}

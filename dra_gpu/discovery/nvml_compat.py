@@ -56,6 +56,13 @@ FALLBACKS: Mapping[str, Fallback] = {
         ),
         test="tests/test_nvml_compat.py::test_nvlink_domains_without_fabric_info",
     ),
+    # NVML 13 header (CUDA 13, driver 580); not in 535, 550 or 570. go-nvlib calls it only where
+    # the library has it, and NVIDIA's driver then publishes addressingMode; so does dra-gpu.
+    "nvmlDeviceGetAddressingMode": Fallback(
+        since=580,
+        instead="the addressingMode attribute is left out (discovery's optional call answers None)",
+        test="tests/test_slices.py::test_addressing_mode_is_published_where_nvml_gives_it",
+    ),
     # Not in 535.261.03, in 550.163.01 (CUDA 12.3 headers, driver 545).
     "nvmlDeviceGetNumaNodeId": Fallback(
         since=545,
