@@ -334,3 +334,29 @@ def test_mps_control_daemon_answers_on_its_pipe_and_quits(root: Path, tmp_path: 
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_nvidia_smi_sets_a_gpus_compute_mode_as_nvidias_dra_driver_runs_it(
+    root: Path, libdir: Path, devdir: Path
+) -> None:
+    """NVIDIA's DRA driver runs `nvidia-smi -i <uuid> -c DEFAULT` before it sets a time slice
+    (and EXCLUSIVE_PROCESS for MPS): through NVML, read back by NVML."""
+    uuid = _gpus()[2].uuid
+
+    def mode() -> str:
+        q = _smi(root, f"--id={uuid}", dev=devdir, libs=libdir)
+        assert q.returncode == 2  # -i with nothing it narrows: refused, as before
+        out = _smi(root, "--query-gpu=uuid,compute_mode", "--format=csv,noheader", dev=devdir, libs=libdir)
+        return dict(line.split(", ") for line in out.stdout.splitlines())[uuid]
+
+    out = _smi(root, "-i", uuid, "-c", "EXCLUSIVE_PROCESS", dev=devdir, libs=libdir)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.splitlines() == [
+        "Set compute mode to EXCLUSIVE_PROCESS for GPU 00000000:1A:00.0.",
+        "All done.",
+    ]
+    assert mode() == "Exclusive_Process"
+    out = _smi(root, "-i", uuid, "-c", "DEFAULT", dev=devdir, libs=libdir)
+    assert out.returncode == 0 and mode() == "Default", out.stdout
+    assert _smi(root, "-i", uuid, "-c", "FAST", dev=devdir, libs=libdir).returncode == 2
+    assert _smi(root, "-i", "GPU-none", "-c", "0", dev=devdir, libs=libdir).returncode == 6
