@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
+
+from dra_gpu.kube.values import parse_quantity
 
 NVIDIA_DRIVER = "gpu.nvidia.com"
 
@@ -65,14 +66,6 @@ def _attrs(dev: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
     return {_key(k): next(iter(v.items())) for k, v in (dev.get("attributes") or {}).items()}
 
 
-def _quantity(text: str) -> Decimal:
-    suffixes = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
-    for suffix, factor in suffixes.items():
-        if text.endswith(suffix):
-            return Decimal(text[: -len(suffix)]) * factor
-    return Decimal(text)
-
-
 def identity(dev: Mapping[str, Any]) -> tuple[Any, ...]:
     attrs = _attrs(dev)
     if "uuid" in attrs:
@@ -117,7 +110,9 @@ def judge(
         for key, cap in sorted((theirs.get("capacity") or {}).items()):
             compared += 1
             mine_cap = our_capacity.get(key)
-            if mine_cap is None or _quantity(str(mine_cap["value"])) != _quantity(str(cap["value"])):
+            if mine_cap is None or parse_quantity(str(mine_cap["value"])) != parse_quantity(
+                str(cap["value"])
+            ):
                 report(
                     Finding(name, key, "capacity", cap["value"], (mine_cap or {}).get("value")), device_type
                 )
