@@ -10,8 +10,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from dra_gpu.plugin.driver_programs import DriverProgram
 from dra_gpu.plugin.mps import MpsDaemon, MpsDaemons, MpsError
 from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
 from plugin.test_sharing import ask, daemon_of, ref_of, share
-from tests.driver_root import debian_root
+from tests.driver_root import debian_root, run_probe_in_private_namespace
 
 PINNED = "get_default_device_pinned_mem_limit GPU-1"
 
@@ -158,17 +156,8 @@ def test_nvidias_daemon_pinned_limit_changed_behind_the_plugin_is_found_and_set_
     suite: str, tmp_path: Path
 ) -> None:
     root = debian_root(suite)
-    (tmp_path / "probe.py").write_text(PROBE)
-    repo = Path(__file__).parents[2]
-    script = (
-        "mount -t tmpfs -o size=1m,mode=755 tmpfs /dev && touch /dev/null "
-        "&& mount --bind /proc/1/root/dev/null /dev/null 2>/dev/null; mkdir -p /dev/shm; "
-        f"cd {repo} && exec {sys.executable} {tmp_path / 'probe.py'} {root} {tmp_path / 'mps'}"
-    )
-    unshare = ["unshare", "--mount", "--propagation", "private", "--fork", "--pid", "--mount-proc"]
-    r = subprocess.run([*unshare, "sh", "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    stdout = run_probe_in_private_namespace(PROBE, root, tmp_path)
+    seen = json.loads(stdout.strip().splitlines()[-1])
     print(f"\n[mps pinned] {suite}: {json.dumps(seen)}")
     assert seen["drift as set"] == [], seen
     assert seen["changed"] == ["80G"], seen
