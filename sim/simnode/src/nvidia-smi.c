@@ -195,6 +195,13 @@ static int set_timeslice(const char *uuid, int level) {
     return rename(tmp, path);
 }
 
+/* `-i <index|uuid>`: whether GPU `d` is the one named (every GPU when none is). */
+static int selected(const char *id, unsigned d, const struct gpu *g) {
+    char index[16];
+    snprintf(index, sizeof index, "%u", d);
+    return !id || !strcmp(id, g->uuid) || !strcmp(id, index);
+}
+
 static const char *LEVELS[] = {"DEFAULT", "SHORT", "MEDIUM", "LONG"};
 
 /* `compute-policy [-i <index|uuid>] (--set-timeslice <0..3> | -l)` */
@@ -227,10 +234,8 @@ static int compute_policy(int argc, char **argv) {
     nvmlDeviceGetCount_v2(&count);
     for (unsigned d = 0; d < count; d++) {
         struct gpu g;
-        char index[16];
         read_gpu(d, &g);
-        snprintf(index, sizeof index, "%u", d);
-        if (id && strcmp(id, g.uuid) && strcmp(id, index)) continue;
+        if (!selected(id, d, &g)) continue;
         matched++;
         if (set >= 0) {
             if (set_timeslice(g.uuid, set) != 0) {
@@ -270,11 +275,9 @@ static int set_compute_mode(const char *id, const char *text) {
     nvmlDeviceGetCount_v2(&count);
     for (unsigned d = 0; d < count; d++) {
         struct gpu g;
-        char index[16];
         nvmlDevice_t h;
         read_gpu(d, &g);
-        snprintf(index, sizeof index, "%u", d);
-        if (id && strcmp(id, g.uuid) && strcmp(id, index)) continue;
+        if (!selected(id, d, &g)) continue;
         matched++;
         nvmlDeviceGetHandleByIndex_v2(d, &h);
         nvmlReturn_t r = nvmlDeviceSetComputeMode(h, mode);
