@@ -78,6 +78,7 @@ from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.prepare_bench import pid_of, runtime_cpu, settle_runtime, status_applies  # noqa: E402
 from bench.process_memory import memory  # noqa: E402
 
 KUBELET_ROOT = Path(os.environ.get("DRA_GPU_E2E_KUBELET_ROOT", "/var/lib/kubelet"))
@@ -95,8 +96,6 @@ WARM_UP_CLAIMS = 5
 START_TIMEOUT_S = 120.0
 STATUS_WAIT_S = 30.0
 CALL_TIMEOUT_S = 60.0
-RUNTIME_IDLE_CPU = 0.05  # containerd is idle below this share of a core (its housekeeping)
-RUNTIME_SETTLE_TIMEOUT_S = 300.0
 NVIDIA_UNBOUND_CLIENT = ["--kube-api-qps", "100000", "--kube-api-burst", "100000"]
 
 
@@ -412,33 +411,6 @@ def cpu_seconds(pid: int) -> float:
     return st.own / os.sysconf("SC_CLK_TCK")
 
 
-def pid_of(pattern: str) -> int:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    if not out:
-        raise SystemExit(f"no process matches {pattern!r}")
-    return int(out[0])
-
-
-def runtime_cpu() -> float:
-    return cpu_seconds(pid_of("/containerd --config"))
-
-
-def settle_runtime() -> float:
-    """Wait until containerd is idle (below RUNTIME_IDLE_CPU over a second); the seconds it took.
-    Its CDI cache reads every spec file again on each one written or removed, so it may still be
-    at a phase's specs after the phase."""
-    t0 = time.monotonic()
-    last = runtime_cpu()
-    while True:
-        time.sleep(1.0)
-        now = runtime_cpu()
-        if now - last < RUNTIME_IDLE_CPU:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > RUNTIME_SETTLE_TIMEOUT_S:
-            raise SystemExit(f"containerd still busy after {RUNTIME_SETTLE_TIMEOUT_S:.0f} s")
-        last = now
-
-
 def load_nvidia_launcher() -> ModuleType:
     """e2e/node/nvidia_plugin.py (a script of the e2e, not a package)."""
     if "nvidia_plugin" in sys.modules:
@@ -452,25 +424,6 @@ def load_nvidia_launcher() -> ModuleType:
 
 
 # ---- the cluster ----------------------------------------------------------------------------
-
-
-def status_applies(api: Any) -> int:
-    """Successful server-side applies to resourceclaims/status the apiserver has served so far (its
-    `apiserver_request_total`): how many claim-status writes have landed."""
-    method, url, headers, body, post = api.param_serialize("GET", "/metrics", auth_settings=["BearerToken"])
-    resp = api.call_api(method, url, headers, body, post, _request_timeout=30)
-    resp.read()
-    total = 0
-    for line in resp.data.decode().splitlines():
-        if (
-            line.startswith("apiserver_request_total{")
-            and 'resource="resourceclaims"' in line
-            and 'subresource="status"' in line
-            and 'verb="APPLY"' in line
-            and 'code="2' in line
-        ):
-            total += int(float(line.split()[-1]))
-    return total
 
 
 class StatusWrites:
