@@ -77,3 +77,11 @@ def test_invalid_configs_name_the_field(params: Any, path: str, message: str) ->
         decode(params)
     assert err.value.path == path
     assert message in str(err.value)
+
+
+def test_a_field_name_that_is_not_a_string_is_refused_at_its_object() -> None:
+    """YAML can give integer keys; with a string key beside one, sorting the unknown names used to
+    raise TypeError instead of a ConfigError naming the object."""
+    for api in ("gpu.dra-gpu.io/v1alpha1", "resource.nvidia.com/v1beta1"):
+        with pytest.raises(ConfigError, match=r"^sharing: field names must be strings"):
+            decode({"apiVersion": api, "kind": "GpuConfig", "sharing": {1: "x", "y": "z"}})

@@ -52,6 +52,7 @@ from dra_gpu.model.config.v1alpha1 import (
     Mps,
     Sharing,
     TimeSlicing,
+    _mapping,
 )
 from dra_gpu.model.nvidia_compat import UNSUPPORTED_CONFIG_KINDS
 
@@ -72,19 +73,6 @@ MPS_FIELDS = {
 }
 UUID_PREFIXES = ("GPU-", "MIG-")  # NVML's UUIDs of whole GPUs and MIG devices
 MPS_PATH = "sharing.mpsConfig"
-
-
-def _object(value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(path, f"must be an object, got {type_name(value)}")
-    for key in value:
-        if not isinstance(key, str):
-            raise ConfigError(path, f"field names must be strings, got {type_name(key)}")
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        where = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(where, f"unknown field (known: {', '.join(sorted(allowed))})")
-    return value
 
 
 def _string(value: Any, path: str) -> str:
@@ -144,7 +132,7 @@ def _per_device(value: Any, path: str) -> tuple[tuple[str, int], ...]:
 
 
 def _mps(value: Any, path: str) -> Mps:
-    m = _object(value, path, MPS_FIELDS)
+    m = _mapping(value, path, MPS_FIELDS)
     pct = m.get("defaultActiveThreadPercentage")
     if pct is not None:
         pct = _percentage(pct, f"{path}.defaultActiveThreadPercentage")
@@ -186,7 +174,7 @@ def _kind(value: Any) -> str:
 
 
 def _sharing(value: Any, kind: str) -> Sharing:
-    s = _object(value, "sharing", SHARING_FIELDS[kind])
+    s = _mapping(value, "sharing", SHARING_FIELDS[kind])
     strategy = s.get("strategy")
     if strategy is None:
         raise ConfigError("sharing.strategy", f"required: one of {', '.join(STRATEGIES)}")
@@ -210,7 +198,7 @@ def _sharing(value: Any, kind: str) -> Sharing:
         return Sharing()
     interval = "Default"  # timeSlicingConfig missing, {} or without interval (NVIDIA would panic on {})
     if ts_config is not None:
-        ts = _object(ts_config, "sharing.timeSlicingConfig", {"interval"})
+        ts = _mapping(ts_config, "sharing.timeSlicingConfig", {"interval"})
         if ts.get("interval") is not None:
             interval = _string(ts["interval"], "sharing.timeSlicingConfig.interval")
             if interval not in INTERVALS:
@@ -231,6 +219,6 @@ def decode(parameters: Any) -> GpuConfig:
     if _string(api_version, "apiVersion") != API_VERSION:
         raise ConfigError("apiVersion", f"must be {API_VERSION!r}, got {api_version!r}")
     kind = _kind(parameters.get("kind"))
-    doc = _object(parameters, "", {"apiVersion", "kind", "sharing"})
+    doc = _mapping(parameters, "", {"apiVersion", "kind", "sharing"})
     sharing = Sharing() if doc.get("sharing") is None else _sharing(doc["sharing"], kind)
     return GpuConfig(kind=kind, sharing=sharing)

@@ -142,8 +142,12 @@ DEFAULT_MIG_CONFIG = GpuConfig(kind="MigDeviceConfig", sharing=Sharing())
 
 
 def _mapping(value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
+    """`value` as an object whose fields are all in `allowed` (shared by both opaque APIs)."""
     if not isinstance(value, dict):
         raise ConfigError(path, f"must be an object, got {type_name(value)}")
+    for key in value:  # YAML can give other keys than strings
+        if not isinstance(key, str):
+            raise ConfigError(path, f"field names must be strings, got {type_name(key)}")
     unknown = sorted(set(value) - allowed)
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
