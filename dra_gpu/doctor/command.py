@@ -72,12 +72,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 2
     from dra_gpu.node.settings import NodeSettings
 
+    settings = NodeSettings.from_args(args)  # the node's flags, resolved once for both halves
     results: list[Result] = []
     if args.only != "cluster":
         from dra_gpu.doctor.node_checks import run_node_checks
 
         node = NodeCheckSettings.of(
-            NodeSettings.from_args(args),
+            settings,
             Path(args.containerd_config),
             timeout=min(args.timeout, 5.0),
             cdi_hook_path=args.cdi_hook_path,
@@ -95,7 +96,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             results += run_cluster_checks(
                 ClusterSettings(
                     kubeconfig=kubeconfig,
-                    driver=NodeSettings.from_args(args).driver,
+                    driver=settings.driver,
                     node_selector=args.node_selector,
                     namespace=args.namespace,
                     webhook_url=args.webhook_url,
