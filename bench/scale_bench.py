@@ -53,6 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 from dra_gpu.common.durable import replace_atomically  # noqa: E402
 from dra_gpu.kube.api import RESOURCE_V1, Kube, list_watch  # noqa: E402
+from dra_gpu.model import nvidia_compat  # noqa: E402
+from dra_gpu.model.device_classes import chart_device_classes  # noqa: E402
 
 DRIVER = "gpu.dra-gpu.io"
 PROFILE = "hgx-2x4"
@@ -94,6 +96,27 @@ MIG_MIX = (("1g.10gb", 1), ("2g.20gb", 2), ("3g.40gb", 1), ("1g.10gb", 4))
 MIX_PROFILES = tuple(dict.fromkeys(p for p, _ in MIG_MIX))
 MIG_CASES = ("mig", "mig-mix")
 SAME_GPU = [{"matchAttribute": f"{DRIVER}/parentUUID"}]
+# Equal fill against NVIDIA's gpu-kubelet-plugin v0.5.0: the same nodes, claims and DeviceClasses
+# (the chart's classes as gpu.nvidia.com: NVIDIA's names and CEL selectors) for NVIDIA's slices and
+# for dra-gpu's in NVIDIA-compatible mode. case -> (simulated profile, dynamic MIG, whose slices).
+NVIDIA_DRIVER = nvidia_compat.DRIVER_NAME
+NVIDIA_MIG_CLASS = nvidia_compat.MIG_CLASS
+EQUAL_FILL = {
+    "nvidia-static-mig": ("dgx-a100-mig", False, "nvidia"),
+    "compat-static-mig": ("dgx-a100-mig", False, "dra-gpu"),
+    "nvidia-dynamic-mig": ("dgx-h100-mig", True, "nvidia"),
+    "compat-dynamic-mig": ("dgx-h100-mig", True, "dra-gpu"),
+}
+# The mig mix with its last request halved: dgx-a100-mig's MIG devices made beforehand are, a node,
+# GPU 0: 2x 3g.40gb; GPU 1: 2x 2g.20gb, 3x 1g.10gb; GPU 2: 3g.40gb, 2g.20gb, 1g.10gb; so four
+# 1g.10gb on one GPU never fit. Both drivers publish these profiles with the same `profile` and
+# `parentUUID` attributes (e2e/tests/test_nvidia_dropin.py's judge), so the same-GPU constraint is
+# NVIDIA's own demo's (gpu-test4: matchAttribute gpu.nvidia.com/parentUUID). A node holds one
+# claim of two 2g.20gb at most: all claims fit while claims <= 4 x nodes; at 3 x nodes (a quarter
+# of that spare) a simulation of random node choice left none pending, in either device order.
+EQUAL_FILL_MIX = (("1g.10gb", 1), ("2g.20gb", 2), ("3g.40gb", 1), ("1g.10gb", 2))
+NVIDIA_SAME_GPU = [{"matchAttribute": f"{NVIDIA_DRIVER}/parentUUID"}]
+NVIDIA_START_WAIT = 120.0  # seconds for NVIDIA's plugin to publish its pool
 # Components of each run, as (pid file name, program); all are stopped after each size.
 PROCS = ("etcd", "kube-apiserver", "kube-scheduler", "kwok", "publishers", "webhook")
 # What the scheduler is measured against (issue 30 part 1): the node's slices and the claim mix.
@@ -103,7 +126,28 @@ CASES = {
     "mig-mix": "as mig, offering only the mix's profiles (--mig-profiles " + ",".join(MIX_PROFILES) + ")",
     "share": "dra-gpu, memory shares (hgx-2x4, allowMultipleAllocations)",
     "peer": "upstream DRA test driver's slices (8 devices a node, its own code), no constraints",
+    "nvidia-static-mig": "NVIDIA's gpu-kubelet-plugin v0.5.0's slices (its binary, node 0's cloned), "
+    "dgx-a100-mig's MIG devices made beforehand, the equal-fill mix",
+    "compat-static-mig": "dra-gpu as gpu.nvidia.com on dgx-a100-mig, the same claims and classes",
+    "nvidia-dynamic-mig": "as nvidia-static-mig with DynamicMIG=true on dgx-h100-mig",
+    "compat-dynamic-mig": "dra-gpu as gpu.nvidia.com, dynamic MIG on dgx-h100-mig, the same claims",
 }
+
+
+def case_driver(case: str) -> str:
+    """The driver name of a case's slices."""
+    if case == "peer":
+        return PEER_DRIVER
+    return NVIDIA_DRIVER if case in EQUAL_FILL else DRIVER
+
+
+def counterpart(case: str) -> str | None:
+    """The NVIDIA case a compat case is compared with (and back); None outside EQUAL_FILL."""
+    if case.startswith("compat-"):
+        return "nvidia-" + case.removeprefix("compat-")
+    if case.startswith("nvidia-"):
+        return "compat-" + case.removeprefix("nvidia-")
+    return None
 
 
 def node_name(i: int) -> str:
@@ -112,7 +156,8 @@ def node_name(i: int) -> str:
 
 def claim_body(i: int, case: str = "plain") -> dict[str, Any]:
     """Claim i of the mix: 1, 2, 4 or 8 whole GPUs, every other pair of four NVLink-connected (the
-    peer's devices have no attributes: no constraint); for `mig`, MIG_MIX."""
+    peer's devices have no attributes: no constraint); for `mig`, MIG_MIX; for the EQUAL_FILL
+    cases, EQUAL_FILL_MIX on NVIDIA's MIG class, the same body for both drivers."""
     constrained = (i // 4) % 2 == 0
     exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": COUNTS[i % 4]}
     constraints = NVLINK
@@ -125,6 +170,15 @@ def claim_body(i: int, case: str = "plain") -> dict[str, Any]:
             "selectors": [{"cel": {"expression": sel}}],
         }
         constraints = SAME_GPU
+    elif case in EQUAL_FILL:
+        profile, count = EQUAL_FILL_MIX[i % 4]
+        sel = f'device.attributes["{NVIDIA_DRIVER}"].profile == "{profile}"'
+        exactly = {
+            "deviceClassName": NVIDIA_MIG_CLASS,
+            "count": count,
+            "selectors": [{"cel": {"expression": sel}}],
+        }
+        constraints = NVIDIA_SAME_GPU
     elif case == "peer":
         exactly["deviceClassName"] = PEER_DRIVER
         constrained = False
@@ -341,7 +395,7 @@ class ControlPlane:
             if pid is not None:
                 self.processes.stop_pid("peer-driver", pid)
 
-    def start_webhook(self, cert: str, key: str) -> None:
+    def start_webhook(self, cert: str, key: str, nvidia_compatible: bool = False) -> None:
         # `dra-gpu controller`, started through the interpreter: the harness knows a process by
         # its program (/proc/PID/exe), which for the console script is Python
         self.processes.start(
@@ -361,6 +415,7 @@ class ControlPlane:
                 str(self.webhook_port),
                 "--kubeconfig",
                 self.admin,
+                *(["--nvidia-compatible"] if nvidia_compatible else []),
             ],
         )
 
@@ -455,7 +510,8 @@ async def run_publishers(
 ) -> None:
     """dra-gpu's SlicePublisher for each simulated node, all in this process, until killed; with
     `claim_watch`, each node's claim watch too (the prepare path's, dra_gpu.plugin.claim_cache).
-    `case`: mig, the dgx-h100-mig profile with dynamic MIG on; share, memory shares on."""
+    `case`: mig, the dgx-h100-mig profile with dynamic MIG on; share, memory shares on; compat-*,
+    as gpu.nvidia.com (NVIDIA-compatible mode: only the driver name differs) on EQUAL_FILL's profile."""
     from kubernetes.aio import client as kclient
     from kubernetes.aio import config as kconfig
     from simnode.fake import discover_node
@@ -473,17 +529,20 @@ async def run_publishers(
     configuration.connection_pool_maxsize = nodes * (2 if claim_watch else 1) + 16
     kube = Kube(kclient.ApiClient(configuration))
     publishers = []
-    profile = "dgx-h100-mig" if case in MIG_CASES else PROFILE
+    profile, dynamic_mig = "dgx-h100-mig" if case in MIG_CASES else PROFILE, case in MIG_CASES
+    if case in EQUAL_FILL:
+        profile, dynamic_mig, _ = EQUAL_FILL[case]
+    driver = case_driver(case)
     offered = MIX_PROFILES if case == "mig-mix" else ()
     for i in range(nodes):
-        inventory = discover_node(node_name(i), profile, dynamic_mig=case in MIG_CASES)
+        inventory = discover_node(node_name(i), profile, dynamic_mig=dynamic_mig)
 
         def build(generation: int, inventory: Any = inventory) -> list[dict[str, Any]]:
             return build_slices(
-                inventory, DRIVER, generation, memory_shares=case == "share", mig_profiles=offered
+                inventory, driver, generation, memory_shares=case == "share", mig_profiles=offered
             )
 
-        publishers.append(SlicePublisher(kube, DRIVER, node_name(i), build, PluginMetrics()))
+        publishers.append(SlicePublisher(kube, driver, node_name(i), build, PluginMetrics()))
     t0 = time.monotonic()
     starting = asyncio.Semaphore(PUBLISH_CONCURRENCY)
 
@@ -492,7 +551,7 @@ async def run_publishers(
             await publisher.start()
 
     await asyncio.gather(*(start(p) for p in publishers))
-    caches = [ClaimCache(kube, DRIVER, node_name(i)) for i in range(nodes)] if claim_watch else []
+    caches = [ClaimCache(kube, driver, node_name(i)) for i in range(nodes)] if claim_watch else []
     watching = [asyncio.create_task(c.run()) for c in caches]
 
     async def listed() -> bool:
@@ -534,12 +593,12 @@ class InstantInstances:
     (the plugin's code, which reports MigInstanceReady in the claim's status) over a preparer
     stand-in whose instances are made at once; the scheduler binds a pod once that is reported."""
 
-    def __init__(self, kube: Kube, nodes: int) -> None:
+    def __init__(self, kube: Kube, nodes: int, driver: str = DRIVER) -> None:
         from dra_gpu.plugin.mig_binding import MigBinder
         from dra_gpu.plugin.prepare import Preparer
 
         self.binders = {
-            node_name(i): MigBinder(DRIVER, node_name(i), cast(Preparer, self), kube) for i in range(nodes)
+            node_name(i): MigBinder(driver, node_name(i), cast(Preparer, self), kube) for i in range(nodes)
         }
 
     async def bind(self, _ref: Any, claim: dict[str, Any]) -> dict[str, Any]:
@@ -593,25 +652,103 @@ class Tracker:
         return True
 
 
+def cloned_slice(template: dict[str, Any], node: str, index: int) -> dict[str, Any]:
+    """A slice of `template`'s pool for `node`: the spec as it is but for the node and pool name
+    (devices, counter sets, the pool's generation and slice count unchanged), a name of its own."""
+    spec = json.loads(json.dumps(template["spec"]))
+    spec["nodeName"] = spec["pool"]["name"] = node
+    return {
+        "apiVersion": template.get("apiVersion", "resource.k8s.io/v1"),
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-{spec['driver']}-{index}"},
+        "spec": spec,
+    }
+
+
+async def clone_pool(kube: Kube, templates: list[dict[str, Any]], nodes: int, sem: asyncio.Semaphore) -> None:
+    """node_name(0)'s slices, published by a driver's own binary, copied to every other node
+    (N such processes would not fit on the bench's machine)."""
+    order = sorted(templates, key=lambda t: str(t["metadata"]["name"]))
+
+    async def clone(i: int, k: int, template: dict[str, Any]) -> None:
+        async with sem:
+            await kube.create(f"{RESOURCE_V1}/resourceslices", cloned_slice(template, node_name(i), k))
+
+    await asyncio.gather(*(clone(i, k, t) for i in range(1, nodes) for k, t in enumerate(order)))
+
+
 async def publish_peer(cp: ControlPlane, kube: Kube, nodes: int, sem: asyncio.Semaphore) -> None:
     """The peer's slices: its own binary publishes the first node's, the bench copies that slice
-    to every other node (N test-driver processes would not fit on the bench's machine)."""
+    to every other node."""
     cp.publish_peer(node_name(0))
-    (template,), _ = await kube.list_slices(f"spec.driver={PEER_DRIVER}")
+    templates, _ = await kube.list_slices(f"spec.driver={PEER_DRIVER}")
+    if len(templates) != 1:
+        raise RuntimeError(f"peer driver {PEER_DRIVER}: {len(templates)} slices of node 0, not 1")
+    await clone_pool(kube, templates, nodes, sem)
 
-    async def clone(i: int) -> None:
-        spec = json.loads(json.dumps(template["spec"]))
-        spec["nodeName"] = spec["pool"]["name"] = node_name(i)
-        body = {
-            "apiVersion": template.get("apiVersion", "resource.k8s.io/v1"),
-            "kind": "ResourceSlice",
-            "metadata": {"name": f"{node_name(i)}-{PEER_DRIVER}-0"},
-            "spec": spec,
-        }
-        async with sem:
-            await kube.create(f"{RESOURCE_V1}/resourceslices", body)
 
-    await asyncio.gather(*(clone(i) for i in range(1, nodes)))
+def pool_complete(slices: list[dict[str, Any]]) -> bool:
+    """The slices hold one whole pool: all of its newest generation, as many as its
+    resourceSliceCount says."""
+    if not slices:
+        return False
+    newest = max(int(s["spec"]["pool"]["generation"]) for s in slices)
+    current = [s for s in slices if int(s["spec"]["pool"]["generation"]) == newest]
+    return len(current) == len(slices) == int(current[0]["spec"]["pool"]["resourceSliceCount"])
+
+
+async def publish_nvidia(cp: ControlPlane, kube: Kube, nodes: int, sem: asyncio.Semaphore, case: str) -> None:
+    """NVIDIA's slices: its gpu-kubelet-plugin (e2e/node/nvidia_plugin.py) on a simulated node of
+    the case's profile publishes node_name(0)'s pool against the bench's apiserver (no kubelet:
+    its slice controller needs only the Node object, which KWOK's node is); once the pool is whole
+    and has stayed the same for 3 s the plugin is stopped (it deletes nothing) and the pool is
+    cloned to every other node."""
+    from e2e.node.nvidia_plugin import NvidiaPlugin
+
+    profile, dynamic_mig, _ = EQUAL_FILL[case]
+    root = Path(cp.state) / "nvidia"
+    shutil.rmtree(root, ignore_errors=True)  # a fresh simulated node: DynamicMIG changes its MIG state
+    plugin = NvidiaPlugin.on_profile(
+        profile,
+        root / "node",
+        cp.admin,
+        node_name(0),
+        root / "plugins",
+        root / "plugins_registry",
+        root / "cdi",
+        feature_gates=["DynamicMIG=true"] if dynamic_mig else [],
+        log_path=root / "nvidia-plugin.log",
+    )
+    selector = f"spec.driver={NVIDIA_DRIVER},spec.nodeName={node_name(0)}"
+    plugin.start()
+    try:
+        deadline = time.monotonic() + NVIDIA_START_WAIT
+        seen: list[str] = []
+        stable_since = time.monotonic()
+        while True:
+            if not plugin.running:
+                raise RuntimeError(
+                    f"NVIDIA's plugin for node {node_name(0)} exited {plugin.returncode}:\n"
+                    + plugin.log()[-3000:]
+                )
+            templates, _ = await kube.list_slices(selector)
+            versions = sorted(str(t["metadata"]["resourceVersion"]) for t in templates)
+            if versions != seen:
+                seen, stable_since = versions, time.monotonic()
+            elif pool_complete(templates) and time.monotonic() - stable_since >= 3:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"NVIDIA's plugin for node {node_name(0)}: no whole pool in {NVIDIA_START_WAIT:.0f} s "
+                    f"({len(templates)} slices):\n{plugin.log()[-3000:]}"
+                )
+            await asyncio.sleep(0.5)
+    finally:
+        plugin.stop()
+    templates, _ = await kube.list_slices(selector)
+    if not pool_complete(templates):
+        raise RuntimeError(f"NVIDIA's slices of node {node_name(0)} changed as its plugin stopped")
+    await clone_pool(kube, templates, nodes, sem)
 
 
 async def one_size(
@@ -637,7 +774,10 @@ async def one_size(
     out["control_plane_up_s"] = time.monotonic() - t_up
     kube = await Kube.connect(cp.admin)
     try:
-        for cls in (GPU_CLASS, MIG_CLASS, PEER_CLASS):
+        # NVIDIA's classes only where used: a class with an extendedResourceName is the
+        # scheduler's to look at for every pod, and the other cases' figures stay comparable.
+        nvidia_classes = chart_device_classes(NVIDIA_DRIVER) if case in EQUAL_FILL else []
+        for cls in (GPU_CLASS, MIG_CLASS, PEER_CLASS, *nvidia_classes):
             await kube.create(f"{RESOURCE_V1}/deviceclasses", cls)
         await kube.create(f"/api/v1/namespaces/{NS}/serviceaccounts", {"metadata": {"name": "default"}})
         cp.start_kwok()
@@ -671,6 +811,9 @@ async def one_size(
         if case == "peer":
             await publish_peer(cp, kube, nodes, sem)
             out["publish_s"] = out["publish_wall_s"] = time.monotonic() - t_pub
+        elif EQUAL_FILL.get(case, ("", False, ""))[2] == "nvidia":
+            await publish_nvidia(cp, kube, nodes, sem, case)
+            out["publish_s"] = out["publish_wall_s"] = time.monotonic() - t_pub
         else:
             cp.start_publishers(nodes, ready_file, claim_watch, case)
             cp.processes.wait_for(
@@ -679,11 +822,14 @@ async def one_size(
             out["publish_wall_s"] = time.monotonic() - t_pub
             with open(ready_file) as f:
                 out["publish_s"] = json.load(f)["publish_s"]
-        slices, _ = await kube.list_slices(f"spec.driver={PEER_DRIVER if case == 'peer' else DRIVER}")
+        driver = case_driver(case)
+        slices, _ = await kube.list_slices(f"spec.driver={driver}")
         out["slice_bytes"] = sum(len(json.dumps(s["spec"])) for s in slices)
         out["slices"] = len(slices)
         out["published_devices"] = sum(len(s["spec"].get("devices") or []) for s in slices)
-        cp.start_webhook(*cert)
+        out["devices_by_type"] = devices_by_type(slices, driver)
+        out["nodes_with_slices"] = len({s["spec"].get("nodeName") for s in slices})
+        cp.start_webhook(*cert, nvidia_compatible=driver == NVIDIA_DRIVER)
         # let the publishers' watches settle before the scheduling phase is measured
         await asyncio.sleep(2)
         out["requests_publish"] = diff(cp.request_counts(), before_publish)
@@ -692,7 +838,9 @@ async def one_size(
         attempts0 = cp.scheduler_attempts()
         out["load_before"] = loadavg()
 
-        instances = InstantInstances(kube, nodes) if case in MIG_CASES else None
+        # dynamic MIG's binding conditions: dra-gpu's (NVIDIA's driver publishes none)
+        binding = case in MIG_CASES or case == "compat-dynamic-mig"
+        instances = InstantInstances(kube, nodes, driver) if binding else None
         tracker = Tracker(instances)
         watch = asyncio.create_task(
             list_watch(
@@ -767,6 +915,18 @@ async def one_size(
     finally:
         await kube.close()
         cp.down()
+
+
+def devices_by_type(slices: list[dict[str, Any]], driver: str) -> dict[str, int]:
+    """Published devices by their `type` attribute (the driver's own, unqualified or qualified;
+    "-" for none, as the peer's)."""
+    out: dict[str, int] = {}
+    for s in slices:
+        for d in s["spec"].get("devices") or []:
+            attrs = d.get("attributes") or {}
+            value = (attrs.get("type") or attrs.get(f"{driver}/type") or {}).get("string", "-")
+            out[str(value)] = out.get(str(value), 0) + 1
+    return dict(sorted(out.items()))
 
 
 def pprof_top(profile: str, lines: int = 25) -> list[str]:
@@ -889,6 +1049,9 @@ def report(r: dict[str, Any]) -> str:
         f"== {r['nodes']} nodes, case {case}: {r['devices']} GPUs published in {r['slices']} slices "
         f"({r['published_devices']} devices, {r.get('slice_bytes', 0) / 1e6:.1f} MB of specs), "
         f"{r['claims']} claims" + (", every node with its claim watch" if r.get("claim_watch") else ""),
+        "  devices a node by type: "
+        + (", ".join(f"{t} {n / r['nodes']:g}" for t, n in (r.get("devices_by_type") or {}).items()) or "-")
+        + f"; nodes with slices: {r.get('nodes_with_slices', '?')}/{r['nodes']}",
         f"  control plane up {r['control_plane_up_s']:.1f} s; publishers: all {r['nodes']} synced in "
         f"{r['publish_s']:.2f} s (process start to ready {r['publish_wall_s']:.2f} s)",
         f"  claims+pods created in {r['create_s']:.1f} s; allocated {r['allocated']}/{r['claims']} in "
@@ -905,8 +1068,8 @@ def report(r: dict[str, Any]) -> str:
         )
     for phase in ("publish", "claims"):
         req = r[f"requests_{phase}"]
-        top = ", ".join(f"{k} {v:.0f}" for k, v in list(req.items())[:8])
-        lines.append(f"  apiserver requests ({phase} phase): {sum(req.values()):.0f}: {top}")
+        busiest = ", ".join(f"{k} {v:.0f}" for k, v in list(req.items())[:8])
+        lines.append(f"  apiserver requests ({phase} phase): {sum(req.values()):.0f}: {busiest}")
     att = r.get("scheduler_attempts")
     if att is not None:
         cpu = p["kube-scheduler"]["cpu_claims_s"]
@@ -964,7 +1127,7 @@ SUMMARY: list[tuple[str, Any]] = [
 
 def slice_requests(counts: dict[str, float]) -> float:
     """Requests on ResourceSlices: the publishers' (and one list each of the webhook and the bench)."""
-    return sum(v for k, v in counts.items() if k.startswith("resourceslices "))
+    return float(sum(v for k, v in counts.items() if k.startswith("resourceslices ")))
 
 
 def summary(results: list[dict[str, Any]]) -> str:
@@ -984,7 +1147,7 @@ def summary(results: list[dict[str, Any]]) -> str:
 
 
 def sched_ms_per_claim(r: dict[str, Any]) -> float:
-    return 1000 * float(r["procs"]["kube-scheduler"]["cpu_claims_s"]) / max(1, r["allocated"])
+    return 1000 * float(r["procs"]["kube-scheduler"]["cpu_claims_s"]) / max(1, int(r["allocated"]))
 
 
 def sched_ms_per_attempt(r: dict[str, Any]) -> float:
@@ -996,7 +1159,7 @@ def case_table(results: list[dict[str, Any]]) -> str:
     """Per size, each case's scheduling figures and its ratios to the plain and peer cases of the
     same run (CPU per allocated claim, per attempt; throughput)."""
     lines = [
-        "nodes case   devices alloc  claims/s  p50 s  p99 s sched CPU s ms/claim ms/attempt"
+        "nodes case               devices alloc  claims/s  p50 s  p99 s sched CPU s ms/claim ms/attempt"
         "  xplain(claim,attempt,tput)  xpeer(claim,attempt,tput)"
     ]
     for n in sorted({r["nodes"] for r in results}):
@@ -1016,13 +1179,64 @@ def case_table(results: list[dict[str, Any]]) -> str:
 
         for case, r in by_case.items():
             lines.append(
-                f"{n:>5} {case:<6} {r['published_devices']:>7} {r['allocated']:>5} "
+                f"{n:>5} {case:<18} {r['published_devices']:>7} {r['allocated']:>5} "
                 f"{r['throughput_per_s']:>9.1f} {r['latency_p50_s']:>6.2f} {r['latency_p99_s']:>6.2f} "
                 f"{r['procs']['kube-scheduler']['cpu_claims_s']:>11.1f} {sched_ms_per_claim(r):>8.1f} "
                 f"{sched_ms_per_attempt(r):>10.1f}  {ratios(r, by_case.get('plain'))}  "
                 f"{ratios(r, by_case.get('peer'))}"
             )
     return "\n".join(lines)
+
+
+def equal_fill_table(results: list[dict[str, Any]]) -> str:
+    """Per size, each compat case against its NVIDIA counterpart of the same run: devices a node,
+    claims allocated, kube-scheduler CPU per allocated claim and per attempt, and compat's ratio to
+    NVIDIA's. A pair whose claims were not all allocated by both is flagged: its per-claim figures
+    compare unlike loads."""
+    lines = [
+        f"{'nodes':>5} {'pair':<13} {'driver':<7} {'dev/node':>8} {'mig/node':>9} {'alloc/claims':<12} "
+        f"{'ms/claim':>8} {'ms/attempt':>10}  {'compat/nvidia(claim,attempt)':>28}"
+    ]
+    for n in sorted({r["nodes"] for r in results}):
+        by_case = {r.get("case", "plain"): r for r in results if r["nodes"] == n}
+        for case, compat in by_case.items():
+            nvidia = by_case.get(counterpart(case) or "")
+            if not case.startswith("compat-") or nvidia is None:
+                continue
+            pair = case.removeprefix("compat-")
+            for who, r in (("nvidia", nvidia), ("compat", compat)):
+                mig = (r.get("devices_by_type") or {}).get("mig", 0)
+                ratio = ""
+                if who == "compat":
+                    ratio = (
+                        f"{sched_ms_per_claim(compat) / sched_ms_per_claim(nvidia):6.2f} "
+                        f"{sched_ms_per_attempt(compat) / sched_ms_per_attempt(nvidia):6.2f}"
+                    )
+                lines.append(
+                    f"{n:>5} {pair:<13} {who:<7} {r['published_devices'] / n:>8g} {mig / n:>9g} "
+                    f"{r['allocated']:>5}/{r['claims']:<6} {sched_ms_per_claim(r):>8.1f} "
+                    f"{sched_ms_per_attempt(r):>10.1f}  {ratio:>28}"
+                )
+            problem = unequal_fill(nvidia, compat)
+            if problem:
+                lines.append(f"      !!! UNEQUAL FILL ({pair}, {n} nodes): {problem}")
+    return "\n".join(lines)
+
+
+def unequal_fill(nvidia: dict[str, Any], compat: dict[str, Any]) -> str | None:
+    """Why a compat/NVIDIA pair's per-claim figures do not compare like with like, else None."""
+    problems = []
+    for who, r in (("NVIDIA", nvidia), ("compat", compat)):
+        if r["allocated"] != r["claims"]:
+            problems.append(f"{who} allocated {r['allocated']} of {r['claims']} claims")
+        if r.get("nodes_with_slices", r["nodes"]) != r["nodes"]:
+            problems.append(f"{who}'s slices on {r.get('nodes_with_slices')} of {r['nodes']} nodes")
+    if (nvidia["nodes"], nvidia["claims"]) != (compat["nodes"], compat["claims"]):
+        problems.append(
+            f"NVIDIA {nvidia['nodes']} nodes, {nvidia['claims']} claims; "
+            f"compat {compat['nodes']} nodes, {compat['claims']} claims"
+        )
+    return "; ".join(problems) or None
 
 
 def main() -> None:
@@ -1100,6 +1314,8 @@ def main() -> None:
             print(summary(results), flush=True)
         else:
             print(case_table(results), flush=True)
+        if any(counterpart(c) in cases for c in cases):
+            print(equal_fill_table(results), flush=True)
     except Exception:
         for name in PROCS:
             print(f"---- last lines of {name}'s log ----\n{cp.processes.log_tail(name, 15)}", file=sys.stderr)
