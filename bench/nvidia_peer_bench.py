@@ -402,6 +402,59 @@ def proc_stats() -> dict[int, ProcStat]:
     return out
 
 
+PROFILE_HZ = 200
+# Where a sample's time went: the first part, in this order, with a frame anywhere in the sample's
+# stack that names one of its files or functions; so a prepare's checkpoint write counts as
+# checkpoint, not as prepare or gRPC, and a profile reads as a breakdown of the prepare path.
+PROFILE_PARTS = (
+    ("gc / heap trim", ("heap_trim.py",)),
+    ("claim-status writes", ("write_rounds.py", "status_write", "apply_status")),
+    ("checkpoint", ("checkpoint.py", "journal.py", "durable.py")),
+    ("CDI spec", ("cdi.py",)),
+    ("prepare / unprepare", ("prepare.py", "plan.py", "allocation.py", "record.py")),
+    ("claim watch / cache", ("claim_cache.py", "list_watch")),
+    ("gRPC server", ("grpc/", "node_service.py")),
+    ("HTTP client (aiohttp, TLS)", ("aiohttp", "ssl.py", "kubernetes/")),
+    ("asyncio", ("asyncio/",)),
+)
+
+
+def profile_parts(collapsed: str) -> dict[str, int]:
+    """Samples by PROFILE_PARTS from py-spy's collapsed stacks ("frame;frame;... count", the
+    outermost frame first); the rest "other"."""
+    parts: dict[str, int] = {}
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        part = next(
+            (name for name, marks in PROFILE_PARTS if any(m in frame for frame in frames for m in marks)),
+            "other",
+        )
+        parts[part] = parts.get(part, 0) + int(count)
+    return parts
+
+
+def profile_top(collapsed: str, lines: int = 12) -> list[str]:
+    """The parts of a profile, then its busiest innermost frames, as percentages of its samples."""
+    parts = profile_parts(collapsed)
+    total = sum(parts.values()) or 1
+    leaves: dict[str, int] = {}
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            leaf = stack.split(";")[-1]
+            leaves[leaf] = leaves.get(leaf, 0) + int(count)
+    out = [
+        f"{total} samples: "
+        + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    ]
+    for leaf, n in sorted(leaves.items(), key=lambda kv: -kv[1])[:lines]:
+        out.append(f"{100 * n / total:5.1f} % {leaf}")
+    return out
+
+
 def tree_cpu_seconds(pid: int) -> float:
     return tree_ticks(proc_stats(), pid) / os.sysconf("SC_CLK_TCK")
 
@@ -794,6 +847,7 @@ class Bench:
             time.sleep(REST_S)  # dra-gpu's claim watch has the claims made just now
             phase.rss_rest_mb = memory(running.pid).rss_mb
             writes = StatusWrites(self.cluster.api, waits=plugin == "dra-gpu")
+            profiler = self.start_profile(run, plugin, sharing, running.pid)
             asyncio.run(
                 drive(
                     running.sock,
@@ -807,6 +861,8 @@ class Bench:
                 )
             )
             phase.rss_after_mb = memory(running.pid).rss_mb
+            if profiler is not None:
+                self.stop_profile(*profiler)
             time.sleep(IDLE_S)
             phase.rss_idle_mb = memory(running.pid).rss_mb
         finally:
@@ -818,6 +874,43 @@ class Bench:
         prepared = WARM_UP_CLAIMS + phase.claims_timed
         phase.runtime_cpu_ms = (runtime_cpu() - runtime_start) / prepared * 1e3
         return phase
+
+    def start_profile(
+        self, run: int, plugin: str, sharing: str, pid: int
+    ) -> tuple[subprocess.Popen[bytes], Path] | None:
+        """With --profile, py-spy sampling dra-gpu's plugin (its Python threads, not idle ones)
+        through the phase's levels, as collapsed stacks."""
+        if not self.args.profile or plugin != "dra-gpu":
+            return None
+        out = Path(self.args.profile) / f"run{run}-{plugin}-{sharing}.collapsed"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        cmd = [
+            spy,
+            "record",
+            "-p",
+            str(pid),
+            "-r",
+            str(PROFILE_HZ),
+            "-f",
+            "raw",
+            "-o",
+            str(out),
+            "--nonblocking",
+        ]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out
+
+    def stop_profile(self, spy: subprocess.Popen[bytes], out: Path) -> None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            _, err = spy.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            raise SystemExit(f"py-spy did not stop in 30 s ({out})") from None
+        if not out.is_file():
+            raise SystemExit(f"py-spy wrote no profile ({out}): {err.decode(errors='replace')[-500:]}")
+        for line in profile_top(out.read_text()):
+            print(f"  profile {out.name}: {line}", flush=True)
 
     @property
     def levels(self) -> list[int]:
@@ -889,6 +982,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="the phases' order (default: from the clock)")
     parser.add_argument(
         "--probe", action="store_true", help="first try NVIDIA's time-slicing and MPS prepares"
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help=f"py-spy dra-gpu's plugin during each of its phases ({PROFILE_HZ} Hz, collapsed stacks in DIR)",
     )
     parser.add_argument(
         "--nvidia-client-defaults",

@@ -24,6 +24,8 @@ from bench.nvidia_peer_bench import (
     pct,
     phase_orders,
     prepare_error,
+    profile_parts,
+    profile_top,
     profile_uuids,
     sharing_config,
     split_workers,
@@ -179,3 +181,24 @@ def test_summary_compares_the_same_runs_phases() -> None:
         "dra-gpu / NVIDIA, exclusive, run by run: 1 in flight p50 0.50 0.50, p99 0.50 0.50; "
         "CPU/claim 2.00 3.00"
     )
+
+
+LOOP = 'process 1:"python";_run (asyncio/events.py:80)'
+PREPARE = f"{LOOP};prepare (dra_gpu/plugin/prepare.py:10)"
+COLLAPSED = "\n".join(
+    [
+        f"{PREPARE};write (dra_gpu/plugin/checkpoint.py:5) 30",
+        f"{PREPARE};spec (dra_gpu/plugin/cdi.py:7) 20",
+        f"{LOOP};NodePrepareResources (dra_gpu/kubeletplugin/node_service.py:3) 10",
+        f"{LOOP};select (selectors.py:1) 40",
+        "not a sample line",
+    ]
+)
+
+
+def test_a_profile_reads_as_a_breakdown_of_the_prepare_path() -> None:
+    # each sample counts once, for the first part its stack touches (checkpoint before prepare)
+    assert profile_parts(COLLAPSED) == {"checkpoint": 30, "CDI spec": 20, "gRPC server": 10, "asyncio": 40}
+    top = profile_top(COLLAPSED, lines=2)
+    assert top[0].startswith("100 samples: asyncio 40 %, checkpoint 30 %, CDI spec 20 %")
+    assert top[1:] == [" 40.0 % select (selectors.py:1)", " 30.0 % write (dra_gpu/plugin/checkpoint.py:5)"]
