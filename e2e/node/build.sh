@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (once) and cache the upstream programs the e2e cluster runs.
 #
-#   e2e/node/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit|nvidia-dra]
+#   e2e/node/build.sh [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit|nvidia-dra|podresources]
 #
 # Binaries land under ${DRA_GPU_CACHE:-$HOME/.cache/dra-gpu}/bin/<component>-<version>/,
 # keyed by the pinned version below; a component is rebuilt only when its pin changes
@@ -252,6 +252,18 @@ GO
   touch "$out.tmp/.complete"; rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
+# ---------------------------------------------------------------------------- podresources
+# The kubelet's PodResources API (k8s.io/kubelet's api.proto) for the unit tier's client test
+# (tests/test_e2e_podresources.py), which runs before the e2e builds the kubelet: only the module,
+# into Go's module cache (the same v0.<minor>.<patch> pin as build_kubernetes's staging modules).
+fetch_podresources() {
+  local mod="k8s.io/kubelet@v0.${K8S_VERSION#v1.}"
+  local tmp; tmp="$(mktemp -d)"  # outside any go.mod: the module alone, not a build's graph
+  (cd "$tmp" && go mod download "$mod") || { rmdir "$tmp"; log "could not download $mod"; return 1; }
+  rmdir "$tmp"
+  log "$mod in Go's module cache"
+}
+
 main() {
   local what="${1:-all}" t0=$SECONDS
   mkdir -p "$CACHE/bin" "$CACHE/src"
@@ -265,7 +277,8 @@ main() {
     kwok) (build_kwok) ;;
     toolkit) (build_toolkit); (build_old_hook) ;;
     nvidia-dra) (build_nvidia_dra) ;;
-    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit|nvidia-dra]" >&2; exit 2 ;;
+    podresources) fetch_podresources ;;
+    *) echo "usage: $0 [all|kubernetes|etcd|containerd|debs|image|kwok|toolkit|nvidia-dra|podresources]" >&2; exit 2 ;;
   esac
   log "done ($what) in $((SECONDS - t0)) s; binaries under $CACHE/bin"
 }

@@ -202,7 +202,7 @@ def api_proto(k8s: str | None = None, mod_cache: Path | None = None) -> Path:
     if not path.is_file():
         raise ProtoNotFound(
             f"{path} is missing: the PodResources API of {KUBELET_MODULE}@{version} is not in Go's "
-            f"module cache (`go mod download {KUBELET_MODULE}@{version}`, or e2e/node/build.sh)"
+            f"module cache (`e2e/node/build.sh podresources`)"
         )
     return path
 
