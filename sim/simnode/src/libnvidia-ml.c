@@ -1877,24 +1877,27 @@ static int next_event(SET set, nvmlEventData_t *data) {
 }
 
 /* Watches for what can end an event wait: a new event file or lost marker (both are written by
- * rename), or the creation of their directories. Returns how many of the three are watched. */
-static int arm_event_watches(int fd, int armed[3]) {
+ * rename), or the creation of their directories (made at the first injection: until then the
+ * watch of the directory above wakes the wait, which then watches the new one). Returns whether
+ * the spool's directory or the one it is made in is watched: with either, no change goes unseen. */
+static int arm_event_watches(int fd, int armed[4]) {
     static const char *const rel[3] = {"events", "lost", ""};
-    int n = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         if (!armed[i]) {
             char path[4096];
-            sim_path(path, sizeof path, rel[i]);
+            if (i < 3)
+                sim_path(path, sizeof path, rel[i]);
+            else /* the device-node directory, where the spool itself is made */
+                snprintf(path, sizeof path, "%s", sim_dev_dir());
             armed[i] = inotify_add_watch(fd, path, IN_CREATE | IN_MOVED_TO | IN_ONLYDIR) >= 0;
         }
-        n += armed[i];
     }
-    return n;
+    return armed[2] || armed[3];
 }
 
 /* Sleeps in the kernel until the spool changes or the wait times out, as the real driver's wait
  * does: 56 health watchers polling a directory every 10 ms cost their plugin ~0.13 CPU a second,
- * which no real node pays. Without inotify (or while a directory is missing) it polls every 10 ms. */
+ * which no real node pays. Without inotify (or without the spool's directory) it polls every 10 ms. */
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set_, nvmlEventData_t *data, unsigned int timeoutms) {
     SET set = set_.handle;
     FAILPOINT(-1);
@@ -1902,7 +1905,7 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set_, nvmlEventData_t *data, uns
     if (!valid_set(set) || !data) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned long long deadline = now_ns() + (unsigned long long)timeoutms * 1000000ULL;
     int fd = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
-    int armed[3] = {0, 0, 0};
+    int armed[4] = {0, 0, 0, 0};
     nvmlReturn_t rc;
     for (;;) {
         /* armed before looking, so that a file renamed in after the look still wakes the wait */
@@ -1923,7 +1926,7 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set_, nvmlEventData_t *data, uns
             break;
         }
         unsigned long long left = deadline - now;
-        if (watched == 3) {
+        if (watched) {
             struct pollfd pfd = {fd, POLLIN, 0};
             unsigned long long ms = left / 1000000ULL + 1;
             if (poll(&pfd, 1, ms > 1000 ? 1000 : (int)ms) > 0) {
