@@ -8,7 +8,8 @@ root, `e2e/node/build.sh nvidia-dra toolkit`) and uses its node and its plugin l
 and the same pods (a ResourceClaimTemplate of NVIDIA's DeviceClass `gpu.nvidia.com`, one GPU) run
 on either. Only one plugin runs at a time; phases in a seeded random order per run.
 
-A phase steps through `--rates` (pods a second, ascending). A step creates pods for `--step-s`
+After 3 s of pods at 1/s, not counted (each plugin's first prepares after its start), a phase
+steps through `--rates` (pods a second, ascending). A step creates pods for `--step-s`
 seconds, pod i due at start + i / rate whatever happened before it (open loop: a stall delays the
 pods due during it, and that delay counts). Each pod's start is its due time to the moment the
 bench's pod watch sees its container running; a pod is deleted (grace 0) `--hold-s` after that, so
@@ -61,6 +62,7 @@ TEMPLATE = "one-gpu"
 PLUGINS = ("dra-gpu", "nvidia")
 PLUGIN_IDLE_CPU_S = 0.05  # the plugin's tree below this over a second: idle
 DRAIN_TIMEOUT_S = 180.0
+WARM_UP_S = 3.0  # pods at 1/s before the steps
 WATCH_TIMEOUT_S = 300  # the apiserver ends a watch after this; the bench resumes it
 CREATE_WORKERS = 8
 DELETE_WORKERS = 4
@@ -369,13 +371,15 @@ class SustainedBench:
         )
         return False
 
-    def step(self, plugin: str, running: Running, run: int, rate: float, floor: float) -> Step:
+    def step(
+        self, plugin: str, running: Running, run: int, rate: float, floor: float, seconds: float | None = None
+    ) -> Step:
         settle_runtime()
-        tag = f"r{run}-{plugin[:2]}-{int(rate * 100)}"
+        tag = f"r{run}-{plugin[:2]}-{int(rate * 100)}" + ("-warm" if seconds is not None else "")
         plugin_cpu0, runtime_cpu0 = tree_cpu_seconds(running.pid), runtime_cpu()
         bench_cpu0 = time.process_time()
         with PodStream(self.core, self.ns, self.cluster.node, tag, self.args.hold_s) as stream:
-            t0 = stream.run(rate, self.args.step_s)
+            t0 = stream.run(rate, self.args.step_s if seconds is None else seconds)
             stream.wait_started(time.monotonic() + self.args.start_timeout)
             # pods that never started are deleted too, so that the next step starts clean
             for name in sorted(set(stream.due) - set(stream.started)):
@@ -409,6 +413,10 @@ class SustainedBench:
         try:
             floor = self.idle_floor(running.pid)
             print(f"run {run} {plugin}: idle floor {floor * 1e3:.1f} ms CPU a second", flush=True)
+            # a few pods first, not counted: each plugin's first prepares after its start (caches,
+            # connections) are not what a node's steady stream pays
+            warm = self.step(plugin, running, run, 1.0, floor, seconds=WARM_UP_S)
+            print(f"warm-up: {warm.line(run)}", flush=True)
             for rate in self.args.rate_list:
                 st = self.step(plugin, running, run, rate, floor)
                 print(st.line(run), flush=True)
