@@ -9,15 +9,15 @@ and the same pods (a ResourceClaimTemplate of NVIDIA's DeviceClass `gpu.nvidia.c
 on either. Only one plugin runs at a time; phases in a seeded random order per run.
 
 After 3 s of pods at 1/s, not counted (each plugin's first prepares after its start), a phase
-steps through `--rates` (pods a second, ascending). A step creates pods for `--step-s`
-seconds, pod i due at start + i / rate whatever happened before it (open loop: a stall delays the
-pods due during it, and that delay counts). Each pod's start is its due time to the moment the
-bench's pod watch sees its container running; a pod is deleted (grace 0) `--hold-s` after that, so
-its claim is unprepared and freed while the stream goes on. The step is counted until every pod and
-claim is gone, the plugin's process tree and containerd are idle again (dra-gpu's deferred
-claim-status writes included). A step passes when every pod started and the p99 start is under
-`--p99-limit` seconds; the phase stops at the first step that fails. The sustained rate of a phase is
-its highest passing rate.
+steps through `--rates` (pods a second, ascending). A step creates pods for `--step-s` seconds,
+pod i due at start + i / rate whatever happened before it (open loop: a stall delays the pods due
+during it, and that delay counts). Each pod's start is its due time to the moment the bench's pod
+watch sees its container running; a pod is deleted (gracefully: it exits on SIGTERM) `--hold-s`
+after that, so its claim is unprepared and freed while the stream goes on. The step is counted
+until every pod and claim is gone, the plugin's process tree and containerd are idle again
+(dra-gpu's deferred claim-status writes included). A step passes when every pod started and the
+p99 start is under `--p99-limit` seconds; the phase stops at the first step that fails. The
+sustained rate of a phase is its highest passing rate.
 
 Per step: p50 / p99 / max start, pods that never started within `--start-timeout` after the step's
 end, the pods' rate as achieved (pods / first due to last start), the drain (last start to idle),
@@ -63,6 +63,12 @@ PLUGINS = ("dra-gpu", "nvidia")
 PLUGIN_IDLE_CPU_S = 0.05  # the plugin's tree below this over a second: idle
 DRAIN_TIMEOUT_S = 180.0
 WARM_UP_S = 3.0  # pods at 1/s before the steps
+# Pods are deleted as a user deletes them, gracefully: the kubelet stops the container (it exits on
+# SIGTERM), unprepares its claim and only then removes the pod, whose claim is then deleted and its
+# GPU free again. A forced deletion (grace 0) removes the pod at once, so the scheduler can give
+# its GPU to the next pod while the node still holds the old claim: NVIDIA's plugin refuses that
+# prepare ("already allocated to different claim") until the kubelet's retry 10-15 s later.
+GRACE_S = 5
 WATCH_TIMEOUT_S = 300  # the apiserver ends a watch after this; the bench resumes it
 CREATE_WORKERS = 8
 DELETE_WORKERS = 4
@@ -87,7 +93,7 @@ def pod_body(name: str, step: str, node: str) -> dict[str, Any]:
         "metadata": {"name": name, "labels": {"bench-step": step}},
         "spec": {
             "nodeSelector": {"kubernetes.io/hostname": node},
-            "terminationGracePeriodSeconds": 0,
+            "terminationGracePeriodSeconds": GRACE_S,
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "containers": [
@@ -95,7 +101,8 @@ def pod_body(name: str, step: str, node: str) -> dict[str, Any]:
                     "name": "c",
                     "image": BUSYBOX_IMAGE,
                     "imagePullPolicy": "Never",
-                    "command": ["sleep", "3600"],
+                    # PID 1 ignores SIGTERM unless it handles it: exit at once on it
+                    "command": ["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
                     "resources": {"claims": [{"name": "gpu"}]},
                 }
             ],
@@ -261,7 +268,7 @@ class PodStream:
 
     def delete(self, name: str) -> None:
         try:
-            self.core.delete_namespaced_pod(name, self.ns, grace_period_seconds=0, _preload_content=False)
+            self.core.delete_namespaced_pod(name, self.ns, _preload_content=False)
         except client.ApiException as exc:
             if exc.status != 404:
                 self.errors.append(f"delete {name}: {exc.status} {exc.reason}")
