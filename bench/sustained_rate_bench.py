@@ -20,7 +20,10 @@ p99 start is under `--p99-limit` seconds; the phase stops at the first step that
 sustained rate of a phase is its highest passing rate.
 
 Per step: p50 / p99 / max start, pods that never started within `--start-timeout` after the step's
-end, the pods' rate as achieved (pods / first due to last start), the drain (last start to idle),
+end, the pods with a prepare the plugin refused (their retry's delay is in the p99), the pods whose
+claim the kubelet itself could not yet read (the node authorizer's race with the pod's claim, before
+any plugin is called: the same for both plugins, retried 10-15 s later; listed apart, not in the
+p99), the pods' rate as achieved (pods / first due to last start), the drain (last start to idle),
 the plugin's and containerd's CPU per pod over the step and its drain, and the bench's own CPU (it
 runs on the same cores).
 
@@ -134,6 +137,10 @@ class Step:
     rate: float
     pods: int
     start_s: list[float] = field(default_factory=list)  # due -> container running
+    # the starts of the pods whose claim the kubelet could not read (kubelet_fetch_refused): not
+    # the plugin's doing, counted apart
+    kubelet_raced_s: list[float] = field(default_factory=list)
+    plugin_refused: int = 0  # pods with a prepare the plugin refused (the kubelet retried it)
     never: int = 0
     achieved: float = float("nan")  # pods / (first due -> last start)
     drain_s: float = float("nan")  # last start -> pods and claims gone, plugin and containerd idle
@@ -156,11 +163,22 @@ class Step:
         return (
             f"run {run} {self.plugin:<8} {self.rate:5.2f} pods/s x {self.pods}: start p50 "
             f"{pct(s, 50):.2f} p99 {self.p99:.2f} max {max(s):.2f} s; never started {self.never}; "
+            f"prepares refused by the plugin {self.plugin_refused}; claim reads refused to the kubelet "
+            f"{len(self.kubelet_raced_s)} (started "
+            f"{', '.join(f'{x:.1f}' for x in self.kubelet_raced_s) or '-'} s, not in the p99); "
             f"achieved {self.achieved:.2f}/s; drain {self.drain_s:.1f} s; CPU/pod plugin "
             f"{self.plugin_cpu_ms:.1f} ms, containerd {self.runtime_cpu_ms:.1f} ms, bench "
             f"{self.bench_cpu_ms:.1f} ms{'' if self.settled else ' (plugin not idle after it)'}; "
             f"{'pass' if self.passed else 'FAIL'}"
         )
+
+
+def kubelet_fetch_refused(message: str) -> bool:
+    """A FailedPrepareDynamicResources event of the kubelet's own read of the claim refused by the
+    node authorizer ("fetch ResourceClaim ...: forbidden ... no relationship found between node
+    and this object"): the authorizer's graph has not yet seen the pod's claim, an upstream race
+    the kubelet retries 10-15 s later; no plugin was called."""
+    return "fetch ResourceClaim" in message and "forbidden" in message
 
 
 def sustained(steps: Sequence[Step]) -> float:
@@ -352,6 +370,20 @@ class SustainedBench:
         )
         return not claims["items"]
 
+    def failed_prepares(self, pods: set[str]) -> tuple[set[str], int]:
+        """The step's pods whose claim read the kubelet was refused, and how many pods had a
+        prepare the plugin refused, from the namespace's FailedPrepareDynamicResources events."""
+        events = self.core.list_namespaced_event(
+            self.ns, field_selector="reason=FailedPrepareDynamicResources", _preload_content=False
+        )
+        raced: set[str] = set()
+        refused: set[str] = set()
+        for ev in json.loads(events.data)["items"]:
+            pod = (ev.get("involvedObject") or {}).get("name", "")
+            if pod in pods:
+                (raced if kubelet_fetch_refused(ev.get("message", "")) else refused).add(pod)
+        return raced, len(refused - raced)
+
     def idle_floor(self, pid: int, seconds: float = 5.0) -> float:
         """The plugin's CPU a second at rest (its health watches, its resyncs): what settle_plugin
         waits for it to come back down to."""
@@ -402,8 +434,11 @@ class SustainedBench:
         settle_runtime()
         idle = time.monotonic()
         st = Step(plugin, rate, len(stream.due), limit_s=self.args.p99_limit, settled=settled)
-        st.start_s = [stream.started[n] - stream.due[n] for n in stream.due if n in stream.started]
-        st.never = len(stream.due) - len(st.start_s)
+        raced, st.plugin_refused = self.failed_prepares(set(stream.due))
+        starts = {n: stream.started[n] - stream.due[n] for n in stream.due if n in stream.started}
+        st.start_s = [t for n, t in starts.items() if n not in raced]
+        st.kubelet_raced_s = sorted(t for n, t in starts.items() if n in raced)
+        st.never = len(stream.due) - len(starts)
         if stream.started:
             last = max(stream.started.values())
             st.achieved = len(stream.started) / max(last - t0, 1e-9)

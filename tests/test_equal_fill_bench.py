@@ -22,7 +22,14 @@ from bench.scale_bench import (
     pool_complete,
     unequal_fill,
 )
-from bench.sustained_rate_bench import Step, parse_rates, pod_body, running_since, sustained
+from bench.sustained_rate_bench import (
+    Step,
+    kubelet_fetch_refused,
+    parse_rates,
+    pod_body,
+    running_since,
+    sustained,
+)
 
 
 def nvidia_slice(name: str, generation: int = 1, count: int = 2) -> dict[str, Any]:
@@ -160,3 +167,17 @@ def test_a_pod_counts_as_started_when_every_container_runs() -> None:
     assert not running_since(body)
     body["status"] = {"containerStatuses": [{"state": {"running": {"startedAt": "2026-12-07T12:00:00Z"}}}]}
     assert running_since(body)
+
+
+def test_only_the_kubelets_own_refused_claim_read_counts_as_its_race() -> None:
+    race = (
+        "Failed to prepare dynamic resources: prepare dynamic resources: fetch ResourceClaim p-gpu-x: "
+        'resourceclaims.resource.k8s.io "p-gpu-x" is forbidden: User "system:node:vm" cannot get resource '
+        "\"resourceclaims\" ...: node: no relationship found between node 'vm' and this object"
+    )
+    plugin = (
+        "Failed to prepare dynamic resources: prepare dynamic resources: NodePrepareResources failed for "
+        "ResourceClaim p-gpu-y: requested device gpu-4 is already allocated to different claim 86ed"
+    )
+    assert kubelet_fetch_refused(race)
+    assert not kubelet_fetch_refused(plugin)
