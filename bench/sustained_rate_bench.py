@@ -55,8 +55,8 @@ from kubernetes import client
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.nvidia_peer_bench import NVIDIA, Bench, Phase, Running, pct, tree_cpu_seconds  # noqa: E402
-from bench.prepare_bench import runtime_cpu, settle_runtime  # noqa: E402
+from bench.nvidia_peer_bench import NVIDIA, Bench, Phase, Running, cpu_seconds, pct, tree_cpu_seconds  # noqa: E402
+from bench.prepare_bench import pid_of, runtime_cpu, settle_runtime  # noqa: E402
 from dra_gpu.model.device_classes import chart_device_classes  # noqa: E402
 
 # `e2e/cluster up` imports it into containerd
@@ -147,6 +147,8 @@ class Step:
     plugin_cpu_ms: float = float("nan")  # per pod, the step and its drain
     runtime_cpu_ms: float = float("nan")
     bench_cpu_ms: float = float("nan")
+    busy: float = float("nan")  # the machine's CPUs busy while the pods were created, 0..1
+    others_ms: dict[str, float] = field(default_factory=dict)  # the cluster's processes, CPU per pod
     limit_s: float = 2.0
     settled: bool = True  # the plugin came back to its idle floor after the step
 
@@ -168,9 +170,43 @@ class Step:
             f"{', '.join(f'{x:.1f}' for x in self.kubelet_raced_s) or '-'} s, not in the p99); "
             f"achieved {self.achieved:.2f}/s; drain {self.drain_s:.1f} s; CPU/pod plugin "
             f"{self.plugin_cpu_ms:.1f} ms, containerd {self.runtime_cpu_ms:.1f} ms, bench "
-            f"{self.bench_cpu_ms:.1f} ms{'' if self.settled else ' (plugin not idle after it)'}; "
+            f"{self.bench_cpu_ms:.1f} ms{'' if self.settled else ' (plugin not idle after it)'}"
+            + "".join(f", {k} {v:.1f} ms" for k, v in self.others_ms.items())
+            + f"; CPUs busy {100 * self.busy:.0f} % while created; "
             f"{'pass' if self.passed else 'FAIL'}"
         )
+
+
+# The cluster's own processes on this machine (the e2e cluster runs them as host processes), by a
+# pattern of their command line: what else a pod's start costs the node.
+CLUSTER_PROCESSES = {
+    "kubelet": "/kubelet --",
+    "apiserver": "/kube-apiserver ",
+    "etcd": "/etcd ",
+    "scheduler": "/kube-scheduler ",
+    "controllers": "/kube-controller-manager ",
+}
+
+
+def cluster_cpu() -> dict[str, float]:
+    """CPU seconds so far of each of CLUSTER_PROCESSES that runs (those that do not are left out)."""
+    out = {}
+    for name, pattern in CLUSTER_PROCESSES.items():
+        with contextlib.suppress(SystemExit, FileNotFoundError):
+            out[name] = cpu_seconds(pid_of(pattern))
+    return out
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the machine so far, from /proc/stat's first line."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else float("nan")
 
 
 def kubelet_fetch_refused(message: str) -> bool:
@@ -416,9 +452,11 @@ class SustainedBench:
         settle_runtime()
         tag = f"r{run}-{plugin[:2]}-{int(rate * 100)}" + ("-warm" if seconds is not None else "")
         plugin_cpu0, runtime_cpu0 = tree_cpu_seconds(running.pid), runtime_cpu()
-        bench_cpu0 = time.process_time()
+        bench_cpu0, others0 = time.process_time(), cluster_cpu()
         with PodStream(self.core, self.ns, self.cluster.node, tag, self.args.hold_s) as stream:
+            machine0 = machine_ticks()
             t0 = stream.run(rate, self.args.step_s if seconds is None else seconds)
+            busy = busy_fraction(machine0, machine_ticks())
             stream.wait_started(time.monotonic() + self.args.start_timeout)
             # pods that never started are deleted too, so that the next step starts clean
             for name in sorted(set(stream.due) - set(stream.started)):
@@ -447,6 +485,8 @@ class SustainedBench:
         st.plugin_cpu_ms = (tree_cpu_seconds(running.pid) - plugin_cpu0) / pods * 1e3
         st.runtime_cpu_ms = (runtime_cpu() - runtime_cpu0) / pods * 1e3
         st.bench_cpu_ms = (time.process_time() - bench_cpu0) / pods * 1e3
+        st.busy = busy
+        st.others_ms = {k: (v - others0[k]) / pods * 1e3 for k, v in cluster_cpu().items()}
         return st
 
     def phase(self, plugin: str, run: int) -> list[Step]:
