@@ -154,6 +154,12 @@ def node_name(i: int) -> str:
     return f"gpu-{i:03d}"
 
 
+def mig_request(driver: str, device_class: str, profile: str, count: int) -> dict[str, Any]:
+    """`count` MIG devices of `profile` from `device_class` (the request's `exactly`)."""
+    sel = f'device.attributes["{driver}"].profile == "{profile}"'
+    return {"deviceClassName": device_class, "count": count, "selectors": [{"cel": {"expression": sel}}]}
+
+
 def claim_body(i: int, case: str = "plain") -> dict[str, Any]:
     """Claim i of the mix: 1, 2, 4 or 8 whole GPUs, every other pair of four NVLink-connected (the
     peer's devices have no attributes: no constraint); for `mig`, MIG_MIX; for the EQUAL_FILL
@@ -162,22 +168,9 @@ def claim_body(i: int, case: str = "plain") -> dict[str, Any]:
     exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": COUNTS[i % 4]}
     constraints = NVLINK
     if case in MIG_CASES:
-        profile, count = MIG_MIX[i % 4]
-        sel = f'device.attributes["{DRIVER}"].profile == "{profile}"'
-        exactly = {
-            "deviceClassName": MIG_CLASS_NAME,
-            "count": count,
-            "selectors": [{"cel": {"expression": sel}}],
-        }
-        constraints = SAME_GPU
+        exactly, constraints = mig_request(DRIVER, MIG_CLASS_NAME, *MIG_MIX[i % 4]), SAME_GPU
     elif case in EQUAL_FILL:
-        profile, count = EQUAL_FILL_MIX[i % 4]
-        sel = f'device.attributes["{NVIDIA_DRIVER}"].profile == "{profile}"'
-        exactly = {
-            "deviceClassName": NVIDIA_MIG_CLASS,
-            "count": count,
-            "selectors": [{"cel": {"expression": sel}}],
-        }
+        exactly = mig_request(NVIDIA_DRIVER, NVIDIA_MIG_CLASS, *EQUAL_FILL_MIX[i % 4])
         constraints = NVIDIA_SAME_GPU
     elif case == "peer":
         exactly["deviceClassName"] = PEER_DRIVER
