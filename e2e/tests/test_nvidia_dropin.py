@@ -439,8 +439,15 @@ def test_nvidia_plugin_publishes_and_prepares_on_the_simulated_node(target, core
     each container lists exactly its own GPU with the nvidia-smi NVIDIA's CDI spec gave it."""
     cdi: list[str] = []
 
+    def claim_specs() -> set[str]:
+        return {p.name for p in Path("/var/run/cdi").glob("k8s.gpu.nvidia.com-claim_*")}
+
+    # only the specs of this test's claims: the node's CDI dir may hold others' (a plugin killed
+    # with claims prepared leaves its specs there)
+    before = claim_specs()
+
     def while_running(logs: dict[str, str]) -> None:
-        cdi.extend(sorted(p.name for p in Path("/var/run/cdi").glob("k8s.gpu.nvidia.com-claim_*")))
+        cdi.extend(sorted(claim_specs() - before))
 
     with running_nvidia(target, core, dyn, tmp_path, "dgx-h100", 8):
         logs = run_demos(core, dyn, ("quickstart/v1/gpu-test1.yaml",), while_running, pod_resources=False)
