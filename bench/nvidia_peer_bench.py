@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -419,20 +419,24 @@ PROFILE_PARTS = (
 )
 
 
-def profile_parts(collapsed: str) -> dict[str, int]:
-    """Samples by PROFILE_PARTS from py-spy's collapsed stacks ("frame;frame;... count", the
-    outermost frame first); the rest "other"."""
-    parts: dict[str, int] = {}
+def profile_samples(collapsed: str) -> Iterator[tuple[list[str], int]]:
+    """py-spy's collapsed stacks ("frame;frame;... count", the outermost frame first) as (frames,
+    count); other lines skipped."""
     for line in collapsed.splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
+def profile_parts(collapsed: str) -> dict[str, int]:
+    """Samples by PROFILE_PARTS; the rest "other"."""
+    parts: dict[str, int] = {}
+    for frames, count in profile_samples(collapsed):
         part = next(
             (name for name, marks in PROFILE_PARTS if any(m in frame for frame in frames for m in marks)),
             "other",
         )
-        parts[part] = parts.get(part, 0) + int(count)
+        parts[part] = parts.get(part, 0) + count
     return parts
 
 
@@ -441,11 +445,8 @@ def profile_top(collapsed: str, lines: int = 12) -> list[str]:
     parts = profile_parts(collapsed)
     total = sum(parts.values()) or 1
     leaves: dict[str, int] = {}
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            leaf = stack.split(";")[-1]
-            leaves[leaf] = leaves.get(leaf, 0) + int(count)
+    for frames, count in profile_samples(collapsed):
+        leaves[frames[-1]] = leaves.get(frames[-1], 0) + count
     out = [
         f"{total} samples: "
         + ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
