@@ -56,6 +56,22 @@ def test_kinds_of_a_static_and_a_dynamic_mig_node() -> None:
     assert dynamic.placements()[f"{gpu.device_name}-mig-3g40gb-4"][1].start == 4
 
 
+def test_devices_are_published_gpu_by_gpu() -> None:
+    """The allocator tries a node's devices in the published order, evaluating the request's
+    selectors on each: GPU by GPU (whole, or its MIG devices) a MIG request does not first pass
+    every whole GPU of the node, nor a whole-GPU request every MIG device."""
+    inv = discover_node("node-a", "dgx-a100-mig")
+    published = [d for s in build_slices(inv) for d in s["spec"].get("devices") or []]
+    owners = [
+        d["attributes"]["index" if d["attributes"]["type"]["string"] == "gpu" else "parentIndex"]["int"]
+        for d in published
+    ]
+    assert owners == sorted(owners)
+    kinds = [d["attributes"]["type"]["string"] for d in published]
+    assert kinds[0] == "mig" and kinds[-1] == "gpu"  # this node's MIG GPUs have the lowest indices
+    assert len(set(owners)) == len(inv.gpus)
+
+
 def test_which_events_reach_which_devices() -> None:
     static = DeviceCatalog.build(discover_node("node-a", "dgx-a100-mig"))
     mig = static.of_kind(DeviceKind.MIG)[0]

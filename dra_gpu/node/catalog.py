@@ -79,7 +79,7 @@ class CatalogDevice:
 @dataclass(frozen=True)
 class DeviceCatalog:
     inventory: Inventory
-    devices: tuple[CatalogDevice, ...]  # the scheduler's first-fit order: GPUs, MIG, placements
+    devices: tuple[CatalogDevice, ...]  # the scheduler's first-fit order: GPU by GPU, placements
     memory_shares: bool = False
     _by_name: Mapping[str, CatalogDevice] = field(init=False, repr=False, compare=False)
     _by_gpu: Mapping[str, tuple[CatalogDevice, ...]] = field(init=False, repr=False, compare=False)
@@ -105,28 +105,26 @@ class DeviceCatalog:
         profile left out is that many devices less to evaluate (bench/RESULTS.md, scheduler cost).
         The GPUs' counter sets stay whole: they describe the GPU, not the offer."""
         gpus = sorted(inventory.gpus, key=lambda g: g.index)
-        whole = [
-            CatalogDevice(
-                g.device_name,
-                DeviceKind.GPU,
-                g,
-                shared=memory_shares and g.memory_bytes is not None and g.memory_bytes >= SHARE_MEMORY_STEP,
-            )
-            for g in gpus
-            if not g.mig_enabled  # a MIG-mode GPU runs no CUDA work whole (dynamic MIG too)
-        ]
-        made = [
-            CatalogDevice(g.mig_device_name(m), DeviceKind.MIG, g, mig=m)
-            for g in gpus
-            if g.mig_enabled and not g.dynamic_mig
-            for m in g.mig_devices
-        ]
+        # Whole GPUs and MIG devices made beforehand GPU by GPU, as `nvidia-smi -L` lists them (and
+        # NVIDIA's driver orders its per-GPU slices): the allocator walks devices in order and
+        # evaluates a request's selectors on each until one fits, so a request for one kind no
+        # longer passes every device of the other kind first (bench/RESULTS.md, the scheduler at
+        # equal fill: whole GPUs first cost each MIG request their evaluation on every node).
+        present: list[CatalogDevice] = []
+        for g in gpus:
+            if not g.mig_enabled:
+                shared = memory_shares and g.memory_bytes is not None and g.memory_bytes >= SHARE_MEMORY_STEP
+                present.append(CatalogDevice(g.device_name, DeviceKind.GPU, g, shared=shared))
+            elif not g.dynamic_mig:  # a MIG-mode GPU runs no CUDA work whole (dynamic MIG too)
+                present += [
+                    CatalogDevice(g.mig_device_name(m), DeviceKind.MIG, g, mig=m) for m in g.mig_devices
+                ]
         dynamic = [
             CatalogDevice(g.mig_name(p.profile.name, p.start), DeviceKind.PLACEMENT, g, placement=p)
             for g, p in order([g for g in gpus if g.dynamic_mig])
             if not mig_profiles or p.profile.name in mig_profiles
         ]
-        return cls(inventory, (*whole, *made, *dynamic), memory_shares)
+        return cls(inventory, (*present, *dynamic), memory_shares)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -155,9 +153,10 @@ class DeviceCatalog:
         return self._by_gpu.get(gpu_uuid, ())
 
     def groups(self) -> list[list[CatalogDevice]]:
-        """The devices by kind (each group starts a new slice), empty groups left out."""
-        groups = [self.of_kind(k) for k in DeviceKind]
-        return [g for g in groups if g]
+        """The devices that exist (whole GPUs and MIG devices, GPU by GPU), then the dynamic-MIG
+        placements: each group starts a new slice; empty groups left out."""
+        present = [d for d in self.devices if d.kind is not DeviceKind.PLACEMENT]
+        return [g for g in (present, self.of_kind(DeviceKind.PLACEMENT)) if g]
 
     @property
     def gpus(self) -> list[Gpu]:

@@ -239,7 +239,7 @@ class SliceBuilder:
 
     def device_groups(self) -> list[list[dict[str, Any]]]:
         """Devices in the scheduler's first-fit order, grouped so a group starts a new slice:
-        whole GPUs, pre-made MIG devices, then the dynamic-MIG devices (every placement; not the
+        whole GPUs and pre-made MIG devices GPU by GPU, then the dynamic-MIG devices (every placement; not the
         whole GPU: in MIG mode it runs no CUDA work without an instance, see dra_gpu.node.dynamic_mig)."""
         groups = [[self.device(d) for d in group] for group in self.catalog.groups()]
         names: set[str] = set()
