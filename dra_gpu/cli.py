@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu.common.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
+from dra_gpu.common.output_format import add_output_flag
 from dra_gpu.common.safe_output import safe_streams
 from dra_gpu.controller.commands import add_commands
 from dra_gpu.model.nvidia_compat import DriverNameError
@@ -97,7 +98,25 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
 
         add_top_command(sub)
     p.set_defaults(extra_commands=add_commands(sub))
+    _verbose_after_subcommands(p)
     return p
+
+
+def _verbose_after_subcommands(parser: argparse.ArgumentParser) -> None:
+    """-v/--verbose also after any subcommand (`dra-gpu explain -f x -v`), as kubectl takes its
+    global flags anywhere; not given there, the value before the subcommand stands (SUPPRESS)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                if "--verbose" not in child._option_string_actions:
+                    child.add_argument(
+                        "-v",
+                        "--verbose",
+                        action="store_true",
+                        default=argparse.SUPPRESS,
+                        help="as before the command",
+                    )
+                _verbose_after_subcommands(child)
 
 
 def _add_node_commands(sub: Any) -> None:
@@ -115,7 +134,7 @@ def _add_node_commands(sub: Any) -> None:
     inv.add_argument(
         "--node-name", default=None, help="node (and pool) name; default: $NODE_NAME or the host name"
     )
-    inv.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    add_output_flag(inv)
     add_node_flags(inv, "driver-root", "driver-name", "nvidia-compatible")
     inv.add_argument(
         "--slices", action="store_true", help="print the ResourceSlice objects that would be published"

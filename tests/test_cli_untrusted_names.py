@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_UNALLOCATABLE, EXIT_USAGE
 from dra_gpu.common.safe_output import safe_streams
 
 DRA_GPU = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
@@ -94,7 +94,7 @@ def test_explain_shows_names_escaped_and_what_the_encoding_lacks_as_escapes(tmp_
     path = manifest(tmp_path, claim(SURROGATE + "\x1b[2J", namespace="caf\u00e9"))
     ascii_out = run("explain", "-f", path, env=ASCII_TERMINAL)
     no_traceback(ascii_out)
-    assert ascii_out.returncode == EXIT_OK
+    assert ascii_out.returncode == EXIT_UNALLOCATABLE
     assert ascii_out.stdout.startswith(b"caf\\xe9/bad\\ud800name\\x1b[2J: not allocatable: ")
     # A terminal that has the character shows it as it is: only what cannot be shown is escaped.
     utf8_out = run("explain", "-f", path, env=UTF8_TERMINAL)

@@ -9,4 +9,6 @@ EXIT_STATE = 3
 # kubelet-plugin: the node's driver was upgraded under it (libraries and kernel module of another
 # version than the NVML it loaded, which a process cannot unload): restart it to serve the new one
 EXIT_DRIVER_CHANGED = 4
+# explain: a claim cannot be allocated (or its selectors simulated) with the devices given
+EXIT_UNALLOCATABLE = 5
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it

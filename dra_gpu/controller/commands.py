@@ -9,13 +9,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_UNALLOCATABLE, EXIT_USAGE
+from dra_gpu.common.output_format import add_output_flag, dump
 from dra_gpu.controller.inputs import InputError, Inputs, load_cluster, load_files
+from dra_gpu.controller.workload_claims import (
+    ClaimToExplain,
+    References,
+    allocation_of,
+    claims_to_explain,
+    is_allocated,
+    pod_claim_entries,
+)
 from dra_gpu.model import nvidia_compat
 from dra_gpu.model.device_classes import chart_device_classes
 from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
@@ -59,57 +67,63 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         inputs = load_files(args.filename)
-        if args.kubeconfig:
-            cluster = Inputs()
-            load_cluster(args.kubeconfig, cluster)
-            in_files = {_key(o) for o in inputs.slices + inputs.classes + inputs.claims}
-            inputs.slices += [o for o in cluster.slices if _key(o) not in in_files]
-            inputs.classes += [o for o in cluster.classes if _key(o) not in in_files]
-            inputs.claims += [o for o in cluster.claims if _key(o) not in in_files and _allocated(o)]
+        cluster = _read_cluster(args, inputs)
     except InputError as exc:
         print(f"dra-gpu: {exc}", file=sys.stderr)
         return EXIT_USAGE
     invalid = bool(inputs.problems)
-    for line in inputs.problems:
+    for line in inputs.problems if args.output == "text" else ():
         print(line)
     # Files such as the examples hold Pods and other workload objects beside the claims: those
     # are not DRA objects and are skipped with a note, unless they ask for nvidia.com/gpu or
     # nvidia.com/mig-* (served through a DeviceClass's extendedResourceName); anything of the
     # resource.k8s.io group (or with no apiVersion at all) is checked and an unsupported kind
     # there is an error.
-    others, workloads = [], []
+    others, workloads, claim_users = [], [], []
     for obj in inputs.others:
         group = str(obj.get("apiVersion") or "").rpartition("/")[0]
         if obj.get("apiVersion") and obj.get("kind") and group != "resource.k8s.io":
             if gpu_requests(obj):
                 workloads.append(obj)
                 continue
+            if pod_claim_entries(obj):
+                claim_users.append(obj)
+                continue
             meta = obj.get("metadata") or {}
             where = f"{inputs.file_of(obj)}: " if inputs.from_directory else ""
             print(f"{where}{obj['kind']}/{meta.get('name', '?')}: skipped: not a DRA object", file=sys.stderr)
         else:
             others.append(obj)
-    to_check = inputs.classes + [c for c in inputs.claims if not _allocated(c)] + others
+    to_check = inputs.classes + [c for c in inputs.claims if not is_allocated(c)] + others
     validator = Validator(
         driver,
         inputs.slices,
         _with_chart_classes(inputs.classes, driver),
-        [c for c in inputs.claims if _allocated(c)],
+        [c for c in inputs.claims if is_allocated(c)],
         nvidia_compatible=args.nvidia_compatible,
     )
-    if not to_check and not workloads and not inputs.problems:
+    references = References(
+        (cluster.claims if cluster else []) + inputs.claims,
+        (cluster.others if cluster else []) + inputs.others,
+        cluster_read=cluster is not None,
+    )
+    if not to_check and not workloads and not claim_users and not inputs.problems:
         print("dra-gpu: no DeviceClass, ResourceClaim or ResourceClaimTemplate in the input", file=sys.stderr)
         return EXIT_USAGE
     # A directory is a report: every object gets a line, in the input's order, each line names
     # the file it came from.
     report = inputs.from_directory
-    judged = [(o, False) for o in to_check] + [(o, True) for o in workloads]
+    judged = [(o, "object") for o in to_check] + [(o, "resources") for o in workloads]
+    judged += [(o, "claims") for o in claim_users]
     if report:
         judged.sort(key=lambda item: inputs.place_of(item[0]))
-    for obj, is_workload in judged:
+    document: list[dict[str, Any]] = []
+    for obj, how in judged:
         try:  # bounded: a selector too costly to evaluate costs this object its verdict, no more
-            if is_workload:
+            if how == "resources":
                 verdict = workload_verdict(validator, obj)
+            elif how == "claims":
+                verdict = references.verdict(obj)
             else:
                 verdict = run_bounded(lambda obj=obj: validator.validate(obj))  # type: ignore[misc]
         except OverBudget as exc:
@@ -118,13 +132,36 @@ def cmd_validate(args: argparse.Namespace) -> int:
             verdict = Verdict(
                 str(obj.get("kind") or "?"), name, errors=[Problem("(object)", f"validation {exc}")]
             )
+        invalid = invalid or not verdict.allowed
+        if args.output != "text":
+            document.append(_verdict_document(verdict, inputs.file_of(obj), driver))
+            continue
         where = f"{inputs.file_of(obj) or '(cluster)'}: " if report else ""
         for line in verdict.lines() or ([_passed(verdict, driver)] if report else []):
             print(where + line)
         for line in verdict.warning_lines():
             print(where + line, file=sys.stderr)
-        invalid = invalid or not verdict.allowed
+    if args.output != "text":
+        print(
+            dump({"objects": document, "problems": inputs.problems, "valid": not invalid}, args.output),
+            end="",
+        )
     return EXIT_INVALID if invalid else EXIT_OK
+
+
+def _verdict_document(verdict: Verdict, file: str, driver: str) -> dict[str, Any]:
+    """One object's verdict for -o json|yaml."""
+    return {
+        "kind": verdict.kind,
+        "namespace": verdict.namespace,
+        "name": verdict.name,
+        "file": file,
+        "valid": verdict.allowed,
+        "concernsDriver": verdict.concerned,
+        "summary": _passed(verdict, driver) if verdict.allowed else "",
+        "errors": [{"path": p.path, "message": p.message} for p in verdict.errors],
+        "warnings": [{"path": p.path, "message": p.message} for p in verdict.warnings],
+    }
 
 
 def _passed(verdict: Verdict, driver: str) -> str:
@@ -142,11 +179,6 @@ def _passed(verdict: Verdict, driver: str) -> str:
 def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
     meta = obj.get("metadata") or {}
     return (str(obj.get("kind")), str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-
-
-def _allocated(claim: dict[str, Any]) -> bool:
-    status = claim.get("status")
-    return isinstance(status, dict) and bool(status.get("allocation"))
 
 
 # ---------------------------------------------------------------- explain
@@ -168,21 +200,30 @@ def _heap_frozen() -> Iterator[None]:
 
 
 def explain_inputs(
-    inputs: Inputs, driver: str = DEFAULT_DRIVER_NAME, bounded: bool = False, nvidia_compatible: bool = False
+    inputs: Inputs,
+    driver: str = DEFAULT_DRIVER_NAME,
+    bounded: bool = False,
+    nvidia_compatible: bool = False,
+    to_explain: list[ClaimToExplain] | None = None,
 ) -> dict[str, Any]:
-    """Each claim's simulated allocation. `bounded` (the command line): each claim in a forked
-    child with a deadline and a memory cap (not from a process with threads: the doctor).
-    `nvidia_compatible`: the rules refuse what of NVIDIA's driver dra-gpu does not do."""
+    """Each claim's simulated allocation: `to_explain` (default: the input's unallocated claims).
+    `bounded` (the command line): each claim in a forked child with a deadline and a memory cap
+    (not from a process with threads: the doctor). `nvidia_compatible`: the rules refuse what of
+    NVIDIA's driver dra-gpu does not do."""
+    if to_explain is None:
+        to_explain = claims_to_explain(inputs.claims, [])
     with _heap_frozen():
-        return _explain_inputs(inputs, driver, bounded, nvidia_compatible)
+        return _explain_inputs(inputs, driver, bounded, nvidia_compatible, to_explain)
 
 
-def _explain_inputs(inputs: Inputs, driver: str, bounded: bool, nvidia_compatible: bool) -> dict[str, Any]:
+def _explain_inputs(
+    inputs: Inputs, driver: str, bounded: bool, nvidia_compatible: bool, to_explain: list[ClaimToExplain]
+) -> dict[str, Any]:
     from dra_gpu.controller.bounded import OverBudget, run_bounded_each
     from dra_gpu.controller.explain import explain
     from dra_gpu.controller.rules import ProblemKind, Validator
 
-    allocated = [c for c in inputs.claims if _allocated(c)]
+    allocated = [c for c in inputs.claims if is_allocated(c)]
     # One view of the cluster for the rules and the simulation: selector results and candidate
     # lists are worked out once, and the rules' "right now" check is the explanation itself.
     validator = Validator(
@@ -193,14 +234,17 @@ def _explain_inputs(inputs: Inputs, driver: str, bounded: bool, nvidia_compatibl
     if bounded:
         cluster.warm()
     steps: list[tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = []
-    for claim in inputs.claims:
-        if _allocated(claim):
-            continue
-        meta = claim.get("metadata") or {}
+    ordered: list[dict[str, Any]] = []  # every entry, in the order asked
+    answered: list[dict[str, Any]] = []  # those answered without a simulation
+    for item in to_explain:
         entry: dict[str, Any] = {
-            "namespace": str(meta.get("namespace") or "default"),
-            "name": str(meta.get("name") or ""),
+            "namespace": item.namespace,
+            "name": item.name,
+            "source": item.source,  # "": a ResourceClaim given as it is
+            "usedBy": item.users,  # the workloads whose pods use it
             "allocatable": False,
+            "allocated": False,  # True: allocated already (node and devices are the allocation's)
+            "invalid": False,  # True: the claim (or a reference to it) is wrong, not just unplaceable
             "node": "",
             "devices": [],
             "results": [],
@@ -211,11 +255,23 @@ def _explain_inputs(inputs: Inputs, driver: str, bounded: bool, nvidia_compatibl
             "simulated": True,  # False: a selector uses Kubernetes CEL functions dra-gpu does not model
             "concernsDriver": True,  # False: no request asks for the driver's devices
         }
+        ordered.append(entry)
+        claim = item.claim
+        if claim is None:
+            entry.update(invalid=True, reason=item.problem)
+            answered.append(entry)
+            continue
+        if is_allocated(claim):
+            node, devices = allocation_of(claim)
+            entry.update(allocatable=True, allocated=True, node=node, devices=devices)
+            answered.append(entry)
+            continue
 
         def one(claim: dict[str, Any] = claim, entry: dict[str, Any] = entry) -> dict[str, Any]:
             verdict = validator.validate({**claim, "status": {}})
             entry["concernsDriver"] = verdict.concerned
             if verdict.errors and not any(p.kind is ProblemKind.UNSATISFIABLE for p in verdict.errors):
+                entry["invalid"] = True
                 entry["reason"] = "; ".join(f"{p.path}: {p.message}" for p in verdict.errors)
                 return entry
             spec: dict[str, Any] = claim["spec"] if isinstance(claim.get("spec"), dict) else {}
@@ -239,14 +295,18 @@ def _explain_inputs(inputs: Inputs, driver: str, bounded: bool, nvidia_compatibl
 
         steps.append((entry, one))
     if not bounded:
-        return {"claims": [one() for _, one in steps]}
-    out = []
-    for (entry, _), answer in zip(steps, run_bounded_each([one for _, one in steps]), strict=True):
-        if isinstance(answer, OverBudget):
-            entry["reason"] = f"simulation {answer}"
-            answer = entry
-        out.append(answer)
-    return {"claims": out}
+        simulated = [one() for _, one in steps]
+    else:
+        simulated = []
+        for (entry, _), answer in zip(steps, run_bounded_each([one for _, one in steps]), strict=True):
+            if isinstance(answer, OverBudget):
+                entry["reason"] = f"simulation {answer}"
+                answer = entry
+            simulated.append(answer)
+    # The answers of forked children are copies: each matched to its entry by position.
+    by_id = {id(e): a for (e, _), a in zip(steps, simulated, strict=True)}
+    by_id |= {id(e): e for e in answered}
+    return {"claims": [by_id[id(e)] for e in ordered]}
 
 
 def _result(request: str, d: Any, consumed: dict[str, Any]) -> dict[str, Any]:
@@ -260,21 +320,37 @@ def _result(request: str, d: Any, consumed: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def render_text(result: dict[str, Any]) -> str:
+def render_text(result: dict[str, Any], wide: bool = False) -> str:
+    """One line a claim (and a line for each share it consumes, each cheaper placement); `wide`:
+    also each request's device and pool, and the workloads that use the claim."""
     lines = []
     for c in result["claims"]:
-        head = f"{c['namespace']}/{c['name']}:"
-        if not c["allocatable"]:
-            verdict = "not allocatable" if c.get("simulated", True) else "cannot be simulated"
+        head = f"{c['namespace']}/{c['name']}"
+        if c.get("source"):
+            head += f" ({c['source']})"
+        head += ":"
+        if c.get("allocated"):
+            lines.append(
+                f"{head} allocated already: node {c['node'] or '?'}, devices {', '.join(c['devices'])}"
+            )
+        elif not c["allocatable"]:
+            verdict = "invalid" if c.get("invalid") else "not allocatable"
+            verdict = verdict if c.get("simulated", True) else "cannot be simulated"
             lines.append(f"{head} {verdict}: {c['reason']}")
-            continue
-        lines.append(
-            f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"
-        )
+        else:
+            lines.append(
+                f"{head} node {c['node']}, devices {', '.join(c['devices'])} (link cost {c['linkCost']})"
+            )
+        if wide and len(c.get("usedBy") or []) > 1:
+            lines.append(f"  used by {', '.join(c['usedBy'])}")
         for r in c["results"]:
+            if wide:
+                lines.append(f"  request {r['request']}: {r['driver']} pool {r['pool']} device {r['device']}")
             if r.get("consumedCapacity"):
                 used = ", ".join(f"{k} {v}" for k, v in r["consumedCapacity"].items())
                 lines.append(f"  {r['device']}: a share consuming {used}")
+        if not c["allocatable"] or c.get("allocated"):
+            continue
         if c["bestLinkCost"] < c["linkCost"]:
             lines.append(
                 f"  a cheaper placement on {c['node']}: {', '.join(c['bestDevices'])} "
@@ -289,6 +365,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         inputs = load_files(args.filename)
+        cluster = _read_cluster(args, inputs)
     except InputError as exc:
         print(f"dra-gpu: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -296,18 +373,53 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     if inputs.problems:
         return EXIT_INVALID
-    if not any(not _allocated(c) for c in inputs.claims):
+    to_explain = claims_to_explain(
+        inputs.claims,
+        inputs.others,
+        cluster.claims if cluster else (),
+        cluster.others if cluster else (),
+        cluster_read=cluster is not None,
+    )
+    if not to_explain:
         print(
-            "dra-gpu: no ResourceClaim to allocate (without status.allocation) in the input", file=sys.stderr
+            "dra-gpu: nothing to explain: no unallocated ResourceClaim, no ResourceClaimTemplate and no "
+            "workload with spec.resourceClaims in the input",
+            file=sys.stderr,
         )
         return EXIT_USAGE
+    if not inputs.slices:
+        print(
+            "dra-gpu: warning: no ResourceSlice in the input: give the cluster (--kubeconfig/--context) "
+            "or files of slices (kubectl get resourceslices -o yaml)",
+            file=sys.stderr,
+        )
     inputs.classes = _with_chart_classes(inputs.classes, driver)
-    result = explain_inputs(inputs, driver, bounded=True, nvidia_compatible=args.nvidia_compatible)
-    if args.output == "json":
-        print(json.dumps(result, indent=2))
+    result = explain_inputs(
+        inputs, driver, bounded=True, nvidia_compatible=args.nvidia_compatible, to_explain=to_explain
+    )
+    if args.output in ("json", "yaml"):
+        print(dump(result, args.output), end="")
     else:
-        print(render_text(result))
-    return EXIT_OK
+        print(render_text(result, wide=args.output == "wide"))
+    if any(c["invalid"] for c in result["claims"]):
+        return EXIT_INVALID
+    return EXIT_OK if all(c["allocatable"] for c in result["claims"]) else EXIT_UNALLOCATABLE
+
+
+def _read_cluster(args: argparse.Namespace, inputs: Inputs) -> Inputs | None:
+    """With --kubeconfig or --context: the cluster's objects (None without). Its slices, classes
+    and allocated claims join `inputs` where the files have no object of the same name (the files
+    win: "what if" this class were so); its templates and unallocated claims are returned, for the
+    references of the input's workloads."""
+    if not (args.kubeconfig or args.context):
+        return None
+    cluster = Inputs()
+    load_cluster(args.kubeconfig, cluster, context=args.context, templates=True)
+    in_files = {_key(o) for o in inputs.slices + inputs.classes + inputs.claims}
+    inputs.slices += [o for o in cluster.slices if _key(o) not in in_files]
+    inputs.classes += [o for o in cluster.classes if _key(o) not in in_files]
+    inputs.claims += [o for o in cluster.claims if _key(o) not in in_files and is_allocated(o)]
+    return cluster
 
 
 # ---------------------------------------------------------------- controller
@@ -364,6 +476,17 @@ def _add_driver_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cluster_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--kubeconfig", metavar="PATH", help=f"also read the cluster's {what} (the kubeconfig's cluster)"
+    )
+    parser.add_argument(
+        "--context",
+        metavar="NAME",
+        help="with the kubeconfig's context NAME (--kubeconfig, else $KUBECONFIG or ~/.kube/config)",
+    )
+
+
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add the controller's subcommands to `sub` (argparse subparsers); returns name -> handler."""
     v = sub.add_parser("validate", help="validate DeviceClasses, ResourceClaims and templates offline")
@@ -377,9 +500,8 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
         "recursively, and a line for every object, naming its file; may hold ResourceSlices used for "
         "feasibility",
     )
-    v.add_argument(
-        "--kubeconfig", metavar="PATH", help="also read slices, classes and claims from this cluster"
-    )
+    _add_cluster_flags(v, "slices, classes and allocated claims")
+    add_output_flag(v)
     _add_driver_flags(v)
     e = sub.add_parser("explain", help="simulate the scheduler's allocation of claims against slices")
     e.add_argument(
@@ -388,9 +510,12 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
         action="append",
         required=True,
         metavar="FILE",
-        help="files with ResourceSlices, DeviceClasses and ResourceClaims",
+        help="YAML/JSON file ('-' for stdin) or directory: ResourceClaims, ResourceClaimTemplates and "
+        "workloads (Pods, Deployments, Jobs...: their spec.resourceClaims resolved) to explain, and "
+        "ResourceSlices, DeviceClasses and allocated claims to explain them against",
     )
-    e.add_argument("-o", "--output", choices=("json", "text"), default="text")
+    _add_cluster_flags(e, "slices, classes, allocated claims and the templates workloads name")
+    add_output_flag(e, wide=True)
     _add_driver_flags(e)
     c = sub.add_parser("controller", help="run the validating admission webhook (HTTPS)")
     c.add_argument("--cert", required=True, help="TLS certificate file (PEM); reloaded when it changes")

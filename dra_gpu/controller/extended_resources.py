@@ -13,21 +13,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dra_gpu.controller.rules import Problem, Validator, Verdict
+from dra_gpu.controller.workload_claims import POD_SPEC_PATHS, pod_spec
 from dra_gpu.model.nvidia_compat import GPU_EXTENDED_RESOURCE
 
 MIG_EXTENDED_RESOURCE_PREFIX = "nvidia.com/mig-"
-# Where each workload kind holds its pod spec.
-POD_SPEC_PATHS: Mapping[str, tuple[str, ...]] = {
-    "Pod": ("spec",),
-    "PodTemplate": ("template", "spec"),
-    "Deployment": ("spec", "template", "spec"),
-    "ReplicaSet": ("spec", "template", "spec"),
-    "StatefulSet": ("spec", "template", "spec"),
-    "DaemonSet": ("spec", "template", "spec"),
-    "ReplicationController": ("spec", "template", "spec"),
-    "Job": ("spec", "template", "spec"),
-    "CronJob": ("spec", "jobTemplate", "spec", "template", "spec"),
-}
 CONTAINER_LISTS = ("initContainers", "containers")
 
 
@@ -38,15 +27,10 @@ def is_gpu_extended_resource(name: str) -> bool:
 def gpu_requests(obj: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(field path, resource name) of each NVIDIA extended resource the workload's containers ask
     for in limits or requests; empty for anything else (not a workload, or no such resource)."""
-    where = POD_SPEC_PATHS.get(str(obj.get("kind")))
-    if where is None:
+    spec = pod_spec(obj)
+    if spec is None:
         return []
-    spec: Any = obj
-    for key in where:
-        spec = spec.get(key) if isinstance(spec, Mapping) else None
-    if not isinstance(spec, Mapping):
-        return []
-    return list(_asked(spec, ".".join(where)))
+    return list(_asked(spec, ".".join(POD_SPEC_PATHS[str(obj.get("kind"))])))
 
 
 def _asked(spec: Mapping[str, Any], path: str) -> Iterator[tuple[str, str]]:

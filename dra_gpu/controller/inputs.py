@@ -155,19 +155,33 @@ def _say_left_out(rejected: Rejected) -> None:
     print(f"warning: {rejected.describe()}; left out", file=sys.stderr)
 
 
-def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
-    """Add the cluster's slices, classes and claims to `inputs` (read-only list calls)."""
+def load_cluster(
+    kubeconfig: str | None, inputs: Inputs, context: str | None = None, templates: bool = False
+) -> None:
+    """Add the cluster's slices, classes and claims to `inputs` (read-only list calls); its
+    ResourceClaimTemplates too (to `others`) with `templates`. `kubeconfig` None: $KUBECONFIG or
+    ~/.kube/config; `context` None: the kubeconfig's current context."""
     from kubernetes import client, config
 
+    named = f"{kubeconfig or 'the default kubeconfig'}" + (f", context {context}" if context else "")
     try:
-        api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        api_client = config.new_client_from_config(config_file=kubeconfig, context=context)  # type: ignore[no-untyped-call]
         api = client.ResourceV1Api(api_client)
-        fns: tuple[tuple[Any, str, str, list[dict[str, Any]]], ...]
-        fns = (
+        fns: list[tuple[Any, str, str, list[dict[str, Any]]]]
+        fns = [
             (api.list_resource_slice, "ResourceSlice", "resourceslices", inputs.slices),
             (api.list_device_class, "DeviceClass", "deviceclasses", inputs.classes),
             (api.list_resource_claim_for_all_namespaces, "ResourceClaim", "resourceclaims", inputs.claims),
-        )
+        ]
+        if templates:
+            fns.append(
+                (
+                    api.list_resource_claim_template_for_all_namespaces,
+                    "ResourceClaimTemplate",
+                    "resourceclaimtemplates",
+                    inputs.others,
+                )
+            )
         for fn, kind, plural, dest in fns:
             resp: Any = fn(_preload_content=False)
             # Under the bounds every reader of the apiserver keeps (dra_gpu.kube.bounds): a tenant's
@@ -181,4 +195,4 @@ def load_cluster(kubeconfig: str, inputs: Inputs) -> None:
                 item.setdefault("kind", kind)
                 dest.append(item)
     except Exception as exc:  # config errors, connection errors, API errors: all exit 2
-        raise InputError(f"cannot read the cluster with {kubeconfig}: {str(exc).splitlines()[0]}") from exc
+        raise InputError(f"cannot read the cluster with {named}: {str(exc).splitlines()[0]}") from exc

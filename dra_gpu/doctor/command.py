@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dra_gpu.common.output_format import add_output_flag, dump
 from dra_gpu.doctor.settings import (
     DEFAULT_CONTAINERD_CONFIG,
     DEFAULT_NODE_SELECTOR,
@@ -31,7 +32,7 @@ def add_doctor_command(sub: Any) -> None:
         "does; 2: usage error.",
     )
     d.add_argument("--only", choices=("node", "cluster"), help="run only the node or only the cluster checks")
-    d.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    add_output_flag(d)
     add_node_flags(d)
     d.add_argument(
         "--containerd-config",
@@ -65,7 +66,7 @@ def _kubeconfig(args: argparse.Namespace) -> str | None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from dra_gpu.doctor.report import Result, exit_code, render_json, render_table, skip
+    from dra_gpu.doctor.report import Result, exit_code, render_table, report_document, skip
 
     if args.timeout <= 0:
         print("dra-gpu doctor: --timeout must be positive", file=sys.stderr)
@@ -103,5 +104,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                     timeout=args.timeout,
                 )
             )
-    print(render_json(results) if args.output == "json" else render_table(results))
+    if args.output in ("json", "yaml"):
+        print(dump(report_document(results), args.output), end="")
+    else:
+        print(render_table(results))
     return exit_code(results)

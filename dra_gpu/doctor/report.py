@@ -12,6 +12,7 @@ import logging
 import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK
 
@@ -83,15 +84,17 @@ def summary(results: list[Result]) -> dict[str, int]:
     return {s.value: sum(1 for r in results if r.status is s) for s in Status}
 
 
+def report_document(results: list[Result]) -> dict[str, Any]:
+    """The report as one document (-o json|yaml)."""
+    return {
+        "checks": [r.to_dict() for r in results],
+        "summary": summary(results),
+        "exitCode": exit_code(results),
+    }
+
+
 def render_json(results: list[Result]) -> str:
-    return json.dumps(
-        {
-            "checks": [r.to_dict() for r in results],
-            "summary": summary(results),
-            "exitCode": exit_code(results),
-        },
-        indent=2,
-    )
+    return json.dumps(report_document(results), indent=2)
 
 
 def render_table(results: list[Result], width: int = 110) -> str:

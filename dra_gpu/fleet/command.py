@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dra_gpu.common.exit_codes import EXIT_OK, EXIT_USAGE
+from dra_gpu.common.output_format import add_output_flag, dump
 from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -35,7 +36,7 @@ def add_top_command(sub: Any) -> None:
         help="only the GPUs claims of this namespace hold, with this namespace's holders",
     )
     t.add_argument("-w", "--watch", action="store_true", help="redraw on every change (watches, no polling)")
-    t.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    add_output_flag(t)
     t.add_argument(
         "--timeout", type=float, default=30.0, help="seconds for the first read of the cluster (default: 30)"
     )
@@ -64,11 +65,16 @@ class Printer:
 
         pending = await explain_pending(snapshot, self.args.timeout)
         view = build_view(snapshot, node=self.args.node, namespace=self.args.namespace, pending=pending)
-        if self.args.output == "json":
+        if self.args.output == "json" and self.args.watch:  # one document a line
             from dra_gpu.fleet.as_json import view_to_json
 
-            doc = view_to_json(view)
-            text = json.dumps(doc) + "\n" if self.args.watch else json.dumps(doc, indent=2) + "\n"
+            text = json.dumps(view_to_json(view)) + "\n"
+        elif self.args.output in ("json", "yaml"):
+            from dra_gpu.fleet.as_json import view_to_json
+
+            text = dump(view_to_json(view), self.args.output)
+            if self.args.watch:  # a stream of YAML documents
+                text = "---\n" + text
         else:
             from dra_gpu.fleet.text import render_text
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dra_gpu.common.decoding import MAX_FILE_BYTES
+from dra_gpu.common.exit_codes import EXIT_OK, EXIT_UNALLOCATABLE
 from dra_gpu.fleet.snapshot import Pod, Snapshot, WaitingClaim
 
 MAX_EXPLAINED = 20  # claims explained per drawing: a job of 1,000 Pending pods costs 20 simulations
@@ -130,7 +131,7 @@ async def _explain(
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
             await child.wait()
-    if child.returncode != 0:
+    if child.returncode not in (EXIT_OK, EXIT_UNALLOCATABLE):  # answered, each claim fitting or not
         lines = err.decode(errors="replace").strip().splitlines()
         raise ExplainFailed(f"dra-gpu explain: {lines[0] if lines else f'exit {child.returncode}'}")
     try:

@@ -4,12 +4,12 @@ taint / clear, simulated events), which talks to a running plugin's control sock
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from dra_gpu.common.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from dra_gpu.common.output_format import add_output_flag, dump
 from dra_gpu.health.classification import Classifier, parse_xids
 from dra_gpu.health.control import SIMULATED_EVENTS, SOCKET_NAME, request
 from dra_gpu.health.node import HealthConfig
@@ -97,7 +97,7 @@ def add_health_command(sub: Any) -> None:
         help="a running kubelet plugin's device health: status, operator taint/clear, simulated events",
     )
     add_node_flags(h, "driver-name", "nvidia-compatible", "plugin-dir")
-    h.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    add_output_flag(h)
     ops = h.add_subparsers(dest="health_op", required=True)
     ops.add_parser("status", help="each device's health and taint")
     t = ops.add_parser("taint", help="taint a device on purpose; it stays until `clear`")
@@ -143,9 +143,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     if not reply.get("ok"):
         print(f"dra-gpu health {args.health_op}: {reply.get('error')}", file=sys.stderr)
         return EXIT_INVALID
-    if args.output == "json" or args.health_op != "status":
+    if args.output in ("json", "yaml") or args.health_op != "status":
         reply.pop("ok", None)
-        print(json.dumps(reply, indent=2))
+        print(dump(reply, "yaml" if args.output == "yaml" else "json"), end="")
         return EXIT_OK
     rows = [("DEVICE", "HEALTH", "TAINT", "MESSAGE")]
     for d in reply["devices"]:

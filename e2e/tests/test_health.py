@@ -24,6 +24,8 @@ from test_kubelet_plugin import (
     template,
 )
 
+from dra_gpu.common.exit_codes import EXIT_UNALLOCATABLE
+
 pytestmark = pytest.mark.e2e
 
 KEY = f"{DRIVER}/unhealthy"
@@ -379,7 +381,7 @@ def test_explain_and_validate_name_the_taint_of_the_live_slices(hplugin, dyn, tm
         cli = [sys.executable, "-m", "dra_gpu.cli"]
         r = subprocess.run([*cli, "explain", "-f", str(files)], capture_output=True, text=True, timeout=60)
         print(f"\n[e2e] {r.stdout.strip()}")
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == EXIT_UNALLOCATABLE, r.stderr
         assert "not allocatable" in r.stdout and f"{target} {KEY}=xid-74:NoSchedule" in r.stdout
         v = subprocess.run([*cli, "validate", "-f", str(files)], capture_output=True, text=True, timeout=60)
         out = v.stdout + v.stderr

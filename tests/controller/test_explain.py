@@ -35,7 +35,11 @@ def test_classic_example(hgx: list[dict[str, Any]]) -> None:
     assert set(plain) == {
         "namespace",
         "name",
+        "source",
+        "usedBy",
         "allocatable",
+        "allocated",
+        "invalid",
         "node",
         "devices",
         "results",

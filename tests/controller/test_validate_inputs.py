@@ -148,7 +148,9 @@ def test_explain_in_nvidia_compatible_mode_places_nvidias_mig_claim(tmp_path: Pa
     args = ["explain", "-f", write(tmp_path, "s.yaml", slices), "-f", str(manifests), "-o", "json"]
     out = run(*args, "--nvidia-compatible")
     assert out.returncode == EXIT_OK, out.stderr
-    (entry,) = json.loads(out.stdout)["claims"]
+    entry, template = json.loads(out.stdout)["claims"]
+    # The file's template is explained as the claim made from it.
+    assert template["source"] == "ResourceClaimTemplate/mig-or-gpu" and template["allocatable"]
     small, medium = entry["results"]
     assert (
         small["driver"],
