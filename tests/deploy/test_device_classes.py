@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import pytest
+import yaml
 
 from dra_gpu.model import nvidia_compat
 from dra_gpu.model.device_classes import chart_device_classes
@@ -74,3 +75,20 @@ def test_nvidia_compatible_classes_are_nvidias() -> None:
     )
     # The classes dra-gpu refuses are the rest of NVIDIA's chart (and the demos' imex.nvidia.com).
     assert set(reference) - set(mine) <= set(nvidia_compat.UNSUPPORTED_CLASSES)
+
+
+@pytest.mark.parametrize(
+    ("file", "sets", "driver"),
+    [
+        ("dra-gpu.yaml", (), "gpu.dra-gpu.io"),
+        ("nvidia-compatible.yaml", ("nvidiaCompatible=true",), "gpu.nvidia.com"),
+    ],
+)
+def test_the_plain_manifests_are_the_charts_classes(
+    render: Render, file: str, sets: tuple[str, ...], driver: str
+) -> None:
+    """deploy/device-classes/ for `kubectl apply -f` without the chart: the objects the model has,
+    and what the chart renders with its defaults."""
+    plain = list(yaml.safe_load_all((ROOT / "deploy" / "device-classes" / file).read_text()))
+    assert plain == chart_device_classes(driver)
+    assert essentials(plain) == essentials(by_kind(render(*sets), "DeviceClass"))
