@@ -487,11 +487,17 @@ NODE_CHECKS: tuple[tuple[str, Callable[[NodeFacts], Iterable[Result]]], ...] = (
 def run_node_checks(settings: NodeCheckSettings) -> list[Result]:
     facts = NodeFacts(settings)
     if facts.inventory is None and facts.no_nvml and not facts.driver_present():
-        why = (
-            f"not a GPU node: {facts.problem}; run doctor on a GPU node or in the plugin's pod, "
-            "or --profile NAME"
+        # Said once, not once a check: every node check needs the driver. A failure, not a skip:
+        # the node checks were asked for (doctor on a machine that should be a GPU node).
+        problem = re.sub(r" \(searched [^)]*\)", "", facts.problem)  # the directories: 10 lines
+        first = fail(
+            NODE_CHECKS[0][0],
+            f"not a GPU node: {problem}",
+            "install the NVIDIA driver or point --driver-root at it (the GPU Operator's: "
+            "/run/nvidia/driver); run doctor on a GPU node or in the plugin's pod; --profile NAME "
+            "checks a simulated node; --only cluster checks only the cluster",
         )
-        return [skip(check, why) for check, _ in NODE_CHECKS]
+        return [first, skip("node/*", f"the other {len(NODE_CHECKS) - 1} node checks: not run without a GPU")]
     results: list[Result] = []
     for check, fn in NODE_CHECKS:
         results.extend(guarded(check, functools.partial(fn, facts)))

@@ -99,10 +99,13 @@ def test_kernel_module_of_the_same_version(tmp_path: Path, line: str) -> None:
     assert r.status is Status.OK and "570.133.20" in r.detail
 
 
-def test_no_nvml_skips_every_node_check(tmp_path: Path) -> None:
-    results = run_node_checks(settings(tmp_path, profile=None, dev_root=tmp_path / "empty"))
-    assert results and all(r.status is Status.SKIP for r in results)
-    assert "not a GPU node" in results[0].detail
+def test_no_nvml_is_said_once_and_fails(tmp_path: Path) -> None:
+    nvml, rest = run_node_checks(settings(tmp_path, profile=None, dev_root=tmp_path / "empty"))
+    assert nvml.status is Status.FAIL and nvml.detail.startswith(
+        "not a GPU node: NVML is not available: no libnvidia-ml.so.1"
+    )
+    assert "(searched" not in nvml.detail and "--driver-root" in nvml.fix
+    assert rest.status is Status.SKIP and rest.detail.endswith("node checks: not run without a GPU")
 
 
 def test_device_nodes_present_then_one_missing(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dra_gpu.cli import main
+from dra_gpu.common.exit_codes import EXIT_INVALID
 from dra_gpu.doctor.report import Status, exit_code, fail, guarded, ok, render_json, render_table, skip, warn
 from tests.simnode_support import needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
@@ -39,7 +40,7 @@ def test_guarded_turns_an_exception_into_a_fail() -> None:
     assert r.status is Status.FAIL and "KeyError" in r.detail
 
 
-def test_not_a_gpu_node_and_no_cluster_exits_0(
+def test_not_a_gpu_node_and_no_cluster_fails_in_a_few_lines(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KUBECONFIG", raising=False)
@@ -47,8 +48,8 @@ def test_not_a_gpu_node_and_no_cluster_exits_0(
     monkeypatch.setenv("HOME", str(tmp_path))
     rc = main(["doctor", "--dev-root", str(tmp_path), "-o", "json"])
     doc = json.loads(capsys.readouterr().out)
-    assert rc == 0
-    assert {c["status"] for c in doc["checks"]} == {"SKIP"}
+    assert rc == EXIT_INVALID and doc["exitCode"] == EXIT_INVALID
+    assert [c["status"] for c in doc["checks"]] == ["FAIL", "SKIP", "SKIP"]
     assert (
         doc["checks"][-1]["check"] == "cluster/api-server" and "no kubeconfig" in doc["checks"][-1]["detail"]
     )
