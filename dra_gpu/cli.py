@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dra_gpu.common.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
+from dra_gpu.common.log_format import FORMATS as LOG_FORMATS
+from dra_gpu.common.log_format import formatter as log_formatter
 from dra_gpu.common.output_format import add_output_flag
 from dra_gpu.common.safe_output import safe_streams
 from dra_gpu.controller.commands import add_commands
@@ -90,6 +92,13 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
     of them (their parsing, help and errors are the same either way)."""
     p = _Parser(prog="dra-gpu", description="Kubernetes DRA driver for NVIDIA GPUs")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get("DRA_GPU_LOG_FORMAT") or "text",
+        help="log lines as logfmt (text) or one JSON object a line; RFC 3339 UTC times "
+        "($DRA_GPU_LOG_FORMAT; default: text)",
+    )
     p.add_argument("--version", action=_VersionAction, help="show program's version number and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     if not controller_only:
@@ -98,13 +107,13 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
 
         add_top_command(sub)
     p.set_defaults(extra_commands=add_commands(sub))
-    _verbose_after_subcommands(p)
+    _global_flags_after_subcommands(p)
     return p
 
 
-def _verbose_after_subcommands(parser: argparse.ArgumentParser) -> None:
-    """-v/--verbose also after any subcommand (`dra-gpu explain -f x -v`), as kubectl takes its
-    global flags anywhere; not given there, the value before the subcommand stands (SUPPRESS)."""
+def _global_flags_after_subcommands(parser: argparse.ArgumentParser) -> None:
+    """-v/--verbose and --log-format also after any subcommand (`dra-gpu explain -f x -v`), as
+    kubectl takes its global flags anywhere; not given there, the value before it stands (SUPPRESS)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in set(action.choices.values()):
@@ -116,7 +125,14 @@ def _verbose_after_subcommands(parser: argparse.ArgumentParser) -> None:
                         default=argparse.SUPPRESS,
                         help="as before the command",
                     )
-                _verbose_after_subcommands(child)
+                if "--log-format" not in child._option_string_actions:
+                    child.add_argument(
+                        "--log-format",
+                        choices=LOG_FORMATS,
+                        default=argparse.SUPPRESS,
+                        help="as before the command",
+                    )
+                _global_flags_after_subcommands(child)
 
 
 def _add_node_commands(sub: Any) -> None:
@@ -389,11 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = _parser(controller_only=_command_word(argv) in CONTROLLER_COMMANDS).parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="time=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(log_formatter(args.log_format))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler])
     if args.verbose:  # keep debug output about this driver, not the libraries' internals
         for noisy in ("grpc", "asyncio", "aiohttp", "kubernetes"):
             logging.getLogger(noisy).setLevel(logging.INFO)

@@ -80,9 +80,9 @@ def recorded(uid: str) -> bool:
 
 
 def logged_at(line: str) -> float:
-    """The time of a plugin log line (`time=2026-12-01 14:14:09,295`, the host's local time)."""
-    stamp = re.search(r"time=(\S+ \S+)", line)
-    return datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() if stamp else 0.0
+    """The time of a plugin log line (logfmt: `time=2026-12-01T14:14:09.295Z`, RFC 3339 UTC)."""
+    stamp = re.search(r"time=(\S+)", line)
+    return datetime.fromisoformat(stamp[1]).timestamp() if stamp else 0.0
 
 
 def plugin_healthy() -> bool:
