@@ -51,6 +51,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from dra_gpu.common.build_info import register_build_info
 from dra_gpu.common.decoding import decode
 from dra_gpu.common.exit_codes import EXIT_OK, EXIT_USAGE
 from dra_gpu.controller import view_records
@@ -528,6 +529,7 @@ async def serve(
 ) -> None:
     """Serve until `stop` is set (or the task is cancelled), then shut down gracefully."""
     metrics = Metrics()
+    register_build_info(metrics.registry, "controller")
     state = ClusterState(config.driver, config.nvidia_compatible)
     pool = ReviewPool(
         config.driver,

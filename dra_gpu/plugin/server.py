@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dra_gpu.common.build_info import register_build_info
 from dra_gpu.common.exit_codes import EXIT_DRIVER_CHANGED, EXIT_OK
 from dra_gpu.discovery.driver_versions import library_version
 from dra_gpu.health.claim_status import ClaimStatusWriter
@@ -97,6 +98,7 @@ class KubeletPlugin:
         self.cfg = cfg
         self.freeze_startup = freeze_startup
         self.metrics = PluginMetrics()
+        register_build_info(self.metrics.registry, "kubelet-plugin", cfg.node.node_name)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.driver_changed: DriverVersions | None = None  # set: stopped to load the new driver's NVML

@@ -249,6 +249,7 @@ def test_healthz_and_metrics(server: Server) -> None:
     )
     assert 'result="malformed"} 1.0' in text
     assert "dra_gpu_webhook_watched_devices 8.0" in text
+    assert 'dra_gpu_build_info{component="controller"' in text and "process_cpu_seconds_total " in text
     assert server.request("/healthz") == (200, b"ok\n")
 
 

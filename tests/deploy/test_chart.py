@@ -68,6 +68,7 @@ def test_default_render_kinds(render: Render) -> None:
             "DaemonSet",
             "Deployment",
             "Service",
+            "Service",  # the plugin's metrics port
             "PodDisruptionBudget",
             "Secret",
             "ValidatingWebhookConfiguration",
@@ -267,7 +268,7 @@ def test_controller_deployment_pdb_service_webhook(render: Render) -> None:
     pdb = one(objs, "PodDisruptionBudget")
     assert pdb["spec"]["minAvailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    svc = one(objs, "Service")
+    svc = one(objs, "Service", "controller")
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     vwc = one(objs, "ValidatingWebhookConfiguration")
     (hook,) = vwc["webhooks"]
@@ -431,7 +432,7 @@ def test_self_signed_tls_secret_matches_the_webhook(render: Render) -> None:
     vol = dep["spec"]["template"]["spec"]["volumes"][0]
     assert vol["secret"]["secretName"] == secret["metadata"]["name"]
     if shutil.which("openssl"):
-        svc = one(objs, "Service")["metadata"]["name"]
+        svc = one(objs, "Service", "controller")["metadata"]["name"]
         r = subprocess.run(
             ["openssl", "x509", "-noout", "-text"],
             input=data["tls.crt"],
@@ -448,7 +449,7 @@ def test_cert_manager_tls(render: Render) -> None:
     cert = one(objs, "Certificate")
     issuer = one(objs, "Issuer")
     assert cert["spec"]["issuerRef"] == {"kind": "Issuer", "name": issuer["metadata"]["name"]}
-    svc = one(objs, "Service")["metadata"]["name"]
+    svc = one(objs, "Service", "controller")["metadata"]["name"]
     assert f"{svc}.dra-gpu.svc" in cert["spec"]["dnsNames"]
     vwc = one(objs, "ValidatingWebhookConfiguration")
     assert (
@@ -744,3 +745,44 @@ def test_a_mig_profile_list_with_a_bad_name_is_refused() -> None:
 
     with pytest.raises(SystemExit):
         _parser().parse_args(["kubelet-plugin", "--mig-profiles", "1g.10gb,1g.10gb;rm"])
+
+
+def test_metrics_ports_in_services_and_monitors_that_label_the_node(render: Render) -> None:
+    objs = render()
+    plugin_svc = one(objs, "Service", "kubelet-plugin-metrics")
+    assert plugin_svc["spec"]["clusterIP"] == "None"  # one endpoint a node
+    ds = one(objs, "DaemonSet")
+    ports = {p["name"]: p["containerPort"] for p in container(ds)["ports"]}
+    assert plugin_svc["spec"]["ports"] == [{"name": "http", "port": ports["http"], "targetPort": "http"}]
+    assert ds["spec"]["template"]["metadata"]["labels"].items() >= plugin_svc["spec"]["selector"].items()
+    controller_ports = {
+        p["name"]
+        for s in by_kind(objs, "Service")
+        for p in s["spec"]["ports"]
+        if "controller" in s["metadata"]["name"]
+    }
+    assert "metrics" in controller_ports
+    assert not by_kind(objs, "PodMonitor") and not by_kind(objs, "ServiceMonitor")
+
+    objs = render(
+        "metrics.podMonitor.enabled=true",
+        "metrics.serviceMonitor.enabled=true",
+        "prometheusRule.enabled=true",
+    )
+    for kind, key in (("PodMonitor", "podMetricsEndpoints"), ("ServiceMonitor", "endpoints")):
+        monitor = one(objs, kind)
+        assert [e["port"] for e in monitor["spec"][key]] == ["http", "metrics"]
+        for e in monitor["spec"][key]:
+            assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in e[
+                "relabelings"
+            ]
+    alerts = [r["alert"] for g in one(objs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    assert "DraGpuWebhookDown" in alerts
+
+
+def test_no_webhook_down_alert_without_a_monitor_that_scrapes_it(render: Render) -> None:
+    """Without this chart's monitor nothing says the webhook is scraped: the absence alert would
+    fire for ever on a healthy install."""
+    rule = one(render("prometheusRule.enabled=true"), "PrometheusRule")
+    alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert "DraGpuWebhookDown" not in alerts and "DraGpuWebhookFailing" in alerts

@@ -53,7 +53,7 @@ def test_generated_certificate_serves_the_webhook(render: Render, tmp_path: Path
     ca = base64.b64decode(
         one(objs, "ValidatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"]
     ).decode()
-    svc = one(objs, "Service")["metadata"]["name"]
+    svc = one(objs, "Service", "controller")["metadata"]["name"]
     host = f"{svc}.dra-gpu.svc"
     args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     args = [a.replace("/tls/", f"{tmp_path}/") for a in args]

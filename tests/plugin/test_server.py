@@ -116,7 +116,14 @@ def serve_a_simulated_node(tmp_path: Path) -> None:
                 async with http.get("/readyz") as resp:
                     assert (resp.status, await resp.text()) == (200, "ok\n")
                 async with http.get("/metrics") as resp:
-                    assert f"dra_gpu_published_devices {devices}.0" in await resp.text()
+                    exported = await resp.text()
+                    assert f"dra_gpu_published_devices {devices}.0" in exported
+                    build = next(x for x in exported.splitlines() if x.startswith("dra_gpu_build_info{"))
+                    assert 'component="kubelet-plugin"' in build and f'node="{cfg.node.node_name}"' in build
+                    rss = next(
+                        x for x in exported.splitlines() if x.startswith("process_resident_memory_bytes ")
+                    )
+                    assert float(rss.split()[1]) > 10e6  # this test's process: the plugin runs in it
                 # `dra-gpu health simulate`, as a user runs it: the XID goes into the simulated
                 # kernel; the plugin's monitor gets it from nvmlEventSetWait_v2 and taints.
                 gpu3 = "gpu-0000-4e-00-0"
