@@ -218,7 +218,7 @@ def test_users_path_on_kind(cluster):
     k.kubectl("delete", "namespace", NS, "--wait", "--timeout", "120s")
     leftovers = {}
     for kind_ in ("deviceclasses", "validatingwebhookconfigurations", "validatingadmissionpolicies",
-                  "clusterroles", "clusterrolebindings"):  # fmt: skip
+                  "clusterroles", "clusterrolebindings", "priorityclasses"):  # fmt: skip
         items = json.loads(k.kubectl("get", kind_, "-o", "json").stdout)["items"]
         named = [i["metadata"]["name"] for i in items if "dra-gpu" in i["metadata"]["name"]]
         if named:

@@ -80,6 +80,7 @@ def test_default_render_kinds(render: Render) -> None:
             "DeviceClass",
             "NetworkPolicy",
             "NetworkPolicy",
+            "PriorityClass",
         ]
     )
     for o in objs:
@@ -108,7 +109,8 @@ def test_release_name_and_namespace_flow_everywhere(render: Render) -> None:
 
 
 def test_daemonset_host_paths_env_and_probes(render: Render) -> None:
-    ds = one(render(), "DaemonSet")
+    objs = render()
+    ds = one(objs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     c = container(ds)
     assert c["args"] == ["kubelet-plugin"]
@@ -136,11 +138,12 @@ def test_daemonset_host_paths_env_and_probes(render: Render) -> None:
     for probe, path in probes.items():
         assert c[probe]["httpGet"]["path"] == path
         assert port[c[probe]["httpGet"]["port"]] == 51516
-    assert {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"} in pod[
-        "tolerations"
-    ]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists"} in pod["tolerations"]  # any value and effect
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert pod["priorityClassName"] == "system-node-critical"
+    # The chart's own class: system-node-critical is refused outside kube-system on many clusters.
+    priority = one(objs, "PriorityClass")
+    assert pod["priorityClassName"] == priority["metadata"]["name"] == "dra-gpu-node-critical"
+    assert priority["value"] == 1_000_000_000 and not priority["globalDefault"]
     assert "hostNetwork" not in pod and "hostPID" not in pod
 
 
@@ -778,6 +781,12 @@ def test_metrics_ports_in_services_and_monitors_that_label_the_node(render: Rend
             ]
     alerts = [r["alert"] for g in one(objs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
     assert "DraGpuWebhookDown" in alerts
+
+
+def test_a_priority_class_of_the_operators_choice(render: Render) -> None:
+    objs = render("kubeletPlugin.priorityClassName=system-node-critical", namespace="kube-system")
+    assert not by_kind(objs, "PriorityClass")
+    assert one(objs, "DaemonSet")["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
 
 
 def test_no_webhook_down_alert_without_a_monitor_that_scrapes_it(render: Render) -> None:
