@@ -338,6 +338,35 @@ def test_deleted_and_edited_slices_are_restored_within_5s(plugin, dyn):
     )
 
 
+def test_explain_answers_for_the_four_nvlink_example_as_it_is(plugin, target, dyn):
+    """`dra-gpu explain` on the example a user applies (a Pod and its ResourceClaimTemplate), the
+    devices read from the live cluster as the README says: one NVLink domain of the node."""
+    example = ROOT / "deploy" / "examples" / "four-nvlink-gpus.yaml"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dra_gpu.cli",
+            "explain",
+            "-f",
+            str(example),
+            "--kubeconfig",
+            target.kubeconfig,
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (entry,) = json.loads(r.stdout)["claims"]
+    print(f"\n[e2e] explain {example.name}: {entry['node']} {entry['devices']} link cost {entry['linkCost']}")
+    attrs = device_attrs(dyn)
+    assert entry["source"] == "Pod/four-nvlink-gpus, claim gpus: ResourceClaimTemplate/four-nvlink-gpus"
+    assert len(entry["devices"]) == 4 and len({attrs[d]["nvlinkDomain"] for d in entry["devices"]}) == 1
+
+
 def test_four_nvlink_gpus_are_injected_into_the_container(plugin, core, dyn, namespace, busybox_image):
     nvlink_template(dyn, namespace)
     claim_pod(
