@@ -5,7 +5,12 @@ holds its container to the share's size; False: only its MPS daemon's limit, coo
 `kubectl get resourceclaim -o yaml` says which GPU a workload got and whether it is still healthy.
 
 Written with server-side apply to the status subresource (field manager = the driver name), which
-owns exactly this driver's entries. Best effort, in the background: a failure is logged, never fails
+owns exactly this driver's entries. An apiserver (seen on 1.37.2) refuses every patch (apply, merge
+or JSON patch, whoever sends it) to the status of a claim whose allocation holds an opaque config
+(a time-sliced or MPS claim, any claim with a GpuConfig): `status.allocation: Invalid value: null:
+field cannot be modified once set`; an update of the claim as read is accepted, so such a claim's
+entries are written by read, change our entries, update (its resourceVersion guards against a
+concurrent writer: a 409 is retried). Best effort, in the background: a failure is logged, never fails
 or delays a prepare. A prepare's status is written PREPARED_DELAY_S after it, and once no prepare
 has been in flight for QUIET_AFTER_S (at most QUIET_WAIT_S later), so that the write (and the
 apiserver's and etcd's work for it) does not compete with the prepares of the same pod start or
@@ -33,7 +38,7 @@ from dra_gpu.node.catalog import DeviceCatalog
 
 log = logging.getLogger(__name__)
 
-HTTP_FORBIDDEN, HTTP_NOT_FOUND, HTTP_CONFLICT = 403, 404, 409
+HTTP_FORBIDDEN, HTTP_NOT_FOUND, HTTP_CONFLICT, HTTP_UNPROCESSABLE = 403, 404, 409, 422
 STATUS_RETRY_SECONDS = 300.0
 # A health change waits this long for the statuses it causes, then lets them finish on their own.
 SYNC_WAIT_SECONDS = 2.0
@@ -46,6 +51,14 @@ QUIET_AFTER_S = 0.1  # "quiet": no prepare or unprepare for this long, not just 
 WRITES_IN_FLIGHT = 4
 # A memory share's condition: True when the driver holds its container's cgroup to the share's size.
 MEMORY_LIMIT_CONDITION = "MemoryLimitEnforced"
+
+
+def _patch_refused(exc: KubeError) -> bool:
+    """The apiserver refused a patch of the status of a claim whose allocation holds an opaque
+    config, which an update of the claim as read passes (see the module's docstring)."""
+    return (
+        exc.status == HTTP_UNPROCESSABLE and "status.allocation" in exc.message and "once set" in exc.message
+    )
 
 
 def _transient(exc: BaseException) -> bool:
@@ -191,7 +204,12 @@ class ClaimStatusWriter:
                     async with self._wire:
                         if task is not None:  # on the wire from here (see `unprepared`)
                             self._sending.add(task)
-                        await self.kube.apply_claim_status(namespace, name, body, self.driver)
+                        try:
+                            await self.kube.apply_claim_status(namespace, name, body, self.driver)
+                        except KubeError as exc:
+                            if not _patch_refused(exc):
+                                raise
+                            await self._update(namespace, name, uid, body["status"]["devices"])
             self._written[uid] = encoded
         except KubeError as exc:
             if exc.status == HTTP_FORBIDDEN:
@@ -211,6 +229,20 @@ class ClaimStatusWriter:
         finally:
             if task is not None:
                 self._sending.discard(task)
+
+    async def _update(self, namespace: str, name: str, uid: str, entries: list[dict[str, Any]]) -> None:
+        """Write `entries` as this driver's entries of the claim's status.devices by an update of
+        the claim as read: every other entry kept, in its order (another driver's, or this
+        driver's of another node: the node-scoped policy checks both); a claim gone or
+        re-created under the same name is left alone."""
+        claim = await self.kube.get_claim(namespace, name)
+        if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
+            return
+        ours = {(e["driver"], e["pool"]) for e in entries}
+        status = claim.setdefault("status", {})
+        kept = [e for e in status.get("devices") or [] if (e.get("driver"), e.get("pool")) not in ours]
+        status["devices"] = kept + entries
+        await self.kube.replace_claim_status(namespace, name, claim)
 
     def prepared(self, namespace: str, name: str, uid: str, devices: Sequence[dict[str, Any]]) -> None:
         """In the background, a moment later: a prepare does not wait for its status."""

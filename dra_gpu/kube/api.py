@@ -400,16 +400,13 @@ class Kube:
         resp = await self._request("POST", path, {"dryRun": "All"} if dry_run else None, body)
         return await _json(resp, f"create in {path}")
 
-    async def patch_claim_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        """JSON merge patch of a ResourceClaim's status (a resourceVersion in it makes a 409 of a
-        concurrent change); returns the stored claim."""
+    async def replace_claim_status(self, namespace: str, name: str, claim: dict[str, Any]) -> dict[str, Any]:
+        """PUT a ResourceClaim's status: `claim` as read and changed (its resourceVersion makes a 409
+        of a concurrent change); returns the stored claim."""
         resp = await self._request(
-            "PATCH",
-            f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaims/{name}/status",
-            body=patch,
-            content_type="application/merge-patch+json",
+            "PUT", f"{RESOURCE_V1}/namespaces/{namespace}/resourceclaims/{name}/status", body=claim
         )
-        return await _json(resp, f"patch resourceclaim {namespace}/{name} status")
+        return await _json(resp, f"update resourceclaim {namespace}/{name} status")
 
     async def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
         return await self.list_objects(f"{RESOURCE_V1}/resourceslices", field_selector)

@@ -158,12 +158,12 @@ class MigBinder:
                         ],
                     }
                 )
-            patch = {
-                "metadata": {"resourceVersion": claim["metadata"]["resourceVersion"]},
-                "status": {"devices": entries},
-            }
+            # An update of the claim as read (its resourceVersion: a concurrent change is a 409),
+            # not a patch: an apiserver (1.37.2) refuses every patch of the status of a claim
+            # whose allocation holds an opaque config (dra_gpu/health/claim_status.py).
+            claim.setdefault("status", {})["devices"] = entries
             try:
-                await self.kube.patch_claim_status(ref.namespace, ref.name, patch)
+                await self.kube.replace_claim_status(ref.namespace, ref.name, claim)
             except KubeError as exc:
                 if exc.status == HTTP_CONFLICT:
                     continue

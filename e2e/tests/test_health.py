@@ -273,6 +273,33 @@ def test_xid_79_taints_evicts_avoids_and_recovers(hplugin, core, dyn, namespace,
     assert 'dra_gpu_taint_transitions_total{action="removed"' in metrics()
 
 
+def test_the_status_of_a_claim_with_a_config_is_written(hplugin, core, dyn, namespace, busybox_image):
+    """A time-sliced claim: the scheduler copies its opaque config into the allocation, and the
+    apiserver (1.37.2) refuses every patch of such a claim's status, server-side apply included
+    (`status.allocation: ... field cannot be modified once set`); the plugin writes its entry by an
+    update of the claim as read."""
+    config = {
+        "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+        "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+    }
+    template(dyn, namespace, "time-sliced", config=config)
+    gpu_pod(core, namespace, "sliced", "time-sliced", busybox_image, grace=0)
+
+    def entry():
+        claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+        for c in claims.get(namespace=namespace).to_dict()["items"]:
+            alloc = (c.get("status") or {}).get("allocation") or {}
+            if alloc.get("devices", {}).get("config") and (c["status"].get("devices") or []):
+                return c["status"]["devices"][0]
+        return None
+
+    got = wait_for("the time-sliced claim's status.devices", entry, timeout=30)
+    assert {c["type"]: c["status"] for c in got["conditions"]}["Ready"] == "True"
+    assert got["driver"] == DRIVER and got["data"]["uuid"].startswith("GPU-")
+    core.delete_namespaced_pod("sliced", namespace, grace_period_seconds=0)
+
+
 def test_application_xid_13_is_counted_not_tainted(hplugin, dyn):
     before = taints(dyn)
     added = added_taints(metrics())

@@ -511,9 +511,12 @@ def test_rbac_is_least_privilege(render: Render) -> None:
         ("resource.k8s.io", "resourceclaims", "list", ""),
         # prepare reads its claim from a watch of the claims (kubeletPlugin.claimWatch)
         ("resource.k8s.io", "resourceclaims", "watch", ""),
-        # status.devices of the claims it prepared: patch (server-side apply), nothing more.
+        # status.devices of the claims it prepared: patch (server-side apply), or update where the
+        # apiserver refuses patches (a claim whose allocation holds an opaque config).
         ("resource.k8s.io", "resourceclaims/status", "patch", ""),
+        ("resource.k8s.io", "resourceclaims/status", "update", ""),
         ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
+        ("resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER),
         ("", "nodes", "get", ""),
         # a Warning Event on an object left out of the view (dra_gpu.kube.bounds)
         ("events.k8s.io", "events", "create", ""),

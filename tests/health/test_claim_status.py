@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +228,65 @@ def test_a_memory_share_says_whether_the_driver_or_only_mps_holds_it_to_its_size
         "devices"
     ]
     assert [c["type"] for c in plain["conditions"]] == ["Ready", "Healthy"]
+
+
+class PatchRefusingKube(RecordingKube):
+    """An apiserver that refuses patches of this claim's status as 1.37.2 does for a claim whose
+    allocation holds an opaque config (its message, verbatim), and takes updates of the claim."""
+
+    REFUSAL = (
+        'ResourceClaim.resource.k8s.io "c" is invalid: status.allocation: Invalid value: null: '
+        "field cannot be modified once set"
+    )
+
+    def __init__(self, claim: dict[str, Any], conflicts: int = 0) -> None:
+        super().__init__()
+        self.claim = claim
+        self.conflicts = conflicts
+        self.updated: list[dict[str, Any]] = []
+
+    async def apply_claim_status(
+        self, namespace: str, name: str, body: dict[str, Any], field_manager: str
+    ) -> dict[str, Any]:
+        raise KubeError(422, self.REFUSAL)
+
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return json.loads(json.dumps(self.claim))
+
+    async def replace_claim_status(self, namespace: str, name: str, claim: dict[str, Any]) -> dict[str, Any]:
+        if self.conflicts:
+            self.conflicts -= 1
+            raise KubeError(409, "the object has been modified")
+        self.updated.append(claim)
+        return claim
+
+
+def test_a_claim_whose_status_cannot_be_patched_is_updated_keeping_other_entries() -> None:
+    other = {"driver": "nic.example.com", "pool": "node-a", "device": "nic-0"}
+    stale = {"driver": DRIVER, "pool": "node-a", "device": "gpu-old"}
+    elsewhere = {"driver": DRIVER, "pool": "node-b", "device": "gpu-x"}
+    claim = {
+        "metadata": {"name": "c", "namespace": "ns", "uid": "uid-1", "resourceVersion": "7"},
+        "status": {"allocation": {"devices": {"config": [{}]}}, "devices": [other, stale, elsewhere]},
+    }
+
+    async def body() -> None:
+        kube = PatchRefusingKube(claim, conflicts=1)  # a concurrent writer: the 409 is retried
+        writer, devices = one_gpu_writer(kube, retry_initial=0.01)  # type: ignore[arg-type]
+        writer.prepared("ns", "c", "uid-1", devices)
+        await until(lambda: bool(kube.updated))
+        (updated,) = kube.updated
+        entries = updated["status"]["devices"]
+        # Another driver's entry and this driver's of another node kept, in order; ours replaced.
+        assert entries[:2] == [other, elsewhere]
+        assert [e["device"] for e in entries[2:]] == [devices[0]["deviceName"]]
+        assert updated["metadata"]["resourceVersion"] == "7"  # the update is guarded by it
+        assert updated["status"]["allocation"] == claim["status"]["allocation"]
+
+        gone = PatchRefusingKube({**claim, "metadata": {**claim["metadata"], "uid": "uid-2"}})
+        writer, devices = one_gpu_writer(gone)  # type: ignore[arg-type]
+        writer.prepared("ns", "c", "uid-1", devices)
+        await asyncio.sleep(0.6)
+        assert not gone.updated  # a claim re-created under the name is not ours to write
+
+    asyncio.run(body())

@@ -105,7 +105,7 @@ def test_a_claim_prepared_again_after_its_unprepare_gets_a_new_transition_time(c
 
 
 class ClaimsKube:
-    """get_claim / patch_claim_status over one stored claim, with resourceVersions."""
+    """get_claim / replace_claim_status over one stored claim, with resourceVersions."""
 
     def __init__(self, claim: dict[str, Any]) -> None:
         self.claim = claim
@@ -113,9 +113,9 @@ class ClaimsKube:
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.claim
 
-    async def patch_claim_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        assert patch["metadata"]["resourceVersion"] == self.claim["metadata"]["resourceVersion"]
-        self.claim["status"]["devices"] = patch["status"]["devices"]
+    async def replace_claim_status(self, namespace: str, name: str, claim: dict[str, Any]) -> dict[str, Any]:
+        assert claim["metadata"]["resourceVersion"] == self.claim["metadata"]["resourceVersion"]
+        self.claim["status"]["devices"] = claim["status"]["devices"]
         self.claim["metadata"]["resourceVersion"] = str(int(self.claim["metadata"]["resourceVersion"]) + 1)
         return self.claim
 

@@ -299,7 +299,7 @@ def test_a_binding_failure_leaves_nothing_and_a_given_up_allocation_is_swept(nod
 
 
 class _Kube:
-    """get_claim / patch_claim_status over the test's claim store, with resourceVersions."""
+    """get_claim / replace_claim_status over the test's claim store, with resourceVersions."""
 
     def __init__(self, claims: ClaimStore) -> None:
         self.claims = claims
@@ -308,7 +308,7 @@ class _Kube:
     async def get_claim(self, namespace: str, name: str) -> dict | None:
         return await self.claims.get_claim(namespace, name)
 
-    async def patch_claim_status(self, namespace: str, name: str, patch: dict) -> dict:
+    async def replace_claim_status(self, namespace: str, name: str, patch: dict) -> dict:
         stored = self.claims[(namespace, name)]
         assert patch["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
         stored.setdefault("status", {})["devices"] = patch["status"]["devices"]
