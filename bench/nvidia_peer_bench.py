@@ -54,6 +54,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -225,6 +226,14 @@ def allocated_status(
     }
 
 
+def refusal_kind(error: str) -> str:
+    """A refused prepare's error without what differs claim by claim (names, UIDs, paths'
+    directories), so that equal causes count together."""
+    text = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<uid>", error)
+    text = re.sub(r"bench-[0-9a-z-]+/bench-[0-9a-f]+", "<claim>", text)
+    return re.sub(r"/tmp/[^ )]*/", ".../", text)[:300]
+
+
 def prepare_error(answer: Any, pool: str, device: str) -> str | None:
     """What is wrong with one claim's NodePrepareResources answer (None: nothing): an error, or
     devices other than exactly the allocated one with at least one CDI device."""
@@ -315,6 +324,10 @@ class Phase:
     rss_idle_mb: float = float("nan")
     startup_s: float = float("nan")
     load: tuple[float, float] = (float("nan"), float("nan"))
+    # Prepares the plugin answered with an error (the kubelet retries them): per level, and the
+    # first answer of each kind. Left out of the latencies; a wrong device still ends the run.
+    refused: dict[int, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -332,8 +345,12 @@ class Phase:
             for c in self.levels
         )
         unprep = " ".join(f"{c}: {pct(self.unprepare_ms[c], 50):.2f}" for c in self.levels)
+        refused = ""
+        if any(self.refused.values()):
+            counts = ", ".join(f"{self.refused.get(c, 0)} at {c} in flight" for c in self.levels)
+            refused = f"; REFUSED {counts} ({'; '.join(f'{n}x {m}' for m, n in self.refusals.items())})"
         return (
-            f"run {run} {self.label:<20} prepare {lat}; unprepare p50 {unprep} ms; "
+            f"run {run} {self.label:<20} prepare {lat}{refused}; unprepare p50 {unprep} ms; "
             f"CPU/claim {self.cpu_ms:.2f} ms, containerd's {self.runtime_cpu_ms:.2f} ms "
             f"(busy {self.runtime_settle_s:.1f} s after); status writes {self.status_writes}; "
             f"RSS at rest {self.rss_rest_mb:.1f} MB, after {self.rss_after_mb:.1f} MB, "
@@ -605,18 +622,24 @@ async def drive(
         def req(c: Claim) -> list[Any]:
             return [pb.Claim(namespace=ns, name=c[0], uid=c[1])]
 
-        async def prepare(c: Claim) -> float:
+        async def prepare(c: Claim, inflight: int = 0) -> float | None:
             t = time.perf_counter()
             resp = await stub.NodePrepareResources(
                 pb.NodePrepareResourcesRequest(claims=req(c)), timeout=CALL_TIMEOUT_S
             )
             took = time.perf_counter() - t
-            wrong = prepare_error(resp.claims.get(c[1]), pool, c[2])
+            answer = resp.claims.get(c[1])
+            if answer is not None and answer.error and inflight:  # refused: counted, not timed
+                phase.refused[inflight] = phase.refused.get(inflight, 0) + 1
+                kind = refusal_kind(answer.error)
+                phase.refusals[kind] = phase.refusals.get(kind, 0) + 1
+                return None
+            wrong = prepare_error(answer, pool, c[2])
             if wrong:
                 raise SystemExit(f"{phase.label}: prepare of claim {ns}/{c[0]} ({c[2]}): {wrong}")
             return took * 1e3
 
-        async def unprepare(c: Claim) -> float:
+        async def unprepare(c: Claim, inflight: int = 0) -> float:
             t = time.perf_counter()
             resp = await stub.NodeUnprepareResources(
                 pb.NodeUnprepareResourcesRequest(claims=req(c)), timeout=CALL_TIMEOUT_S
@@ -627,10 +650,12 @@ async def drive(
                 raise SystemExit(f"{phase.label}: unprepare of claim {ns}/{c[0]} ({c[2]}): {answer}")
             return took * 1e3
 
-        async def at(inflight: int, fn: Callable[[Claim], Any], out: list[float]) -> None:
+        async def at(inflight: int, fn: Callable[[Claim, int], Any], out: list[float]) -> None:
             async def worker(share: list[Claim]) -> None:
                 for c in share:
-                    out.append(await fn(c))
+                    took = await fn(c, inflight)
+                    if took is not None:
+                        out.append(took)
 
             await asyncio.gather(*(worker(s) for s in split_workers(claims, inflight)))
 
@@ -645,8 +670,9 @@ async def drive(
                 prep = phase.prepare_ms.setdefault(inflight, [])
                 unprep = phase.unprepare_ms.setdefault(inflight, [])
                 for _ in range(batches):
+                    refused = phase.refused.get(inflight, 0)
                     await at(inflight, prepare, prep)
-                    await writes.hold(len(claims))
+                    await writes.hold(len(claims) - (phase.refused.get(inflight, 0) - refused))
                     await at(inflight, unprepare, unprep)
                     phase.claims_timed += len(claims)
         except BaseException:

@@ -27,6 +27,7 @@ from bench.nvidia_peer_bench import (
     profile_parts,
     profile_top,
     profile_uuids,
+    refusal_kind,
     sharing_config,
     split_workers,
     summary,
@@ -181,6 +182,24 @@ def test_summary_compares_the_same_runs_phases() -> None:
         "dra-gpu / NVIDIA, exclusive, run by run: 1 in flight p50 0.50 0.50, p99 0.50 0.50; "
         "CPU/claim 2.00 3.00"
     )
+
+
+def test_refused_prepares_are_counted_by_cause_and_said_in_the_runs_line() -> None:
+    lock = (
+        "error preparing devices for claim bench-nv-8e8e72/bench-ac6cb5cac5:39fb22ee-34bc-4c8b-b515-"
+        "58d852ffbf57: error acquiring prep/unprep lock: timeout acquiring lock "
+        "(/tmp/dra-nvidia-bench-lvwvfshn/nvidia-plugins/gpu.nvidia.com/pu.lock)"
+    )
+    other = lock.replace("bench-ac6cb5cac5", "bench-0552cf53f3").replace("39fb22ee", "cd05d0a1")
+    assert refusal_kind(lock) == refusal_kind(other)  # one cause, whichever claim
+    assert refusal_kind(lock).endswith("timeout acquiring lock (.../pu.lock)")
+    p = Phase("nvidia", "timeslice", [1, 56])
+    p.prepare_ms = {1: [5.0], 56: [9.0]}
+    p.unprepare_ms = {1: [1.0], 56: [1.0]}
+    assert "REFUSED" not in p.line(1)
+    p.refused = {56: 3}
+    p.refusals = {refusal_kind(lock): 3}
+    assert "REFUSED 0 at 1 in flight, 3 at 56 in flight (3x error preparing devices" in p.line(1)
 
 
 LOOP = 'process 1:"python";_run (asyncio/events.py:80)'
