@@ -798,3 +798,24 @@ def test_no_webhook_down_alert_without_a_monitor_that_scrapes_it(render: Render)
     rule = one(render("prometheusRule.enabled=true"), "PrometheusRule")
     alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]]
     assert "DraGpuWebhookDown" not in alerts and "DraGpuWebhookFailing" in alerts
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("logFormat=xml", "at '/logFormat': value must be one of 'text', 'json'"),
+        (
+            "kubeletPlugin.httpPortt=51516",
+            "at '/kubeletPlugin': additional properties 'httpPortt' not allowed",
+        ),
+        ("controller.failurePolicy=Sometimes", "at '/controller/failurePolicy': value must be one of"),
+        ("kubeletPlugin.httpPort=70000", "at '/kubeletPlugin/httpPort': maximum"),
+    ],
+)
+def test_values_are_checked_against_the_schema(helm: str, setting: str, said: str) -> None:
+    """values.schema.json: a typo or a value out of range is refused by Helm, naming the value,
+    before anything reaches the cluster."""
+    r = subprocess.run(
+        [helm, "template", "dra-gpu", str(CHART), "--set", setting], capture_output=True, text=True
+    )
+    assert r.returncode != 0 and said in r.stderr, r.stderr
