@@ -249,6 +249,9 @@ def _add_node_commands(sub: Any) -> None:
     add_health_flags(plug)
     add_health_command(sub)
     add_doctor_command(sub)
+    from dra_gpu.node.wait_for_driver import add_wait_for_driver_command
+
+    add_wait_for_driver_command(sub)
 
 
 def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
@@ -389,6 +392,12 @@ def cmd_top(args: argparse.Namespace) -> int:
     return run_top(args)
 
 
+def cmd_wait_for_driver(args: argparse.Namespace) -> int:
+    from dra_gpu.node.wait_for_driver import cmd_wait_for_driver as run_wait
+
+    return run_wait(args)
+
+
 def _command_word(argv: Sequence[str]) -> str | None:
     """The subcommand argv names (global flags take no values), or None."""
     return next((a for a in argv if not a.startswith("-")), None)
@@ -419,6 +428,7 @@ def _main(argv: list[str]) -> int:
         "kubelet-plugin": cmd_kubelet_plugin,
         "doctor": cmd_doctor,
         "health": cmd_health,
+        "wait-for-driver": cmd_wait_for_driver,
         "top": cmd_top,
         **handlers,
     }

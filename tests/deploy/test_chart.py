@@ -819,3 +819,19 @@ def test_values_are_checked_against_the_schema(helm: str, setting: str, said: st
         [helm, "template", "dra-gpu", str(CHART), "--set", setting], capture_output=True, text=True
     )
     assert r.returncode != 0 and said in r.stderr, r.stderr
+
+
+def test_the_plugin_waits_for_the_driver_in_an_init_container(render: Render) -> None:
+    pod = one(render("kubeletPlugin.nvidiaDriverRoot=/run/nvidia/driver"), "DaemonSet")["spec"]["template"][
+        "spec"
+    ]
+    (init,) = pod["initContainers"]
+    plugin = container({"spec": {"template": {"spec": pod}}})
+    assert init["args"] == ["wait-for-driver"] and init["image"] == plugin["image"]
+    assert {"name": "NVIDIA_DRIVER_ROOT", "value": "/driver-root/driver"} in init["env"]
+    assert env_of(plugin)["NVIDIA_DRIVER_ROOT"] == "/driver-root/driver"  # the same directory
+    mount = next(m for m in init["volumeMounts"] if m["name"] == "driver-root")
+    assert mount["readOnly"] and mount["mountPropagation"] == "HostToContainer"
+    # A simulated node's driver is made by the plugin itself: nothing to wait for.
+    sim = one(render("simulatedProfile=hgx-2x4"), "DaemonSet")["spec"]["template"]["spec"]
+    assert "initContainers" not in sim
