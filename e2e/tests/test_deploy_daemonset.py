@@ -71,6 +71,11 @@ def test_daemonset_serves_a_simulated_node(simnode_image, dyn, core, namespace, 
         ready_s = time.time() - t0
         sc = pod.spec.containers[0].security_context
         assert sc.privileged is False and sc.capabilities.add == ["MKNOD"]
+        # The init container found the driver root's NVML before the plugin started.
+        (init,) = pod.status.init_container_statuses
+        assert init.state.terminated and init.state.terminated.exit_code == 0, init
+        said = core.read_namespaced_pod_log(pod.metadata.name, namespace, container="wait-for-driver")
+        assert said.startswith("NVIDIA driver found: /driver-root/"), said
         # As the chart says: root, with CAP_MKNOD as its only capability, read-only root.
         proc = container_process(pod)
         assert proc["uid"] == 0 and proc["cap_eff"] == CAP_MKNOD, proc

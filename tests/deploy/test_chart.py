@@ -832,6 +832,11 @@ def test_the_plugin_waits_for_the_driver_in_an_init_container(render: Render) ->
     assert env_of(plugin)["NVIDIA_DRIVER_ROOT"] == "/driver-root/driver"  # the same directory
     mount = next(m for m in init["volumeMounts"] if m["name"] == "driver-root")
     assert mount["readOnly"] and mount["mountPropagation"] == "HostToContainer"
-    # A simulated node's driver is made by the plugin itself: nothing to wait for.
+    # A simulated node's driver is made by the plugin itself (driver root /): nothing to wait for;
+    # one given as a driver root (the e2e's) is waited for as a real one.
     sim = one(render("simulatedProfile=hgx-2x4"), "DaemonSet")["spec"]["template"]["spec"]
     assert "initContainers" not in sim
+    given = render("simulatedProfile=hgx-2x4", "kubeletPlugin.nvidiaDriverRoot=/opt/sim")
+    assert (
+        one(given, "DaemonSet")["spec"]["template"]["spec"]["initContainers"][0]["name"] == "wait-for-driver"
+    )
