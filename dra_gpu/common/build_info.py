@@ -8,11 +8,11 @@ import platform
 
 from prometheus_client import CollectorRegistry, Info, ProcessCollector
 
-from dra_gpu import __version__
+from dra_gpu.common.version import VERSION
 
 
 def register_build_info(registry: CollectorRegistry, component: str, node: str = "") -> None:
     info = Info("dra_gpu_build", "The running dra-gpu's version and component.", registry=registry)
-    labels = {"version": __version__, "component": component, "python": platform.python_version()}
+    labels = {"version": VERSION, "component": component, "python": platform.python_version()}
     info.info({**labels, "node": node} if node else labels)
     ProcessCollector(registry=registry)
