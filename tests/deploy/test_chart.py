@@ -840,3 +840,10 @@ def test_the_plugin_waits_for_the_driver_in_an_init_container(render: Render) ->
     assert (
         one(given, "DaemonSet")["spec"]["template"]["spec"]["initContainers"][0]["name"] == "wait-for-driver"
     )
+
+
+def test_without_plugin_and_controller_only_the_classes_are_rendered(render: Render) -> None:
+    """The classes alone, for a cluster that runs the driver's parts otherwise (the e2e installs
+    them so): no plugin Service, PriorityClass or anything else of a part that is off."""
+    kinds = [o["kind"] for o in render("controller.enabled=false", "kubeletPlugin.enabled=false")]
+    assert kinds == ["DeviceClass", "DeviceClass"]
