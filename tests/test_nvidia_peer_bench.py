@@ -188,7 +188,7 @@ def test_refused_prepares_are_counted_by_cause_and_said_in_the_runs_line() -> No
     lock = (
         "error preparing devices for claim bench-nv-8e8e72/bench-ac6cb5cac5:39fb22ee-34bc-4c8b-b515-"
         "58d852ffbf57: error acquiring prep/unprep lock: timeout acquiring lock "
-        "(/tmp/dra-nvidia-bench-lvwvfshn/nvidia-plugins/gpu.nvidia.com/pu.lock)"
+        "(/tmp/dra-nvidia-bench-abcdefgh/nvidia-plugins/gpu.nvidia.com/pu.lock)"
     )
     other = lock.replace("bench-ac6cb5cac5", "bench-0552cf53f3").replace("39fb22ee", "cd05d0a1")
     assert refusal_kind(lock) == refusal_kind(other)  # one cause, whichever claim
