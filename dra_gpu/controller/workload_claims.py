@@ -119,10 +119,8 @@ class References:
         once the cluster was read; a warning otherwise, the input being maybe only part of it)."""
         from dra_gpu.controller.rules import Problem, Verdict  # the CEL engine loads with the rules
 
-        meta = obj.get("metadata")
-        name = str((meta if isinstance(meta, Mapping) else {}).get("name") or name_of(obj) or "?")
         ns = namespace_of(obj)
-        v = Verdict(str(obj.get("kind")), name, ns, concerned=True)
+        v = Verdict(str(obj.get("kind")), name_of(obj) or "?", ns, concerned=True)
         path = ".".join(POD_SPEC_PATHS.get(str(obj.get("kind")), ("spec",)))
         for i, entry in enumerate(pod_claim_entries(obj)):
             where = f"{path}.resourceClaims[{i}]"

@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from dra_gpu.controller.workload_claims import is_allocated
 from dra_gpu.doctor.cluster_view import FAILED_PREPARE, ClusterView, object_meta, object_name, object_spec
 from dra_gpu.doctor.device_taints import slices_with_rule_taints
 from dra_gpu.doctor.report import Result, fail, ok, skip, warn
@@ -25,11 +26,6 @@ def _class_names(spec: Mapping[str, Any]) -> list[str]:
         for sub in r.get("firstAvailable") or []:
             out.append(str(sub.get("deviceClassName")))
     return out
-
-
-def _allocated(claim: Mapping[str, Any]) -> bool:
-    status = claim.get("status")
-    return isinstance(status, dict) and bool(status.get("allocation"))
 
 
 class PendingPods:
@@ -87,7 +83,7 @@ class PendingPods:
             for s in slices:
                 for d in object_spec(s).get("devices") or []:
                     d.pop("taints", None)
-        in_use = [c for c in self.view.claims if _allocated(c)]
+        in_use = [c for c in self.view.claims if is_allocated(c)]
         # Items of a list call carry no kind, and the validator dispatches on it.
         todo = [{"kind": "ResourceClaim", "apiVersion": "resource.k8s.io/v1", **c} for c in claims]
         inputs = Inputs(slices=slices, classes=list(self.view.classes), claims=in_use + todo)
@@ -102,7 +98,7 @@ class PendingPods:
                 pods.append((pod, [c for c in found if self.ours(c)], missing))
         if not pods:
             return [ok("cluster/pending-pods", f"no Pending pod with claims of {self.settings.driver}")]
-        unallocated = [c for _, claims, _ in pods for c in claims if not _allocated(c)]
+        unallocated = [c for _, claims, _ in pods for c in claims if not is_allocated(c)]
         verdicts = self.explain(unallocated, ignore_taints=False) if unallocated else {}
         blocked = [c for c in unallocated if not verdicts.get(self._key(c), {}).get("allocatable", True)]
         untainted = self.explain(blocked, ignore_taints=True) if blocked else {}
@@ -125,7 +121,7 @@ class PendingPods:
         node = object_spec(pod).get("nodeName")
         if not node:
             for claim in claims:
-                if _allocated(claim):
+                if is_allocated(claim):
                     continue
                 key = self._key(claim)
                 verdict = verdicts.get(key, {})
