@@ -11,7 +11,7 @@ The two are compared entry by entry (mounts by container path and the file they 
 nodes, env vars, hooks, and every link NVIDIA's `create-symlinks` hook would make): each entry of
 NVIDIA's spec is in ours, or DIFFERENCES says why not; each entry only ours has is in DIFFERENCES
 with the reason. A row no root needs any more fails too, so the table stays the true list (the
-README's driver-files section has the same table).
+driver-files section of docs/operations.md has the same table).
 
 SAFETY: `nvidia-ctk cdi generate` asks NVML for the driver version (`nvmlInit` of the root's real
 libnvidia-ml), which as root on a machine without a driver creates /dev/nvidiactl. It runs here in
@@ -371,7 +371,7 @@ def test_our_spec_has_what_nvidias_has_or_says_why(
     assert not unused, f"rows of DIFFERENCES no difference needs any more: {unused}"
 
 
-def test_the_readme_lists_every_difference() -> None:
-    readme = (REPO / "README.md").read_text()
+def test_the_operations_page_lists_every_difference() -> None:
+    page = (REPO / "docs" / "operations.md").read_text()
     for d in DIFFERENCES:
-        assert f"`{d.pattern}`" in readme, f"README's driver-files table lacks {d.kind} {d.pattern}"
+        assert f"`{d.pattern}`" in page, f"docs/operations.md's driver-files table lacks {d.kind} {d.pattern}"

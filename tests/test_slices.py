@@ -218,10 +218,11 @@ def test_memory_shares_publish_whole_gpus_with_request_policies() -> None:
     assert "allowMultipleAllocations" not in plain
 
 
-def _readme_capacities(device: str) -> set[str]:
-    """The capacities README's device table lists for `device` ("whole GPU", "MIG device")."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    (row,) = [line for line in readme.splitlines() if line.startswith(f"| {device} |")]
+def _documented_capacities(device: str) -> set[str]:
+    """The capacities the device table of docs/claims-and-examples.md lists for `device` ("whole
+    GPU", "MIG device")."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "claims-and-examples.md").read_text()
+    (row,) = [line for line in page.splitlines() if line.startswith(f"| {device} |")]
     cell = row.rsplit("|", 2)[1]
     names = set(re.findall(r"`(\w+)`", cell))
     if "`memorySlice<i>` (i = 0..7)" in cell:
@@ -230,9 +231,9 @@ def _readme_capacities(device: str) -> set[str]:
 
 
 @pytest.mark.parametrize("profile", ["hgx-2x4", "dgx-h100", "dgx-a100-mig", "mixed", "pcie-pairs"])
-def test_whole_gpus_publish_the_capacities_the_readme_lists_and_no_sm_count(profile: str) -> None:
+def test_whole_gpus_publish_the_capacities_the_docs_list_and_no_sm_count(profile: str) -> None:
     """NVML gives no whole GPU's SM count (nvmlDeviceGetAttributes answers NOT_SUPPORTED but for
-    MIG devices): `multiprocessors` is left out on whole GPUs, not guessed, and the README says so."""
+    MIG devices): `multiprocessors` is left out on whole GPUs, not guessed, and the docs say so."""
     from simnode.fake import FakeNvml
     from simnode.profiles import load_profile
 
@@ -248,10 +249,10 @@ def test_whole_gpus_publish_the_capacities_the_readme_lists_and_no_sm_count(prof
     assert whole
     for dev in whole:
         assert "multiprocessors" not in dev["capacity"]
-        assert set(dev["capacity"]) == _readme_capacities("whole GPU")
+        assert set(dev["capacity"]) == _documented_capacities("whole GPU")
     for dev in devs:
         if attr(dev, "type") == "mig":
-            assert set(dev["capacity"]) <= _readme_capacities("MIG device")
+            assert set(dev["capacity"]) <= _documented_capacities("MIG device")
             assert "multiprocessors" in dev["capacity"]
 
 
