@@ -1,4 +1,4 @@
-"""Hostile-input reliability counts for the README table: per input class, how many inputs were
+"""Hostile-input reliability counts for the table in docs/security.md: per input class, how many inputs were
 tried and how many crashed (an exception other than the input's own error type, a traceback, an
 HTTP 500, an exit code other than 0/1/2) or hung (past the per-input bound).
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The compatibility suite (e2e/tests/test_compat.py) on every supported Kubernetes release, with
 # its default gates and with all DRA gates on, and version skew (a 1.37 control plane with a 1.34
-# kubelet); then the README's table from the records (e2e/compat_table.py).
+# kubelet); then the table of docs/development.md from the records (e2e/compat_table.py).
 #
-#   PYTHON=.venv/bin/python e2e/compat.sh [--readme]      # --readme: rewrite the README's table
+#   PYTHON=.venv/bin/python e2e/compat.sh [--readme]      # --readme: rewrite that table in docs/development.md
 #
 # Each release is built once (e2e/node/build.sh, cached per version). Runs as root, like e2e/ci.sh.
 set -euo pipefail
@@ -35,7 +35,7 @@ done
 "$PYTHON" "$HERE/cluster" down >/dev/null 2>&1 || true
 echo "== records in $RESULTS"
 if [ "${1:-}" = "--readme" ]; then
-  "$PYTHON" "$HERE/compat_table.py" "$RESULTS" --readme "$ROOT/README.md"
+  "$PYTHON" "$HERE/compat_table.py" "$RESULTS" --readme "$ROOT/docs/development.md"
 else
   "$PYTHON" "$HERE/compat_table.py" "$RESULTS"
 fi

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The README's compatibility table, from the compatibility suite's records (e2e/tests/test_compat.py
-writes one JSON file a cluster into $DRA_GPU_COMPAT_RESULTS; e2e/compat.sh runs it on every release).
+"""The compatibility table of docs/development.md, from the compatibility suite's records
+(e2e/tests/test_compat.py writes one JSON file a cluster into $DRA_GPU_COMPAT_RESULTS; e2e/compat.sh
+runs it on every release).
 
-    e2e/compat_table.py RESULTS_DIR [--readme README.md]
+    e2e/compat_table.py RESULTS_DIR [--readme docs/development.md]
 
 Prints the table (Markdown); with --readme, replaces the table between its markers in that file
 (temp file + rename). A table is only ever made from records: a cell no run filled says so.

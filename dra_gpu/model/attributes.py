@@ -1,5 +1,5 @@
-"""The device attributes and capacities dra-gpu publishes, with their value types (the README's
-"What a device looks like"), and how NVML's versions become attribute values.
+"""The device attributes and capacities dra-gpu publishes, with their value types
+(docs/claims-and-examples.md, "What a device looks like"), and how NVML's versions become attribute values.
 
 One list: the slice builder can only publish what is declared here, and the controller's CEL schema
 (which type-checks selectors such as `device.attributes["gpu.dra-gpu.io"].index > 2`) is derived from it.

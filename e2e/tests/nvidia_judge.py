@@ -3,7 +3,7 @@ simulated node (same GPUs, same MIG layout), device by device and attribute by a
 
 Every attribute and capacity NVIDIA's plugin publishes, dra-gpu must publish under the same name
 with the same type and value; what dra-gpu adds is fine. A difference that is known and has a
-reason is an `Exception_` (README "NVIDIA's driver, side by side" lists them all); anything else is
+reason is an `Exception_` (docs/nvidia-side-by-side.md lists them all); anything else is
 a finding and fails the test.
 
 Devices are matched by what identifies them on both sides, not by name (the names differ by

@@ -9,7 +9,7 @@ Which gates are on is read from the apiserver itself (its `kubernetes_feature_en
 not assumed from the version.
 
 Each test records what it found in $DRA_GPU_COMPAT_RESULTS (a directory), one JSON file a
-cluster, from which e2e/compat_table.py writes the README's table.
+cluster, from which e2e/compat_table.py writes the table of docs/development.md.
 """
 
 from __future__ import annotations

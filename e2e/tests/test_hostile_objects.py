@@ -1,4 +1,4 @@
-"""One tenant's object cannot stop the fleet (README "Security"), against the real apiserver:
+"""One tenant's object cannot stop the fleet (docs/security.md), against the real apiserver:
 
 a ResourceClaim nested 1,500 levels deep (the apiserver stores it: its decoder allows 10,000) and
 one whose JSON is larger than an object may be (characters the apiserver writes as 6-byte escapes)

@@ -1,4 +1,4 @@
-"""Tenant isolation, the API side (README "Security"), against the real apiserver:
+"""Tenant isolation, the API side (docs/security.md), against the real apiserver:
 
 - the chart's slice policy: a kubelet plugin's token bound to node A writes no ResourceSlice whose
   spec.pool.name is another node, nor one of another driver;

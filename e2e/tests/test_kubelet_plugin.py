@@ -340,7 +340,7 @@ def test_deleted_and_edited_slices_are_restored_within_5s(plugin, dyn):
 
 def test_explain_answers_for_the_four_nvlink_example_as_it_is(plugin, target, dyn):
     """`dra-gpu explain` on the example a user applies (a Pod and its ResourceClaimTemplate), the
-    devices read from the live cluster as the README says: one NVLink domain of the node."""
+    devices read from the live cluster as docs/claims-and-examples.md says: one NVLink domain of the node."""
     example = ROOT / "deploy" / "examples" / "four-nvlink-gpus.yaml"
     r = subprocess.run(
         [

@@ -469,7 +469,8 @@ JUDGED = {
     "static MIG, NVIDIA's demo layout": ("dgx-a100-40gb-mig", (), 20, [], 20),
     "dynamic MIG": ("dgx-h100-mig", ("DynamicMIG=true",), 152, ["--dynamic-mig"], 144),
 }
-# What NVIDIA publishes and dra-gpu does not, on purpose (the README lists them with these reasons).
+# What NVIDIA publishes and dra-gpu does not, on purpose (docs/nvidia-side-by-side.md lists them with
+# these reasons).
 EXCEPTIONS = [
     Exception_(
         "device",

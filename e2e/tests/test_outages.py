@@ -1,6 +1,6 @@
 """Outages around dra-gpu's kubelet plugin on the real cluster: the apiserver stopped for 30 s
 while pods come and go, containerd restarted under a running GPU pod, and a CDI directory that is
-full or read-only. Each prints what it measured ("[e2e] outage ...") for the README."""
+full or read-only. Each prints what it measured ("[e2e] outage ...") for docs/operations.md, "Outages"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What anyone who reaches the webhook's port can do to it, bounded (README "Security"):
+"""What anyone who reaches the webhook's port can do to it, bounded (docs/security.md):
 
 - label cardinality: 2,000 reviews with distinct kinds and operations add no series;
 - memory: 40 reviews with a 3 MiB kind leave neither the registry nor the process larger;

@@ -1,4 +1,4 @@
-"""Health on a dynamic-MIG GPU (README, GPU health): an event NVML does not attribute to a GPU or
+"""Health on a dynamic-MIG GPU (docs/health.md): an event NVML does not attribute to a GPU or
 compute instance concerns the whole GPU, so it taints every placement of that GPU; one attributed
 to the instance a claim made taints that placement only. Memory-share devices get taints too."""
 
