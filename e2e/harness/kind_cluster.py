@@ -45,7 +45,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config(extra_mounts: Sequence[str] = ()) -> dict[str, Any]:
+def config(extra_mounts: Sequence[str] = (), containerd_patches: Sequence[str] = ()) -> dict[str, Any]:
     with open(USER_CONFIG) as f:
         cfg: dict[str, Any] = yaml.safe_load(f)
     with open(HERE_CONFIG) as f:
@@ -55,6 +55,7 @@ def config(extra_mounts: Sequence[str] = ()) -> dict[str, Any]:
             f"{HERE_CONFIG}: the etcd imageTag must be {kind_node.ETCD_TAG} (e2e/node/versions.sh)"
         )
     cfg = _merge(cfg, here)
+    cfg["containerdConfigPatches"] = list(cfg.get("containerdConfigPatches") or []) + list(containerd_patches)
     if extra_mounts:
         mounts = [{"hostPath": p, "containerPath": p, "readOnly": True} for p in extra_mounts]
         cfg["nodes"] = [dict(n, extraMounts=list(n.get("extraMounts", [])) + mounts) for n in cfg["nodes"]]
@@ -67,12 +68,14 @@ def kind(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
-def create(image: str, name: str = NAME, extra_mounts: Sequence[str] = ()) -> str:
+def create(
+    image: str, name: str = NAME, extra_mounts: Sequence[str] = (), containerd_patches: Sequence[str] = ()
+) -> str:
     """Create the cluster; returns the path of its kubeconfig (in a new temporary directory)."""
     tmp = tempfile.mkdtemp(prefix="dra-gpu-kind-")
     path = os.path.join(tmp, "kind-config.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump(config(extra_mounts), f)
+        yaml.safe_dump(config(extra_mounts, containerd_patches), f)
     kubeconfig = os.path.join(tmp, "kubeconfig")
     t0 = time.monotonic()
     r = kind(
