@@ -13,12 +13,13 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dra_gpu.common.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_STATE, EXIT_USAGE
 from dra_gpu.common.log_format import FORMATS as LOG_FORMATS
+from dra_gpu.common.log_format import MAX_VERBOSITY, V
 from dra_gpu.common.log_format import formatter as log_formatter
 from dra_gpu.common.output_format import add_output_flag
 from dra_gpu.common.safe_output import safe_streams
@@ -33,6 +34,64 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        return super().parse_known_args(bare_verbosity(sys.argv[1:] if args is None else args), namespace)
+
+
+# Verbosity, as klog's -v: `-v N`, `-v=N`, `--v=N`, `--verbosity N`, N in 0..10 (log_format.V maps
+# N to a logging level). A bare -v, the debug switch it was, is -v=4: debug.
+BARE_V = 4
+_NUMBER = re.compile(r"^[+-]?[0-9]+$")
+_LEVEL = re.compile(r"^[0-9]{1,6}$")
+
+
+def bare_verbosity(argv: Sequence[str]) -> list[str]:
+    """`argv` with each bare `-v` (the next word no number, or none) written `-v=4`: argparse would
+    take the word after a `-v` that wants a value, such as the subcommand, for its level."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word == "--":
+            break
+        if word == "-v" and (i + 1 == len(out) or not _NUMBER.match(out[i + 1])):
+            out[i] = f"-v={BARE_V}"
+    return out
+
+
+def verbosity_level(value: str) -> int:
+    """-v's N: a whole number 0..10."""
+    text = value.strip()
+    if _LEVEL.match(text) and int(text) <= MAX_VERBOSITY:
+        return int(text)
+    hint = " (-v=N as klog's; -vv is not counted)" if text and set(text) == {"v"} else ""
+    raise argparse.ArgumentTypeError(f"{value!r} is not a verbosity level 0..{MAX_VERBOSITY}{hint}")
+
+
+def _add_verbosity_flags(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    kw: dict[str, Any] = {"default": argparse.SUPPRESS} if after_command else {"default": None}
+    parser.add_argument(
+        "-v",
+        "--v",
+        "--verbosity",
+        dest="verbosity",
+        type=verbosity_level,
+        metavar="N",
+        help="as before the command"
+        if after_command
+        else f"log verbosity 0..{MAX_VERBOSITY}, as klog's -v: 0 info, 2 each kubelet call, 4 debug, 5 each "
+        f"request; a bare -v is -v={BARE_V} ($DRA_GPU_VERBOSITY; default: 0)",
+        **kw,
+    )
+    parser.add_argument(
+        "--verbose",
+        dest="verbosity",
+        action="store_const",
+        const=BARE_V,
+        help=argparse.SUPPRESS if after_command else f"-v={BARE_V} (deprecated)",
+        **kw,
+    )
 
 
 def _flag(value: str | None) -> bool:
@@ -91,7 +150,7 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
     """The command line; `controller_only`: just the CONTROLLER_COMMANDS, for an argv that names one
     of them (their parsing, help and errors are the same either way)."""
     p = _Parser(prog="dra-gpu", description="Kubernetes DRA driver for NVIDIA GPUs")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    _add_verbosity_flags(p, after_command=False)
     p.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
@@ -112,19 +171,14 @@ def _parser(controller_only: bool = False) -> argparse.ArgumentParser:
 
 
 def _global_flags_after_subcommands(parser: argparse.ArgumentParser) -> None:
-    """-v/--verbose and --log-format also after any subcommand (`dra-gpu explain -f x -v`), as
-    kubectl takes its global flags anywhere; not given there, the value before it stands (SUPPRESS)."""
+    """-v (and its other names) and --log-format also after any subcommand (`dra-gpu explain -f x
+    -v=2`), as kubectl takes its global flags anywhere; not given there, the value before it stands
+    (SUPPRESS)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in set(action.choices.values()):
-                if "--verbose" not in child._option_string_actions:
-                    child.add_argument(
-                        "-v",
-                        "--verbose",
-                        action="store_true",
-                        default=argparse.SUPPRESS,
-                        help="as before the command",
-                    )
+                if "--verbosity" not in child._option_string_actions:
+                    _add_verbosity_flags(child, after_command=True)
                 if "--log-format" not in child._option_string_actions:
                     child.add_argument(
                         "--log-format",
@@ -412,14 +466,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
 
 
+def resolve_verbosity(flag: int | None, environ: Mapping[str, str]) -> int:
+    """The flag's level, else $DRA_GPU_VERBOSITY's (ArgumentTypeError when not 0..10), else 0."""
+    if flag is not None:
+        return flag
+    env = environ.get("DRA_GPU_VERBOSITY", "").strip()
+    return verbosity_level(env) if env else 0
+
+
+def library_level(verbosity: int) -> int:
+    """The level of the libraries' own loggers (gRPC, asyncio, aiohttp, the Kubernetes client) at
+    -v=1 and above: their warnings below -v=4, their info lines up to -v=9, everything at -v=10."""
+    if verbosity < BARE_V:
+        return logging.WARNING
+    return logging.INFO if verbosity < MAX_VERBOSITY else logging.NOTSET
+
+
 def _main(argv: list[str]) -> int:
     args = _parser(controller_only=_command_word(argv) in CONTROLLER_COMMANDS).parse_args(argv)
+    try:
+        args.verbosity = resolve_verbosity(args.verbosity, os.environ)
+    except argparse.ArgumentTypeError as exc:
+        print(f"dra-gpu: error: $DRA_GPU_VERBOSITY: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(log_formatter(args.log_format))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler])
-    if args.verbose:  # keep debug output about this driver, not the libraries' internals
+    logging.basicConfig(level=V(args.verbosity) if args.verbosity else logging.WARNING, handlers=[handler])
+    if args.verbosity:  # this driver's lines down to V(N), not all of the libraries' internals
         for noisy in ("grpc", "asyncio", "aiohttp", "kubernetes"):
-            logging.getLogger(noisy).setLevel(logging.INFO)
+            logging.getLogger(noisy).setLevel(library_level(args.verbosity))
     elif args.command not in ("inventory", "top"):  # their output is the screen: no info lines
         logging.getLogger("dra_gpu").setLevel(logging.INFO)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = args.extra_commands

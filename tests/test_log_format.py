@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu.common.log_format import JsonFormatter, LogfmtFormatter
+from dra_gpu.common.log_format import JsonFormatter, LogfmtFormatter, V
 from tests.simnode_support import needs_root, needs_toolchain, nvml_h  # noqa: F401 - a fixture
 
 DRA_GPU = shutil.which("dra-gpu") or str(Path(sys.executable).with_name("dra-gpu"))
@@ -31,8 +31,8 @@ def parse_logfmt(line: str) -> dict[str, str]:
     return {k: json.loads(v) if v.startswith('"') else v for k, v in pairs}
 
 
-def record(msg: str, *args: object) -> logging.LogRecord:
-    rec = logging.LogRecord("dra_gpu.test", logging.WARNING, __file__, 1, msg, args, None)
+def record(msg: str, *args: object, level: int = logging.WARNING) -> logging.LogRecord:
+    rec = logging.LogRecord("dra_gpu.test", level, __file__, 1, msg, args, None)
     rec.created = 1796656659.051  # 2026-12-07T15:17:39.051Z
     return rec
 
@@ -68,6 +68,32 @@ def test_json_lines_hold_the_same_fields() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("level", "fields"),
+    [
+        (logging.ERROR, {"level": "error"}),
+        (logging.INFO, {"level": "info"}),  # v=0: no v field
+        (V(1), {"level": "info", "v": 1}),
+        (V(2), {"level": "info", "v": 2}),
+        (V(3), {"level": "info", "v": 3}),
+        (logging.DEBUG, {"level": "debug", "v": 4}),
+        (V(5), {"level": "debug", "v": 5}),
+        (V(10), {"level": "debug", "v": 10}),
+        (15, {"level": "debug", "v": 4}),  # a library's own level between the two
+    ],
+)
+def test_verbosity_keeps_a_level_pipelines_know_and_says_v(level: int, fields: dict[str, object]) -> None:
+    """Below info: `info` or `debug`, never `v2` or `level 18`, and the verbosity in `v`, a number
+    in JSON, as klog's JSON lines have it; logfmt and JSON still read back."""
+    rec = record("kubelet call claims=%d", 1, level=level)
+    line = LogfmtFormatter().format(rec)
+    want = {"time": "2026-12-07T15:17:39.051Z", **fields, "logger": "dra_gpu.test"}
+    want["msg"] = "kubelet call claims=1"
+    assert parse_logfmt(line) == {k: str(v) for k, v in want.items()}
+    assert list(parse_logfmt(line)) == list(want)  # v right after level
+    assert json.loads(JsonFormatter().format(rec)) == want
+
+
 @needs_toolchain
 @needs_root
 @pytest.mark.usefixtures("nvml_h")  # a simulated node's libnvidia-ml.so.1, compiled on first use
@@ -83,9 +109,24 @@ def test_the_commands_logs_in_either_format(where: str) -> None:
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stderr.splitlines()]
     assert lines and {d["level"] for d in lines} <= {"debug", "info", "warning", "error"}
+    assert any(d["level"] == "debug" for d in lines)  # a bare -v is -v=4: debug, said as v=4
+    assert all(d.get("v") == 4 for d in lines if d["level"] == "debug")
     for d in lines:
         assert (datetime.fromisoformat(d["time"]) - started).total_seconds() > -1  # UTC, not local time
     text = subprocess.run(
         [DRA_GPU, "-v", *command], capture_output=True, text=True, timeout=120, env=dict(os.environ)
     )
     assert [parse_logfmt(line)["logger"] for line in text.stderr.splitlines()] == [d["logger"] for d in lines]
+    # -v=3 (and the same from $DRA_GPU_VERBOSITY): the info lines without the debug ones.
+    for v3, env in ((["-v=3"], {}), ([], {"DRA_GPU_VERBOSITY": "3"})):
+        out = subprocess.run(
+            [DRA_GPU, *v3, *command, "--log-format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env},
+        )
+        assert out.returncode == 0, out.stderr
+        assert [json.loads(line)["logger"] for line in out.stderr.splitlines()] == [
+            d["logger"] for d in lines if d["level"] != "debug"
+        ]

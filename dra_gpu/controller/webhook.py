@@ -54,6 +54,7 @@ from prometheus_client import (
 from dra_gpu.common.build_info import register_build_info
 from dra_gpu.common.decoding import decode
 from dra_gpu.common.exit_codes import EXIT_OK, EXIT_USAGE
+from dra_gpu.common.log_format import V
 from dra_gpu.controller import view_records
 from dra_gpu.controller.cluster_state import ClusterState
 from dra_gpu.controller.inputs import InputError, load_files
@@ -371,10 +372,10 @@ class Webhook:
             if verdict.warnings:
                 result = "warned" if result == "allowed" else result
                 response["warnings"] = [f"{path}: {message}"[:1000] for path, message in verdict.warnings]
-            # Denials and warnings at info; an allowed review at debug (`-v`): every claim of
-            # every pod passes here, and the reviews counter has them all.
+            # Denials and warnings at info; an allowed review at -v=5 (each request): every claim
+            # of every pod passes here, and the reviews counter has them all.
             log.log(
-                logging.DEBUG if result == "allowed" else logging.INFO,
+                V(5) if result == "allowed" else logging.INFO,
                 "event=admission kind=%s name=%s namespace=%s operation=%s result=%s uid=%s",
                 kind,
                 verdict.name,
@@ -595,7 +596,7 @@ async def serve(
 
 def run(config: WebhookConfig) -> int:
     root = logging.getLogger()
-    root.setLevel(min(root.level or logging.INFO, logging.INFO))  # at least info; -v keeps debug
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))  # at least info; -v=N keeps V(N)
 
     async def main() -> None:
         stop = asyncio.Event()

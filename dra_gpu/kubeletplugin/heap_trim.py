@@ -35,6 +35,8 @@ import os
 import time
 from collections.abc import Callable
 
+from dra_gpu.common.log_format import V
+
 log = logging.getLogger(__name__)
 
 IDLE_SECONDS = 1.0
@@ -133,7 +135,8 @@ class HeapTrimmer:
         collected_at = time.perf_counter()
         released = self._trim(0)
         self.trims += 1
-        log.debug(
+        log.log(
+            V(5),
             "heap trimmed collected=%d gc_seconds=%.4f released=%s trim_seconds=%.4f",
             collected,
             collected_at - start,

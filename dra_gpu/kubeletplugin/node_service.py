@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from dra_gpu.common.log_format import V
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
 from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2 as v1beta1_pb
@@ -62,6 +63,7 @@ class NodeService:
             self.metrics.latency.labels(operation).observe(time.perf_counter() - start)
 
     async def prepare(self, request: Any, pb: Any) -> Any:
+        start = time.perf_counter()
         refs, ambiguous = _distinct(request.claims)
         outcomes = await _each(refs, lambda r: self._one("prepare", r, self._prepare))
         response = pb.NodePrepareResourcesResponse()
@@ -74,12 +76,14 @@ class NodeService:
                 continue
             for d in devices or ():
                 entry.devices.append(_device(pb, d))
+        _summary("prepare", response, start)
         return response
 
     async def _prepare(self, ref: ClaimRef) -> Sequence[Device]:
         return await self.driver.prepare(ref, await self.claims.fetch(ref))
 
     async def unprepare(self, request: Any, pb: Any) -> Any:
+        start = time.perf_counter()
         refs, ambiguous = _distinct(request.claims)
         outcomes = await _each(refs, lambda r: self._one("unprepare", r, self.driver.unprepare))
         response = pb.NodeUnprepareResourcesResponse()
@@ -87,7 +91,22 @@ class NodeService:
             response.claims[uid].error = error
         for ref, (_, error) in zip(refs, outcomes, strict=True):
             response.claims[ref.uid].error = error
+        _summary("unprepare", response, start)
         return response
+
+
+def _summary(operation: str, response: Any, start: float) -> None:
+    """At -v=2: each kubelet call, its claims, how many failed and how long it took."""
+    if log.isEnabledFor(V(2)):
+        claims = response.claims.values()
+        log.log(
+            V(2),
+            "kubelet call operation=%s claims=%d failed=%d seconds=%.3f",
+            operation,
+            len(claims),
+            sum(1 for c in claims if c.error),
+            time.perf_counter() - start,
+        )
 
 
 async def _each(refs: list[ClaimRef], call: Callable[[ClaimRef], Awaitable[T]]) -> list[T]:

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from dra_gpu.common.log_format import V
 from dra_gpu.controller.webhook import WebhookConfig, serve
 
 from .objects import GPU_CLASS, NVLINK, allocated, claim, device_names, node_slices
@@ -165,18 +166,21 @@ def test_admits_valid_and_denies_invalid(server: Server) -> None:
     assert not typo["allowed"] and "did you mean 'productName'?" in typo["status"]["message"]
 
 
-def test_denials_are_logged_at_info_and_allowed_reviews_at_debug(
+def test_denials_are_logged_at_info_and_allowed_reviews_at_v5(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.DEBUG, logger="dra_gpu.controller.webhook"):
-        server.review(claim("two", 2, constraints=NVLINK))
-        server.review(claim("sixteen", 16, constraints=NVLINK))
-    levels = {
-        r.getMessage().split("name=")[1].split()[0]: r.levelname
-        for r in caplog.records
-        if "event=admission" in r.getMessage()
-    }
-    assert levels == {"two": "DEBUG", "sixteen": "INFO"}
+    """Each allowed review is a per-request line: -v=5, not even -v=4 (debug)."""
+    for threshold, want in ((V(5), {"two": "V5", "sixteen": "INFO"}), (logging.DEBUG, {"sixteen": "INFO"})):
+        caplog.clear()
+        with caplog.at_level(threshold, logger="dra_gpu.controller.webhook"):
+            server.review(claim("two", 2, constraints=NVLINK))
+            server.review(claim("sixteen", 16, constraints=NVLINK))
+        levels = {
+            r.getMessage().split("name=")[1].split()[0]: r.levelname
+            for r in caplog.records
+            if "event=admission" in r.getMessage()
+        }
+        assert levels == want
 
 
 def test_warns_when_temporarily_unsatisfiable(server: Server) -> None:

@@ -113,7 +113,7 @@ def test_daemonset_host_paths_env_and_probes(render: Render) -> None:
     ds = one(objs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"] == ["kubelet-plugin"]
+    assert c["args"] == ["kubelet-plugin", "-v=0"]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     # Identical paths inside and outside the container.

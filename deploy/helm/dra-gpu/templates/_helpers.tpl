@@ -47,6 +47,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 system:serviceaccount:{{ .Release.Namespace }}:{{ include "dra-gpu.pluginName" . }}
 {{- end -}}
 
+{{/* The containers' `-v=N`: verbosity (0..10, as klog's -v); the deprecated `verbose: true` is
+at least 4 (debug), the bare `-v` it used to pass. */}}
+{{- define "dra-gpu.verbosity" -}}
+{{- $v := int (.Values.verbosity | default 0) -}}
+{{- if and .Values.verbose (lt $v 4) -}}{{- $v = 4 -}}{{- end -}}
+{{- $v -}}
+{{- end -}}
+
 {{/* The driver name: gpu.nvidia.com in NVIDIA-compatible mode, else driverName. */}}
 {{- define "dra-gpu.driverName" -}}
 {{- if .Values.nvidiaCompatible -}}
