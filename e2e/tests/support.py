@@ -150,6 +150,7 @@ def reach_apiserver(workload, apiserver_port):
 
 def render(release, namespace, *sets):
     cmd = [helm_binary(), "template", release, str(CHART), "-n", namespace, "--kube-version", "1.37.2"]
+    cmd += ["--set", "image.registry=registry.example.com/gpu"]  # the chart has none; sets below win
     for s in sets:
         cmd += ["--set", s]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

@@ -42,6 +42,9 @@ def helm() -> str:
     return find_helm()
 
 
+TEST_REGISTRY = "registry.example.com/gpu"
+
+
 def render_chart(
     helm: str,
     *sets: str,
@@ -50,7 +53,8 @@ def render_chart(
     kube_version: str = KUBE_VERSION,
 ) -> list[dict[str, Any]]:
     cmd = [helm, "template", release, str(CHART), "--namespace", namespace, "--kube-version", kube_version]
-    for s in sets:
+    # The registry a user sets once (the chart has none): first, so that a test's own sets win.
+    for s in (f"image.registry={TEST_REGISTRY}", *sets):
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"helm template {' '.join(sets)} failed:\n{r.stderr}"

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import CHART, ROOT, Render, by_kind, one
+from .conftest import CHART, ROOT, TEST_REGISTRY, Render, by_kind, one
+
+REGISTRY = ("--set", f"image.registry={TEST_REGISTRY}")  # the chart has none of its own
 
 DRIVER = "gpu.dra-gpu.io"
 NAMESPACED = {
@@ -42,7 +44,9 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
 
 def test_lint(helm: str) -> None:
     r = subprocess.run(
-        [helm, "lint", str(CHART), "--kube-version", "1.37.2", "--strict"], capture_output=True, text=True
+        [helm, "lint", str(CHART), "--kube-version", "1.37.2", "--strict", *REGISTRY],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -50,7 +54,7 @@ def test_lint(helm: str) -> None:
 def test_helm_knows_its_kubernetes_version(helm: str) -> None:
     """deploy/build-helm.sh links in the Kubernetes version (as upstream's Makefile does), so
     `helm template` without --kube-version accepts the chart's kubeVersion >= 1.34."""
-    r = subprocess.run([helm, "template", "x", str(CHART)], capture_output=True, text=True)
+    r = subprocess.run([helm, "template", "x", str(CHART), *REGISTRY], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
@@ -334,7 +338,9 @@ def refused(helm: str, *sets: str) -> str:
     """What `helm template` says when it refuses to render the chart with `sets` (it must refuse)."""
     args = [a for s in sets for a in ("--set", s)]
     r = subprocess.run(
-        [helm, "template", "x", str(CHART), "--kube-version", "1.37.2", *args], capture_output=True, text=True
+        [helm, "template", "x", str(CHART), "--kube-version", "1.37.2", *REGISTRY, *args],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode != 0, r.stdout[:2000]
     return r.stderr
@@ -353,6 +359,7 @@ def render_values(helm: str, values: Path) -> list[dict[str, Any]]:
             "1.37.2",
             "-f",
             str(values),
+            *REGISTRY,
         ],
         capture_output=True,
         text=True,
@@ -816,7 +823,7 @@ def test_values_are_checked_against_the_schema(helm: str, setting: str, said: st
     """values.schema.json: a typo or a value out of range is refused by Helm, naming the value,
     before anything reaches the cluster."""
     r = subprocess.run(
-        [helm, "template", "dra-gpu", str(CHART), "--set", setting], capture_output=True, text=True
+        [helm, "template", "dra-gpu", str(CHART), *REGISTRY, "--set", setting], capture_output=True, text=True
     )
     assert r.returncode != 0 and said in r.stderr, r.stderr
 

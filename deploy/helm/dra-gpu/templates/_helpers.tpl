@@ -30,8 +30,22 @@ app.kubernetes.io/name: {{ include "dra-gpu.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The image: image.repository as given, or the release's registry/name pinned by digest; the
+simulator's image when simulatedProfile is set. No default registry: a name that exists only on
+the machine that built it would fail on every node. */}}
 {{- define "dra-gpu.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $img := .Values.image -}}
+{{- $tag := $img.tag | default .Chart.AppVersion -}}
+{{- $simulated := ne (toString .Values.simulatedProfile) "" -}}
+{{- if $img.repository -}}
+{{ $img.repository }}:{{ $tag }}
+{{- else if $img.registry -}}
+{{- $name := ternary $img.simulatorName $img.name $simulated -}}
+{{- $digest := ternary $img.simulatorDigest $img.digest $simulated -}}
+{{ trimSuffix "/" $img.registry }}/{{ $name }}:{{ $tag }}{{ if $digest }}@{{ $digest }}{{ end }}
+{{- else -}}
+{{- fail "image.registry is not set: set it to the registry that holds the release's images (--set image.registry=HOST[:PORT][/PATH]; a chart installed from a release has it), or set image.repository to a full image name" -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "dra-gpu.pluginName" -}}
