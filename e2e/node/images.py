@@ -18,7 +18,13 @@ With --debian it also writes two glibc images for the CDI user-space tests, shar
 Debian bookworm minbase root with python3 built by `mmdebstrap` from Debian's archive (no NVIDIA
 file in it; apt lists and caches, docs, man pages and locales left out):
 
-- debian image: name from $E2E_DEBIAN_IMAGE (default localhost/dra-gpu-e2e/debian:1), cmd sh.
+- debian image: name from $E2E_DEBIAN_IMAGE (default localhost/dra-gpu-e2e/debian:1), cmd sh;
+  the same archive names the same manifest `docker.io/library/debian:bookworm-slim` too (two
+  entries of its index.json, one digest: `ctr images import` and `kind load image-archive` make
+  an image of each), the public image deploy/examples run. The e2e clusters reach no registry,
+  so that name is served by this local build: like debian:bookworm-slim, a Debian bookworm
+  minbase root from Debian's archive, with python3 added (the examples use only sh, coreutils
+  and grep, which both have; the slim image has no python3).
 - cuda-style image: name from $E2E_CUDA_STYLE_IMAGE (default localhost/dra-gpu-e2e/cuda-style:1),
   with the PATH and LD_LIBRARY_PATH of NVIDIA's CUDA base images (/usr/local/nvidia/...).
 - nvidia-demo image: name from $E2E_NVIDIA_DEMO_IMAGE (default localhost/dra-gpu-e2e/nvidia-demo:1),
@@ -47,6 +53,9 @@ BUSYBOX = os.environ.get("E2E_BUSYBOX_BIN", "/bin/busybox")
 BUSYBOX_IMAGE = os.environ.get("E2E_BUSYBOX_IMAGE", "localhost/dra-gpu-e2e/busybox:1")
 PAUSE_IMAGE = os.environ.get("E2E_PAUSE_IMAGE", "registry.k8s.io/pause:3.10.1")
 DEBIAN_IMAGE = os.environ.get("E2E_DEBIAN_IMAGE", "localhost/dra-gpu-e2e/debian:1")
+# The public image of deploy/examples, served by the debian archive under its full name (what the
+# kubelet and containerd normalise `debian:bookworm-slim` to).
+DEBIAN_SLIM_IMAGE = "docker.io/library/debian:bookworm-slim"
 CUDA_STYLE_IMAGE = os.environ.get("E2E_CUDA_STYLE_IMAGE", "localhost/dra-gpu-e2e/cuda-style:1")
 NVIDIA_DEMO_IMAGE = os.environ.get("E2E_NVIDIA_DEMO_IMAGE", "localhost/dra-gpu-e2e/nvidia-demo:1")
 DEMO_SAMPLE = b"""#!/bin/sh
@@ -150,8 +159,11 @@ def _bytes_layer(layer: bytes) -> Layer:
     return "sha256:" + hashlib.sha256(layer).hexdigest(), add_layer
 
 
-def _write_layout(path: str, name: str, layers: list[Layer], config_extra: dict[str, Any]) -> None:
-    """Write an OCI layout archive of `layers`, bottom first."""
+def _write_layout(
+    path: str, name: str, layers: list[Layer], config_extra: dict[str, Any], also: tuple[str, ...] = ()
+) -> None:
+    """Write an OCI layout archive of `layers`, bottom first, named `name` and each of `also`
+    (one index entry per name, all of the same manifest)."""
     config = {
         "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
         "os": "linux",
@@ -172,12 +184,15 @@ def _write_layout(path: str, name: str, layers: list[Layer], config_extra: dict[
             "layers": layer_descs,
         }
         mdesc = _blob(tf, _dumps(manifest), "application/vnd.oci.image.manifest.v1+json")
-        tag = name.rsplit(":", 1)[1] if ":" in name.rsplit("/", 1)[-1] else "latest"
-        mdesc["annotations"] = {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": tag}
+        entries = []
+        for n in (name, *also):
+            tag = n.rsplit(":", 1)[1] if ":" in n.rsplit("/", 1)[-1] else "latest"
+            annotations = {"io.containerd.image.name": n, "org.opencontainers.image.ref.name": tag}
+            entries.append(dict(mdesc, annotations=annotations))
         index = {
             "schemaVersion": 2,
             "mediaType": "application/vnd.oci.image.index.v1+json",
-            "manifests": [mdesc],
+            "manifests": entries,
         }
         for fname, content in (
             ("oci-layout", _dumps({"imageLayoutVersion": "1.0.0"})),
@@ -291,7 +306,8 @@ def debian_images(outdir: str) -> None:
         "cuda-style.tar": (CUDA_STYLE_IMAGE, {"Cmd": ["sh"], "Env": CUDA_STYLE_ENV}),
         "nvidia-demo.tar": (NVIDIA_DEMO_IMAGE, {"Cmd": ["/tmp/sample"], "Env": [DEBIAN_PATH]}),
     }
-    stamp = _dumps([meta["digest"], targets, DEMO_SAMPLE.decode()]).decode()
+    also = {"debian.tar": (DEBIAN_SLIM_IMAGE,)}
+    stamp = _dumps([meta["digest"], targets, also, DEMO_SAMPLE.decode()]).decode()
     stamp_path = os.path.join(outdir, ".debian-stamp")
     if (
         os.path.exists(stamp_path)
@@ -312,7 +328,7 @@ def debian_images(outdir: str) -> None:
     base: Layer = (meta["diff_id"], add_layer)
     for fname, (name, config) in targets.items():
         layers = [base, _bytes_layer(_demo_layer())] if fname == "nvidia-demo.tar" else [base]
-        _write_layout(os.path.join(outdir, fname), name, layers, config)
+        _write_layout(os.path.join(outdir, fname), name, layers, config, also.get(fname, ()))
     with open(stamp_path, "w") as f:
         f.write(stamp)
 
@@ -346,9 +362,11 @@ def import_missing(outdir, containerd_address, archives):
     """Import the archives whose image containerd (k8s.io namespace) lacks; `ctr` from PATH."""
     ctr = ["ctr", "--address", containerd_address, "-n", "k8s.io", "images"]
     have = subprocess.run([*ctr, "ls", "-q"], check=True, capture_output=True, text=True).stdout.split()
+    imported = set()
     for tar, name in archives:
-        if name not in have:
+        if name not in have and tar not in imported:  # an archive may carry several names
             subprocess.run([*ctr, "import", os.path.join(outdir, tar)], check=True, capture_output=True)
+            imported.add(tar)
 
 
 if __name__ == "__main__":
@@ -368,6 +386,7 @@ if __name__ == "__main__":
                 args.import_to,
                 (
                     ("debian.tar", DEBIAN_IMAGE),
+                    ("debian.tar", DEBIAN_SLIM_IMAGE),
                     ("cuda-style.tar", CUDA_STYLE_IMAGE),
                     ("nvidia-demo.tar", NVIDIA_DEMO_IMAGE),
                 ),

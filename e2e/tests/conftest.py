@@ -31,7 +31,7 @@ from controller_support import (
     device_class,
     ignore_404,
 )
-from support import dra_gpu_image, kubelet_excerpt
+from support import CACHE, dra_gpu_image, kubelet_excerpt
 
 E2E_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, E2E_DIR)  # the harness, as e2e/cluster imports it
@@ -177,6 +177,21 @@ def namespace(core):
 @pytest.fixture(scope="session")
 def busybox_image():
     return BUSYBOX_IMAGE
+
+
+@pytest.fixture(scope="session")
+def example_image(target):
+    """The public image deploy/examples run (docker.io/library/debian:bookworm-slim), served by a
+    local build under that name (e2e/node/images.py --debian: its debian.tar carries both names),
+    imported into the local cluster's containerd; on another cluster whoever runs it loads that
+    archive (`kind load image-archive`)."""
+    name = "docker.io/library/debian:bookworm-slim"
+    if target.local:
+        env = _cluster_env()
+        path = {**os.environ, "PATH": env["PATH"].replace("$PATH", os.environ["PATH"])}
+        images = [sys.executable, os.path.join(E2E_DIR, "node", "images.py"), str(CACHE / "images")]
+        subprocess.run([*images, "--debian", "--import-to", env["CONTAINERD_ADDRESS"]], env=path, check=True)
+    return name
 
 
 @pytest.fixture(scope="session")

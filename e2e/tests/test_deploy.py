@@ -5,13 +5,15 @@
 - the node-scoped ValidatingAdmissionPolicy, proven: acting as node A's kubelet-plugin service
   account with a token bound to a pod on node A, writing node A's ResourceSlice succeeds and
   writing node B's is denied (and RBAC keeps the account away from everything else);
-- every example is accepted by the apiserver (dry-run: schema, CEL selectors compile).
-Running the examples as pods with the plugin serving a simulated node is done elsewhere.
+- every example is accepted by the apiserver (dry-run: schema, CEL selectors compile);
+- every example runs as it is (its public image, served locally under that name) with the plugin
+  serving a simulated node, and its pods' nvidia-smi lists exactly the devices of their claims.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import time
 import uuid
@@ -340,7 +342,7 @@ def test_token_without_node_is_denied(api_client, core, plugin_identity):
 # ---------------------------------------------------------------- the examples, run
 
 
-# (profile the plugin serves, example file, what the pods must show)
+# (profile the plugin serves and any more plugin flags, example file)
 RUNS = [
     ("hgx-2x4", "one-gpu.yaml"),
     ("hgx-2x4", "four-nvlink-gpus.yaml"),
@@ -354,6 +356,7 @@ RUNS = [
     ("hgx-2x4", "time-sliced-gpu.yaml"),
     ("dgx-a100-mig", "mig-3g40gb.yaml"),
     ("dgx-a100-mig", "prioritized-h100-else-a100.yaml"),
+    ("hgx-2x4 --memory-shares", "gpu-memory-share-20gi.yaml"),  # the plugin's memory shares
 ]
 
 
@@ -369,28 +372,36 @@ class SimulatedNode:
         self.plugin.profile = ""
         self.dyn = dyn
 
-    def serve(self, profile):
-        if self.plugin.profile == profile and self.plugin.proc and self.plugin.proc.poll() is None:
+    def serve(self, spec):
+        """`spec`: a profile, then any more kubelet-plugin flags (`--memory-shares`)."""
+        profile, *args = spec.split()
+        plugin = self.plugin
+        running = plugin.proc is not None and plugin.proc.poll() is None
+        if running and (plugin.profile, plugin.extra_args) == (profile, args):
             return
-        self.plugin.stop()
-        self.plugin.profile = profile
-        self.plugin.start()
+        plugin.stop()
+        plugin.profile, plugin.extra_args = profile, args
+        plugin.start()
         want = {"hgx-2x4": "NVIDIA H100 80GB HBM3", "dgx-a100-mig": "NVIDIA A100-SXM4-80GB"}[profile]
+        shares = "--memory-shares" in args
         deadline = time.time() + 30
         while time.time() < deadline:  # the old profile's slices replaced by the new one's
-            names = {a.get("productName") for a in self.devices().values()}
-            if names == {want}:
+            devices = self.slice_devices()
+            names = {next(iter(d["attributes"]["productName"].values())) for d in devices}
+            if names == {want} and any(d.get("allowMultipleAllocations") for d in devices) == shares:
                 return
             time.sleep(0.3)
-        raise AssertionError(f"slices of {profile} not published: {self.devices()}")
+        raise AssertionError(f"slices of {spec} not published: {self.devices()}")
 
-    def devices(self):
+    def slice_devices(self):
         api = self.dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
         items = api.get(field_selector="spec.driver=gpu.dra-gpu.io").to_dict()["items"]
+        return [d for s in items for d in s["spec"]["devices"]]
+
+    def devices(self):
         return {
             d["name"]: {k: next(iter(v.values())) for k, v in d["attributes"].items()}
-            for s in items
-            for d in s["spec"]["devices"]
+            for d in self.slice_devices()
         }
 
     def by_uuid(self):
@@ -417,6 +428,34 @@ def visible(log):
     return [u for u in line.split("=", 1)[-1].split(",") if u]
 
 
+SMI_GPU = re.compile(r"^GPU (\d+): (.+) \(UUID: (GPU-[0-9a-f-]+)\)$")
+SMI_MIG = re.compile(r"^MIG (\S+) +Device +(\d+): \(UUID: (MIG-[0-9a-f-]+)\)$")
+
+
+def nvidia_smi(log):
+    """What `nvidia-smi -L` listed: {"GPU": {uuid: name}, "MIG": {uuid: profile}} (a real
+    nvidia-smi lists a MIG device under its GPU's line; the simulated one lists the GPU alone)."""
+    out = {"GPU": {}, "MIG": {}}
+    for line in log.splitlines():
+        if m := SMI_GPU.match(line.strip()):
+            out["GPU"][m[3]] = m[2]
+        elif m := SMI_MIG.match(line.strip()):
+            out["MIG"][m[3]] = m[1]
+    return out
+
+
+def assert_smi_lists(log, uuids, devs):
+    """nvidia-smi in the container lists exactly the claim's devices (`uuids`, from
+    DRA_GPU_VISIBLE_DEVICES): the GPUs by UUID and product name, a MIG device by its parent GPU
+    (and by itself where nvidia-smi lists MIG devices)."""
+    smi = nvidia_smi(log)
+    migs = [u for u in uuids if devs[u]["type"] == "mig"]
+    gpus = {devs[u]["parentUUID"] if u in migs else u: devs[u]["productName"] for u in uuids}
+    assert smi["GPU"] == gpus, f"nvidia-smi -L listed {smi}, the claim gave {uuids}:\n{log}"
+    assert sorted(smi["MIG"]) in ([], sorted(migs)), f"nvidia-smi -L listed {smi}:\n{log}"
+    assert all(smi["MIG"][u] == devs[u]["profile"] for u in smi["MIG"]), log
+
+
 def claim_results(dyn, namespace):
     api = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     out = {}
@@ -427,11 +466,16 @@ def claim_results(dyn, namespace):
     return out
 
 
-@pytest.mark.parametrize(("profile", "example"), RUNS, ids=[f"{p}-{e[:-5]}" for p, e in RUNS])
-def test_example_runs(simulated_node, dyn, core, namespace, wait_pod, profile, example):
-    """Needs pods to run: on VMs without CAP_SYS_RESOURCE, containerd must restrict oom_score_adj."""
+@pytest.mark.parametrize(
+    ("profile", "example"), RUNS, ids=[f"{p.replace(' --', '-')}-{e[:-5]}" for p, e in RUNS]
+)
+def test_example_runs(simulated_node, example_image, dyn, core, namespace, wait_pod, profile, example):
+    """Needs pods to run: on VMs without CAP_SYS_RESOURCE, containerd must restrict oom_score_adj.
+    The example as it is: its public image (served locally under that name) and pull policy."""
     simulated_node.serve(profile)
     docs = [d for d in yaml.safe_load_all((EXAMPLES / example).read_text()) if d]
+    images = {c["image"] for d in docs if d["kind"] == "Pod" for c in d["spec"]["containers"]}
+    assert images == {example_image}, images
     for obj in docs:
         apply(dyn, obj, namespace, dry_run=False)
     pods = [d["metadata"]["name"] for d in docs if d["kind"] == "Pod"]
@@ -463,10 +507,13 @@ def test_example_runs(simulated_node, dyn, core, namespace, wait_pod, profile, e
         while time.time() < deadline and claims.get(namespace=namespace).to_dict()["items"]:
             time.sleep(0.3)
 
+    for pod, log in logs.items():
+        print(f"\n[e2e] {example} on {profile}, pod {pod}:\n{log.rstrip()}")
     devs = simulated_node.by_uuid()
     seen = {p: visible(log) for p, log in logs.items()}
     for pod, uuids in seen.items():
         assert uuids and all(u in devs for u in uuids), f"{pod} saw {uuids}:\n{logs[pod]}"
+        assert_smi_lists(logs[pod], uuids, devs)  # nvidia-smi from the claim's CDI spec
         assert "nvidia" in logs[pod]  # device nodes injected (ls /dev | grep nvidia)
     (first, *_) = seen.values()
     attrs = [devs[u] for u in first]
@@ -490,6 +537,13 @@ def test_example_runs(simulated_node, dyn, core, namespace, wait_pod, profile, e
         assert "nvidia-cuda-mps-control.pid" not in log and "control_privileged" not in log, log
     elif example == "time-sliced-gpu.yaml":
         assert seen["time-sliced-a"] == seen["time-sliced-b"] and len(seen["time-sliced-a"]) == 1
+    elif example == "gpu-memory-share-20gi.yaml":  # two claims, two shares of one GPU
+        shares = [r for rs in results.values() for r in rs]
+        assert len(shares) == 2 and len({r.get("shareID") for r in shares} - {None}) == 2, shares
+        assert all(r["consumedCapacity"]["memory"] == "20Gi" for r in shares), shares
+        assert seen["memory-share-a"] == seen["memory-share-b"] and len(first) == 1, seen
+        for pod in ("memory-share-a", "memory-share-b"):
+            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in logs[pod], logs[pod]
     elif example == "classic-nvidia-gpu.yaml":
         status = extended["classic-nvidia-gpu"]
         assert status is not None and status.resource_claim_name, status  # served through DRA

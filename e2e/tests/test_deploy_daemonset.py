@@ -32,6 +32,7 @@ from support import (
     wait_for,
     wait_ready_pod,
 )
+from test_deploy import nvidia_smi, visible
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +44,7 @@ BROKEN_CEL = "device.attributes['gpu.dra-gpu.io'].productName =="  # a syntax er
 CAP_MKNOD = 1 << 27
 
 
-def test_daemonset_serves_a_simulated_node(simnode_image, dyn, core, namespace, wait_pod):
+def test_daemonset_serves_a_simulated_node(simnode_image, example_image, dyn, core, namespace, wait_pod):
     from kubernetes.client.exceptions import ApiException
 
     node = core.list_node().items[0].metadata.name
@@ -85,13 +86,17 @@ def test_daemonset_serves_a_simulated_node(simnode_image, dyn, core, namespace, 
         assert sum(len(s["spec"]["devices"]) for s in items) == 8
         managers = {m["manager"] for s in items for m in s["metadata"].get("managedFields", [])}
         assert DRIVER in managers
-        # A claim pod gets a GPU prepared by the plugin pod.
+        # A claim pod (the example as it is: its public image, served locally under that name)
+        # gets a GPU prepared by the plugin pod, and nvidia-smi from the driver root lists it.
         for o in yaml.safe_load_all((EXAMPLES / "one-gpu.yaml").read_text()):
             api_for(dyn, o).create(body=o, namespace=namespace)
         phase = wait_pod(core, namespace, "one-gpu", timeout=120)
         log = core.read_namespaced_pod_log("one-gpu", namespace)
         assert phase == "Succeeded", log
-        assert "DRA_GPU_VISIBLE_DEVICES=GPU-" in log and "nvidia" in log.split("\n", 1)[1], log
+        (gpu,) = visible(log)
+        assert nvidia_smi(log) == {"GPU": {gpu: "NVIDIA H100 80GB HBM3"}, "MIG": {}}, log
+        nodes = [x for x in log.splitlines() if x.startswith("nvidia") and x[6:].isdigit()]
+        assert len(nodes) == 1, log  # its device node (ls /dev | grep nvidia)
         print(
             f"[image] plugin pod Ready in {ready_s:.1f} s (uid 0, CapEff MKNOD only, ro root); "
             "a claim pod got its GPU from it"

@@ -29,6 +29,17 @@ EXPECTED = {
     "gpu-memory-share-20gi.yaml",
 }
 CLASSES = {"gpu.dra-gpu.io", "mig.dra-gpu.io"}
+# A public image (the e2e serves it under this name: e2e/node/images.py), with the default pull
+# policy (IfNotPresent for a tag), so that the examples run on any cluster.
+IMAGE = "docker.io/library/debian:bookworm-slim"
+# What a container of an example prints: what its claim gave (nvidia-smi comes with the claim's
+# CDI spec from the node's driver root), its visible devices and device nodes.
+REPORT = [
+    "set -e",
+    "nvidia-smi -L",
+    "env | grep -E '^(DRA_GPU|NVIDIA)_VISIBLE_DEVICES=' | sort",
+    "ls /dev | grep nvidia",
+]
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -56,7 +67,11 @@ def test_example_pods_reference_their_claims(path: Path) -> None:
         spec = pod["spec"]
         assert spec["restartPolicy"] == "Never"
         for c in spec["containers"]:
-            assert c["image"] == "localhost/dra-gpu-e2e/busybox:1" and c["imagePullPolicy"] == "Never"
+            assert c["image"] == IMAGE and "imagePullPolicy" not in c
+            shell, flag, script = c["command"]
+            assert (shell, flag) == ("sh", "-c")
+            # Only what debian:bookworm-slim has (sh, coreutils, grep): no python there.
+            assert script.splitlines()[: len(REPORT)] == REPORT and "python" not in script, script
             names = {rc["name"] for rc in spec.get("resourceClaims", [])}
             assert {x["name"] for x in c["resources"].get("claims", [])} == names
         for rc in spec.get("resourceClaims", []):
