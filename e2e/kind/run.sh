@@ -15,9 +15,11 @@ trap 'rm -rf "$IMAGES"; [ "${KEEP_CLUSTER:-0}" = 1 ] || kind delete cluster --na
 
 kind create cluster --name "$NAME" --config "$HERE/kind-config.yaml" \
   ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"} --wait 120s
-# The tests' busybox image, built locally like on the upstream-programs cluster.
-"$PYTHON" "$E2E/node/images.py" "$IMAGES"
+# The tests' busybox image and the examples' debian:bookworm-slim, built locally like on the
+# upstream-programs cluster.
+"$PYTHON" "$E2E/node/images.py" "$IMAGES" --debian
 kind load image-archive --name "$NAME" "$IMAGES/busybox.tar"
+kind load image-archive --name "$NAME" "$IMAGES/debian.tar"
 # The driver image under test, if given (e.g. from `docker save`).
 if [ $# -ge 1 ]; then kind load image-archive --name "$NAME" "$1"; fi
 

@@ -39,6 +39,7 @@ def helm():
 
 def render(helm, namespace, release, *sets):
     cmd = [helm, "template", release, str(CHART), "-n", namespace, "--kube-version", "1.37.2"]
+    cmd += ["--set", "image.registry=registry.example.com/gpu"]  # the chart has none; sets below win
     for s in sets:
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True)
