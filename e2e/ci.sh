@@ -15,6 +15,7 @@ PYTHON="${PYTHON:-python3}"
 
 t0=$SECONDS
 bash "$HERE/node/build.sh" all
+bash "$HERE/node/build_promtool.sh" >/dev/null
 echo "[e2e/ci] build step: $((SECONDS - t0)) s"
 
 if ! "$PYTHON" -c 'import kubernetes, pytest, yaml' 2>/dev/null; then
