@@ -125,6 +125,8 @@ class Metrics:
         self.cert_reloads = Counter(
             "dra_gpu_cert_reloads_total", "Certificate reloads", ["result"], registry=self.registry
         )
+        for result in ("ok", "error"):  # from 0, so that the alert's increase() sees the first error
+            self.cert_reloads.labels(result)
         self.throttled = Counter(
             "dra_gpu_admission_throttled_total",
             "Reviews answered 429 (retry later) because max_in_flight reviews were already running",

@@ -37,6 +37,12 @@ class PluginMetrics:
             ["field"],
             registry=self.registry,
         )
+        # Every series of the closed label sets exists from the start at 0, so that an alert's
+        # increase() sees a claim's first failure (a series born at 1 shows no increase).
+        for operation in ("prepare", "unprepare"):
+            self.latency.labels(operation)
+            for result in ("success", "error"):
+                self.requests.labels(operation, result)
         self.slice_restores = Counter(
             "dra_gpu_slice_restores",
             "ResourceSlices re-applied after a deletion or edit.",

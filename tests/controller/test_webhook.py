@@ -270,3 +270,12 @@ def test_certificate_is_reloaded(server: Server) -> None:
         assert time.monotonic() < deadline, "certificate not reloaded"
         time.sleep(0.1)
     assert server.review(claim("one"))["allowed"] is True  # verified against the new cert
+
+
+def test_the_certificate_reload_series_exist_from_the_start_at_zero() -> None:
+    """DraGpuWebhookFailing's increase() over cert reload errors sees the first one."""
+    from dra_gpu.controller.webhook import Metrics
+
+    registry = Metrics().registry
+    for result in ("ok", "error"):
+        assert registry.get_sample_value("dra_gpu_cert_reloads_total", {"result": result}) == 0.0

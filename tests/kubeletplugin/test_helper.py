@@ -240,3 +240,13 @@ def test_v1_health_stream_sends_at_once_after_a_change(tmp_path: Path) -> None:
         assert [d.health for d in second.devices][2] == v1_health_pb.UNHEALTHY
 
     run_plugin(tmp_path, test)
+
+
+def test_every_request_series_exists_from_the_start_at_zero() -> None:
+    """An alert's increase() sees the first failed prepare only if the series was there before it
+    (a series born at 1 increases by nothing): all four exist, at 0, before any request."""
+    registry = PluginMetrics().registry
+    for operation in ("prepare", "unprepare"):
+        for result in ("success", "error"):
+            labels = {"operation": operation, "result": result}
+            assert registry.get_sample_value("dra_gpu_node_requests_total", labels) == 0.0
