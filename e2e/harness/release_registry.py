@@ -123,17 +123,32 @@ class TlsFront:
             finally:
                 dst.close()
 
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        except asyncio.CancelledError:
+            # close(): the relay ends with its connections; returning (not raising) keeps
+            # asyncio's server from logging each cancelled connection as an error.
+            writer.close()
+            up_writer.close()
 
     def close(self) -> None:
+        """Stops listening, ends every relay and closes the loop: no coroutine is left for the
+        garbage collector to finalise later (on a closed loop, at any point of the test run)."""
+
         async def stop() -> None:
             if self._server is not None:
                 self._server.close()
+            relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in relays:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+        if not self._thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()
 
 
 class ReleaseRegistry:
