@@ -283,6 +283,15 @@ def _add_node_commands(sub: Any) -> None:
         "every claim change of the cluster (dynamic MIG watches them anyway)",
     )
     plug.add_argument(
+        "--device-metadata",
+        choices=("auto", "on", "off"),
+        default=env("DRA_GPU_DEVICE_METADATA", "auto"),
+        help="KEP-5304 device metadata: a file per claim request, mounted into its containers under "
+        "/var/run/kubernetes.io/dra-device-attributes, naming its devices and their attributes "
+        "(UUIDs, MIG profile and parent, NVLink domain); auto: where the node's kubelet is 1.37 or "
+        "newer (beta there) ($DRA_GPU_DEVICE_METADATA, default auto)",
+    )
+    plug.add_argument(
         "--sweep-interval",
         type=float,
         default=float(env("DRA_GPU_SWEEP_INTERVAL", "600")),
@@ -327,6 +336,13 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    if args.device_metadata not in ("auto", "on", "off"):  # argparse does not check an env default
+        print(
+            f"dra-gpu kubelet-plugin: --device-metadata (or $DRA_GPU_DEVICE_METADATA): "
+            f"{args.device_metadata!r} is not auto, on or off",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     failpoints.enable(args.enable_failpoints)
     try:
         cfg = PluginConfig(
@@ -339,6 +355,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
             sweep_grace=args.sweep_grace,
             health=health_config(args),
             claim_watch=args.claim_watch,
+            device_metadata=args.device_metadata,
         )
         cfg.check()
         return run(cfg)

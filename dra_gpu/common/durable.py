@@ -20,6 +20,10 @@ Per file (writer: function; must it outlive a power loss? why):
                             (durable=False):        loss left behind has no record of this
                             replace_atomically,     boot, and the start-up reconcile removes it
                             remove_file             before the plugin serves.
+    device metadata files   plugin.journal,         no. Made from their claim's record and
+      and their CDI specs   plugin.write_rounds     scoped to the boot like it: the start-up
+      (plugin dir, --cdi-   (durable=False)         reconcile removes what no record of this
+      dir; KEP-5304)                                boot owns, and writes what one lacks.
     health-taints.json      health.taint_book:      yes. Operator-forced taints never expire
       (plugin dir)          replace_durably         and a hold-down must not end early: a
                                                     reboot must not put a device taken out

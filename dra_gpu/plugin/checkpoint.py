@@ -20,6 +20,9 @@ An entry is one claim's record (`record.ClaimRecord`, which alone reads and writ
                   "giId"?, "ciId"?, "uuid"?}]
     sharing       what sharing applied (compute modes, MPS daemons), to undo or re-adopt
     rebuilt       true when the record was rebuilt from the CDI specs and the API
+    deviceMetadata  what its device metadata files (KEP-5304) were made from, when they were
+                  written: {"requests": [request names as allocated], "podClaimName"?}; the
+                  devices' first of each request then carries the metadata's CDI ID
 
 Readers keep fields they do not know (`ClaimRecord.extra`, written back as they were), and the
 checksum is over canonical JSON of whatever is there, so adding a field never makes an old file

@@ -1,8 +1,9 @@
-"""The only writer of the plugin's claim state: the checkpoint's claim records and the claims'
-CDI spec files. Both are replaced atomically but not fsynced: they are scoped to the boot (the
-checkpoint's records of another boot are discarded, `/var/run/cdi` is a tmpfs, and a spec left in
-a persistent CDI directory is removed by the start-up reconcile), so a power loss leaves nothing
-to protect and a process crash loses nothing the page cache does not keep (dra_gpu.common.durable).
+"""The only writer of the plugin's claim state: the checkpoint's claim records, the claims'
+CDI spec files and their device metadata files (device_metadata). All are replaced atomically
+but not fsynced: they are scoped to the boot (the checkpoint's records of another boot are
+discarded, `/var/run/cdi` is a tmpfs, and a spec or metadata file left in a persistent directory is
+removed by the start-up reconcile), so a power loss leaves nothing to protect and a process crash
+loses nothing the page cache does not keep (dra_gpu.common.durable).
 
 Prepare stages a record in memory under the state lock (`stage`) and makes it durable with
 `commit`: whoever writes, writes all that is staged, so 100 claims in flight need far fewer than
@@ -28,6 +29,7 @@ from dra_gpu.common.durable import remove_file, remove_stale_temps, replace_atom
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.cdi import SPEC_MODE, CdiSpecs, CdiWriteError
 from dra_gpu.plugin.checkpoint import Checkpoint
+from dra_gpu.plugin.device_metadata import DIR_MODE, FILE_MODE, DeviceMetadata, MetadataWriteError
 from dra_gpu.plugin.plan import BusyPrepareError, PrepareError
 from dra_gpu.plugin.record import ClaimRecord
 from dra_gpu.plugin.sharing import Sharing
@@ -35,9 +37,10 @@ from dra_gpu.plugin.write_rounds import WriteRounds
 
 
 class Journal:
-    def __init__(self, checkpoint: Checkpoint, cdi: CdiSpecs) -> None:
+    def __init__(self, checkpoint: Checkpoint, cdi: CdiSpecs, metadata: DeviceMetadata) -> None:
         self.checkpoint = checkpoint
         self.cdi = cdi
+        self.metadata = metadata
         # Checks across claims and `stage` run under it.
         self.state_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
@@ -110,6 +113,44 @@ class Journal:
     async def remove_spec(self, uid: str) -> bool:
         return await self.spec_rounds.remove(self.cdi.path(uid))
 
+    async def write_metadata(self, record: ClaimRecord) -> None:
+        """The claim's device metadata files and their CDI specs (none when the record has no
+        metadata), in the spec's rounds. MetadataWriteError names the first file that failed;
+        the others are written or not (the caller rolls the claim back)."""
+        try:
+            files = self.metadata.files(record)
+        except ValueError as exc:
+            raise PrepareError(f"claim {record.ref()}: device metadata: {exc}") from exc
+        if not files:
+            return
+        outcomes = await asyncio.gather(
+            *(self.spec_rounds.write(path, data, FILE_MODE, dir_mode=DIR_MODE) for path, data in files),
+            return_exceptions=True,
+        )
+        for (path, _), outcome in zip(files, outcomes, strict=True):
+            if isinstance(outcome, OSError):
+                raise MetadataWriteError(outcome.errno, outcome.strerror or str(outcome), path) from outcome
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def remove_metadata(self, record: ClaimRecord | None) -> None:
+        """Remove the claim's device metadata (its directory; the files of another record of the
+        same namespace and name stay) and their CDI specs."""
+        if record is None or record.metadata is None:
+            return  # no thread hop
+        others = [
+            o
+            for o in self.records()
+            if o.uid != record.uid
+            and o.namespace == record.namespace
+            and o.name == record.name
+            and o.metadata
+        ]
+        try:
+            await asyncio.to_thread(self.metadata.remove_now, record, others)
+        except ValueError as exc:  # a record whose names cannot make a path: it made no file either
+            raise PrepareError(f"claim {record.ref()}: device metadata: {exc}") from exc
+
     # -- at once (the start-up reconcile and rebuild, before serving) ----------------------------
 
     def remove_stale_temps(self, plugin_files: Collection[str] = ()) -> list[Path]:
@@ -119,7 +160,9 @@ class Journal:
         plugin_dir = self.checkpoint.path.parent
         names = {self.checkpoint.path.name, self.checkpoint.boot_mark.name, *plugin_files}
         return [
-            *remove_stale_temps(self.cdi.dir, self.cdi.is_spec_name),
+            *remove_stale_temps(
+                self.cdi.dir, lambda n: self.cdi.is_spec_name(n) or self.metadata.is_spec_name(n)
+            ),
             *remove_stale_temps(plugin_dir, names.__contains__),
         ]
 

@@ -23,9 +23,10 @@ from dra_gpu.model.inventory import Gpu, MigDevice, MigPlacement
 from dra_gpu.node.catalog import DeviceCatalog
 from dra_gpu.plugin.allocation import Allocation, ShapeError
 from dra_gpu.plugin.cdi import CdiDevice, CdiSpecs, visible_devices_env
+from dra_gpu.plugin.device_metadata import DeviceMetadata
 from dra_gpu.plugin.device_nodes import DeviceNodeError, DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
-from dra_gpu.plugin.record import ClaimRecord, ClaimState, MigStep, PreparedDevice
+from dra_gpu.plugin.record import ClaimRecord, ClaimState, MetadataInputs, MigStep, PreparedDevice
 from dra_gpu.plugin.sharing import SharedDevice, Sharing, SharingError, SharingPlan
 
 
@@ -53,6 +54,7 @@ class ClaimPlan:
     spec: dict[str, Any] | None  # the claim's own CDI spec; None while targets remain
     driver_edits: dict[str, Any]  # the driver's user space, added to the spec file
     sharing: SharingPlan  # for the devices that exist (not targets still to be made)
+    metadata: MetadataInputs | None = None  # device metadata (KEP-5304) written for the claim
 
     def record(
         self, ref: ClaimRef, state: ClaimState, driver_files: str | None, mig_steps: tuple[MigStep, ...] = ()
@@ -67,6 +69,7 @@ class ClaimPlan:
             cdi_spec=self.spec,  # the claim's own part; the file adds the driver's user space
             driver_files=driver_files,
             mig_steps=mig_steps,
+            metadata=self.metadata,
         )
 
     @property
@@ -91,8 +94,10 @@ class Planner:
         nodes: DeviceNodes,
         driver_files: DriverFiles,
         sharing: Sharing | None,
+        metadata: DeviceMetadata | None = None,
     ) -> None:
         self.driver = driver
+        self.metadata = metadata  # None, or not enabled: no device metadata for new claims
         self.node_name = node_name
         self.cdi = cdi
         self.nodes = nodes
@@ -123,8 +128,18 @@ class Planner:
         except ShapeError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from exc
 
-    def plan(self, ref: ClaimRef, allocation: Allocation, made: Mapping[str, MigDevice]) -> ClaimPlan:
-        """Map the allocation to devices and build the claim's CDI spec (no side effects)."""
+    def plan(
+        self,
+        ref: ClaimRef,
+        allocation: Allocation,
+        made: Mapping[str, MigDevice],
+        pod_claim_name: str | None = None,
+        with_metadata: bool | None = None,
+    ) -> ClaimPlan:
+        """Map the allocation to devices and build the claim's CDI spec (no side effects).
+        `pod_claim_name`: the claim's name in its pod, for a claim made from a template (its
+        device metadata's path); `with_metadata`: whether the claim gets device metadata (None:
+        as the plugin's flag says)."""
         if not allocation.allocated:
             raise PrepareError(f"claim {ref} is not allocated")
         results = allocation.results_for(self.driver)
@@ -227,10 +242,17 @@ class Planner:
             driver_edits = self.driver_files.edits()
         except DriverInstallationError as exc:
             raise PrepareError(f"claim {ref}: {exc}") from exc
+        metadata = None
+        if self.metadata is not None and (self.metadata.enabled if with_metadata is None else with_metadata):
+            try:
+                metadata = self.metadata.inputs((r.request for r in results), pod_claim_name)
+                prepared = self.metadata.with_cdi_ids(ref.uid, metadata, prepared)
+            except ValueError as exc:
+                raise PrepareError(f"claim {ref}: device metadata: {exc}") from exc
         if targets:
-            return ClaimPlan(tuple(prepared), tuple(targets.values()), None, driver_edits, sharing)
+            return ClaimPlan(tuple(prepared), tuple(targets.values()), None, driver_edits, sharing, metadata)
         spec = self.cdi.build(ref.uid, list(cdi_devices.values()), control, visible_devices_env(uuids))
-        return ClaimPlan(tuple(prepared), (), spec, driver_edits, sharing)
+        return ClaimPlan(tuple(prepared), (), spec, driver_edits, sharing, metadata)
 
     def _configs(self, ref: ClaimRef, allocation: Allocation) -> _Configs:
         """This driver's configs, class configs before claim configs: (requests, config, where)."""

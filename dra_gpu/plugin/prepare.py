@@ -28,6 +28,7 @@ from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import Checkpoint
 from dra_gpu.plugin.claim_mig import ClaimMig, planned_steps
 from dra_gpu.plugin.claim_sharing import ClaimSharing
+from dra_gpu.plugin.device_metadata import DeviceMetadata, MetadataWriteError, pod_claim_name
 from dra_gpu.plugin.device_nodes import DeviceNodes
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.journal import Journal
@@ -40,6 +41,13 @@ from dra_gpu.plugin.sharing import Sharing, with_pods
 log = logging.getLogger(__name__)
 
 STARTED, BOUND, COMPLETED = ClaimState.STARTED, ClaimState.BOUND, ClaimState.COMPLETED
+
+
+def _metadata_failed(ref: ClaimRef, exc: MetadataWriteError) -> str:
+    return (
+        f"claim {ref}: cannot write its device metadata (KEP-5304): {exc}; the prepare was rolled "
+        "back (the kubelet retries it; --device-metadata=off stops writing it)"
+    )
 
 
 async def _together(*steps: Awaitable[Any]) -> None:
@@ -63,17 +71,21 @@ class Preparer:
         driver_files: DriverFiles,
         sharing: Sharing | None = None,
         mig: MigInstances | None = None,
+        device_metadata: bool = False,
     ) -> None:
+        """`device_metadata`: write KEP-5304 device metadata for the claims prepared from now on
+        (dra_gpu.plugin.device_metadata; in the plugin's directory, the checkpoint's)."""
         self.driver = driver
         self.node_name = node_name
         self.checkpoint = checkpoint
         self.cdi = cdi
         self.sharing = sharing  # None: sharing strategies other than Exclusive are refused
         self.mig = mig
-        self.planner = Planner(driver, node_name, catalog, cdi, nodes, driver_files, sharing)
+        self.metadata = DeviceMetadata(driver, checkpoint.path.parent, cdi.dir, catalog, device_metadata)
+        self.planner = Planner(driver, node_name, catalog, cdi, nodes, driver_files, sharing, self.metadata)
         if self.planner.placements and mig is None:
             raise ValueError("dynamic MIG needs NVML's MIG calls (MigInstances)")
-        self.journal = Journal(checkpoint, cdi)
+        self.journal = Journal(checkpoint, cdi, self.metadata)
         self.instances = ClaimMig(self.journal, mig, self.planner.placements, self.planner.dynamic_gpus)
         self.claim_sharing = ClaimSharing(self.journal, sharing)
         self.reconciler = Reconciler(
@@ -143,12 +155,13 @@ class Preparer:
                 await self.claim_sharing.ensure(ref, record)
                 return list(record.devices)  # idempotent: no writes
             allocation = self.planner.allocation(ref, claim)
+            pod_claim = pod_claim_name(claim)
             if record is not None and record.state == BOUND:
-                done = await self._complete_bound(ref, allocation, record)
+                done = await self._complete_bound(ref, allocation, record, pod_claim)
                 if done is not None:
                     return done
                 record = None  # rolled back: the allocation no longer matches what was made
-            plan = self.planner.plan(ref, allocation, {})
+            plan = self.planner.plan(ref, allocation, {}, pod_claim)
             # Who reserves it, next to a driver-held memory limit: check_free refuses a pod that
             # would get two claims held to different sizes.
             plan.sharing.record = with_pods(plan.sharing.record, claim)
@@ -159,6 +172,7 @@ class Preparer:
             async with self.journal.state_lock:
                 if record is not None and record.state == STARTED:
                     await self.journal.remove_spec(ref.uid)  # an earlier partial attempt
+                    await self.journal.remove_metadata(record)
                     await self.claim_sharing.release(ref, record.sharing, strict=False)
                 self.journal.check_free(ref, plan.exclusive, plan.sharing.record)
                 self.journal.stage(ref.uid, entry)
@@ -169,7 +183,7 @@ class Preparer:
                     # which placement to look at.
                     await self.journal.commit()
                     created, entry = await self.instances.create(ref, entry, plan.targets)
-                    plan = self.planner.plan(ref, allocation, created)
+                    plan = self.planner.plan(ref, allocation, created, pod_claim)
                     plan.sharing.record = with_pods(plan.sharing.record, claim)
                     # The made MIG devices' sharing (their UUIDs are known only now).
                     entry = entry.evolve(cdi_spec=plan.spec, sharing=plan.sharing.record or None)
@@ -185,6 +199,7 @@ class Preparer:
                     await _together(
                         self.journal.commit_then(failpoints.PREPARE_AFTER_STARTED),
                         self.journal.write_spec(ref.uid, composed),
+                        self.journal.write_metadata(entry),
                     )
                     applied = await self.claim_sharing.apply(ref, plan.sharing.record)
                     entry = entry.evolve(sharing=applied)
@@ -198,7 +213,11 @@ class Preparer:
                     # completed record owns and rebuilds a completed claim's spec from its record.
                     failpoints.hit(failpoints.PREPARE_AFTER_STARTED)
                     await self._stage(entry.evolve(state=COMPLETED))
-                    await _together(self.journal.commit(), self.journal.write_spec(ref.uid, composed))
+                    await _together(
+                        self.journal.commit(),
+                        self.journal.write_spec(ref.uid, composed),
+                        self.journal.write_metadata(entry),
+                    )
                 failpoints.hit(failpoints.PREPARE_AFTER_COMPLETED)
             except BaseException as exc:
                 if applied is not None:
@@ -209,6 +228,8 @@ class Preparer:
                     log.error("claim could not be rolled back claim=%s error=%s", ref, undo)
                 if isinstance(exc, MigError):
                     raise PrepareError(f"claim {ref}: {exc}; nothing was left behind") from exc
+                if isinstance(exc, MetadataWriteError):
+                    raise PrepareError(_metadata_failed(ref, exc)) from exc
                 if isinstance(exc, OSError):
                     raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
                 raise
@@ -222,17 +243,21 @@ class Preparer:
             return list(plan.devices)
 
     async def _complete_bound(
-        self, ref: ClaimRef, allocation: Allocation, record: ClaimRecord
+        self, ref: ClaimRef, allocation: Allocation, record: ClaimRecord, pod_claim: str | None
     ) -> list[PreparedDevice] | None:
         """Prepare a claim whose instances were made at binding: the spec, then `completed`.
         None (after a rollback) when the allocation asks for devices that were not made."""
-        plan = self.planner.plan(ref, allocation, self.instances.made(record))
+        plan = self.planner.plan(ref, allocation, self.instances.made(record), pod_claim)
         if plan.targets or plan.spec is None:
             log.warning("claim's allocation changed since binding, rolled back claim=%s", ref)
             await self._roll_back(ref.uid)
             return None
         entry = record.evolve(
-            devices=plan.devices, cdi_spec=plan.spec, driver_files=self.driver_files.digest, sharing=None
+            devices=plan.devices,
+            cdi_spec=plan.spec,
+            driver_files=self.driver_files.digest,
+            sharing=None,
+            metadata=plan.metadata,
         )
         applied: dict[str, Any] | None = None
         try:
@@ -242,7 +267,10 @@ class Preparer:
                     # on record before any daemon starts, so a restart knows what to undo
                     self.journal.stage(ref.uid, entry.evolve(sharing=plan.sharing.record))
                 await self.journal.commit()
-            await self.journal.write_spec(ref.uid, self.cdi.encode_composed(plan.spec, plan.driver_edits))
+            await _together(
+                self.journal.write_spec(ref.uid, self.cdi.encode_composed(plan.spec, plan.driver_edits)),
+                self.journal.write_metadata(entry),
+            )
             if plan.sharing.record:
                 applied = await self.claim_sharing.apply(ref, plan.sharing.record)
                 entry = entry.evolve(sharing=applied)
@@ -253,12 +281,15 @@ class Preparer:
             if applied is not None:
                 await self.claim_sharing.release(ref, applied, strict=False)
             await self.journal.remove_spec(ref.uid)
+            await self.journal.remove_metadata(entry)
             if plan.sharing.record:  # back to the bound record: nothing of its sharing is left
                 await self._stage(entry.evolve(sharing=None))
                 with contextlib.suppress(OSError):
                     await self.journal.commit()
             if isinstance(exc, PrepareError):
                 raise
+            if isinstance(exc, MetadataWriteError):
+                raise PrepareError(_metadata_failed(ref, exc)) from exc
             raise PrepareError(f"claim {ref}: cannot write CDI spec or record: {exc}") from exc
         log.info("claim prepared claim=%s devices=%s", ref, ",".join(d.device_name for d in plan.devices))
         return list(plan.devices)
@@ -273,7 +304,7 @@ class Preparer:
             record = self.journal.get(ref.uid)
             if record is not None and record.settled:
                 return self.instances.made(record)
-            plan = self.planner.plan(ref, self.planner.allocation(ref, claim), {})
+            plan = self.planner.plan(ref, self.planner.allocation(ref, claim), {}, pod_claim_name(claim))
             if not plan.targets:
                 return {}
             if record is not None and record.mig_steps:
@@ -333,7 +364,7 @@ class Preparer:
     def _overlapping_holders(self, ref: ClaimRef, claim: dict[str, Any]) -> list[ClaimRecord]:
         """The other claims whose recorded MIG instances overlap a placement this claim was allocated."""
         try:
-            plan = self.planner.plan(ref, self.planner.allocation(ref, claim), {})
+            plan = self.planner.plan(ref, self.planner.allocation(ref, claim), {}, pod_claim_name(claim))
         except PrepareError:
             return []
         return self.instances.holders(ref.uid, plan.targets)
@@ -350,7 +381,9 @@ class Preparer:
             try:
                 await self._roll_back(ref.uid)
             except OSError as exc:
-                raise PrepareError(f"claim {ref}: cannot remove its CDI spec or record: {exc}") from exc
+                raise PrepareError(
+                    f"claim {ref}: cannot remove its CDI spec, device metadata or record: {exc}"
+                ) from exc
             log.info("claim unprepared claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid)
 
     async def _roll_back(self, uid: str) -> None:
@@ -362,7 +395,7 @@ class Preparer:
         if record is not None and record.mig_steps:  # else nothing to destroy: no thread hop
             await self.instances.destroy(record)
             failpoints.hit(failpoints.UNPREPARE_AFTER_INSTANCES)
-        await self.journal.remove_spec(uid)
+        await _together(self.journal.remove_spec(uid), self.journal.remove_metadata(record))
         async with self.journal.state_lock:
             self.journal.stage(uid, None)
         await self.journal.commit()

@@ -36,6 +36,7 @@ from dra_gpu.plugin.allocation import Allocation
 from dra_gpu.plugin.checkpoint import CheckpointRebuildError
 from dra_gpu.plugin.claim_mig import ClaimMig
 from dra_gpu.plugin.claim_sharing import ClaimSharing, as_applied
+from dra_gpu.plugin.device_metadata import pod_claim_name
 from dra_gpu.plugin.driver_files import DriverFiles, DriverInstallationError
 from dra_gpu.plugin.journal import Journal
 from dra_gpu.plugin.mig_lifecycle import MigError
@@ -116,6 +117,8 @@ class Reconciler:
         counts = {"rebuiltClaims": 0, "rebuiltBound": 0, "specsUnconfirmed": 0, "notRebuilt": 0}
         here = {str(c["metadata"]["uid"]): c for c in claims if self._allocated_here(c)}
         specs = self.journal.cdi.owned()
+        # The claims whose containers were given device metadata: theirs is kept whatever the flag.
+        with_metadata = self.journal.metadata.claims_with_specs()
         for uid in sorted(set(specs) | set(here)):
             claim = here.get(uid)
             if claim is None:
@@ -125,7 +128,9 @@ class Reconciler:
             meta = claim["metadata"]
             ref = ClaimRef(str(meta.get("namespace", "")), uid, str(meta.get("name", "")))
             try:
-                state = self._rebuild_claim(ref, claim, has_spec=uid in specs)
+                state = self._rebuild_claim(
+                    ref, claim, has_spec=uid in specs, with_metadata=uid in with_metadata
+                )
             except (PrepareError, MigError) as exc:
                 counts["notRebuilt"] += 1
                 log.error("claim's record could not be rebuilt claim=%s error=%s", ref, exc)
@@ -139,15 +144,24 @@ class Reconciler:
         log.warning("checkpoint rebuilt from the CDI specs and the API %s", summary)
         return counts
 
-    def _rebuild_claim(self, ref: ClaimRef, claim: dict[str, Any], has_spec: bool) -> str | None:
-        """Stage the claim's record as prepare would have written it; the state recorded, or None."""
+    def _rebuild_claim(
+        self, ref: ClaimRef, claim: dict[str, Any], has_spec: bool, with_metadata: bool = False
+    ) -> str | None:
+        """Stage the claim's record as prepare would have written it; the state recorded, or None.
+        `with_metadata`: its device metadata's CDI specs are there (the kubelet has their IDs)."""
         wanted = self.planner.placements_of(Allocation.of(claim))
         made = self.mig.found_on_gpu(wanted)
         if not has_spec and (not wanted or len(made) < len(wanted)):
             return None  # not prepared here: the kubelet prepares it when it needs it
         if len(made) < len(wanted):
             raise PrepareError(f"{len(wanted) - len(made)} of its MIG instances are not on the GPU any more")
-        plan = self.planner.plan(ref, self.planner.allocation(ref, claim), made)
+        plan = self.planner.plan(
+            ref,
+            self.planner.allocation(ref, claim),
+            made,
+            pod_claim_name(claim),
+            with_metadata=with_metadata and has_spec,
+        )
         if plan.targets or plan.spec is None:
             raise PrepareError("its allocation names devices that do not exist")
         state = ClaimState.COMPLETED if has_spec else ClaimState.BOUND
@@ -204,6 +218,8 @@ class Reconciler:
             if (owner is None or owner.state != ClaimState.COMPLETED) and self.journal.remove_spec_now(uid):
                 counts["removed"] += 1
                 log.warning("CDI spec owned by no claim removed uid=%s", uid)
+        # Device metadata: a completed claim's as its record makes it, the rest removed.
+        counts.update(self.journal.metadata.reconcile_now(records.values()))
         if self.sharing.sharing is not None:
             stopped = len(self.sharing.stop_orphan_daemons())
             if stopped:

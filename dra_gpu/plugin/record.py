@@ -4,7 +4,7 @@
 in the same shape. Fields this version does not know are kept (`extra`) and written back as they
 were, so a file written by a newer plugin of the same format version loses nothing here; a known
 field missing from an older entry reads as its default and stays missing when written back (an
-empty optional field, `migInstances`, `sharing` or `rebuilt`, is not written).
+empty optional field, `migInstances`, `sharing`, `rebuilt` or `deviceMetadata`, is not written).
 The entry's fields are `ENTRY_FIELDS`; the checkpoint module's documentation of the file is
 checked against them (tests/plugin/test_checkpoint_cdi.py).
 """
@@ -27,6 +27,7 @@ ENTRY_FIELDS: dict[str, str] = {
     "migInstances": "dynamic MIG instances made or being made, each with its step",
     "sharing": "what sharing applied (compute modes, MPS daemons), to undo or re-adopt",
     "rebuilt": "true when the record was rebuilt from the CDI specs and the API",
+    "deviceMetadata": "what its device metadata files (KEP-5304) were made from, when written",
 }
 
 
@@ -170,6 +171,37 @@ def _parse_device(raw: Mapping[str, Any]) -> tuple[PreparedDevice, dict[str, Any
 
 
 @dataclass(frozen=True)
+class MetadataInputs:
+    """What a claim's device metadata files (KEP-5304, dra_gpu.plugin.device_metadata) are made
+    from beyond its devices: the request names as allocated (`req` or `req/sub`, one per base
+    request, in allocation order) and the pod's name for a claim made from a template."""
+
+    requests: tuple[str, ...]
+    pod_claim_name: str | None = None
+
+    @property
+    def base_requests(self) -> tuple[str, ...]:
+        return tuple(r.split("/", 1)[0] for r in self.requests)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"requests": list(self.requests)}
+        if self.pod_claim_name is not None:
+            out["podClaimName"] = self.pod_claim_name
+        return out
+
+    @classmethod
+    def parse(cls, raw: Any) -> MetadataInputs | None:
+        """Lenient like the rest of the entry: anything but an object with a list of names is none."""
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("requests"), list):
+            return None
+        pod_claim_name = raw.get("podClaimName")
+        return cls(
+            requests=tuple(str(r) for r in raw["requests"]),
+            pod_claim_name=None if pod_claim_name is None else str(pod_claim_name),
+        )
+
+
+@dataclass(frozen=True)
 class ClaimRecord:
     """One claim's checkpoint entry. Replaced whole (`evolve`), never changed in place: the
     checkpoint hands out the record it holds, and caches its encoding."""
@@ -184,6 +216,7 @@ class ClaimRecord:
     mig_steps: tuple[MigStep, ...] = ()
     sharing: dict[str, Any] | None = None  # dra_gpu.plugin.sharing's record
     rebuilt: bool = False
+    metadata: MetadataInputs | None = None  # None: no device metadata written for the claim
     # Unknown fields (kept and written back), the unknown keys of each device, and the known
     # fields an older entry lacks (not written back, so the entry keeps its shape).
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -215,6 +248,7 @@ class ClaimRecord:
             mig_steps=tuple(MigStep.parse(m) for m in steps) if isinstance(steps, list) else (),
             sharing=sharing if isinstance(sharing, dict) else None,
             rebuilt=bool(raw.get("rebuilt", False)),
+            metadata=MetadataInputs.parse(raw.get("deviceMetadata")),
             extra=extra,
             device_extra=tuple(e for _, e in parsed) if any(e for _, e in parsed) else (),
             absent=frozenset(
@@ -245,6 +279,8 @@ class ClaimRecord:
             out["sharing"] = self.sharing
         if self.rebuilt:
             out["rebuilt"] = True
+        if self.metadata is not None:
+            out["deviceMetadata"] = self.metadata.to_json()
         return out
 
     def evolve(self, **changes: Any) -> ClaimRecord:

@@ -31,6 +31,7 @@ from dra_gpu.node.settings import NodeSettings
 from dra_gpu.plugin.cdi import CdiSpecs
 from dra_gpu.plugin.checkpoint import COMPLETED, Checkpoint
 from dra_gpu.plugin.claim_cache import ClaimCache
+from dra_gpu.plugin.device_metadata import Decision, decide, kubelet_version
 from dra_gpu.plugin.device_nodes import DeviceNodes, find_modprobe
 from dra_gpu.plugin.driver_files import DriverFiles
 from dra_gpu.plugin.driver_upgrade import POLL_SECONDS, DriverVersions, DriverVersionWatch
@@ -59,6 +60,7 @@ class PluginConfig:
     sweep_grace: float = 60.0
     health: HealthConfig = field(default_factory=HealthConfig)
     claim_watch: bool = True  # prepare reads claims from a watch (dynamic MIG watches anyway)
+    device_metadata: str = "auto"  # KEP-5304 device metadata: auto (kubelet 1.37+), on, off
 
     @property
     def sockets(self) -> Sockets:
@@ -189,6 +191,8 @@ class KubeletPlugin:
             kube.rejections.register(self.metrics.registry)
             stack.push_async_callback(kube.close)
             node.plugin_dir.mkdir(parents=True, exist_ok=True)
+            metadata = await self._device_metadata(kube)
+            log.info("%s", metadata.line())
             checkpoint = await asyncio.to_thread(Checkpoint, node.checkpoint)
             # One watch of the claims serves the prepare path and dynamic MIG's binding conditions.
             claims = (
@@ -209,6 +213,7 @@ class KubeletPlugin:
                     node.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env, memory_limits
                 ),
                 mig=mig,
+                device_metadata=metadata.enabled,
             )
             if checkpoint.rebuild_pending:  # the file was corrupt: records from the specs and the API
                 await preparer.rebuild(kube)
@@ -298,6 +303,20 @@ class KubeletPlugin:
             self.ready.set()
             helper.heap.once_idle()  # the start-up's garbage, once it has settled
             await self.stopping.wait()
+
+    async def _device_metadata(self, kube: Kube) -> Decision:
+        """Whether claims get KEP-5304 device metadata: with auto, by the version of this node's
+        kubelet (its Node object, read once)."""
+        if self.cfg.device_metadata != "auto":
+            return decide(self.cfg.device_metadata, None)
+        name = self.cfg.node.node_name
+        try:
+            node = await kube.get_json(f"/api/v1/nodes/{name}")
+        except Exception as exc:  # no answer is no version: auto stays off, and says why
+            return decide("auto", None, f"node {name} could not be read: {exc}")
+        if node is None:
+            return decide("auto", None, f"no node {name} in the API")
+        return decide("auto", kubelet_version(node))
 
     async def _watch_driver(self, watch: DriverVersionWatch) -> None:
         """Between prepares too: a restarting container of a prepared claim needs its spec

@@ -7,7 +7,9 @@ round, each directory touched (instead of once per file). A caller's change is m
 durable, durable) when its await returns, and fails alone: its file's error is raised to it, the
 other changes of the round stand.
 
-Changes to one path are applied in the order they were queued.
+Changes to one path are applied in the order they were queued. A write may ask for its missing
+directories to be made with a mode of its own (`dir_mode`; otherwise `write_temp` makes them as the
+umask says).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class _Change:
     data: bytes | None  # None: remove the file
     mode: int
     done: asyncio.Future[bool]
+    dir_mode: int | None = None  # its missing directories made with this mode first
     tmp: str | None = None
     error: BaseException | None = None
     removed: bool = False
@@ -42,17 +45,18 @@ class WriteRounds:
         self._queue: list[_Change] = []
         self._round: asyncio.Task[None] | None = None
 
-    async def write(self, path: Path, data: bytes, mode: int = 0o600) -> None:
-        """Replace `path` with `data`, atomically (and durably, when the rounds are)."""
-        await self._queued(path, data, mode)
+    async def write(self, path: Path, data: bytes, mode: int = 0o600, dir_mode: int | None = None) -> None:
+        """Replace `path` with `data`, atomically (and durably, when the rounds are); `dir_mode`:
+        the mode of the directories to make if `path`'s are missing."""
+        await self._queued(path, data, mode, dir_mode)
 
     async def remove(self, path: Path) -> bool:
         """Remove `path` (durably, when the rounds are); False when there was nothing to remove."""
         return await self._queued(path, None, 0)
 
-    async def _queued(self, path: Path, data: bytes | None, mode: int) -> bool:
+    async def _queued(self, path: Path, data: bytes | None, mode: int, dir_mode: int | None = None) -> bool:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Change(path, data, mode, done))
+        self._queue.append(_Change(path, data, mode, done, dir_mode))
         if self._round is None:
             self._round = asyncio.create_task(self._rounds())
         # Shielded: a caller cancelled mid-round must not cancel the others' round.
@@ -129,6 +133,8 @@ class WriteRounds:
     def _write_temp(self, c: _Change) -> None:
         assert c.data is not None
         try:
+            if c.dir_mode is not None:
+                make_directories(c.path.parent, c.dir_mode)
             c.tmp = write_temp(c.path, c.data, c.mode, durable=self._durable)
         except OSError as exc:  # this change fails, not the round
             c.error = exc
@@ -139,3 +145,16 @@ class WriteRounds:
             with contextlib.suppress(OSError):
                 os.unlink(c.tmp)
             c.tmp = None
+
+
+def make_directories(directory: Path, mode: int) -> None:
+    """Make `directory` and its missing parents, each with `mode` (less the umask, as mkdir does)."""
+    missing = []
+    while not directory.is_dir():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, mode)

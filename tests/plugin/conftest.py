@@ -105,8 +105,9 @@ class PluginCore:
 
     mps_root: Path = Path("/nonexistent")
 
-    def restart(self) -> PluginCore:
-        """A new plugin process over the same directories (same boot)."""
+    def restart(self, device_metadata: bool | None = None) -> PluginCore:
+        """A new plugin process over the same directories (same boot); `device_metadata`: its
+        flag (None: this one's)."""
         return make_core(
             self.root,
             self.inventory,
@@ -114,6 +115,7 @@ class PluginCore:
             self.driver_root,
             boot_id=self.checkpoint.boot_id,
             mps_root=self.mps_root,
+            device_metadata=self.preparer.metadata.enabled if device_metadata is None else device_metadata,
         )
 
 
@@ -124,6 +126,7 @@ def make_core(
     driver_root: Path,
     boot_id: str = "boot-1",
     mps_root: Path | None = None,
+    device_metadata: bool = False,
 ) -> PluginCore:
     checkpoint = Checkpoint(root / "plugin" / "checkpoint.json", boot_id=boot_id)
     cdi = CdiSpecs(root / "cdi", DRIVER)
@@ -141,6 +144,7 @@ def make_core(
         claims,
         driver_files,
         sharing,
+        device_metadata=device_metadata,
     )
     return PluginCore(root, inventory, claims, checkpoint, cdi, preparer, driver_root, mps_root)
 

@@ -17,6 +17,7 @@ from dra_gpu.plugin.record import (
     MIG_READY,
     ClaimRecord,
     ClaimState,
+    MetadataInputs,
     MigStage,
     MigStep,
     PreparedDevice,
@@ -55,6 +56,7 @@ def test_a_record_writes_only_documented_fields() -> None:
         mig_steps=(MigStep("gpu-0-mig", "GPU-1", 9, 0, 4, MIG_READY, 1, 0, "MIG-1"),),
         sharing={"mps": []},
         rebuilt=True,
+        metadata=MetadataInputs(("r",), "gpus"),
     )
     raw = record.to_json()
     assert set(raw) == set(ENTRY_FIELDS)
