@@ -561,6 +561,22 @@ def test_claim_watch_can_be_turned_off(render: Render) -> None:
     assert ("resource.k8s.io", "resourceclaims", "watch", "") in rules_of(mig, "kubelet-plugin")
 
 
+@pytest.mark.parametrize(
+    ("sets", "value"),
+    [
+        ((), "auto"),
+        (("kubeletPlugin.deviceMetadata=on",), "on"),
+        (("kubeletPlugin.deviceMetadata=off",), "off"),
+        (("kubeletPlugin.deviceMetadata=false",), "off"),  # an unquoted off in a values file
+        (("kubeletPlugin.deviceMetadata=true",), "on"),
+    ],
+)
+def test_device_metadata_reaches_the_plugin(render: Render, sets: tuple[str, ...], value: str) -> None:
+    env = env_of(container(one(render(*sets), "DaemonSet")))
+    assert env["DRA_GPU_DEVICE_METADATA"] == value
+    assert plugin_args_with(env, "DRA_GPU_DEVICE_METADATA").device_metadata == value
+
+
 def test_claim_status_writes_can_be_turned_off(render: Render) -> None:
     objs = render("kubeletPlugin.claimStatusWrites=false")
     rules = rules_of(objs, "kubelet-plugin")
@@ -817,6 +833,7 @@ def test_no_webhook_down_alert_without_a_monitor_that_scrapes_it(render: Render)
         ),
         ("controller.failurePolicy=Sometimes", "at '/controller/failurePolicy': value must be one of"),
         ("kubeletPlugin.httpPort=70000", "at '/kubeletPlugin/httpPort': maximum"),
+        ("kubeletPlugin.deviceMetadata=maybe", "at '/kubeletPlugin/deviceMetadata': value must be one of"),
     ],
 )
 def test_values_are_checked_against_the_schema(helm: str, setting: str, said: str) -> None:
