@@ -14,10 +14,11 @@ allocation until it is deallocated, which needs its `reservedFor` emptied first;
 prepares a claim only after the scheduler allocated and reserved it and bound the pod, writes the
 watch delivers in practice before the kubelet sees the pod.
 
-Of a claim only what prepare reads is kept (its name, namespace and UID, `status.allocation` and
-`status.reservedFor`), as JSON, decoded again by its prepare: managedFields, spec and the devices'
-status were most of each claim's memory, and a claim kept as objects left ~25 small long-lived
-objects among a burst's garbage, holding CPython's memory arenas after it (bench/RESULTS.md).
+Of a claim only what prepare reads is kept (its name, namespace and UID, the annotation naming it
+in its pod, for its device metadata's path, `status.allocation` and `status.reservedFor`), as
+JSON, decoded again by its prepare: managedFields, spec and the devices' status were most of each
+claim's memory, and a claim kept as objects left ~25 small long-lived objects among a burst's
+garbage, holding CPython's memory arenas after it (bench/RESULTS.md).
 
 Other parts that need this node's claims (dynamic MIG's binding conditions) subscribe to the same
 watch instead of opening their own: they get the list's claims of this node, and the events of
@@ -35,6 +36,7 @@ from typing import Any
 from dra_gpu.kube.api import REJECTED, RESOURCE_V1, Backoff, Kube, list_watch
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.plugin.allocation import Allocation
+from dra_gpu.plugin.device_metadata import POD_CLAIM_NAME_ANNOTATION, pod_claim_name
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +134,12 @@ class _Kept:
     def of(cls, claim: dict[str, Any]) -> _Kept:
         meta = claim.get("metadata") or {}
         status = claim.get("status") or {}
+        kept_meta = {k: meta[k] for k in ("name", "namespace", "uid") if k in meta}
+        pod_claim = pod_claim_name(claim)  # its device metadata's path
+        if pod_claim is not None:
+            kept_meta["annotations"] = {POD_CLAIM_NAME_ANNOTATION: pod_claim}
         slim = {
-            "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+            "metadata": kept_meta,
             "status": {k: status[k] for k in ("allocation", "reservedFor") if k in status},
         }
         return cls(str(meta.get("uid", "")), bool(status.get("reservedFor")), json.dumps(slim).encode())

@@ -70,6 +70,40 @@ def test_a_prepare_of_a_watched_claim_makes_no_get(core: PluginCore) -> None:
     asyncio.run(body())
 
 
+def test_a_watched_claim_keeps_the_name_its_pod_gives_it_for_its_device_metadata(core: PluginCore) -> None:
+    """A claim made from a template: its device metadata is mounted under the name the pod gives
+    it (the annotation resource.kubernetes.io/pod-claim-name), which the cache keeps."""
+
+    async def body() -> None:
+        api = FakeApiServer()
+        cache = ClaimCache(api.kube(), DRIVER, NODE)
+        core.preparer.claims = api.kube()
+        core.preparer.metadata.enabled = True
+        one = reserved(claim("ignored", gpu_names(core)[:1], name="pod-gpus-abcde"))
+        one["metadata"]["annotations"] = {
+            "resource.kubernetes.io/pod-claim-name": "gpus",
+            "other": "x" * 1000,
+        }
+        stored = api.put(CLAIMS, one)
+
+        async def test() -> None:
+            await until(lambda: len(cache) == 1)
+            await prepare_claim(core.preparer, ref_of(stored), cache)
+            assert cache.hits == 1
+            uid = stored["metadata"]["uid"]
+            spec = json.loads((core.cdi.dir / f"{DRIVER}_metadata_{uid}_gpu.json").read_text())
+            (mount,) = spec["devices"][0]["containerEdits"]["mounts"]
+            assert mount["containerPath"].endswith(f"/resourceclaimtemplates/gpus/gpu/{DRIVER}-metadata.json")
+            kept = cache.lookup(ref_of(stored))
+            assert kept is not None and kept["metadata"]["annotations"] == {
+                "resource.kubernetes.io/pod-claim-name": "gpus"
+            }
+
+        await watching(api, cache, test)
+
+    asyncio.run(body())
+
+
 def test_what_the_cache_cannot_vouch_for_is_read_from_the_apiserver(core: PluginCore) -> None:
     async def body() -> None:
         api = FakeApiServer()
