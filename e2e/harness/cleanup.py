@@ -121,9 +121,9 @@ def cmdlines() -> list[bytes]:
 
 
 def wipe_driver_node_state() -> None:
-    """This driver's checkpoint, MPS dirs and CDI specs belong to the old cluster's claims: a fresh
-    node has none (an earlier run killed mid-test leaves them, and the tests count what is there).
-    Left alone while a plugin of ours still runs on them."""
+    """This driver's checkpoint, MPS dirs, device metadata and CDI specs belong to the old
+    cluster's claims: a fresh node has none (an earlier run killed mid-test leaves them, and the
+    tests count what is there). Left alone while a plugin of ours still runs on them."""
     plugin_dir = os.path.join(KUBELET_ROOT, "plugins", DRIVER_NAME)
     if any(b"kubelet-plugin" in c and plugin_dir.encode() in c for c in cmdlines()):
         say(f"a {DRIVER_NAME} kubelet plugin is running: its state in {plugin_dir} is left to it")
@@ -140,7 +140,9 @@ def wipe_driver_node_state() -> None:
     for d in CDI_DIRS:
         with contextlib.suppress(OSError):
             for f in os.listdir(d):
-                if f.startswith(f"k8s.{DRIVER_NAME}-") and f.endswith(".json"):
+                # Its claims' specs and their device metadata's (KEP-5304).
+                ours = f.startswith((f"k8s.{DRIVER_NAME}-", f"{DRIVER_NAME}_metadata_"))
+                if ours and f.endswith(".json"):
                     os.unlink(os.path.join(d, f))
                     wiped.append(os.path.join(d, f))
     if wiped:

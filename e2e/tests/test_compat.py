@@ -217,6 +217,56 @@ def test_core_path_slices_prepare_restart_unprepare(node_plugin, record, core, d
     record.add("core path", "works", "slices, 4 NVLink GPUs prepared, plugin restart, unprepare")
 
 
+def test_device_metadata_by_the_kubelets_version(node_plugin, record, core, dyn, namespace, busybox_image):
+    """KEP-5304 device metadata: beta from 1.37, where the plugin writes it by default (auto) and
+    a pod reads its GPUs from it; on an older kubelet it writes none (no file, no CDI spec, no
+    mount) and its start-up line says so and why."""
+    node_plugin.start()
+    wait_for("the node's slices", lambda: our_slices(dyn)[1], timeout=30)
+    version = re.match(r"v?(\d+)\.(\d+)", record.kubelet)
+    assert version, f"the kubelet's version {record.kubelet!r}: no major.minor"
+    said = wait_for(
+        "the plugin's device metadata line",
+        lambda: next(
+            (
+                x.split(" msg=", 1)[-1]
+                for x in node_plugin.log_path.read_text(errors="replace").splitlines()
+                if "device metadata (KEP-5304)" in x
+            ),
+            None,
+        ),
+        timeout=30,
+    )
+    template(dyn, namespace, "one")
+    path = f"/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpus/gpus/{DRIVER}"
+    path += "-metadata.json"
+    show = f"cat {path} 2>&1; env | grep ^DRA_GPU_VISIBLE; sleep 3600"
+    claim_pod(core, namespace, "metadata", {"resource_claim_template_name": "one"}, show, busybox_image)
+    log = running(core, namespace, "metadata")
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    (meta,) = [c["metadata"] for c in claims.get(namespace=namespace).to_dict()["items"]]
+    files = [
+        *(PLUGIN_DIR / "dra-device-metadata" / f"{namespace}_{meta['name']}").rglob("*"),
+        *CDI_DIR.glob(f"{DRIVER}_metadata_{meta['uid']}_*"),
+    ]
+    if (int(version[1]), int(version[2])) >= (1, 37):
+        assert f"device metadata (KEP-5304) on: the kubelet is {record.kubelet}, beta from 1.37" in said, said
+        assert '"kind": "DeviceMetadata"' in log and meta["uid"] in log, log
+        assert len([f for f in files if f.is_file()]) == 2, files  # the file and its CDI spec
+        record.add("device metadata (KEP-5304)", "works", "a pod reads its GPUs from the file")
+    else:
+        want = (
+            f"device metadata (KEP-5304) off: the kubelet is {record.kubelet}; beta from 1.37; "
+            "--device-metadata=on writes it anyway"
+        )
+        assert said == want, said
+        assert f"cat: can't open '{path}': No such file or directory" in log, log
+        assert files == [], files
+        record.add("device metadata (KEP-5304)", "off (kubelet before 1.37)", said)
+    delete_and_wait_unprepared(core, dyn, namespace, ["metadata"])
+    assert not any(f.exists() for f in files)
+
+
 def simulate_xid_79(dyn) -> str:
     """The first GPU falls off the bus (XID 79, through `dra-gpu health simulate` as a user would);
     its name."""
