@@ -75,6 +75,7 @@ IN_A_WRITE = {"checkpoint-after-temp": PLUGIN_DIR, "cdi-spec-after-temp": CDI_DI
 PLUGIN_DIR_ENTRIES = {
     "checkpoint.json",
     "checkpoint.json.boot",
+    "dra-device-metadata",
     "dra.sock",
     "health.sock",
     "health-taints.json",
@@ -136,11 +137,22 @@ def temp_files(directory: Path) -> list[str]:
 
 
 def assert_no_strays(records: dict[str, dict]) -> None:
-    """The CDI dir holds, of this driver's files, exactly the completed claims' specs; the plugin
-    dir nothing but what lives there. (Other drivers' CDI files are theirs.)"""
+    """The CDI dir holds, of this driver's files, exactly the completed claims' specs and their
+    device metadata's; the plugin dir nothing but what lives there, and device metadata only of
+    completed claims. (Other drivers' CDI files are theirs.)"""
     completed = {uid for uid, r in records.items() if r.get("state") == "completed"}
     ours = sorted(n for n in os.listdir(CDI_DIR) if f"k8s.{DRIVER}" in n)
     assert ours == sorted(f"{SPEC_PREFIX}{uid}.json" for uid in completed), f"{CDI_DIR}: {ours}"
+    with_metadata = {uid: r for uid, r in records.items() if uid in completed and r.get("deviceMetadata")}
+    metadata_specs = sorted(n for n in os.listdir(CDI_DIR) if n.startswith(f"{DRIVER}_metadata_"))
+    assert metadata_specs == sorted(
+        f"{DRIVER}_metadata_{uid}_{request.split('/')[0]}.json"
+        for uid, r in with_metadata.items()
+        for request in r["deviceMetadata"]["requests"]
+    ), f"{CDI_DIR}: {metadata_specs}"
+    metadata_dir = PLUGIN_DIR / "dra-device-metadata"
+    claim_dirs = sorted(os.listdir(metadata_dir)) if metadata_dir.is_dir() else []
+    assert claim_dirs == sorted({f"{r['namespace']}_{r['name']}" for r in with_metadata.values()}), claim_dirs
     strays = sorted(
         n for n in os.listdir(PLUGIN_DIR) if n not in PLUGIN_DIR_ENTRIES and not n.startswith(CORRUPT_PREFIX)
     )

@@ -328,8 +328,11 @@ def pod_resources_uuids(dyn, pod, container: str) -> list[str]:
             uuid = next(iter(attrs[(res.pool_name, res.device_name)]["uuid"].values()))
             uuids.append(uuid)
             names = {d.name for d in res.cdi_devices}
-            kind, _, _ = next(iter(names)).partition("=")
-            assert kind == f"k8s.{NVIDIA_DRIVER}/claim", names
+            # The devices' own names; on a request's first device also its device metadata's
+            # (KEP-5304, written on this 1.37 kubelet), which sets no environment.
+            kinds = {n.partition("=")[0] for n in names}
+            assert f"k8s.{NVIDIA_DRIVER}/claim" in kinds, names
+            assert kinds <= {f"k8s.{NVIDIA_DRIVER}/claim", f"{NVIDIA_DRIVER}/metadata"}, names
             assert any(uuid in cdi_env(n).get("DRA_GPU_VISIBLE_DEVICES", "") for n in names), (names, uuid)
     return sorted(set(uuids))
 
