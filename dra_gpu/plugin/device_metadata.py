@@ -78,6 +78,7 @@ DIR_MODE = 0o755
 MODES = ("auto", "on", "off")
 BETA_SINCE = (1, 37)
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)")
+MAX_KEPT_TEXTS = 4096
 
 
 class MetadataWriteError(OSError):
@@ -168,6 +169,7 @@ class DeviceMetadata:
         self.spec_prefix = f"{driver}_metadata_"
         self._slices: SliceBuilder | None = None  # made on first use
         self._attributes: dict[str, dict[str, dict[str, Any]]] = {}
+        self._texts: dict[tuple[str, str, str | None], str] = {}  # a device's part of the file
 
     # -- names ---------------------------------------------------------------------------------
 
@@ -265,21 +267,26 @@ class DeviceMetadata:
             keys = keys[:MAX_ATTRIBUTES]
         return {k: dict(attrs[k]) for k in keys}
 
-    def document(self, record: ClaimRecord, request: str) -> dict[str, Any]:
-        """The DeviceMetadata object of one request (`request` as allocated) of a claim's record,
-        in the upstream type's field order; apiVersion is set per version."""
-        assert record.metadata is not None
+    def _entry(self, pool: str, device: str, instance_uuid: str | None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"driver": self.driver, "pool": pool, "name": device}
+        attrs = self.attributes(device, instance_uuid)
+        if attrs:
+            entry["attributes"] = attrs
+        return entry
+
+    def _devices(self, record: ClaimRecord, request: str) -> list[tuple[str, str, str | None]]:
+        """(pool, device, made instance's UUID) of each device of a request, in allocation order."""
         base = request.split("/", 1)[0]
         made = {m.device: m.uuid for m in record.mig_steps if m.uuid is not None}
-        devices = []
-        for d in record.devices:
-            if base not in d.request_names:
-                continue
-            entry: dict[str, Any] = {"driver": self.driver, "pool": d.pool_name, "name": d.device_name}
-            attrs = self.attributes(d.device_name, made.get(d.device_name))
-            if attrs:
-                entry["attributes"] = attrs
-            devices.append(entry)
+        return [
+            (d.pool_name, d.device_name, made.get(d.device_name))
+            for d in record.devices
+            if base in d.request_names
+        ]
+
+    @staticmethod
+    def _head(record: ClaimRecord, request: str, devices: list[Any]) -> dict[str, Any]:
+        assert record.metadata is not None
         doc: dict[str, Any] = {
             "kind": KIND,
             "apiVersion": API_VERSIONS[0],
@@ -295,14 +302,40 @@ class DeviceMetadata:
         doc["requests"] = [{"name": request, "devices": devices}]
         return doc
 
+    def document(self, record: ClaimRecord, request: str) -> dict[str, Any]:
+        """The DeviceMetadata object of one request (`request` as allocated) of a claim's record,
+        in the upstream type's field order (apiVersion: the newest)."""
+        return self._head(record, request, [self._entry(*d) for d in self._devices(record, request)])
+
     @staticmethod
     def stream(doc: dict[str, Any]) -> bytes:
-        """The file: the object once a version, newest first, each indented and ended by a newline."""
-        parts = []
-        for version in API_VERSIONS:
-            doc["apiVersion"] = version
-            parts.append(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-        return "".join(parts).encode()
+        """The file of a document: the object once a version, newest first, each indented and
+        ended by a newline. The versions differ only in the apiVersion line, the object's second,
+        which no string inside it can mimic (their quotes are escaped)."""
+        doc = {**doc, "apiVersion": API_VERSIONS[0]}
+        return _versions(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+    def encode(self, record: ClaimRecord, request: str) -> bytes:
+        """`stream(document(record, request))`, byte for byte, with each device's part (most of the
+        file, the same in every claim of the device) indented once and kept: indented JSON is
+        the pure-Python encoder's, which was most of what the metadata added to a prepare."""
+        devices = self._devices(record, request)
+        texts = []
+        for key in devices:
+            text = self._texts.get(key)
+            if text is None:
+                text = json.dumps(self._entry(*key), indent=2, ensure_ascii=False).replace(
+                    "\n", "\n" + " " * 8
+                )
+                if len(self._texts) >= MAX_KEPT_TEXTS:
+                    self._texts.clear()  # dynamic MIG instances come and go; the catalog's devices stay
+                self._texts[key] = text
+            texts.append(text)
+        # Markers in place of the devices: the head's strings (names, UIDs) hold no "@".
+        head = json.dumps(self._head(record, request, [f"@{i}@" for i in range(len(texts))]), indent=2)
+        for i, text in enumerate(texts):
+            head = head.replace(f'"@{i}@"', text, 1)
+        return _versions(head + "\n")
 
     def spec(self, record: ClaimRecord, request: str) -> dict[str, Any]:
         """The CDI spec that mounts one request's file into the claim's containers."""
@@ -344,21 +377,21 @@ class DeviceMetadata:
 
     # -- removal -------------------------------------------------------------------------------
 
-    def remove_now(self, record: ClaimRecord, others: Sequence[ClaimRecord] = ()) -> None:
-        """Remove a claim's CDI specs and its metadata directory. `others`: other records of a
-        claim of the same namespace and name (deleted and made again): their request files stay."""
+    def removals(
+        self, record: ClaimRecord, others: Sequence[ClaimRecord] = ()
+    ) -> tuple[list[Path], list[Path]]:
+        """What unprepare removes of a claim: its CDI specs (files) and its metadata directory
+        (a tree). `others`: other records of a claim of the same namespace and name (deleted and
+        made again): their requests' directories stay."""
         if record.metadata is None:
-            return
-        for base in record.metadata.base_requests:
-            remove_file(self.spec_path(record.uid, base))
+            return [], []
+        bases = record.metadata.base_requests
+        files = [self.spec_path(record.uid, base) for base in bases]
         claim_dir = self.claim_dir(record.namespace, record.name)
         if not others:
-            _remove_tree(claim_dir)
-            return
+            return files, [claim_dir]
         kept = {b for o in others if o.metadata is not None for b in o.metadata.base_requests}
-        for base in record.metadata.base_requests:
-            if base not in kept:
-                _remove_tree(claim_dir / base)
+        return files, [claim_dir / base for base in bases if base not in kept]
 
     # -- at start ------------------------------------------------------------------------------
 
@@ -407,6 +440,15 @@ class DeviceMetadata:
                 else:
                     remove_stale_temps(Path(request.path), FILE_NAME.__eq__)
         return {k: v for k, v in counts.items() if v}
+
+
+def _versions(first: str) -> bytes:
+    """The stream of an object encoded as the newest version: once a version."""
+    line = f'"apiVersion": "{API_VERSIONS[0]}"'
+    assert first.split("\n", 3)[2].strip().rstrip(",") == line
+    return "".join(
+        [first, *(first.replace(line, f'"apiVersion": "{v}"', 1) for v in API_VERSIONS[1:])]
+    ).encode()
 
 
 def _read(path: Path) -> bytes | None:

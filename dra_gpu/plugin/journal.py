@@ -123,10 +123,9 @@ class Journal:
             raise PrepareError(f"claim {record.ref()}: device metadata: {exc}") from exc
         if not files:
             return
-        outcomes = await asyncio.gather(
-            *(self.spec_rounds.write(path, data, FILE_MODE, dir_mode=DIR_MODE) for path, data in files),
-            return_exceptions=True,
-        )
+        # Queued at once, before this coroutine first waits: beside the claim's spec, when that
+        # was queued just before, in its round (one worker-thread job).
+        outcomes = await self.spec_rounds.write_all(files, FILE_MODE, dir_mode=DIR_MODE)
         for (path, _), outcome in zip(files, outcomes, strict=True):
             if isinstance(outcome, OSError):
                 raise MetadataWriteError(outcome.errno, outcome.strerror or str(outcome), path) from outcome
@@ -137,7 +136,7 @@ class Journal:
         """Remove the claim's device metadata (its directory; the files of another record of the
         same namespace and name stay) and their CDI specs."""
         if record is None or record.metadata is None:
-            return  # no thread hop
+            return
         others = [
             o
             for o in self.records()
@@ -147,9 +146,13 @@ class Journal:
             and o.metadata
         ]
         try:
-            await asyncio.to_thread(self.metadata.remove_now, record, others)
+            files, trees = self.metadata.removals(record, others)
         except ValueError as exc:  # a record whose names cannot make a path: it made no file either
             raise PrepareError(f"claim {record.ref()}: device metadata: {exc}") from exc
+        # Queued at once, beside the claim's spec when that was queued just before (one round).
+        for outcome in await self.spec_rounds.remove_all(files, trees):
+            if outcome is not None:
+                raise outcome
 
     # -- at once (the start-up reconcile and rebuild, before serving) ----------------------------
 

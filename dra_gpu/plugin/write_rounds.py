@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ class _Change:
     mode: int
     done: asyncio.Future[bool]
     dir_mode: int | None = None  # its missing directories made with this mode first
+    tree: bool = False  # a removal of a directory with all in it
     tmp: str | None = None
     error: BaseException | None = None
     removed: bool = False
@@ -50,17 +53,41 @@ class WriteRounds:
         the mode of the directories to make if `path`'s are missing."""
         await self._queued(path, data, mode, dir_mode)
 
+    async def write_all(
+        self, files: Sequence[tuple[Path, bytes]], mode: int = 0o600, dir_mode: int | None = None
+    ) -> list[BaseException | None]:
+        """`write` each of `files`, queued together (one round unless one is under way); each
+        one's error, or None, in order."""
+        done = [self._queue_change(path, data, mode, dir_mode) for path, data in files]
+        outcomes = await asyncio.gather(*(asyncio.shield(d) for d in done), return_exceptions=True)
+        return [o if isinstance(o, BaseException) else None for o in outcomes]
+
+    async def remove_all(
+        self, files: Sequence[Path], trees: Sequence[Path] = ()
+    ) -> list[BaseException | None]:
+        """`remove` each of `files`, and each of `trees` with all it holds (links in it removed,
+        never followed), queued together; each one's error, or None, in order (files, then trees)."""
+        done = [self._queue_change(p, None, 0, None) for p in files]
+        done += [self._queue_change(p, None, 0, None, tree=True) for p in trees]
+        outcomes = await asyncio.gather(*(asyncio.shield(d) for d in done), return_exceptions=True)
+        return [o if isinstance(o, BaseException) else None for o in outcomes]
+
     async def remove(self, path: Path) -> bool:
         """Remove `path` (durably, when the rounds are); False when there was nothing to remove."""
         return await self._queued(path, None, 0)
 
     async def _queued(self, path: Path, data: bytes | None, mode: int, dir_mode: int | None = None) -> bool:
+        # Shielded: a caller cancelled mid-round must not cancel the others' round.
+        return await asyncio.shield(self._queue_change(path, data, mode, dir_mode))
+
+    def _queue_change(
+        self, path: Path, data: bytes | None, mode: int, dir_mode: int | None, tree: bool = False
+    ) -> asyncio.Future[bool]:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Change(path, data, mode, done, dir_mode))
+        self._queue.append(_Change(path, data, mode, done, dir_mode, tree))
         if self._round is None:
             self._round = asyncio.create_task(self._rounds())
-        # Shielded: a caller cancelled mid-round must not cancel the others' round.
-        return await asyncio.shield(done)
+        return done
 
     async def _rounds(self) -> None:
         changes: list[_Change] = []
@@ -106,6 +133,9 @@ class WriteRounds:
                     os.replace(c.tmp, c.path)
                     c.tmp = None
                     c.touched = True
+                elif c.tree and os.path.isdir(c.path) and not os.path.islink(c.path):
+                    shutil.rmtree(c.path)
+                    c.removed = c.touched = True
                 elif os.path.lexists(c.path):  # (unlink says EROFS for a missing file there)
                     os.unlink(c.path)
                     c.removed = c.touched = True

@@ -338,6 +338,35 @@ def test_upstreams_reader_accepts_every_file_strictly(mcore: PluginCore) -> None
     ), r.stdout
 
 
+def test_the_kept_device_parts_make_the_same_bytes_as_encoding_the_whole(core: PluginCore) -> None:
+    catalog = DeviceCatalog.build(core.inventory)
+    meta = DeviceMetadata(DRIVER, core.root / "plugin", core.cdi.dir, catalog, enabled=True)
+    g, m = gpu_names(core), mig_names(core)
+    devices = (
+        PreparedDevice(["a"], NODE, g[0], []),
+        PreparedDevice(["b"], NODE, m[0], []),
+        PreparedDevice(["a"], NODE, g[1], []),
+        PreparedDevice(["b"], NODE, "gone-from-the-node", []),
+    )
+    for pod_claim in (None, "gpus"):
+        record = ClaimRecord(
+            uid=UID_DIGIT,
+            state=ClaimState.COMPLETED,
+            namespace="ns",
+            name="c",
+            devices=devices,
+            metadata=MetadataInputs(("a", "b/sub"), pod_claim),
+        )
+        for request in ("a", "b/sub"):
+            for _ in range(2):  # encoded, then from what was kept
+                assert meta.encode(record, request) == meta.stream(meta.document(record, request))
+    assert objects(meta.encode(record, "b/sub").decode())[0]["requests"][0]["devices"][1] == {
+        "driver": DRIVER,
+        "pool": NODE,
+        "name": "gone-from-the-node",  # a device the node no longer has: no attributes
+    }
+
+
 def test_the_cdi_spec_mounts_the_file_read_only_at_the_kubernetes_path(mcore: PluginCore) -> None:
     gpu = gpu_names(mcore)[0]
     by_hand = claim(UID_LETTER, [gpu], name="mine", requests=["gpus"])
