@@ -306,17 +306,18 @@ class KubeletPlugin:
 
     async def _device_metadata(self, kube: Kube) -> Decision:
         """Whether claims get KEP-5304 device metadata: with auto, by the version of this node's
-        kubelet (its Node object, read once)."""
-        if self.cfg.device_metadata != "auto":
-            return decide(self.cfg.device_metadata, None)
+        kubelet (its Node object, read once; with on, only for the line that says so)."""
+        mode = self.cfg.device_metadata
+        if mode == "off":
+            return decide(mode, None)
         name = self.cfg.node.node_name
         try:
             node = await kube.get_json(f"/api/v1/nodes/{name}")
         except Exception as exc:  # no answer is no version: auto stays off, and says why
-            return decide("auto", None, f"node {name} could not be read: {exc}")
+            return decide(mode, None, f"node {name} could not be read: {exc}")
         if node is None:
-            return decide("auto", None, f"no node {name} in the API")
-        return decide("auto", kubelet_version(node))
+            return decide(mode, None, f"no node {name} in the API")
+        return decide(mode, kubelet_version(node))
 
     async def _watch_driver(self, watch: DriverVersionWatch) -> None:
         """Between prepares too: a restarting container of a prepared claim needs its spec

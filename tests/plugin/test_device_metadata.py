@@ -750,7 +750,14 @@ def node_object(version: str) -> dict[str, Any]:
             False,
             "node n could not be read: connection",
         ),
-        ("on", FakeKube(None, AssertionError("not asked")), True, "--device-metadata=on"),
+        ("on", FakeKube(node_object("v1.34.4")), True, "--device-metadata=on (the kubelet is v1.34.4)"),
+        (
+            "on",
+            FakeKube(None, OSError("refused")),
+            True,
+            "--device-metadata=on (the kubelet's version was not read)",
+        ),
+        ("off", FakeKube(None, AssertionError("not asked")), False, "off: --device-metadata=off"),
     ],
 )
 def test_the_plugin_reads_its_nodes_kubelet_version_once(
@@ -769,7 +776,7 @@ def test_the_plugin_reads_its_nodes_kubelet_version_once(
     plugin = KubeletPlugin(PluginConfig(node=settings, device_metadata=mode))
     decision = asyncio.run(plugin._device_metadata(kube))  # type: ignore[arg-type]
     assert decision.enabled is on and said in decision.line()
-    assert kube.paths == ([] if mode != "auto" else ["/api/v1/nodes/n"])
+    assert kube.paths == ([] if mode == "off" else ["/api/v1/nodes/n"])
     assert kubelet_version(node_object("v1.37.2")) == "v1.37.2" and kubelet_version({}) is None
 
 
