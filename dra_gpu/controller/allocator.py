@@ -8,7 +8,8 @@ first full solution wins. Constraints are set properties, so trying devices in i
 request (combinations) finds the same first solution as the scheduler's permutation search, faster.
 
 Besides the first-fit answer it finds the placement with the lowest NVLink link cost on that node
-(1 per pair of devices in one NVLink domain, 4 per pair across domains).
+(1 per pair of GPUs in one NVLink domain, 4 per pair across domains; devices of other kinds, such
+as a NIC beside the GPU, cost nothing).
 """
 
 from __future__ import annotations
@@ -41,12 +42,22 @@ class Placement:
         return [d.name for _, d in self.results]
 
 
+GPU_TYPES = frozenset({"gpu", "mig"})
+
+
 def link_cost(devices: Sequence[Device]) -> int:
-    doms = [d.attribute(f"{d.driver}/nvlinkDomain") for d in devices]
+    """The NVLink cost of the GPUs among `devices`: a device of another kind (a NIC a claim asks for
+    beside its GPU) has no NVLink to price."""
+    doms = [d.attribute(f"{d.driver}/nvlinkDomain") for d in devices if _is_gpu(d)]
     cost = 0
     for a, b in itertools.combinations(doms, 2):
         cost += SAME_DOMAIN_COST if a is not None and a == b else CROSS_DOMAIN_COST
     return cost
+
+
+def _is_gpu(d: Device) -> bool:
+    kind = d.attribute(f"{d.driver}/type")
+    return kind is not None and kind[1] in GPU_TYPES
 
 
 class _Search:

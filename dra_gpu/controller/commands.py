@@ -29,6 +29,7 @@ from dra_gpu.model.device_classes import chart_device_classes
 from dra_gpu.model.inventory import DEFAULT_DRIVER_NAME
 
 if TYPE_CHECKING:
+    from dra_gpu.controller.explain import SharedValue
     from dra_gpu.controller.rules import Verdict
 
 # ---------------------------------------------------------------- the driver name
@@ -220,7 +221,7 @@ def _explain_inputs(
     inputs: Inputs, driver: str, bounded: bool, nvidia_compatible: bool, to_explain: list[ClaimToExplain]
 ) -> dict[str, Any]:
     from dra_gpu.controller.bounded import OverBudget, run_bounded_each
-    from dra_gpu.controller.explain import explain
+    from dra_gpu.controller.explain import explain, shared_values
     from dra_gpu.controller.rules import ProblemKind, Validator
 
     allocated = [c for c in inputs.claims if is_allocated(c)]
@@ -251,6 +252,9 @@ def _explain_inputs(
             "linkCost": 0,
             "bestDevices": [],
             "bestLinkCost": 0,
+            # What each matchAttribute constraint holds equal in the placement: {attribute, value,
+            # requests, drivers} (a GPU and another driver's NIC on one PCIe root).
+            "sharedAttributes": [],
             "reason": "",
             "simulated": True,  # False: a selector uses Kubernetes CEL functions dra-gpu does not model
             "concernsDriver": True,  # False: no request asks for the driver's devices
@@ -288,6 +292,15 @@ def _explain_inputs(
                     linkCost=e.placement.link_cost,
                     bestDevices=e.best.devices,
                     bestLinkCost=e.best.link_cost,
+                    sharedAttributes=[
+                        {
+                            "attribute": v.attribute,
+                            "value": v.value,
+                            "requests": list(v.requests),
+                            "drivers": list(v.drivers),
+                        }
+                        for v in shared_values(spec, e.placement)
+                    ],
                 )
             else:
                 entry.update(reason=e.reason, simulated=e.simulated)
@@ -320,9 +333,16 @@ def _result(request: str, d: Any, consumed: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _shared(v: dict[str, Any]) -> SharedValue:
+    from dra_gpu.controller.explain import SharedValue
+
+    return SharedValue(str(v["attribute"]), str(v["value"]), tuple(v["requests"]), tuple(v["drivers"]))
+
+
 def render_text(result: dict[str, Any], wide: bool = False) -> str:
-    """One line a claim (and a line for each share it consumes, each cheaper placement); `wide`:
-    also each request's device and pool, and the workloads that use the claim."""
+    """One line a claim (and a line for each share it consumes, each value a constraint holds
+    equal across drivers, each cheaper placement); `wide`: also each request's device and pool,
+    and the workloads that use the claim."""
     lines = []
     for c in result["claims"]:
         head = f"{c['namespace']}/{c['name']}"
@@ -351,6 +371,9 @@ def render_text(result: dict[str, Any], wide: bool = False) -> str:
                 lines.append(f"  {r['device']}: a share consuming {used}")
         if not c["allocatable"] or c.get("allocated"):
             continue
+        for shared in map(_shared, c.get("sharedAttributes") or []):
+            if shared.spans_drivers:  # "gpu and nic on pcieRoot pci0000:16": said where drivers meet
+                lines.append(f"  {shared.describe()}")
         if c["bestLinkCost"] < c["linkCost"]:
             lines.append(
                 f"  a cheaper placement on {c['node']}: {', '.join(c['bestDevices'])} "

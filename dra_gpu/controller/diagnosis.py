@@ -243,6 +243,11 @@ def _constraint_reasons(
         if con.kind != "match":
             continue
         subs = [req.alternatives[0] for req in requests if con.applies(req.alternatives[0])]
+        if _drivers_of(cluster, subs) is not None:  # a GPU and a NIC on one PCIe root, ...
+            reason = _shared_value_reason(cluster, con, subs, ignore_in_use)
+            if reason:
+                out.append(reason)
+            continue
         need = sum(s.count for s in subs if s.mode == "ExactCount")
         largest, node_of = 0, ""
         noun_pool: list[Device] = []
@@ -279,3 +284,86 @@ def _constraint_reasons(
                     f"the constraint needs {need}{_taint_note(tainted)}"
                 )
     return out
+
+
+def _drivers_of(cluster: Cluster, subs: list[SubRequest]) -> list[list[str]] | None:
+    """The drivers whose devices each request may get, when the requests of one constraint take
+    devices of more than one driver (a GPU of this driver and a NIC of a network driver); else
+    None."""
+    if len(subs) < 2:
+        return None
+    drivers = [sorted({d.driver for n in cluster.nodes for d in cluster.candidates(n, s)}) for s in subs]
+    return drivers if len({x for ds in drivers for x in ds}) > 1 else None
+
+
+def _usable_now(cluster: Cluster, sub: SubRequest, d: Device) -> bool:
+    """No allocation holds the device (or what the request would consume of a shared one is free)
+    and it has no taint the request does not tolerate."""
+    if d.key in cluster.in_use and not sub.admin_access:
+        return False
+    return blocking_taint(d, sub) is None and _fits_now(cluster, sub, d)
+
+
+def _shared_value_reason(
+    cluster: Cluster, con: Constraint, subs: list[SubRequest], ignore_in_use: bool, nodes_shown: int = 2
+) -> str:
+    """Why no value of a matched attribute has what each request needs, said for requests of
+    different drivers: "no pcieRoot on node-a has both a free gpu.dra-gpu.io device (request
+    'gpu') and a free nic.example.com device (request 'nic'): roots with a free gpu.dra-gpu.io
+    device: pci0000:30, pci0000:c9; with a free nic.example.com device: pci0000:e1". Empty when
+    some node has a value that fits them all (then the constraint is not what stands in the way)."""
+    ident = con.attribute.rpartition("/")[2]
+    label = "roots" if ident == "pcieRoot" else f"{ident} values"
+    free = "" if ignore_in_use else "free "
+    drivers = _drivers_of(cluster, subs) or [[] for _ in subs]
+
+    def what(sub: SubRequest, ds: list[str]) -> str:
+        n = sub.count if sub.mode == "ExactCount" else 1
+        kind = "/".join(ds) or f"class {sub.device_class}"
+        return f"{'a' if n == 1 else n} {free}{kind} device{'' if n == 1 else 's'}"
+
+    wants = [what(s, ds) for s, ds in zip(subs, drivers, strict=True)]
+    if len(set(wants)) < len(wants):  # two requests alike: the lists name their request too
+        listed = [f"{w} (request {s.name!r})" for w, s in zip(wants, subs, strict=True)]
+    else:
+        listed = wants
+    per_node: list[tuple[str, list[list[str]]]] = []
+    for node in cluster.nodes:
+        values: list[dict[Any, str]] = []
+        for sub in subs:
+            counts: Counter[Any] = Counter()
+            shown: dict[Any, str] = {}
+            for d in cluster.candidates(node, sub):
+                if not ignore_in_use and not _usable_now(cluster, sub, d):
+                    continue
+                value = d.attribute(con.attribute)
+                if value is not None:
+                    counts[value] += 1
+                    shown[value] = str(value[1])
+            need = sub.count if sub.mode == "ExactCount" else 1
+            values.append({v: shown[v] for v, n in counts.items() if n >= need})
+        if set.intersection(*(set(v) for v in values)):
+            return ""
+        per_node.append((node, [sorted(v.values()) for v in values]))
+    if not per_node:
+        return ""
+    joined = [f"{w} (request {s.name!r})" for w, s in zip(wants, subs, strict=True)]
+    both = "both " if len(joined) == 2 else "all of "
+    asked = f"{', '.join(joined[:-1])} and {joined[-1]}"
+    # Nodes with some of what each request needs first: the near misses say the most.
+    per_node.sort(key=lambda item: sum(not vs for vs in item[1]))
+    named = [n for n, _ in per_node if n]
+    where = f" on {named[0]}" if len(per_node) == 1 and named else ""
+    if len(per_node) > 1:
+        where = f" on any of the {len(per_node)} nodes"
+    parts = []
+    for node, lists in per_node[:nodes_shown]:
+        head = f"on {node}, " if len(per_node) > 1 and node else ""
+        items = [
+            f"{'' if i else head + label + ' '}with {w}: {', '.join(vs) or 'none'}"
+            for i, (w, vs) in enumerate(zip(listed, lists, strict=True))
+        ]
+        parts.append("; ".join(items))
+    rest = len(per_node) - nodes_shown
+    more = f"; and {rest} more node{'s' if rest > 1 else ''}" if rest > 0 else ""
+    return f"no {ident}{where} has {both}{asked}: {'; '.join(parts)}{more}"

@@ -47,6 +47,53 @@ class Explanation:
         return self.failure is not Failure.NOT_SIMULATED
 
 
+@dataclass(frozen=True)
+class SharedValue:
+    """The value a matchAttribute constraint's devices share in a placement: the PCIe root a GPU
+    and a NIC of another driver sit on, the NVLink domain of a claim's GPUs."""
+
+    attribute: str
+    value: str
+    requests: tuple[str, ...]  # as in the allocation's results ("gpu", "gpu/h100"), each once, in order
+    drivers: tuple[str, ...]  # of the devices under it, each once, in order
+
+    @property
+    def spans_drivers(self) -> bool:
+        return len(self.drivers) > 1
+
+    def describe(self) -> str:
+        """ "gpu and nic on pcieRoot pci0000:16"."""
+        names = list(self.requests)
+        who = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        return f"{who} on {self.attribute.rpartition('/')[2]} {self.value}"
+
+
+def shared_values(spec: Mapping[str, Any], placement: Placement) -> list[SharedValue]:
+    """What each matchAttribute constraint of the claim's spec holds equal in `placement`."""
+    _, constraints = parse_requests(spec)
+    out: list[SharedValue] = []
+    for con in constraints:
+        if con.kind != "match":
+            continue
+        under = [
+            (name, d)
+            for name, d in placement.results
+            if not con.requests or name in con.requests or name.partition("/")[0] in con.requests
+        ]
+        value = under[0][1].attribute(con.attribute) if under else None
+        if value is None:
+            continue
+        out.append(
+            SharedValue(
+                con.attribute,
+                str(value[1]),
+                tuple(dict.fromkeys(name for name, _ in under)),
+                tuple(dict.fromkeys(d.driver for _, d in under)),
+            )
+        )
+    return out
+
+
 def _failure(exc: AllocationError) -> Failure:
     if isinstance(exc, UnknownClassError):
         return Failure.UNKNOWN_CLASS

@@ -8,6 +8,7 @@ untouched. Every problem names its field path and says what would be valid.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from dra_gpu.controller import sharing_fit
 from dra_gpu.controller.allocation_errors import AllocationError
 from dra_gpu.controller.allocator_view import Cluster, allocated_devices, shared_consumption
 from dra_gpu.controller.cel import CelEnvironment, Schema
+from dra_gpu.controller.claim_requests import parse_requests
 from dra_gpu.controller.explain import Failure, explain
 from dra_gpu.controller.schemas import decode_object
 from dra_gpu.kube.values import (
@@ -509,6 +511,33 @@ class Validator:
         v.errors += [Problem(f"{path}.{e.split(':', 1)[0]}", e.split(": ", 1)[1]) for e in errors]
         v.warnings += [Problem(f"{path}.{w.split(':', 1)[0]}", w.split(": ", 1)[1]) for w in warnings]
 
+    def _other_driver_unpublished(self, spec: Mapping[str, Any]) -> str:
+        """Why a claim that asks for this driver's devices and another driver's (a GPU and a NIC
+        of a network driver) is not refused for the other's: a request every alternative of which
+        names another driver's class that selects no published device yet. Empty when none does."""
+        try:
+            requests, _ = parse_requests(spec)
+            for req in requests:
+                empty = [
+                    s.device_class
+                    for s in req.alternatives
+                    if s.device_class in self.classes
+                    and not self.class_concerns_driver(s.device_class)
+                    and not any(
+                        self.cluster.candidates(node, dataclasses.replace(s, selectors=[]))
+                        for node in self.cluster.nodes
+                    )
+                ]
+                if empty and len(empty) == len(req.alternatives):
+                    names = ", ".join(repr(c) for c in dict.fromkeys(empty))
+                    return (
+                        f"request {req.name!r}: class {names} is not {self.driver}'s and selects no "
+                        "published device (its driver may not have published its slices yet)"
+                    )
+        except AllocationError:
+            return ""
+        return ""
+
     def _feasibility(self, spec: Mapping[str, Any], path: str, v: Verdict) -> None:
         if not self.has_driver_slices:
             v.warnings.append(
@@ -532,6 +561,10 @@ class Validator:
                 )
             elif ever.failure is Failure.UNKNOWN_CLASS:  # the class may be created later
                 v.warnings.append(Problem(path, ever.reason, ProblemKind.UNKNOWN_CLASS))
+            elif waiting := self._other_driver_unpublished(spec):  # its driver may publish later
+                v.warnings.append(
+                    Problem(path, f"feasibility not checked: {waiting}", ProblemKind.NOT_CHECKED)
+                )
             else:
                 v.errors.append(
                     Problem(

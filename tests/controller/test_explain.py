@@ -46,6 +46,7 @@ def test_classic_example(hgx: list[dict[str, Any]]) -> None:
         "linkCost",
         "bestDevices",
         "bestLinkCost",
+        "sharedAttributes",
         "reason",
         "simulated",
         "concernsDriver",
