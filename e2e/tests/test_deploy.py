@@ -343,7 +343,9 @@ def test_token_without_node_is_denied(api_client, core, plugin_identity):
 # ---------------------------------------------------------------- the examples, run
 
 
-# (profile the plugin serves and any more plugin flags, example file)
+# (profile the plugin serves and any more plugin flags, example file). Not here:
+# gpu-and-nic-same-pcie-root.yaml, which needs a network driver's NICs beside the GPUs: it runs in
+# test_gpu_nic_pairing.py, with the NIC driver there.
 RUNS = [
     ("hgx-2x4", "one-gpu.yaml"),
     ("hgx-2x4", "four-nvlink-gpus.yaml"),

@@ -1,6 +1,7 @@
 """deploy/examples: each file is claims + pods that fit together, and (where `dra-gpu validate`
 exists) every claim and template passes it against the chart's DeviceClasses and the slices of
-the simulated nodes they are written for."""
+the simulated nodes they are written for (and, for the GPU + NIC example, a network driver's NICs
+beside them)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,13 @@ EXPECTED = {
     "mps-gpu.yaml",
     "time-sliced-gpu.yaml",
     "gpu-memory-share-20gi.yaml",
+    "gpu-and-nic-same-pcie-root.yaml",
 }
 CLASSES = {"gpu.dra-gpu.io", "mig.dra-gpu.io"}
+# The class of a network DRA driver's NICs, which the GPU + NIC example asks for beside a GPU (the
+# e2e's NIC driver answers to it: e2e/tests/nic_driver.py); no other example names another's class.
+NIC_CLASS = "nic.example.com"
+OTHER_CLASSES = {"gpu-and-nic-same-pcie-root.yaml": {NIC_CLASS}}
 # A public image (the e2e serves it under this name: e2e/node/images.py), with the default pull
 # policy (IfNotPresent for a tag), so that the examples run on any cluster.
 IMAGE = "docker.io/library/debian:bookworm-slim"
@@ -87,7 +93,7 @@ def test_example_pods_reference_their_claims(path: Path) -> None:
         )
         for req in devices["requests"]:
             subs = req.get("firstAvailable") or [req["exactly"]]
-            assert all(s["deviceClassName"] in CLASSES for s in subs)
+            assert all(s["deviceClassName"] in CLASSES | OTHER_CLASSES.get(path.name, set()) for s in subs)
 
 
 def test_classic_pod_uses_the_extended_resource(render: Render) -> None:
@@ -96,6 +102,42 @@ def test_classic_pod_uses_the_extended_resource(render: Render) -> None:
     gpu_class = [c for c in by_kind(render(), "DeviceClass") if c["metadata"]["name"] == "gpu.dra-gpu.io"]
     assert limits == {gpu_class[0]["spec"]["extendedResourceName"]: 1}
     assert "resourceClaims" not in pod["spec"]
+
+
+def nics_beside(gpu_slices: str, roots: int) -> list[dict[str, Any]]:
+    """A network driver's class and its NICs on node-a: one on each of the first `roots` PCIe roots
+    of the GPUs in `gpu_slices` (YAML of `dra-gpu inventory --slices`), one on a root of its own."""
+    slices = list(yaml.safe_load_all(gpu_slices))
+    gpu_roots = sorted(
+        {
+            d["attributes"]["resource.kubernetes.io/pcieRoot"]["string"]
+            for s in slices
+            for d in s["spec"]["devices"]
+        }
+    )
+    nic_roots = [*gpu_roots[:roots], "pci0000:fe"]
+    return [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": NIC_CLASS},
+            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{NIC_CLASS}'"}}]},
+        },
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"node-a-{NIC_CLASS}"},
+            "spec": {
+                "driver": NIC_CLASS,
+                "nodeName": "node-a",
+                "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                "devices": [
+                    {"name": f"nic{i}", "attributes": {"resource.kubernetes.io/pcieRoot": {"string": root}}}
+                    for i, root in enumerate(nic_roots)
+                ],
+            },
+        },
+    ]
 
 
 def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
@@ -128,6 +170,9 @@ def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
         ).stdout
         (tmp_path / f"{node}.yaml").write_text(out)
         files += ["-f", str(tmp_path / f"{node}.yaml")]
+        if node == "node-a":  # the GPU + NIC example's NICs: two share a root with a GPU
+            (tmp_path / "nics.yaml").write_text(yaml.safe_dump_all(nics_beside(out, 2)))
+            files += ["-f", str(tmp_path / "nics.yaml")]
     for path in examples():
         # validate checks DeviceClasses, ResourceClaims and templates; the pods are left out.
         claims = [d for d in load(path) if d["kind"] != "Pod"]
@@ -141,3 +186,16 @@ def test_examples_pass_dra_gpu_validate(render: Render, tmp_path: Path) -> None:
             text=True,
         )
         assert r.returncode == 0, f"{path.name}:\n{r.stdout}{r.stderr}"
+    # The pairing is checked, not waved through: with no NIC on a GPU's root it can never be placed.
+    (tmp_path / "nics.yaml").write_text(
+        yaml.safe_dump_all(nics_beside((tmp_path / "node-a.yaml").read_text(), 0))
+    )
+    example = tmp_path / "gpu-and-nic-same-pcie-root.yaml"
+    r = subprocess.run(
+        [sys.executable, "-m", "dra_gpu.cli", "validate", *files, "-f", str(example)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1 and "can never be satisfied" in r.stdout, r.stdout + r.stderr
+    assert "no pcieRoot on any of the 3 nodes has both a gpu.dra-gpu.io device (request 'gpu')" in r.stdout
+    assert "on node-a, roots with a gpu.dra-gpu.io device: pci0000:15, " in r.stdout, r.stdout
