@@ -157,10 +157,16 @@ def test_the_plugin_loads_one_nvml_by_full_path_from_the_driver_root(tmp_path: P
     driver root's, loaded without LD_LIBRARY_PATH; the simulated kernel lists the capability files
     of the profile's MIG instances under the node's proc/, as the NVIDIA driver does."""
     root = ensure_driver_root(default_cache_dir(), "dgx-a100-mig")
+    # An API server that takes the connection and never answers: the plugin's first request after
+    # its start-up's reconcile waits (its timeout) instead of failing at once and ending the
+    # process while /proc is read. (--device-metadata off: no request before the reconcile.)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:9'}}]\n"
+        f"clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:{silent.getsockname()[1]}'}}}}]\n"
         "contexts: [{name: c, context: {cluster: c, user: u}}]\nusers: [{name: u, user: {token: t}}]\n"
     )
     (tmp_path / "registry").mkdir()
@@ -171,7 +177,7 @@ def test_the_plugin_loads_one_nvml_by_full_path_from_the_driver_root(tmp_path: P
             [DRA_GPU, "kubelet-plugin", "--node-name", NODE, "--profile", "dgx-a100-mig",
              "--driver-root", str(root), "--kubeconfig", str(kubeconfig),
              "--plugin-dir", str(tmp_path / "plugin"), "--registry-dir", str(tmp_path / "registry"),
-             "--cdi-dir", str(tmp_path / "cdi"), "--http-address", ""],
+             "--cdi-dir", str(tmp_path / "cdi"), "--http-address", "", "--device-metadata", "off"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
     try:
@@ -184,6 +190,7 @@ def test_the_plugin_loads_one_nvml_by_full_path_from_the_driver_root(tmp_path: P
     finally:
         proc.kill()  # still starting (no API server answers): SIGTERM waits for the start-up
         proc.wait(10)
+        silent.close()
     mapped = {line.split()[-1] for line in maps if "libnvidia-ml" in line}
     assert mapped == {str(nvml_library(root).resolve())}
     assert not [e for e in environ if e.startswith(b"LD_LIBRARY_PATH=") or e.startswith(b"LD_PRELOAD=")]
