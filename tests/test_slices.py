@@ -13,7 +13,7 @@ from simnode.fake import discover_node
 
 from dra_gpu.kube.values import format_quantity
 from dra_gpu.model.attributes import cuda_version, normalise_version
-from dra_gpu.node.slices import SliceLimitError, build_slices, validate_device
+from dra_gpu.node.slices import PACKING_RANKS, SliceLimitError, build_slices, packing_rank, validate_device
 
 GPU_ATTRIBUTES = {
     "type",
@@ -29,6 +29,7 @@ GPU_ATTRIBUTES = {
     "numaNode",
     "nvlinkDomain",
     "nvlinkDomainSize",
+    "packingRank",
     "resource.kubernetes.io/pciBusID",
     "resource.kubernetes.io/numaNode",
     "resource.kubernetes.io/pcieRoot",
@@ -64,6 +65,34 @@ def test_hgx_slice_has_every_contract_attribute() -> None:
     assert len({by_index[i] for i in range(4)}) == 1
     assert len({by_index[i] for i in range(4, 8)}) == 1
     assert by_index[0] != by_index[4]
+
+
+def test_packing_rank_is_the_nodes_on_every_whole_gpu_and_stable() -> None:
+    """One rank a node, a hash of its name: the same on every whole GPU, across builds and
+    generations, whatever the profile; MIG devices carry none."""
+    for profile in ("hgx-2x4", "dgx-h100", "mixed", "pcie-pairs"):
+        for node in ("node-a", "gpu-017"):
+            slices = build_slices(discover_node(node, profile), generation=3)
+            assert {attr(d, "packingRank") for d in devices(slices)} == {packing_rank(node)}
+    assert all(
+        "packingRank" not in d["attributes"]
+        for d in devices(build_slices(discover_node("n", "dgx-a100-mig")))
+        if attr(d, "type") == "mig"
+    )
+    # pinned: a rank that moved with a release would reshuffle every cluster's fill order
+    assert [packing_rank(f"gpu-{i:03d}") for i in range(8)] == PINNED_RANKS
+
+
+PINNED_RANKS = [1, 1, 7, 5, 7, 7, 4, 7]
+
+
+def test_packing_ranks_spread_evenly_over_a_clusters_nodes() -> None:
+    counts = [0] * PACKING_RANKS
+    for i in range(4000):
+        counts[packing_rank(f"gpu-{i:04d}")] += 1
+    assert all(400 <= c <= 600 for c in counts), counts
+    for name in ("a", "node-a", "x" * 253, "ip-10-0-0-1.ec2.internal"):
+        assert 0 <= packing_rank(name) < PACKING_RANKS
 
 
 def test_device_names_are_stable_dns_labels_not_indexes(base_doc: dict) -> None:

@@ -33,6 +33,7 @@ DRIVER_ATTRIBUTES: Mapping[str, AttributeType] = MappingProxyType(
         "addressingMode": "string",  # driver 580+: ATS, HMM or None
         "nvlinkDomain": "string",
         "nvlinkDomainSize": "int",
+        "packingRank": "int",  # whole GPUs: the node's fill order, 0..7 (dra_gpu.node.slices.packing_rank)
         # MIG devices only
         "profile": "string",
         "parentUUID": "string",

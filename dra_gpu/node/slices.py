@@ -55,6 +55,8 @@ INT64 = (-(2**63), 2**63 - 1)
 # claim that asks for no memory gets all of it (a whole GPU), one that asks for no compute share
 # gets no reserved share (its work is time-shared with the other shares').
 COMPUTE_SHARE_TOTAL = 100
+# A node's packing ranks: as many as a request's prioritized list (firstAvailable) may have entries.
+PACKING_RANKS = 8
 
 
 class SliceLimitError(ValueError):
@@ -103,6 +105,18 @@ def share_capacity(memory_bytes: int) -> dict[str, dict[str, Any]]:
     return {"memory": memory, "computeShare": compute}
 
 
+def packing_rank(node_name: str) -> int:
+    """The node's packing rank, 0..PACKING_RANKS-1: a stable hash of its name, so a cluster's
+    nodes spread over the ranks with no coordination. The scheduler takes the first devices that
+    fit on a node, but by default the node whose CPU and memory are least requested; a claim that
+    lists the ranks lowest first in a prioritized list (`firstAvailable`: packingRank < 1, < 2, ...,
+    then any GPU) is scored higher on a node where an earlier entry fits, so such claims fill the
+    low ranks first and leave the other nodes' NVLink domains whole for the jobs that need them
+    (docs/claims-and-examples.md, bench/RESULTS.md)."""
+    digest = hashlib.sha256(node_name.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % PACKING_RANKS
+
+
 class SliceBuilder:
     """Builds the devices and slices of one node for one driver, from the node's catalog."""
 
@@ -113,6 +127,7 @@ class SliceBuilder:
         self.inv = catalog.inventory
         self.driver = driver
         self.node_versions = self._node_versions()
+        self.packing_rank = packing_rank(self.inv.node_name)
 
     def _node_versions(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -162,6 +177,7 @@ class SliceBuilder:
         if gpu.nvlink_domain is not None:
             attrs["nvlinkDomain"] = _attribute("nvlinkDomain", gpu.nvlink_domain)
             attrs["nvlinkDomainSize"] = _attribute("nvlinkDomainSize", gpu.nvlink_domain_size or 1)
+        attrs["packingRank"] = _attribute("packingRank", self.packing_rank)
         capacity: dict[str, dict[str, str]] = {}
         if gpu.memory_bytes is not None:
             capacity["memory"] = _capacity("memory", format_quantity(gpu.memory_bytes))
