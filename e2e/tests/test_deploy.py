@@ -349,6 +349,7 @@ def test_token_without_node_is_denied(api_client, core, plugin_identity):
 RUNS = [
     ("hgx-2x4", "one-gpu.yaml"),
     ("hgx-2x4", "four-nvlink-gpus.yaml"),
+    ("hgx-2x4", "two-nvlink-gpus-packed.yaml"),
     ("hgx-2x4", "gpu-by-product-name.yaml"),
     ("hgx-2x4", "gpu-memory-40gi.yaml"),
     ("hgx-2x4", "gpu-driver-550.yaml"),
@@ -522,6 +523,9 @@ def test_example_runs(simulated_node, example_image, dyn, core, namespace, wait_
     attrs = [devs[u] for u in first]
     if example == "four-nvlink-gpus.yaml":
         assert len(attrs) == 4 and len({a["nvlinkDomain"] for a in attrs}) == 1, attrs
+    elif example == "two-nvlink-gpus-packed.yaml":  # one node: its rank's entry (or `any`) fits
+        assert len(attrs) == 2 and len({a["nvlinkDomain"] for a in attrs}) == 1, attrs
+        assert len({a["packingRank"] for a in attrs}) == 1, attrs
     elif example == "gpu-by-product-name.yaml":
         assert attrs[0]["productName"] == "NVIDIA H100 80GB HBM3"
     elif example == "gpu-driver-550.yaml":

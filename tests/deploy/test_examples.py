@@ -29,6 +29,7 @@ EXPECTED = {
     "time-sliced-gpu.yaml",
     "gpu-memory-share-20gi.yaml",
     "gpu-and-nic-same-pcie-root.yaml",
+    "two-nvlink-gpus-packed.yaml",
 }
 CLASSES = {"gpu.dra-gpu.io", "mig.dra-gpu.io"}
 # The class of a network DRA driver's NICs, which the GPU + NIC example asks for beside a GPU (the
