@@ -5,6 +5,7 @@
         [--load 0.9] [--topologies hgx-2x4,dgx-h100] [--variants today,domain-slices,rank8,rank4] \\
         [--json FILE]
     .venv/bin/python bench/nvlink_placement_bench.py --oracle-only ...   # traces and oracle, no cluster
+    .venv/bin/python bench/nvlink_placement_bench.py --report RUN.json ...  # earlier runs' table
 
 The trace (`trace`): one job arrives per step, asking for 1, 2, 4 or 8 whole GPUs (MIX); an
 allocated job leaves after a geometric lifetime whose mean makes the offered load `--load` of the
@@ -674,6 +675,41 @@ def summary(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def report(files: list[str]) -> int:
+    """Every run of the files (each oracle row once), its rows, then the summary."""
+    results: list[dict[str, Any]] = []
+    seen = set()
+    for f in files:
+        for r in json.loads(Path(f).read_text()):
+            key = (
+                r["topology"],
+                r["variant"],
+                r["seed"],
+                r.get("cpu_per_gpu"),
+                f if r["variant"] != "oracle" else "",
+            )
+            if key not in seen:
+                seen.add(key)
+                results.append(r)
+    results.sort(
+        key=lambda r: (
+            r["topology"],
+            list(VARIANTS).index(r["variant"]) if r["variant"] in VARIANTS else 99,
+            r["seed"],
+        )
+    )
+    print(HEADER)
+    for r in results:
+        print(row(r))
+    print(
+        summary(
+            [r for r in results if r["variant"] != "oracle"]
+            + [r for r in results if r["variant"] == "oracle"]
+        )
+    )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=32)
@@ -693,10 +729,18 @@ def main() -> int:
     )
     ap.add_argument("--confirm", type=float, default=1.5, help="seconds an Unschedulable pod must stay so")
     ap.add_argument("--oracle-only", action="store_true", help="the traces and the oracle only, no cluster")
+    ap.add_argument(
+        "--report",
+        nargs="+",
+        metavar="JSON",
+        help="print the rows and the summary of earlier runs' --json files",
+    )
     ap.add_argument("--port-base", type=int, default=28000, help="ports used: base+10..12, +259, +443")
     ap.add_argument("--json", metavar="FILE", help="also write every figure (and placement) as JSON")
     ap.add_argument("--keep", action="store_true", help="keep the state dir (logs) at the end")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report)
     args.topologies = args.topologies.split(",")
     args.variants = args.variants.split(",")
     unknown = [t for t in args.topologies if t not in TOPOLOGIES] + [
