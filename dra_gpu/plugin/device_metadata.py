@@ -7,7 +7,8 @@ claim and each of its base requests (`req/sub` -> `req`) with at least one devic
 - a file `<plugin dir>/dra-device-metadata/<namespace>_<claim>/<request>/metadata.json`: a JSON
   stream of one `DeviceMetadata` object a version (metadata.resource.k8s.io/v1beta1, then
   v1alpha1, which 1.36's readers know), each pretty-printed and followed by a newline: the claim
-  (name, namespace, uid, generation 1), `podClaimName` for a claim made from a template, and the
+  (name, namespace, uid, generation: 1, one more each time the start-up reconcile writes a
+  changed file), `podClaimName` for a claim made from a template, and the
   request (its name as allocated) with its devices: driver, pool, name and the attributes the
   device has in this node's ResourceSlice, sorted, at most 32 (a dynamic MIG device also gets the
   `uuid` of the instance made for it, which its slice cannot publish before it exists);
@@ -417,7 +418,10 @@ class DeviceMetadata:
                     specs.add(path.name)
                 else:
                     requests.setdefault(path.parent.parent.name, set()).add(path.parent.name)
-                if _read(path) != data:
+                old = _read(path)
+                if path.parent != self.cdi_dir and old is not None:
+                    data = _next_generation(old, data)
+                if old != data:
                     make_directories(path.parent, DIR_MODE)
                     replace_atomically(path, data, FILE_MODE)
                     counts["metadataRestored"] += 1
@@ -449,6 +453,24 @@ def _versions(first: str) -> bytes:
     return "".join(
         [first, *(first.replace(line, f'"apiVersion": "{v}"', 1) for v in API_VERSIONS[1:])]
     ).encode()
+
+
+# The head's generation line: the metadata object's last field, at its depth (a device's fields
+# are deeper), once in each version's object.
+GENERATION = re.compile(rb'^    "generation": (\d+)$', re.M)
+
+
+def _next_generation(old: bytes, new: bytes) -> bytes:
+    """`new` (generation 1) as the update of the file `old`: `old` itself where only its
+    generation differs, else `new` with the generation after `old`'s, as the protocol asks of a
+    file that changes (a reader may watch the generation). A file that names none: `new`."""
+    found = GENERATION.search(old)
+    if found is None:
+        return new
+    generation = int(found.group(1))
+    if GENERATION.sub(rb'    "generation": 1', old) == new:
+        return old
+    return GENERATION.sub(b'    "generation": %d' % (generation + 1), new)
 
 
 def _read(path: Path) -> bytes | None:

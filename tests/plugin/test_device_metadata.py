@@ -790,3 +790,21 @@ def test_the_flag_and_its_environment_variable_are_checked() -> None:
         [*dra_gpu, "--device-metadata", "maybe"], capture_output=True, text=True, timeout=60
     )
     assert flag.returncode == 2 and re.search(r"invalid choice: 'maybe'", flag.stderr)
+
+
+def test_a_file_written_again_with_other_content_gets_the_next_generation(mcore: PluginCore) -> None:
+    """The protocol's generation: a file the reconcile writes again because its content changed
+    counts up from the one on disk; one that only differs in its generation is left as it is."""
+    c = from_template(claim(UID_DIGIT, gpu_names(mcore)[:1]), "gpus")
+    prepare(mcore, c)
+    path = metadata_file(mcore, c, "gpu")
+    written = path.read_bytes()
+    assert written.count(b'    "generation": 1\n') == 2  # once a version
+    path.write_bytes(written.replace(b'"NVIDIA', b'"OLD NVIDIA'))  # e.g. before a driver upgrade
+    again = mcore.restart()
+    assert again.preparer.reconcile().get("metadataRestored") == 1
+    updated = path.read_bytes()
+    assert updated == written.replace(b'    "generation": 1\n', b'    "generation": 2\n')
+    third = again.restart()
+    counts = third.preparer.reconcile()
+    assert "metadataRestored" not in counts and path.read_bytes() == updated, counts
