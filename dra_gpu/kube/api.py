@@ -400,6 +400,16 @@ class Kube:
         resp = await self._request("POST", path, {"dryRun": "All"} if dry_run else None, body)
         return await _json(resp, f"create in {path}")
 
+    async def delete(self, path: str, grace_period_seconds: int | None = None) -> bool:
+        """DELETE an object; False when it was not there."""
+        query = {} if grace_period_seconds is None else {"gracePeriodSeconds": str(grace_period_seconds)}
+        resp = await self._request("DELETE", path, query)
+        if resp.status == 404:
+            resp.release()
+            return False
+        await _json(resp, f"delete {path}")
+        return True
+
     async def replace_claim_status(self, namespace: str, name: str, claim: dict[str, Any]) -> dict[str, Any]:
         """PUT a ResourceClaim's status: `claim` as read and changed (its resourceVersion makes a 409
         of a concurrent change); returns the stored claim."""

@@ -1,19 +1,29 @@
-"""MPS control daemons, one per claim (or per group of a claim's devices), run by the plugin.
+"""MPS control daemons, one per claim (or per group of a claim's devices), started by the plugin.
 
-The daemon is the driver installation's own `nvidia-cuda-mps-control -d`, `CUDA_VISIBLE_DEVICES`
+The daemon is the driver installation's own `nvidia-cuda-mps-control`, `CUDA_VISIBLE_DEVICES`
 set to the group's UUIDs. Limits go in through its command interface (one command per stdin line
 of a client `nvidia-cuda-mps-control`), and a daemon counts as ready only once it answers there.
-`-d` puts the daemon in the background, detached from the plugin, so it outlives a plugin restart
-and is re-adopted from the checkpoint. It runs with the driver's `libcuda.so.1` preloaded by full
-path and the driver's MPS binaries first on `PATH` (it starts `nvidia-cuda-mps-server`), never
-with a driver library directory on `LD_LIBRARY_PATH` (`driver_programs` says why).
+Where it runs:
+- a plugin in a pod (the chart) runs each daemon as a pod of its own (`mps_pods`): it outlives the
+  plugin's restarts, upgrades and OOM kills, and the plugin adopts it again from the checkpoint;
+- a plugin run as a process of the node (by hand, the tests' host plugin) starts it with `-d`,
+  detached from the plugin, so that it too outlives a restart of the plugin's process.
+It runs with the driver's `libcuda.so.1` preloaded by full path and the driver's MPS binaries
+first on `PATH` (it starts `nvidia-cuda-mps-server`), never with a driver library directory on
+`LD_LIBRARY_PATH` (`driver_programs` says why).
 
 A claim's containers are hostile, so nothing they can write is trusted:
-- Each daemon has its own tmpfs at `<plugin dir>/mps/<id>/` (TMPFS_SIZE, TMPFS_INODES: a tenant
-  that fills its `/dev/shm` fills only that), holding `pipe/` and `log/` (the daemon's own, never
-  mounted into a container), `shm/` (the daemon's and the containers' `/dev/shm`, see
-  `mps_namespace`) and `client/`: the containers' read-only `CUDA_MPS_PIPE_DIRECTORY`, holding
-  only a hard link to the daemon's `control` socket. NVIDIA's daemon also listens on
+- Each daemon has its own tmpfs at `<plugin dir>/mps/<id>/` (`shm_size`, default half the node's
+  memory as the kernel gives a tmpfs: a PyTorch data loader's batches go through `/dev/shm`, and a
+  page is charged to the cgroup of whoever writes it, so the size is a cap, not a reservation; a
+  tenant that fills its `/dev/shm` fills only that), holding `pipe/` and `log/` (the daemon's own,
+  never mounted into a container), `shm/` (the daemon's and the containers' `/dev/shm`, see
+  `mps_namespace` and `mps_pods`) and `client/`: the containers' read-only
+  `CUDA_MPS_PIPE_DIRECTORY`, holding only a hard link to the daemon's `control` socket.
+- `pipe/` and `log/` are world-writable (sticky): the daemon starts each client's server as the
+  client's user, and a server of a non-root pod must make its files there (measured with NVIDIA's
+  535 binaries: with 0700 directories a uid-1000 client's server exits at once, again and again).
+  No container reaches them. NVIDIA's daemon also listens on
   `control_privileged` (root only; without it both versions refuse `quit` and 550 any change),
   and writes its pid file (550) and a log FIFO there: a container reaches none of them.
 - The plugin never reads a pid file: a daemon's processes are found in `/proc`, matched on the
@@ -49,7 +59,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tenacity import (
     RetryError,
@@ -63,6 +73,9 @@ from tenacity import (
 
 from dra_gpu.plugin.driver_programs import DriverProgram, DriverProgramError
 
+if TYPE_CHECKING:
+    from dra_gpu.plugin.mps_pods import DaemonPods
+
 log = logging.getLogger(__name__)
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
@@ -74,11 +87,8 @@ CONTAINER_SHM_DIR = "/dev/shm"
 PIPE_MOUNT_OPTIONS = ["ro", "nosuid", "nodev", "noexec", "rbind", "rprivate"]
 SHM_MOUNT_OPTIONS = ["rw", "nosuid", "nodev", "noexec", "rbind", "rprivate"]
 UNIX_PATH_MAX = 108
-# 64 MiB: the size container runtimes give /dev/shm by default, room for MPS's per-client
-# segments; charged only when written (to the writer's memory cgroup). The inode cap bounds
-# a tenant's file count in its /dev/shm.
-TMPFS_SIZE = 64 << 20
-TMPFS_INODES = 4096
+MIN_SHM_SIZE = 64 << 20  # the size container runtimes give /dev/shm by default
+INODE_BYTES = 4096  # one inode per page of the tmpfs, as the kernel's default does
 PROC_READ_LIMIT = 128 << 10  # bytes of a process's environ or cmdline read
 MNT_DETACH = 2
 CAP_SYS_ADMIN = 21
@@ -146,8 +156,14 @@ class MpsDaemons:
         command_timeout: float = 5.0,
         quit_timeout: float = 5.0,
         isolate: bool | None = None,
+        shm_size: int | None = None,
+        pods: DaemonPods | None = None,
+        pod_ready_timeout: float = 60.0,
     ) -> None:
         self.root = root
+        self.shm_size = max(MIN_SHM_SIZE, shm_size if shm_size else default_shm_size())
+        self.pods = pods  # None: daemons are the plugin's detached processes
+        self.pod_ready_timeout = pod_ready_timeout
         self.locate = locate  # the control binary and how it runs, found late
         self.extra_env = extra_env or {}  # e.g. a simulated node's device-node directory
         self.ready_timeout = ready_timeout
@@ -265,39 +281,24 @@ class MpsDaemons:
                         found.append((int(entry.name), kind))
         return sorted(found)
 
-    def start(self, daemon: MpsDaemon) -> int:
-        """Start the daemon (or keep the one that answers), set its limits, return its pid once it
-        answers with them."""
+    def start(self, daemon: MpsDaemon) -> str:
+        """Start the daemon (or keep the one that answers), set its limits; where it runs (its pod
+        or its pid) once it answers with them."""
         pipe = self.pipe_dir(daemon.id)
         if len(str(pipe / "control_privileged")) >= UNIX_PATH_MAX:
             raise MpsError(f"MPS pipe directory {pipe} is too long for a UNIX socket path")
         if not self.answers(daemon.id):
-            self._kill(daemon.id, self.processes(daemon.id))  # a wedged one
+            if self.pods is not None:
+                self.pods.delete(daemon.id)  # a wedged or ended one, its container stopped first
+            else:
+                self._kill(daemon.id, self.processes(daemon.id))  # a wedged one
             self._fresh_dirs(daemon.id)
             binary, program = self._program()
             env = self._env(program, daemon.id, daemon.uuids)
-            argv = [str(binary), "-d"]
-            if self.isolate:
-                preload = env.pop("LD_PRELOAD", "")
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "dra_gpu.plugin.mps_namespace",
-                    str(self.shm_dir(daemon.id)),
-                    preload,
-                    *argv,
-                ]
-            try:
-                proc = subprocess.run(
-                    argv, env=env, capture_output=True, text=True, timeout=self.command_timeout
-                )
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                raise MpsError(f"MPS daemon {daemon.id}: {CONTROL_BINARY} -d failed: {exc}") from exc
-            if proc.returncode != 0:
-                said = (proc.stdout + proc.stderr).strip()
-                raise MpsError(
-                    f"MPS daemon {daemon.id}: {CONTROL_BINARY} -d exited {proc.returncode}: {said}"
-                )
+            if self.pods is not None:
+                self.pods.create(daemon.id, str(pipe), str(self.shm_dir(daemon.id)), str(binary), env)
+            else:
+                self._spawn(daemon.id, binary, env)
             self._wait_ready(daemon.id)
             self._link_client(daemon.id)
         elif not os.path.lexists(self.client_dir(daemon.id) / CONTROL_SOCKET):
@@ -311,11 +312,38 @@ class MpsDaemons:
         drift = self.drift(daemon)
         if drift:
             raise MpsError(f"MPS daemon {daemon.id}: {drift[0]}")
-        pid = self.pid(daemon.id)
+        where = self._where(daemon.id)
+        log.info("MPS daemon ready id=%s %s devices=%s", daemon.id, where, ",".join(daemon.uuids))
+        return where
+
+    def _where(self, daemon_id: str) -> str:
+        if self.pods is not None:
+            return f"pod={self.pods.pod_name(daemon_id)}"
+        pid = self.pid(daemon_id)
         if pid is None:
-            raise MpsError(f"MPS daemon {daemon.id}: answers, but no {CONTROL_BINARY} process of it in /proc")
-        log.info("MPS daemon ready id=%s pid=%d devices=%s", daemon.id, pid, ",".join(daemon.uuids))
-        return pid
+            raise MpsError(f"MPS daemon {daemon_id}: answers, but no {CONTROL_BINARY} process of it in /proc")
+        return f"pid={pid}"
+
+    def _spawn(self, daemon_id: str, binary: Path, env: dict[str, str]) -> None:
+        """`-d`: the daemon forks off the program run here and lives on as the node's process."""
+        argv = [str(binary), "-d"]
+        if self.isolate:
+            preload = env.pop("LD_PRELOAD", "")
+            argv = [
+                sys.executable,
+                "-m",
+                "dra_gpu.plugin.mps_namespace",
+                str(self.shm_dir(daemon_id)),
+                preload,
+                *argv,
+            ]
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=self.command_timeout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise MpsError(f"MPS daemon {daemon_id}: {CONTROL_BINARY} -d failed: {exc}") from exc
+        if proc.returncode != 0:
+            said = (proc.stdout + proc.stderr).strip()
+            raise MpsError(f"MPS daemon {daemon_id}: {CONTROL_BINARY} -d exited {proc.returncode}: {said}")
 
     def _fresh_dirs(self, daemon_id: str) -> None:
         """The daemon's tmpfs (mounted if it is not) with its directories emptied: nothing of an
@@ -324,8 +352,8 @@ class MpsDaemons:
         top = self.daemon_dir(daemon_id)
         top.mkdir(parents=True, exist_ok=True)
         if self.isolate and not os.path.ismount(top):
-            _mount_tmpfs(top)
-        for sub, mode in (("pipe", 0o700), ("log", 0o700), ("client", 0o755), ("shm", 0o1777)):
+            _mount_tmpfs(top, self.shm_size)
+        for sub, mode in (("pipe", 0o1777), ("log", 0o1777), ("client", 0o755), ("shm", 0o1777)):
             path = top / sub
             with contextlib.suppress(FileExistsError):
                 path.mkdir()
@@ -342,10 +370,12 @@ class MpsDaemons:
         os.link(sock, client / CONTROL_SOCKET, follow_symlinks=False)
 
     def _wait_ready(self, daemon_id: str) -> None:
+        timeout = self.ready_timeout if self.pods is None else self.pod_ready_timeout
+
         @retry(
             retry=retry_if_result(lambda ok: not ok),
-            wait=wait_fixed(0.02),
-            stop=stop_after_delay(self.ready_timeout),
+            wait=wait_fixed(0.02) if self.pods is None else wait_exponential(multiplier=0.02, max=0.5),
+            stop=stop_after_delay(timeout),
         )
         def poll() -> bool:
             return self.answers(daemon_id)
@@ -353,9 +383,12 @@ class MpsDaemons:
         try:
             poll()
         except RetryError as exc:
+            where = f"log: {self.log_dir(daemon_id)}"
+            if self.pods is not None:
+                where = self.pods.describe(daemon_id)
             raise MpsError(
                 f"MPS daemon {daemon_id}: not answering on {self.pipe_dir(daemon_id)} "
-                f"within {self.ready_timeout}s (log: {self.log_dir(daemon_id)})"
+                f"within {timeout:g}s ({where})"
             ) from exc
 
     def drift(self, daemon: MpsDaemon) -> list[str]:
@@ -397,11 +430,17 @@ class MpsDaemons:
     def stop(self, daemon_id: str) -> None:
         """Stop the daemon (quit, then SIGKILL to what lingers, by pidfd), unmount its tmpfs and
         remove its directory. Bounded: quit_timeout plus 2 s at most after the quit."""
-        procs = self.processes(daemon_id)
-        if procs and self.answers(daemon_id):
-            with contextlib.suppress(MpsError):
-                self.control(daemon_id, ["quit"])
-        self._kill(daemon_id, procs)
+        if self.pods is not None:
+            if self.answers(daemon_id):
+                with contextlib.suppress(MpsError):
+                    self.control(daemon_id, ["quit"])
+            self.pods.delete(daemon_id)
+        else:
+            procs = self.processes(daemon_id)
+            if procs and self.answers(daemon_id):
+                with contextlib.suppress(MpsError):
+                    self.control(daemon_id, ["quit"])
+            self._kill(daemon_id, procs)
         self._remove(daemon_id)
         log.info("MPS daemon stopped id=%s", daemon_id)
 
@@ -445,10 +484,12 @@ class MpsDaemons:
             log.warning("MPS daemon directory not removed id=%s: %s", daemon_id, exc)
 
     def owned(self) -> list[str]:
-        """Ids of every daemon directory under the root (the reconciliation's view)."""
-        if not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        """Ids of every daemon directory under the root and every daemon pod of this node (the
+        reconciliation's view)."""
+        found = {p.name for p in self.root.iterdir() if p.is_dir()} if self.root.is_dir() else set()
+        if self.pods is not None:
+            found |= self.pods.ids()
+        return sorted(found)
 
 
 def read_proc(pid: int | str, name: str) -> bytes:
@@ -612,8 +653,16 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _mount_tmpfs(path: Path) -> None:
-    options = f"size={TMPFS_SIZE},nr_inodes={TMPFS_INODES},mode=0755".encode()
+def default_shm_size() -> int:
+    """Half the node's memory: the kernel's own default size of a tmpfs."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return MIN_SHM_SIZE
+
+
+def _mount_tmpfs(path: Path, size: int) -> None:
+    options = f"size={size},nr_inodes={max(4096, size // INODE_BYTES)},mode=0755".encode()
     flags = 0x2 | 0x4 | 0x8  # MS_NOSUID | MS_NODEV | MS_NOEXEC
     if _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", flags, options) != 0:
         err = ctypes.get_errno()

@@ -51,6 +51,7 @@ from dra_gpu.plugin.memory_limits import (
     mixed_sizes,
 )
 from dra_gpu.plugin.mps import CONTROL_BINARY, MpsDaemon, MpsDaemons, MpsError, pinned_limit
+from dra_gpu.plugin.mps_pods import DaemonPods
 from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSlices
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,8 @@ class Sharing:
         for daemon in _daemons(record):
             try:
                 self.mps.stop(daemon.id)
+            except MpsError as exc:
+                errors.append(str(exc))
             except OSError as exc:
                 errors.append(f"MPS daemon {daemon.id}: {exc}")
         for uuid, setting in _modes(record).items():
@@ -429,11 +432,20 @@ class Sharing:
 
     def stop_orphans(self, owned: set[str]) -> list[str]:
         """Stop daemons whose directory no claim record owns (a crash between start and record)."""
-        stopped = []
-        for daemon_id in self.mps.owned():
+        stopped: list[str] = []
+        try:
+            found = self.mps.owned()
+        except MpsError as exc:  # the daemon pods unlisted: the next sweep tries again
+            log.warning("MPS daemons not listed, orphans not looked for: %s", exc)
+            return stopped
+        for daemon_id in found:
             if daemon_id not in owned:
                 log.warning("MPS daemon owned by no claim stopped id=%s", daemon_id)
-                self.mps.stop(daemon_id)
+                try:
+                    self.mps.stop(daemon_id)
+                except MpsError as exc:
+                    log.warning("MPS daemon owned by no claim not stopped id=%s: %s", daemon_id, exc)
+                    continue
                 stopped.append(daemon_id)
         return stopped
 
@@ -444,14 +456,23 @@ def node_sharing(
     nvml: Any,
     tool_env: dict[str, str] | None = None,
     memory_limits: MemoryLimits | None = None,
+    daemon_pods: DaemonPods | None = None,
+    shm_size: int | None = None,
 ) -> Sharing:
-    """The node's sharing: daemons under `mps_root`, compute modes through the node's NVML (the
-    driver keeps them across processes: nvidia-smi and a restarted plugin see them), time slices
-    through the driver's nvidia-smi. `tool_env`: what NVIDIA's tools must be told besides (a
-    simulated node's device-node directory)."""
+    """The node's sharing: daemons under `mps_root` (each a pod of its own with `daemon_pods`,
+    the node's processes without), compute modes through the node's NVML (the driver keeps them
+    across processes: nvidia-smi and a restarted plugin see them), time slices through the
+    driver's nvidia-smi. `tool_env`: what NVIDIA's tools must be told besides (a simulated node's
+    device-node directory)."""
     tool_env = dict(tool_env or {})
     return Sharing(
-        MpsDaemons(mps_root, program_locator(driver_files, CONTROL_BINARY), tool_env),
+        MpsDaemons(
+            mps_root,
+            program_locator(driver_files, CONTROL_BINARY),
+            tool_env,
+            shm_size=shm_size,
+            pods=daemon_pods,
+        ),
         ComputeModes(nvml),
         TimeSlices(program_locator(driver_files, NVIDIA_SMI), tool_env),
         memory_limits,

@@ -21,6 +21,8 @@ REGISTRY = ("--set", f"image.registry={TEST_REGISTRY}")  # the chart has none of
 DRIVER = "gpu.dra-gpu.io"
 NAMESPACED = {
     "ServiceAccount",
+    "Role",
+    "RoleBinding",
     "Secret",
     "Service",
     "DaemonSet",
@@ -69,6 +71,8 @@ def test_default_render_kinds(render: Render) -> None:
             "ClusterRole",
             "ClusterRoleBinding",
             "ClusterRoleBinding",
+            "Role",  # the plugin's MPS daemon pods, in its namespace
+            "RoleBinding",
             "DaemonSet",
             "Deployment",
             "Service",
@@ -536,7 +540,15 @@ def test_rbac_is_least_privilege(render: Render) -> None:
     for role in by_kind(objs, "ClusterRole"):
         for r in role["rules"]:
             assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], role["metadata"]["name"]
-    assert not by_kind(objs, "Role") and not by_kind(objs, "RoleBinding")
+    # The one namespaced grant: the plugin's MPS daemon pods, in the release's namespace only.
+    (role,) = by_kind(objs, "Role")
+    assert role["metadata"]["namespace"] == "dra-gpu", role["metadata"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "create", "delete"]}
+    ]
+    (binding,) = by_kind(objs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert [s["name"] for s in binding["subjects"]] == [role["metadata"]["name"]]
 
 
 def plugin_args_with(env: dict[str, str], name: str) -> Any:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dra_gpu.plugin.mps import TMPFS_INODES, TMPFS_SIZE
+from dra_gpu.plugin.mps import INODE_BYTES, default_shm_size
 from plugin.conftest import PluginCore, claim, gpu_names, prepare_claim
 from plugin.test_sharing import alive, ask, daemon_of, mps_config, ref_of, uid
 
@@ -114,7 +114,24 @@ def test_limits_a_client_changes_are_set_again_by_the_sweep(core: PluginCore) ->
     assert ask(core, client, "get_default_active_thread_percentage") == ["30.0"]
 
 
+def test_the_daemon_directory_is_a_tmpfs_of_half_the_memory_by_default(core: PluginCore) -> None:
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert default_shm_size() == page * os.sysconf("SC_PHYS_PAGES") // 2
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(30, None))
+    core.add(c)
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
+    top = Path(daemon_of(core, c)[0]).parent
+    fs = os.statvfs(top)
+    assert fs.f_blocks * fs.f_frsize == -(-default_shm_size() // page) * page  # rounded up to pages
+    # A server of a non-root client (the daemon starts it as the client's user) makes its files here.
+    assert {oct(os.stat(top / d).st_mode & 0o7777) for d in ("pipe", "log")} == {"0o1777"}
+    asyncio.run(core.preparer.unprepare(ref_of(c)))
+
+
 def test_the_daemon_directory_is_a_bounded_tmpfs_and_gone_after_unprepare(core: PluginCore) -> None:
+    size = 64 << 20
+    assert core.preparer.sharing is not None
+    core.preparer.sharing.mps.shm_size = size
     c = claim(uid(), gpu_names(core)[:1], config=mps_config(30, None))
     core.add(c)
     asyncio.run(prepare_claim(core.preparer, ref_of(c)))
@@ -122,10 +139,10 @@ def test_the_daemon_directory_is_a_bounded_tmpfs_and_gone_after_unprepare(core: 
     top = Path(client).parent
     assert os.path.ismount(top)
     fs = os.statvfs(top)
-    assert fs.f_blocks * fs.f_frsize == TMPFS_SIZE and fs.f_files == TMPFS_INODES
+    assert fs.f_blocks * fs.f_frsize == size and fs.f_files == size // INODE_BYTES
     assert sorted(os.listdir(client)) == ["control"]  # no control_privileged, no pid file, no log
     with pytest.raises(OSError), open(top / "shm" / "fill", "wb") as f:
-        for _ in range(TMPFS_SIZE // (1 << 20) + 8):
+        for _ in range(size // (1 << 20) + 8):
             f.write(b"\0" * (1 << 20))
     asyncio.run(core.preparer.unprepare(ref_of(c)))
     assert not top.exists()

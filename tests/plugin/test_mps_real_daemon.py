@@ -33,9 +33,9 @@ from dra_gpu.plugin.mps import MpsDaemon, MpsDaemons
 root, work = Path(sys.argv[1]), Path(sys.argv[2])
 lib = next(root.glob("usr/lib/x86_64-linux-gnu/nvidia/current/libcuda.so.5*"))
 program = DriverProgram(root / "usr/bin/nvidia-cuda-mps-control", lib, [root / "usr/bin", root / "usr/sbin"])
-daemons = MpsDaemons(work, lambda: program)
+daemons = MpsDaemons(work, lambda: program, shm_size=96 << 20)
 daemon = MpsDaemon("claim-0", ["GPU-1"], 25, {"GPU-1": "10240M"})
-out = {"isolate": daemons.isolate, "pid": daemons.start(daemon)}
+out = {"isolate": daemons.isolate, "pid": int(daemons.start(daemon).removeprefix("pid="))}
 out["processes"] = daemons.processes("claim-0")
 out["client"] = sorted(os.listdir(daemons.client_dir("claim-0")))
 out["pipe"] = sorted(os.listdir(daemons.pipe_dir("claim-0")))
@@ -73,7 +73,7 @@ def test_nvidias_daemon_started_checked_and_stopped_with_or_without_a_pid_file(
     assert "control_privileged" in seen["pipe"]
     assert ("nvidia-cuda-mps-control.pid" in seen["pipe"]) == (suite == "trixie")  # found without it on 535
     (options,) = seen["mount"]
-    assert "size=65536k" in options and "nr_inodes=4096" in options, options
+    assert "size=98304k" in options and "nr_inodes=24576" in options, options  # shm_size, a page each
     # NVIDIA's libcuda reaches the daemon through the client view (805: its server finds no GPU).
     assert seen["cuInit via client"] == "805" and seen["cuInit no daemon"] == "100", seen
     assert seen["drift"] == []
