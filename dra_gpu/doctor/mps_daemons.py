@@ -1,9 +1,11 @@
 """doctor's MPS check: the daemons running on the node against the claims that need them.
 
 The checkpoint says which daemons the plugin started (each MPS claim's `sharing.mps` entries, with
-their limits); /proc says which run (a control daemon `-d` whose pipe directory, in its
-environment, is under the plugin's MPS root: doctor may run on the host or in the plugin's pod,
-so the process's root is not compared); the daemon answers its limits through the same command
+their limits); /proc says which run (a control daemon, `-d` or `-f` in its own pod, whose pipe
+directory, in its environment, is under the plugin's MPS root: doctor may run on the host or in the
+plugin's pod, so the process's root is not compared), and where /proc cannot show it (doctor in the
+plugin's pod, the daemon in a pod of its own with the host's PID namespace) a daemon that answers on
+its pipe runs; the daemon answers its limits through the same command
 interface the plugin uses (`dra_gpu.plugin.mps`, so that "wrong limits" means what the plugin's
 own check means). Problems: orphans (a daemon or directory no claim records), missing daemons (a
 prepared claim's daemon not running) and limits other than the claim's.
@@ -65,7 +67,8 @@ def running_daemons(mps_root: Path) -> dict[str, int]:
         except OSError:
             continue
         pipe = next((e[len(prefix) :] for e in env if e.startswith(prefix)), None)
-        if pipe and state != [b"Z"] and b"-d" in argv[1:] and argv[0].endswith(CONTROL_BINARY.encode()):
+        foreground_or_detached = b"-d" in argv[1:] or b"-f" in argv[1:]
+        if pipe and state != [b"Z"] and foreground_or_detached and argv[0].endswith(CONTROL_BINARY.encode()):
             found[pipe.decode(errors="replace").split("/")[0]] = int(entry.name)
     return found
 
@@ -80,7 +83,7 @@ def check(
         pid = f"pid {live[daemon_id]}" if daemon_id in live else "not running"
         problems.append(f"orphan daemon {daemon_id} ({pid}): no claim records it")
     for daemon_id, (ref, daemon, prepared) in sorted(recorded.items()):
-        if daemon_id not in live:
+        if daemon_id not in live and not daemons.answers(daemon_id):
             if prepared:
                 problems.append(f"claim {ref}: its MPS daemon {daemon_id} is not running")
             continue
