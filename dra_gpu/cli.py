@@ -304,6 +304,20 @@ def _add_node_commands(sub: Any) -> None:
         help="seconds a claim must be gone before the sweeper unprepares it",
     )
     plug.add_argument(
+        "--pod-uid",
+        default=env("POD_UID", ""),
+        help="the plugin pod's UID ($POD_UID, the chart sets it): rolling updates, a new pod's plugin "
+        "registers beside the old one's under socket names of its own and the two take turns on the "
+        "node's claims (a lock in the plugin directory); empty: the fixed socket names, one instance",
+    )
+    plug.add_argument(
+        "--successor-wait",
+        type=float,
+        default=float(env("DRA_GPU_SUCCESSOR_WAIT", "10")),
+        help="with --pod-uid, seconds a stopping plugin keeps serving until another instance of the "
+        "driver answers on its registration socket ($DRA_GPU_SUCCESSOR_WAIT, default 10; 0: stop at once)",
+    )
+    plug.add_argument(
         "--enable-failpoints",
         action="store_true",
         help="tests only: obey $DRA_GPU_FAILPOINTS (named points where the plugin kills itself or "
@@ -356,6 +370,8 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
             health=health_config(args),
             claim_watch=args.claim_watch,
             device_metadata=args.device_metadata,
+            pod_uid=args.pod_uid,
+            successor_wait=args.successor_wait,
         )
         cfg.check()
         return run(cfg)

@@ -4,6 +4,10 @@ Both API versions call into one NodeService; only the message module differs. Ea
 kubelet batch is read (ClaimFetcher: its UID checked) and goes to the driver concurrently, and gets
 its own answer: a ClaimError's message, or "internal error: ..." for anything else, so a bug fails
 one claim rather than the whole batch.
+
+A batch's work on the driver runs under the instance lock (instance_lock: with rolling updates the
+other instance of the plugin waits meanwhile); the claims are read before it, as the Go helper
+does, and an empty batch (the liveness self-check's) does not take it.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from dra_gpu.common.log_format import V
@@ -22,6 +26,7 @@ from dra_gpu.kubeletplugin._proto import dra_v1beta1_pb2_grpc as v1beta1_grpc
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.driver import ClaimError, ClaimRef, Device, Driver
 from dra_gpu.kubeletplugin.heap_trim import HeapTrimmer
+from dra_gpu.kubeletplugin.instance_lock import InstanceLock, InstanceLockTimeout
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
 log = logging.getLogger(__name__)
@@ -31,12 +36,18 @@ T = TypeVar("T")
 
 class NodeService:
     def __init__(
-        self, driver: Driver, claims: ClaimFetcher, metrics: PluginMetrics, heap: HeapTrimmer | None = None
+        self,
+        driver: Driver,
+        claims: ClaimFetcher,
+        metrics: PluginMetrics,
+        heap: HeapTrimmer | None = None,
+        lock: InstanceLock | None = None,
     ) -> None:
         self.driver = driver
         self.claims = claims
         self.metrics = metrics
         self.heap = heap or HeapTrimmer()
+        self.lock = lock or InstanceLock(None)
         # Counted when scraped, not after every call: a count over all claims per call was
         # quadratic in a burst.
         metrics.prepared_devices.set_function(driver.prepared_device_count)
@@ -62,14 +73,53 @@ class NodeService:
             self.heap.finished()
             self.metrics.latency.labels(operation).observe(time.perf_counter() - start)
 
+    async def _locked(
+        self, operation: str, refs: list[ClaimRef], call: Callable[[ClaimRef], Awaitable[T]]
+    ) -> list[tuple[T | None, str]]:
+        """`call` for every claim under the instance lock; each claim fails with the lock's error
+        when the other instance kept it too long."""
+        if not refs:
+            return []
+        try:
+            async with self.lock.hold(f"{operation} of {len(refs)} claim(s)"):
+                return await _each(refs, lambda r: self._one(operation, r, call))
+        except Exception as exc:  # the lock's (each claim's own are answered by _one)
+            error = str(exc) if isinstance(exc, InstanceLockTimeout) else f"internal error: {exc}"
+            log.warning("%s not done claims=%s error=%r", operation, ",".join(map(str, refs)), error)
+            self.metrics.requests.labels(operation, "error").inc(len(refs))
+            return [(None, error) for _ in refs]
+
+    async def _fetch(self, ref: ClaimRef) -> tuple[Mapping[str, Any] | None, str]:
+        """The claim the kubelet names (before the lock: the API's time is not the lock's)."""
+        try:
+            return await self.claims.fetch(ref), ""
+        except ClaimError as exc:
+            self.metrics.requests.labels("prepare", "error").inc()
+            log.warning("prepare failed claim=%s error=%r", ref, str(exc))
+            return None, str(exc)
+        except Exception as exc:
+            self.metrics.requests.labels("prepare", "error").inc()
+            log.exception("prepare failed unexpectedly claim=%s", ref)
+            return None, f"internal error: {exc}"
+
     async def prepare(self, request: Any, pb: Any) -> Any:
         start = time.perf_counter()
         refs, ambiguous = _distinct(request.claims)
-        outcomes = await _each(refs, lambda r: self._one("prepare", r, self._prepare))
+        fetched = dict(zip((r.uid for r in refs), await _each(refs, self._fetch), strict=True))
+        readable = [r for r in refs if not fetched[r.uid][1]]
+
+        async def prepare_one(ref: ClaimRef) -> Sequence[Device]:
+            claim = fetched[ref.uid][0]
+            assert claim is not None
+            return await self.driver.prepare(ref, claim)
+
+        done = await self._locked("prepare", readable, prepare_one)
+        outcomes = dict(zip((r.uid for r in readable), done, strict=True))
         response = pb.NodePrepareResourcesResponse()
         for uid, error in ambiguous.items():
             response.claims[uid].error = error
-        for ref, (devices, error) in zip(refs, outcomes, strict=True):
+        for ref in refs:
+            devices, error = outcomes.get(ref.uid, (None, fetched[ref.uid][1]))
             entry = response.claims[ref.uid]
             if error:
                 entry.error = error
@@ -79,13 +129,10 @@ class NodeService:
         _summary("prepare", response, start)
         return response
 
-    async def _prepare(self, ref: ClaimRef) -> Sequence[Device]:
-        return await self.driver.prepare(ref, await self.claims.fetch(ref))
-
     async def unprepare(self, request: Any, pb: Any) -> Any:
         start = time.perf_counter()
         refs, ambiguous = _distinct(request.claims)
-        outcomes = await _each(refs, lambda r: self._one("unprepare", r, self.driver.unprepare))
+        outcomes = await self._locked("unprepare", refs, self.driver.unprepare)
         response = pb.NodeUnprepareResourcesResponse()
         for uid, error in ambiguous.items():
             response.claims[uid].error = error

@@ -50,6 +50,12 @@ a claim whose dynamic MIG instances were made before its pod was bound is `bound
 A claim with dynamic MIG devices also records each instance's step (`migInstances`: planned, then
 the GPU instance's ID, then the compute instance and MIG UUID), each written before the next NVML
 call, so the rollback finds and destroys exactly what was made.
+
+Two instances of the plugin share the file during a rolling update, one at a time (the instance
+lock, dra_gpu.kubeletplugin.instance_lock). Each remembers the identity of the file it last read
+or wrote (inode, mtime, size: every write is a new file renamed over the old); when the lock is
+taken anew and the file is not the one remembered, the other instance wrote it and `reload` reads
+it again (`changed_on_disk` is one stat, the single-instance path pays no more).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -117,6 +124,8 @@ class Checkpoint:
         # uid -> (the record, the devices it holds): a prepare checks its devices against every
         # other claim's, and rebuilding each claim's set every time was quadratic in a burst.
         self._held: dict[str, tuple[ClaimRecord, frozenset[str]]] = {}
+        # The file as this instance last read or wrote it (another instance may write it too).
+        self._seen: tuple[int, int, int, int] | None = None
         marked = self._marked_boot()
         self._load(marked)
         if marked != self.boot_id:
@@ -131,8 +140,54 @@ class Checkpoint:
         except (FileNotFoundError, UnicodeDecodeError):
             return None
 
+    def _identity(self) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+    def changed_on_disk(self) -> bool:
+        """Whether the file is not the one this instance last read or wrote (one stat)."""
+        return self._identity() != self._seen
+
+    def reload(self) -> None:
+        """Read the file again, as another instance of the plugin left it (under the instance
+        lock). Raises CheckpointVersionError for a newer format and ValueError for a file that
+        does not verify; the state in memory is then left as it was."""
+        seen = self._identity()
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            self._seen = None
+            return
+        doc = json.loads(raw)
+        version = doc.get("version", 0)
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise CheckpointVersionError(
+                f"checkpoint {self.path} was rewritten by another instance of the plugin in format "
+                f"version {version}, newer than this plugin's {FORMAT_VERSION}; this instance cannot "
+                "read its records"
+            )
+        data = doc.get("data")
+        if not isinstance(data, dict) or not isinstance(data.get("claims"), dict):
+            raise ValueError(f"checkpoint {self.path} as another instance wrote it has no claims map")
+        if doc.get("checksum") != _checksum(data):
+            raise ValueError(f"checkpoint {self.path} as another instance wrote it: checksum mismatch")
+        before = len(self._data["claims"])
+        self._data = data
+        self._encoded, self._records, self._held = {}, {}, {}
+        self._seen = seen
+        log.info(
+            "checkpoint re-read, another plugin instance changed it path=%s claims_before=%d claims=%d",
+            self.path,
+            before,
+            len(data["claims"]),
+        )
+
     def _load(self, marked: str | None) -> None:
         try:
+            self._seen = self._identity()
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return
@@ -224,6 +279,7 @@ class Checkpoint:
     def write(self, blob: bytes) -> None:
         # Not fsynced: the records are scoped to the boot (module docstring, dra_gpu.common.durable).
         replace_atomically(self.path, blob, failpoint=failpoints.CHECKPOINT_AFTER_TEMP)
+        self._seen = self._identity()
 
     def stage(self, uid: str, entry: ClaimRecord | Mapping[str, Any] | None) -> None:
         """Change the in-memory state only (the caller writes it). Records are frozen and replaced

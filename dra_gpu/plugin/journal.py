@@ -15,6 +15,10 @@ writes at once (`*_now`).
 Checks that look across claims (a device held by another claim, sharing that cannot sit beside
 another claim's) read the staged state and run under the same state lock as `stage`, so two
 claims can never both be prepared with the same device.
+
+During a rolling update a second instance of the plugin writes the same files, never at the same
+time as this one (the instance lock); `refresh`, run whenever this instance takes that lock anew,
+re-reads the checkpoint when the other one changed it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ class Journal:
         self.spec_rounds = WriteRounds(durable=False, failpoint=failpoints.CDI_SPEC_AFTER_TEMP)
         self._staged = 0
         self._written = 0
+
+    async def refresh(self) -> None:
+        """The checkpoint as another instance of the plugin left it: re-read when the file is not
+        the one this instance last read or wrote (one stat when it is)."""
+        if not self.checkpoint.changed_on_disk():
+            return
+        async with self.state_lock:
+            await asyncio.to_thread(self.checkpoint.reload)
 
     # -- reads ---------------------------------------------------------------------------------
 

@@ -21,10 +21,13 @@ from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube.api import Kube, server_minor_version, small_tls_read_buffers
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
+from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.kubeletplugin.heap_trim import freeze_startup_objects, limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
+from dra_gpu.kubeletplugin.instance_lock import InstanceLock
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
+from dra_gpu.model.inventory import MigDevice
 from dra_gpu.node.backend import NodeBackend, open_backend
 from dra_gpu.node.catalog import DeviceCatalog, DeviceKind
 from dra_gpu.node.settings import NodeSettings
@@ -61,13 +64,37 @@ class PluginConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     claim_watch: bool = True  # prepare reads claims from a watch (dynamic MIG watches anyway)
     device_metadata: str = "auto"  # KEP-5304 device metadata: auto (kubelet 1.37+), on, off
+    # The plugin's pod UID: rolling updates (sockets named after it, beside another instance's,
+    # work serialised on the plugin directory's lock); "": the fixed names, one instance.
+    pod_uid: str = ""
+    successor_wait: float = 10.0  # at SIGTERM: seconds to wait for another instance to answer
 
     @property
     def sockets(self) -> Sockets:
-        return Sockets.for_driver(self.node.driver, self.node.plugin_dir, self.node.registry_dir)
+        return Sockets.for_instance(
+            self.node.driver, self.node.plugin_dir, self.node.registry_dir, self.pod_uid
+        )
 
     def check(self) -> None:
         self.sockets.check()
+
+
+def _bind_under(lock: InstanceLock, preparer: Preparer) -> None:
+    """Dynamic MIG's binder runs in both instances during a rolling update and both see the same
+    claims: its calls that make or destroy instances (bind, release_gone_holders) take the
+    instance lock, so the second finds the first's record (re-read) instead of making another."""
+    bind, release = preparer.bind, preparer.release_gone_holders
+
+    async def bind_locked(ref: ClaimRef, claim: dict[str, Any]) -> dict[str, MigDevice]:
+        async with lock.hold("a dynamic MIG binding"):
+            return await bind(ref, claim)
+
+    async def release_locked(ref: ClaimRef, claim: dict[str, Any]) -> bool:
+        async with lock.hold("a dynamic MIG binding"):
+            return await release(ref, claim)
+
+    preparer.bind = bind_locked  # type: ignore[method-assign]
+    preparer.release_gone_holders = release_locked  # type: ignore[method-assign]
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
@@ -158,7 +185,11 @@ class KubeletPlugin:
         exit stack, so what started is stopped in the reverse order however the run ends. The
         order of the starts is the reverse of the order of the stops: the health monitor first
         (no more slice updates), then the kubelet's sockets (no more prepares), the claim watch,
-        the binder, the claim statuses, the sweeper, the HTTP endpoint and, last, the API client."""
+        the binder, the claim statuses, the sweeper, the HTTP endpoint and, last, the API client.
+
+        With rolling updates (a pod UID) another instance may run beside this one: the checkpoint
+        is read, rebuilt and reconciled under the instance lock, as are the kubelet's calls and
+        the sweeps; at SIGTERM this one keeps serving until another answers (`successor_wait`)."""
         cfg, node = self.cfg, self.cfg.node
         cfg.check()
         # One NVML for the whole plugin: the driver root's libnvidia-ml.so.1 (a simulated node's
@@ -191,8 +222,14 @@ class KubeletPlugin:
             kube.rejections.register(self.metrics.registry)
             stack.push_async_callback(kube.close)
             node.plugin_dir.mkdir(parents=True, exist_ok=True)
+            lock = InstanceLock.in_dir(node.plugin_dir, rolling=cfg.sockets.rolling)
+            stack.callback(lock.close)
             metadata = await self._device_metadata(kube)
             log.info("%s", metadata.line())
+            # The start-up's reads and writes of the node's claims, under the instance lock.
+            startup = contextlib.AsyncExitStack()
+            stack.push_async_callback(startup.aclose)
+            await startup.enter_async_context(lock.hold("the start-up reconcile"))
             checkpoint = await asyncio.to_thread(Checkpoint, node.checkpoint)
             # One watch of the claims serves the prepare path and dynamic MIG's binding conditions.
             claims = (
@@ -221,6 +258,9 @@ class KubeletPlugin:
             log.info(
                 "checkpoint reconciled with the CDI dir %s", " ".join(f"{k}={v}" for k, v in counts.items())
             )
+            # From now on each new hold first re-reads what another instance changed.
+            lock.on_acquired = preparer.journal.refresh
+            await startup.aclose()
             health = HealthNode(
                 cfg.health,
                 node.driver,
@@ -261,11 +301,12 @@ class KubeletPlugin:
                 cfg.sockets,
                 self.metrics,
                 claims=ClaimFetcher(kube, claims),  # the watch's claims, else a GET
+                lock=lock,
             )
             http = await self._start_http(helper)
             if http is not None:
                 stack.push_async_callback(http.cleanup)
-            sweeper = asyncio.create_task(self._sweep(preparer), name="sweeper")
+            sweeper = asyncio.create_task(self._sweep(preparer, lock), name="sweeper")
             stack.push_async_callback(_cancel, sweeper)
             if watch is not None:
                 watching_driver = asyncio.create_task(self._watch_driver(watch), name="driver-watch")
@@ -274,6 +315,7 @@ class KubeletPlugin:
                 stack.push_async_callback(claim_status.close)
             # Dynamic MIG: instances are made between allocation and binding (binding conditions).
             if dynamic_mig:
+                _bind_under(lock, preparer)
                 binder = MigBinder(node.driver, node.node_name, preparer, kube)
                 stack.push_async_callback(binder.stop)
                 if claims is not None:
@@ -303,6 +345,8 @@ class KubeletPlugin:
             self.ready.set()
             helper.heap.once_idle()  # the start-up's garbage, once it has settled
             await self.stopping.wait()
+            if self.driver_changed is None:  # a restart for a new driver keeps the pod (and names)
+                await helper.wait_for_successor(cfg.successor_wait)
 
     async def _device_metadata(self, kube: Kube) -> Decision:
         """Whether claims get KEP-5304 device metadata: with auto, by the version of this node's
@@ -329,11 +373,12 @@ class KubeletPlugin:
             except Exception as exc:
                 log.warning("driver version check failed error=%r", str(exc))
 
-    async def _sweep(self, preparer: Preparer) -> None:
+    async def _sweep(self, preparer: Preparer, lock: InstanceLock) -> None:
         while True:
             await asyncio.sleep(self.cfg.sweep_interval)
             try:
-                await preparer.sweep(self.cfg.sweep_grace)
+                async with lock.hold("the stale-claim sweep"):
+                    await preparer.sweep(self.cfg.sweep_grace)
             except Exception as exc:
                 log.warning("stale-claim sweep failed error=%r", str(exc))
 
