@@ -266,6 +266,28 @@ def _add_node_commands(sub: Any) -> None:
         "GPU, each enforced by its own MPS daemon ($DRA_GPU_MEMORY_SHARES)",
     )
     plug.add_argument(
+        "--mps-daemons",
+        choices=("auto", "pod", "process"),
+        default=env("DRA_GPU_MPS_DAEMONS", "auto"),
+        help="where each MPS control daemon runs: pod (a pod of its own on this node, made from the "
+        "plugin's pod, which it outlives), process (a detached process of the node); auto: pod when "
+        "the plugin runs in a pod ($POD_NAME and $POD_NAMESPACE set), process otherwise "
+        "($DRA_GPU_MPS_DAEMONS, default auto)",
+    )
+    plug.add_argument(
+        "--mps-shm-size",
+        default=env("DRA_GPU_MPS_SHM_SIZE", ""),
+        help="size of each MPS daemon's /dev/shm, shared with its claim's containers (a quantity, "
+        "e.g. 16Gi; a cap, charged to whoever writes it); default: half the node's memory, as the "
+        "kernel sizes a tmpfs ($DRA_GPU_MPS_SHM_SIZE)",
+    )
+    plug.add_argument(
+        "--mps-daemon-resources",
+        default=env("DRA_GPU_MPS_DAEMON_RESOURCES", ""),
+        help="the resources (JSON: requests, limits) of each MPS daemon's pod "
+        "($DRA_GPU_MPS_DAEMON_RESOURCES)",
+    )
+    plug.add_argument(
         "--driver-memory-limits",
         choices=("auto", "off"),
         default=env("DRA_GPU_DRIVER_MEMORY_LIMITS", "auto"),
@@ -338,7 +360,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
     from dra_gpu.node.profiles import NodePreparationError
     from dra_gpu.node.settings import NodeSettings
     from dra_gpu.plugin.checkpoint import CheckpointRebuildError, CheckpointVersionError
-    from dra_gpu.plugin.server import PluginConfig, run
+    from dra_gpu.plugin.server import MpsSettings, PluginConfig, run
 
     if not args.node_name:
         print("dra-gpu kubelet-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
@@ -370,6 +392,7 @@ def cmd_kubelet_plugin(args: argparse.Namespace) -> int:
             health=health_config(args),
             claim_watch=args.claim_watch,
             device_metadata=args.device_metadata,
+            mps=MpsSettings.parse(args.mps_daemons, args.mps_shm_size, args.mps_daemon_resources),
             pod_uid=args.pod_uid,
             successor_wait=args.successor_wait,
         )

@@ -79,3 +79,20 @@ def test_the_first_claim_block_is_under_its_marker_and_its_manifest_exists() -> 
 def test_links_are_found_outside_code_only() -> None:
     text = "see [a](docs/a.md#x) and [b](https://example.com)\n```\n[c](nowhere.md)\n```\n`[d](no.md)`\n"
     assert relative_links(text) == ["docs/a.md"]
+
+
+def test_every_cell_of_the_day_2_table_names_a_test_that_exists() -> None:
+    """'What survives what' is filled from e2e tests: each one it names is there."""
+    section = README.read_text().split("## Day 2: what survives what", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`(test_\w+\.py)(?:::(test_\w+))?`", section)
+    assert len(named) >= 7, named
+    for module, function in named:
+        source = ROOT / "e2e" / "tests" / module
+        assert source.is_file(), module
+        if function:
+            assert re.search(rf"^def {function}\(", source.read_text(), re.M), f"{module}::{function}"
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| event")]
+    for row in rows:
+        for cell in row.strip("|").split("|")[1:]:
+            refs = re.findall(r"\[(\d)\]", cell)
+            assert cell.strip() == "-" or refs or "as a crash" in cell, f"a cell without its test: {row}"

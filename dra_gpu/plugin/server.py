@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from dra_gpu.discovery.driver_versions import library_version
 from dra_gpu.health.claim_status import ClaimStatusWriter
 from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube.api import Kube, server_minor_version, small_tls_read_buffers
+from dra_gpu.kube.values import parse_quantity
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
 from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.kubeletplugin.heap_trim import freeze_startup_objects, limit_arenas
@@ -43,11 +46,63 @@ from dra_gpu.plugin.memory_limits import MemoryLimits
 from dra_gpu.plugin.memory_limits import detect as detect_memory_limits
 from dra_gpu.plugin.mig_binding import MigBinder
 from dra_gpu.plugin.mig_lifecycle import MigInstances
+from dra_gpu.plugin.mps import MIN_SHM_SIZE
+from dra_gpu.plugin.mps_pods import DaemonPods, PluginPod
 from dra_gpu.plugin.prepare import Preparer
 from dra_gpu.plugin.sharing import node_sharing
 
 log = logging.getLogger(__name__)
 NOT_REGISTERED = "not ready: the kubelet has not confirmed the registration\n"
+
+
+@dataclass(frozen=True)
+class MpsSettings:
+    """Where the MPS daemons run and what they get."""
+
+    daemons: str = "auto"  # pod | process | auto (pod when the plugin runs in a pod)
+    shm_size: int | None = None  # bytes of each daemon's /dev/shm; None: half the node's memory
+    resources: dict[str, Any] = field(default_factory=dict)  # each daemon pod's requests/limits
+
+    @classmethod
+    def parse(cls, daemons: str, shm_size: str, resources: str) -> MpsSettings:
+        """From the flags; ValueError naming the flag for a value that cannot be used."""
+        if daemons not in ("auto", "pod", "process"):  # argparse does not check an env default
+            raise ValueError(
+                f"--mps-daemons (or $DRA_GPU_MPS_DAEMONS): {daemons!r} is not auto, pod or process"
+            )
+        size = None
+        if shm_size:
+            try:
+                size = int(parse_quantity(shm_size))
+            except ValueError as exc:
+                raise ValueError(f"--mps-shm-size (or $DRA_GPU_MPS_SHM_SIZE): {shm_size!r}: {exc}") from exc
+            if size < MIN_SHM_SIZE:
+                raise ValueError(f"--mps-shm-size (or $DRA_GPU_MPS_SHM_SIZE): {shm_size!r} is under 64Mi")
+        parsed: dict[str, Any] = {}
+        if resources:
+            try:
+                parsed = json.loads(resources)
+            except ValueError as exc:
+                raise ValueError(
+                    f"--mps-daemon-resources (or $DRA_GPU_MPS_DAEMON_RESOURCES): not JSON: {exc}"
+                ) from exc
+            if not isinstance(parsed, dict) or not set(parsed) <= {"requests", "limits", "claims"}:
+                raise ValueError(
+                    "--mps-daemon-resources (or $DRA_GPU_MPS_DAEMON_RESOURCES): "
+                    "an object of requests and limits"
+                )
+        return cls(daemons, size, parsed)
+
+    def plugin_pod(self, node_name: str) -> PluginPod | None:
+        """The plugin's pod when the daemons are to be pods (ValueError when that cannot be)."""
+        name, namespace = os.environ.get("POD_NAME", ""), os.environ.get("POD_NAMESPACE", "")
+        if self.daemons == "process" or (self.daemons == "auto" and not (name and namespace)):
+            return None
+        if not (name and namespace):
+            raise ValueError(
+                "--mps-daemons=pod: the plugin's pod is not known ($POD_NAME, $POD_NAMESPACE unset)"
+            )
+        return PluginPod(name, namespace, node_name)
 
 
 @dataclass(frozen=True)
@@ -64,6 +119,7 @@ class PluginConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     claim_watch: bool = True  # prepare reads claims from a watch (dynamic MIG watches anyway)
     device_metadata: str = "auto"  # KEP-5304 device metadata: auto (kubelet 1.37+), on, off
+    mps: MpsSettings = field(default_factory=MpsSettings)
     # The plugin's pod UID: rolling updates (sockets named after it, beside another instance's,
     # work serialised on the plugin directory's lock); "": the fixed names, one instance.
     pod_uid: str = ""
@@ -180,6 +236,14 @@ class KubeletPlugin:
         )
         return limits
 
+    def _daemon_pods(self, kube: Kube) -> DaemonPods | None:
+        plugin = self.cfg.mps.plugin_pod(self.cfg.node.node_name)
+        if plugin is None:
+            log.info("MPS daemons run as this node's processes (not in a pod, or --mps-daemons=process)")
+            return None
+        log.info("MPS daemons run as pods of their own in namespace %s", plugin.namespace)
+        return DaemonPods(kube, asyncio.get_running_loop(), plugin, self.cfg.mps.resources)
+
     async def run(self) -> None:
         """The composition root: each component is started, then its teardown registered on one
         exit stack, so what started is stopped in the reverse order however the run ends. The
@@ -247,7 +311,13 @@ class KubeletPlugin:
                 kube,
                 driver_files,
                 sharing=node_sharing(
-                    node.plugin_dir / "mps", driver_files, backend.nvml, backend.tool_env, memory_limits
+                    node.plugin_dir / "mps",
+                    driver_files,
+                    backend.nvml,
+                    backend.tool_env,
+                    memory_limits,
+                    daemon_pods=self._daemon_pods(kube),
+                    shm_size=cfg.mps.shm_size,
                 ),
                 mig=mig,
                 device_metadata=metadata.enabled,
