@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tenacity import (
     RetryError,
@@ -72,9 +72,6 @@ from tenacity import (
 )
 
 from dra_gpu.plugin.driver_programs import DriverProgram, DriverProgramError
-
-if TYPE_CHECKING:
-    from dra_gpu.plugin.mps_pods import DaemonPods
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +93,22 @@ CAP_SYS_ADMIN = 21
 
 class MpsError(RuntimeError):
     """A daemon that cannot be started, configured or asked; the message says which and why."""
+
+
+class DaemonPods(Protocol):
+    """Where daemons run as pods of their own (dra_gpu.plugin.mps_pods.DaemonPods)."""
+
+    def pod_name(self, daemon_id: str) -> str: ...
+
+    def create(
+        self, daemon_id: str, pipe_dir: str, shm_dir: str, binary: str, env: dict[str, str]
+    ) -> str: ...
+
+    def delete(self, daemon_id: str) -> None: ...
+
+    def ids(self) -> set[str]: ...
+
+    def describe(self, daemon_id: str) -> str: ...
 
 
 @dataclass(frozen=True)
