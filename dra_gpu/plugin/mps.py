@@ -300,12 +300,13 @@ class MpsDaemons:
         pipe = self.pipe_dir(daemon.id)
         if len(str(pipe / "control_privileged")) >= UNIX_PATH_MAX:
             raise MpsError(f"MPS pipe directory {pipe} is too long for a UNIX socket path")
-        if not self.answers(daemon.id):
+        fresh = not self.answers(daemon.id)
+        if fresh:
             if self.pods is not None:
                 self.pods.delete(daemon.id)  # a wedged or ended one, its container stopped first
             else:
                 self._kill(daemon.id, self.processes(daemon.id))  # a wedged one
-            self._fresh_dirs(daemon.id)
+            self._fresh_dirs(daemon.id)  # client/ emptied: no tenant reaches the new daemon yet
             binary, program = self._program()
             env = self._env(program, daemon.id, daemon.uuids)
             if self.pods is not None:
@@ -313,18 +314,21 @@ class MpsDaemons:
             else:
                 self._spawn(daemon.id, binary, env)
             self._wait_ready(daemon.id)
-            self._link_client(daemon.id)
-        elif not os.path.lexists(self.client_dir(daemon.id) / CONTROL_SOCKET):
-            # A daemon of an earlier release (one directory for all): its containers' views made.
-            self.shm_dir(daemon.id).mkdir(mode=0o1777, exist_ok=True)
-            self.client_dir(daemon.id).mkdir(mode=0o755, exist_ok=True)
-            self._link_client(daemon.id)
         commands = daemon.commands()
         if commands:
             self.control(daemon.id, commands)
         drift = self.drift(daemon)
         if drift:
             raise MpsError(f"MPS daemon {daemon.id}: {drift[0]}")
+        # Only now the claim's containers see the daemon: none of their clients ever reaches it
+        # before its limits are set.
+        if fresh:
+            self._link_client(daemon.id)
+        elif not os.path.lexists(self.client_dir(daemon.id) / CONTROL_SOCKET):
+            # A daemon of an earlier release (one directory for all): its containers' views made.
+            self.shm_dir(daemon.id).mkdir(mode=0o1777, exist_ok=True)
+            self.client_dir(daemon.id).mkdir(mode=0o755, exist_ok=True)
+            self._link_client(daemon.id)
         where = self._where(daemon.id)
         log.info("MPS daemon ready id=%s %s devices=%s", daemon.id, where, ",".join(daemon.uuids))
         return where

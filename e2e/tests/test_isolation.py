@@ -169,6 +169,12 @@ def test_a_planted_link_and_quit_change_no_file_outside_the_directory(
             lambda: daemons().get(pair.tenant_id),
             timeout=SWEEP_S * 5 + 20,
         )
+        # The tenant sees it (its control socket in the client view) only once its limits are set.
+        wait_for(
+            "the tenant's view of the new daemon",
+            lambda: (MPS_ROOT / pair.tenant_id / "client" / "control").exists(),
+            timeout=30,
+        )
         answers = real_mps.ask(pair.tenant_id, "get_default_active_thread_percentage")
         print(
             f"\n[isolation] {real_mps.version}: link + quit: {said!r}; daemon {pair.tenant_pid} -> {new_pid} "
