@@ -71,8 +71,10 @@ UNPREPARE = ("unprepare-after-sharing", "unprepare-after-instances")
 IN_A_WRITE = {"checkpoint-after-temp": PLUGIN_DIR, "cdi-spec-after-temp": CDI_DIR}
 # What lives in the plugin dir besides the checkpoint and its boot mark: the gRPC and health
 # sockets, the health taint book, the MPS daemons' root, the simulated node (--profile); and
-# checkpoints moved aside as corrupt, kept for the operator (`checkpoint.json.corrupt-<time>`).
+# checkpoints moved aside as corrupt, kept for the operator (`checkpoint.json.corrupt-<time>`);
+# the instances' lock of a rolling update (`serialize.lock`, kept: removing a lock file races).
 PLUGIN_DIR_ENTRIES = {
+    "serialize.lock",
     "checkpoint.json",
     "checkpoint.json.boot",
     "dra-device-metadata",
