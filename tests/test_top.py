@@ -235,3 +235,42 @@ def test_json_has_the_same_facts_as_the_view(cluster: Cluster) -> None:
     assert dyn["used"][0]["device"] == "gpu-0000-18-00-0-mig-3g40gb-4"
     assert (dyn["memorySlicesUsed"], dyn["memorySlices"]) == (4, 8)
     assert doc["totals"]["tainted"] == 2 and doc["models"]["NVIDIA L4"]["free"] == 2
+
+
+def test_an_mps_claim_is_shown_with_its_daemons_pod(cluster: Cluster) -> None:
+    """The plugin runs each MPS daemon as a pod of its own, labelled with the daemon's id (the
+    claim's UID and a number): top names it beside the claim, in text and JSON, and the pod read
+    filter keeps it though it uses no claim."""
+    from dra_gpu.fleet.read import _keep
+    from dra_gpu.model.mps_daemon_pods import COMPONENT, COMPONENT_LABEL, DAEMON_LABEL
+
+    claim = next(c for c in cluster.claims if c["metadata"]["name"] == "train")
+    daemon = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "dra-gpu-kubelet-plugin-mps-x-0",
+            "namespace": "dra-gpu",
+            "labels": {COMPONENT_LABEL: COMPONENT, DAEMON_LABEL: f"{claim['metadata']['uid']}-0"},
+        },
+        "spec": {"nodeName": "node-hgx", "hostPID": True},
+        "status": {"phase": "Running"},
+    }
+    keep = _keep("pods")
+    assert keep is not None and keep(daemon) and not keep({"metadata": {"name": "web"}, "spec": {}})
+    cluster.pods.append(daemon)
+    view = view_of(cluster, node="node-hgx")
+    (holder,) = gpus(view)["node-hgx/gpu-0000-18-00-0"].holders
+    assert [(d.name, d.phase) for d in holder.mps_daemons] == [
+        ("dra-gpu/dra-gpu-kubelet-plugin-mps-x-0", "Running")
+    ]
+    text = render_text(view, width=200)
+    assert "team-a/trainer-0 (claim train, MPS daemon dra-gpu/dra-gpu-kubelet-plugin-mps-x-0)" in text, text
+    (held,) = [
+        h for n in view_to_json(view)["nodes"] for d in n["domains"] for g in d["gpus"] for h in g["holders"]
+    ][:1]
+    assert held["mpsDaemons"] == [{"pod": "dra-gpu/dra-gpu-kubelet-plugin-mps-x-0", "phase": "Running"}]
+    # Another claim's GPUs name no daemon.
+    assert not any(
+        h.mps_daemons for g in gpus(view_of(cluster, node="node-mixed")).values() for h in g.holders
+    )

@@ -27,6 +27,8 @@ def _holder(h: Holder) -> dict[str, Any]:
     }
     if h.memory is not None:
         out["memory"] = h.memory
+    if h.mps_daemons:
+        out["mpsDaemons"] = [{"pod": d.name, "phase": d.phase or None} for d in h.mps_daemons]
     return out
 
 

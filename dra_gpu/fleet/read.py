@@ -19,6 +19,7 @@ from typing import Any
 
 from dra_gpu.fleet.snapshot import COLLECTIONS, Record, Snapshot, assemble, parse_object
 from dra_gpu.kube.api import REJECTED, RESOURCE_V1, Kube, list_watch
+from dra_gpu.model.mps_daemon_pods import DAEMON_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,12 @@ class Scope:
 
 
 def _uses_claims(pod: dict[str, Any]) -> bool:
-    """Only pods with resource claims are kept: the rest of a large cluster's pods are dropped as
-    each page is decoded."""
-    return bool((pod.get("spec") or {}).get("resourceClaims"))
+    """Only pods with resource claims (and the plugin's MPS daemon pods, shown with their claims)
+    are kept: the rest of a large cluster's pods are dropped as each page is decoded."""
+    if (pod.get("spec") or {}).get("resourceClaims"):
+        return True
+    labels = (pod.get("metadata") or {}).get("labels")
+    return isinstance(labels, dict) and labels.get(DAEMON_LABEL) is not None
 
 
 def _keep(collection: str) -> Callable[[dict[str, Any]], bool] | None:

@@ -20,6 +20,7 @@ from dra_gpu.common.decoding import ANY, Bool, ListOf, MapOf, Obj, Str, decode
 from dra_gpu.controller.published_devices import Device
 from dra_gpu.controller.schemas import COUNTER, METADATA, TOLERATION
 from dra_gpu.kube.values import Quantity, quantity_or_none
+from dra_gpu.model.mps_daemon_pods import DAEMON_LABEL
 
 MEMORY_SLICE_PREFIX = "memory-slice-"  # dynamic MIG: one counter per memory slice (dra_gpu.node.dynamic_mig)
 
@@ -178,6 +179,7 @@ class Claim:
     name: str
     allocations: tuple[Allocation, ...]
     pods: tuple[str, ...]  # names of the pods in status.reservedFor (the claim's namespace)
+    uid: str = ""
     obj: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # as served, for explain
 
 
@@ -197,6 +199,7 @@ class Pod:
     node: str
     phase: str
     claims: tuple[str, ...] = ()  # the names of the ResourceClaims it uses (those made so far)
+    mps_daemon: str = ""  # an MPS daemon's pod: the daemon's id (dra_gpu.model.mps_daemon_pods)
 
     @property
     def unscheduled(self) -> bool:
@@ -376,6 +379,7 @@ def _claim(driver: str, obj: dict[str, Any]) -> Claim | WaitingClaim | None:
         str(meta.get("name") or ""),
         allocations,
         pods,
+        str(meta.get("uid") or ""),
         _typed(obj, "ResourceClaim"),
     )
 
@@ -396,6 +400,7 @@ def _pod(obj: dict[str, Any]) -> Pod:
         str(spec.get("nodeName") or ""),
         str(status.get("phase") or ""),
         claims,
+        str((meta.get("labels") or {}).get(DAEMON_LABEL) or ""),
     )
 
 

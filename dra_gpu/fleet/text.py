@@ -162,7 +162,10 @@ def domain_heading(domain: DomainView) -> str:
 def _holder_text(h: Holder) -> str:
     pending = [p for p in h.pods if p.phase and p.phase != "Running"]
     phase = f" [{pending[0].phase}]" if pending else ""
-    return f"{h.owner}{phase} (claim {h.claim})"
+    daemons = "".join(
+        f", MPS daemon {d.name}" + (f" [{d.phase}]" if d.phase != "Running" else "") for d in h.mps_daemons
+    )
+    return f"{h.owner}{phase} (claim {h.claim}{daemons})"
 
 
 def _detail(gpu: GpuView) -> tuple[str, list[str]]:

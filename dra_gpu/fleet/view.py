@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from dra_gpu.fleet.pending import PendingClaim
 from dra_gpu.fleet.snapshot import Allocation, Claim, CounterSet, PublishedDevice, Snapshot, Taint
+from dra_gpu.model.mps_daemon_pods import claim_uid_of
 
 MIG_NAME_SEPARATOR = "-mig-"  # MIG device names are the parent GPU's name + "-mig-" + profile + start
 
@@ -51,6 +52,7 @@ class Holder:
     claim: str
     pods: tuple[PodRef, ...]
     memory: int | None = None  # a share's memory, bytes
+    mps_daemons: tuple[PodRef, ...] = ()  # the claim's MPS daemons' pods (`namespace/name`)
 
     @property
     def owner(self) -> str:
@@ -148,7 +150,9 @@ class FleetView:
 
 
 def _holders(
-    allocations: Sequence[tuple[Claim, Allocation]], pods: dict[tuple[str, str], str]
+    allocations: Sequence[tuple[Claim, Allocation]],
+    pods: dict[tuple[str, str], str],
+    daemons: dict[str, tuple[PodRef, ...]],
 ) -> tuple[Holder, ...]:
     return tuple(
         Holder(
@@ -156,6 +160,7 @@ def _holders(
             claim.name,
             tuple(PodRef(p, pods.get((claim.namespace, p), "")) for p in claim.pods),
             alloc.memory if alloc.share_id else None,
+            daemons.get(claim.uid, ()) if claim.uid else (),
         )
         for claim, alloc in allocations
     )
@@ -290,6 +295,11 @@ def build_view(
     namespace holds, with that namespace's holders (a shared GPU's free memory still counts all).
     `pending`: the explained claims of Pending pods (dra_gpu.fleet.pending), shown as given."""
     pods = {(p.namespace, p.name): p.phase for p in snapshot.pods}
+    daemons: dict[str, list[PodRef]] = defaultdict(list)  # claim UID -> its MPS daemons' pods
+    for p in snapshot.pods:
+        if p.mps_daemon:
+            daemons[claim_uid_of(p.mps_daemon)].append(PodRef(f"{p.namespace}/{p.name}", p.phase))
+    by_claim = {uid: tuple(refs) for uid, refs in daemons.items()}
     by_device: dict[tuple[str, str], list[tuple[Claim, Allocation]]] = defaultdict(list)
     for claim in snapshot.claims:
         for alloc in claim.allocations:
@@ -305,7 +315,7 @@ def build_view(
         gpus: list[tuple[GpuView, PublishedDevice]] = []
         for devices in cards[node_name].values():
             held = {
-                d.name: _holders(by_device[(d.pool, d.name)], pods)
+                d.name: _holders(by_device[(d.pool, d.name)], pods, by_claim)
                 for d in devices
                 if (d.pool, d.name) in by_device
             }

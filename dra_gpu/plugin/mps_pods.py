@@ -40,13 +40,11 @@ from typing import Any, TypeVar
 from tenacity import RetryError, retry, retry_if_result, stop_after_delay, wait_exponential
 
 from dra_gpu.kube.api import REQUEST_TIMEOUT, Kube, KubeError
+from dra_gpu.model.mps_daemon_pods import COMPONENT, COMPONENT_LABEL, DAEMON_LABEL
 from dra_gpu.plugin.mps import MpsError
 
 log = logging.getLogger(__name__)
 
-COMPONENT_LABEL = "app.kubernetes.io/component"
-COMPONENT = "mps-control-daemon"
-DAEMON_LABEL = "dra-gpu.io/mps-daemon"  # the daemon's id
 CONTAINER = "mps-control-daemon"
 SHM_VOLUME = "mps-shm"
 SUPERVISOR = "dra_gpu.plugin.mps_supervisor"
