@@ -11,8 +11,11 @@ schedule the pod again, instead of the pod waiting in ContainerCreating on a pre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from dra_gpu.kube.api import Kube, KubeError
@@ -36,11 +39,22 @@ class MigBinder:
     """Looks at every ResourceClaim event (`on_list` / `on_event`, subscribed to the plugin's claim
     watch, claim_cache.ClaimCache) for dynamic MIG devices of this node waiting on their condition."""
 
-    def __init__(self, driver: str, node: str, preparer: Preparer, kube: Kube) -> None:
+    def __init__(
+        self,
+        driver: str,
+        node: str,
+        preparer: Preparer,
+        kube: Kube,
+        hold: Callable[[str], AbstractAsyncContextManager[None]] | None = None,
+    ) -> None:
         self.driver = driver
         self.node = node
         self.preparer = preparer
         self.kube = kube
+        # Held around each call that makes or destroys instances: during a rolling update both
+        # instances of the plugin see the same claims (the plugin's instance lock), and the
+        # second finds the first's record (re-read under it) instead of making another.
+        self.hold = hold or (lambda what: contextlib.nullcontext())
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self.departing_wait = DEPARTING_WAIT
 
@@ -109,11 +123,14 @@ class MigBinder:
         deadline = time.monotonic() + self.departing_wait
         while True:
             try:
-                return await self.preparer.bind(ref, claim)
+                async with self.hold("a dynamic MIG binding"):
+                    return await self.preparer.bind(ref, claim)
             except BusyPrepareError:
                 if not self.preparer.held_by_another_claim(ref, claim):
                     raise
-                if await self.preparer.release_gone_holders(ref, claim):
+                async with self.hold("a dynamic MIG binding"):
+                    released = await self.preparer.release_gone_holders(ref, claim)
+                if released:
                     continue  # the holder's claim was gone: its instance went, bind now
                 if time.monotonic() >= deadline:
                     raise

@@ -24,13 +24,11 @@ from dra_gpu.health.node import HealthConfig, HealthNode
 from dra_gpu.kube.api import Kube, server_minor_version, small_tls_read_buffers
 from dra_gpu.kube.values import parse_quantity
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
-from dra_gpu.kubeletplugin.driver import ClaimRef
 from dra_gpu.kubeletplugin.heap_trim import freeze_startup_objects, limit_arenas
 from dra_gpu.kubeletplugin.helper import KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.instance_lock import InstanceLock
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 from dra_gpu.kubeletplugin.publisher import BACKOFF
-from dra_gpu.model.inventory import MigDevice
 from dra_gpu.node.backend import NodeBackend, open_backend
 from dra_gpu.node.catalog import DeviceCatalog, DeviceKind
 from dra_gpu.node.settings import NodeSettings
@@ -133,24 +131,6 @@ class PluginConfig:
 
     def check(self) -> None:
         self.sockets.check()
-
-
-def _bind_under(lock: InstanceLock, preparer: Preparer) -> None:
-    """Dynamic MIG's binder runs in both instances during a rolling update and both see the same
-    claims: its calls that make or destroy instances (bind, release_gone_holders) take the
-    instance lock, so the second finds the first's record (re-read) instead of making another."""
-    bind, release = preparer.bind, preparer.release_gone_holders
-
-    async def bind_locked(ref: ClaimRef, claim: dict[str, Any]) -> dict[str, MigDevice]:
-        async with lock.hold("a dynamic MIG binding"):
-            return await bind(ref, claim)
-
-    async def release_locked(ref: ClaimRef, claim: dict[str, Any]) -> bool:
-        async with lock.hold("a dynamic MIG binding"):
-            return await release(ref, claim)
-
-    preparer.bind = bind_locked  # type: ignore[method-assign]
-    preparer.release_gone_holders = release_locked  # type: ignore[method-assign]
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
@@ -385,8 +365,7 @@ class KubeletPlugin:
                 stack.push_async_callback(claim_status.close)
             # Dynamic MIG: instances are made between allocation and binding (binding conditions).
             if dynamic_mig:
-                _bind_under(lock, preparer)
-                binder = MigBinder(node.driver, node.node_name, preparer, kube)
+                binder = MigBinder(node.driver, node.node_name, preparer, kube, hold=lock.hold)
                 stack.push_async_callback(binder.stop)
                 if claims is not None:
                     claims.subscribe(binder.on_list, binder.on_event)
