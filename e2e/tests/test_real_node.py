@@ -207,6 +207,17 @@ class Installs:
         if self.current is None:
             return
         ns = self.current.namespace
+        # The MPS daemons' pods go when the plugin unprepares their claims (a test's pods and
+        # claims may be gone from the API before that): the plugin must still be there to do it.
+        wait_for(
+            "the MPS daemons' pods to go",
+            lambda: (
+                not self.core.list_namespaced_pod(
+                    ns, label_selector="app.kubernetes.io/component=mps-control-daemon"
+                ).items
+            ),
+            timeout=60,
+        )
         delete_all(self.dyn, self.applied, ns)
         wait_for("the plugin pod to go", lambda: not self.core.list_namespaced_pod(ns).items, timeout=90)
         self.core.delete_namespace(ns, grace_period_seconds=0)
@@ -321,7 +332,7 @@ def test_four_nvlink_gpus_with_nvidias_libcuda(installs, core, dyn, namespace):
 
 
 def mps_processes() -> list[int]:
-    """Pids (host) of the MPS control daemons the plugin's container runs for claims."""
+    """Pids (host) of the MPS control daemons the plugin runs for claims (each in its own pod)."""
     found = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -333,8 +344,9 @@ def mps_processes() -> list[int]:
             argv = (p / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        # The daemon (-d), not a control client the plugin runs for a moment.
-        if b"-d" in argv and f"CUDA_MPS_PIPE_DIRECTORY={PLUGIN_DIR}/mps/".encode() in env:
+        # The daemon (-f in its pod, -d as the node's process), not a control client the plugin
+        # runs for a moment.
+        if (b"-f" in argv or b"-d" in argv) and f"CUDA_MPS_PIPE_DIRECTORY={PLUGIN_DIR}/mps/".encode() in env:
             found.append(int(p.name))
     return found
 
@@ -380,14 +392,14 @@ def test_mps_claim_runs_nvidias_daemon_of_the_driver_root(installs, core, dyn, n
         assert "libcuda.so" in environ["LD_PRELOAD"], environ
         assert libc and not any(p.startswith(CONTAINER_DRIVER_ROOT) for p in libc), libc
         assert "cuInit 805" in log, log
-        logs = {
-            name: "".join(p.read_text(errors="replace") for p in (PLUGIN_DIR / "mps").glob(f"*/log/{name}"))
-            for name in ("control.log", "server.log")
-        }
-        tails = "\n".join(text[-600:] for text in logs.values())
-        print(f"[real-node] the daemon's logs (tails):\n{tails}")
+        # Its log is its pod's (the daemon runs in the foreground in a pod of its own).
+        (daemon,) = core.list_pod_for_all_namespaces(
+            label_selector="app.kubernetes.io/component=mps-control-daemon"
+        ).items
+        said = core.read_namespaced_pod_log(daemon.metadata.name, daemon.metadata.namespace)
+        print(f"[real-node] the daemon's log (tail):\n{said[-1200:]}")
         # It found its server on PATH and started it (the server then finds no GPU).
-        assert "Starting new server" in logs["control.log"], logs
+        assert "Starting new server" in said, said
         print(
             f"[real-node] MPS daemon pid {pid}: {exe}, LD_PRELOAD={environ['LD_PRELOAD']}, "
             f"libc {sorted(libc)}"
