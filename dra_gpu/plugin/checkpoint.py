@@ -82,6 +82,17 @@ BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 BOOT_MARK_SUFFIX = ".boot"  # beside the checkpoint: the boot ID of the plugin's last start
 
 
+def _verified_data(doc: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint document's data when it verifies (a claims map, the checksum over it);
+    ValueError saying what does not."""
+    data = doc.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("claims"), dict):
+        raise ValueError("no claims map")
+    if doc.get("checksum") != _checksum(data):
+        raise ValueError("checksum mismatch")
+    return data
+
+
 def current_boot_id(path: Path = BOOT_ID_FILE) -> str:
     try:
         return path.read_text().strip()
@@ -169,11 +180,10 @@ class Checkpoint:
                 f"version {version}, newer than this plugin's {FORMAT_VERSION}; this instance cannot "
                 "read its records"
             )
-        data = doc.get("data")
-        if not isinstance(data, dict) or not isinstance(data.get("claims"), dict):
-            raise ValueError(f"checkpoint {self.path} as another instance wrote it has no claims map")
-        if doc.get("checksum") != _checksum(data):
-            raise ValueError(f"checkpoint {self.path} as another instance wrote it: checksum mismatch")
+        try:
+            data = _verified_data(doc)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint {self.path} as another instance wrote it: {exc}") from exc
         before = len(self._data["claims"])
         self._data = data
         self._encoded, self._records, self._held = {}, {}, {}
@@ -202,11 +212,7 @@ class Checkpoint:
                     "read; run that version (or move the file away, losing its records), the file is "
                     "left unchanged"
                 )
-            data = doc["data"]
-            if not isinstance(data, dict) or not isinstance(data.get("claims"), dict):
-                raise ValueError("no claims map")
-            if doc.get("checksum") != _checksum(data):
-                raise ValueError("checksum mismatch")
+            data = _verified_data(doc)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if marked is not None and marked != self.boot_id:
                 log.warning(
