@@ -8,6 +8,7 @@ the kubelet root dir and the state dir, deletes the bridge and removes the empty
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -23,7 +24,7 @@ from .config import (
     PLUGIN_NAME,
     STATE,
 )
-from .processes import Fail, ctr, pidfile, running, say, stop_pid
+from .processes import Fail, ctr, pidfile, read_pid, running, say, stop_pid
 
 
 def shims() -> list[int]:
@@ -147,6 +148,68 @@ def wipe_driver_node_state() -> None:
                     wiped.append(os.path.join(d, f))
     if wiped:
         say(f"removed {len(wiped)} entries of {DRIVER_NAME} an earlier cluster left: {', '.join(wiped[:4])}")
+
+
+def node_pids() -> list[int]:
+    """Every process of the node's pods: the members of the kubelet's kubepods cgroups (cgroupfs
+    driver), each hierarchy of cgroup v1 or the one of v2."""
+    base = "/sys/fs/cgroup"
+    tops = [os.path.join(base, "kubepods")]
+    with contextlib.suppress(OSError):
+        tops += [os.path.join(base, h, "kubepods") for h in os.listdir(base)]
+    pids: set[int] = set()
+    for top in tops:
+        for root, _, files in os.walk(top):
+            if "cgroup.procs" in files:
+                with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.procs")) as f:
+                    pids.update(int(x) for x in f.read().split())
+    return sorted(pids)
+
+
+def power_off_node(tmpfs_cdi_dirs: list[str]) -> list[str]:
+    """What a power loss does to the node's half of the cluster (the control plane stands for other
+    machines): the kubelet, containerd, the shims and every container die at once (SIGKILL, nothing
+    cleans up), and what a real node keeps in tmpfs is gone: containerd's and runc's state
+    (/run/containerd there, under the state dir here), every mount under the kubelet's root and
+    containerd's dirs (the pods' volumes, their network namespaces, a plugin's tmpfs) and the files
+    of the CDI dirs in tmpfs. The disk stays: containerd's root, the kubelet's root with its
+    checkpoints, /etc/cdi. The kubelet plugin is not the harness's: its owner stops it. Returns
+    what was cleared."""
+    for name in ("kubelet", "containerd"):
+        pid = read_pid(name)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        victims = node_pids() + shims()
+        if not victims:
+            break
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    else:
+        raise Fail(f"processes of the node's pods survive SIGKILL: {victims[:10]}")
+    containerd = os.path.join(STATE, "containerd")
+    left = unmount_under(KUBELET_ROOT, containerd)
+    if left:
+        raise Fail(f"cannot unmount {', '.join(left[:5])}")
+    cleared = []
+    for d in (os.path.join(containerd, "state"), os.path.join(containerd, "runc")):
+        shutil.rmtree(d, ignore_errors=True)
+        cleared.append(d)
+    for d in tmpfs_cdi_dirs:
+        with contextlib.suppress(OSError):
+            for f in os.listdir(d):
+                os.unlink(os.path.join(d, f))
+                cleared.append(os.path.join(d, f))
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)  # the CNI plugin makes it again
+    remove_empty_cgroups()
+    for name in ("kubelet", "containerd"):
+        with contextlib.suppress(OSError):
+            os.unlink(pidfile(name))
+    return cleared
 
 
 def down(quiet: bool = False) -> None:

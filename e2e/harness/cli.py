@@ -2,7 +2,7 @@
 
     e2e/cluster build | up | down | status | env | images | restart-kubelet
                 | peer-driver start [--kube-api-qps Q] [--kube-api-burst B] | peer-driver stop
-                | apiserver stop|start | restart-containerd
+                | apiserver stop|start | restart-containerd | node stop|start
 
 Everything (certs, kubeconfigs, configs, data, logs, pids) lives under the state dir
 $DRA_GPU_E2E_STATE (default /var/lib/dra-gpu-e2e). Binaries come from e2e/node/build.sh's cache
@@ -244,6 +244,23 @@ def cmd_restart_containerd() -> None:
     say("containerd restarted")
 
 
+def cmd_node(action: str) -> None:
+    """A node reboot, in two halves so that a test can act while the node is down: `stop` is the
+    power loss (cleanup.power_off_node: every container, containerd and the kubelet killed, what a
+    real node keeps in tmpfs cleared), `start` the boot (containerd, then the kubelet, which starts
+    the pods again). A kubelet plugin run as a host process is its owner's to stop and start."""
+    if action == "stop":
+        tmpfs = [d for d in CDI_DIRS if d.startswith(("/run/", "/var/run/"))]
+        cleared = cleanup.power_off_node(tmpfs)
+        say(f"node powered off; cleared {len(cleared)} entries: {', '.join(cleared[:6])}")
+        return
+    if read_pid("containerd") or read_pid("kubelet"):
+        raise Fail("containerd or the kubelet is running: `node stop` first")
+    components.start_containerd()
+    components.start_kubelet(components.node_ip())
+    say("node booted: containerd and the kubelet running")
+
+
 _LOCK: IO[str] | None = None
 
 
@@ -274,7 +291,7 @@ COMMANDS: dict[str, Callable[[], int | None]] = {
     "images": cmd_images,
 }
 # commands that hold the state lock
-LOCKED = ("up", "down", "peer-driver", "restart-kubelet", "restart-containerd", "apiserver")
+LOCKED = ("up", "down", "peer-driver", "restart-kubelet", "restart-containerd", "apiserver", "node")
 
 
 def main(argv: list[str]) -> int:
@@ -289,6 +306,8 @@ def main(argv: list[str]) -> int:
         fn = functools.partial(cmd_peer_driver, "stop")
     elif len(argv) == 3 and argv[1] == "apiserver" and argv[2] in ("start", "stop"):
         fn = functools.partial(cmd_apiserver, argv[2])
+    elif len(argv) == 3 and argv[1] == "node" and argv[2] in ("start", "stop"):
+        fn = functools.partial(cmd_node, argv[2])
     elif len(argv) == 2 and argv[1] in COMMANDS:
         fn = COMMANDS[argv[1]]
     else:

@@ -205,7 +205,7 @@ def our_slices(dyn):
     return api, api.get(field_selector=f"spec.driver={DRIVER}").to_dict()["items"]
 
 
-def claim_pod(core, namespace, name, claim_source, command, busybox_image):
+def claim_pod(core, namespace, name, claim_source, command, busybox_image, restart_policy="Never"):
     """A pod whose one container uses the claim `gpus` (`claim_source`: resource_claim_name or
     resource_claim_template_name)."""
     ((key, value),) = claim_source.items()
@@ -220,7 +220,7 @@ def claim_pod(core, namespace, name, claim_source, command, busybox_image):
             "kind": "Pod",
             "metadata": {"name": name},
             "spec": {
-                "restartPolicy": "Never",
+                "restartPolicy": restart_policy,
                 "terminationGracePeriodSeconds": 0,
                 "resourceClaims": [{"name": "gpus", source: value}],
                 "containers": [

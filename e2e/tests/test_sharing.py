@@ -131,9 +131,9 @@ def test_mps_daemon_answers_the_claims_limits_survives_a_sigkilled_plugin_and_is
     assert set(daemons()) <= before  # nothing orphaned
 
 
-def time_slice(uuid: str) -> str:
+def time_slice(uuid: str, profile: str = PROFILE) -> str:
     """What the simulated driver's nvidia-smi says about a GPU's time slice on the host."""
-    root = Path(sim_driver_root(PROFILE))
+    root = Path(sim_driver_root(profile))
     nvml = next(root.glob("usr/lib/*/libnvidia-ml.so.1"))
     out = subprocess.run(
         [str(root / "usr/bin/nvidia-smi"), "compute-policy", "-l", "-i", uuid],

@@ -99,6 +99,11 @@ def _inode(path: str) -> int:
         return 0
 
 
+TIMESLICES = ".nvidia-sim-timeslices"  # the simulated nvidia-smi's time-slice levels (src/nvidia-smi.c)
+
+
 def reboot(dev_dir: Path | str) -> None:
-    """Forget what the kernel kept: MIG instances and compute modes are the boot state again."""
+    """Forget what the kernel kept: MIG instances, compute modes, memory limits and time-slice
+    levels are the boot state again."""
     state_file(dev_dir).unlink(missing_ok=True)
+    (Path(dev_dir) / TIMESLICES).unlink(missing_ok=True)
