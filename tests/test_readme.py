@@ -91,8 +91,10 @@ def test_every_cell_of_the_day_2_table_names_a_test_that_exists() -> None:
         assert source.is_file(), module
         if function:
             assert re.search(rf"^def {function}\(", source.read_text(), re.M), f"{module}::{function}"
+    notes = set(re.findall(r"\[(\d+)\] `test_", section))
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| event")]
     for row in rows:
         for cell in row.strip("|").split("|")[1:]:
-            refs = re.findall(r"\[(\d)\]", cell)
+            refs = re.findall(r"\[(\d+)\]", cell)
             assert cell.strip() == "-" or refs or "as a crash" in cell, f"a cell without its test: {row}"
+            assert set(refs) <= notes, f"{cell.strip()!r} refers to a note the table does not have"

@@ -1,5 +1,5 @@
-"""A node reboot in the real cluster: the power goes, the node boots, the pods come back with their
-devices.
+"""A node reboot and a drain in the real cluster: the power goes, the node boots, the pods come back
+with their devices; the node is drained and nothing of theirs is left.
 
 The reboot (`e2e/cluster node stop|start`, harness cleanup.power_off_node): the plugin, its MPS
 daemons, the kubelet, containerd and every container are SIGKILLed at once (a power loss: nothing
@@ -18,7 +18,9 @@ plugin's records of the old boot are discarded); each pod runs again (a new cont
 went up) with the same allocation and the same devices in the container; what the reboot erased is
 made again (a time slice set anew, an MPS daemon answering the claim's limits, a dynamic MIG
 instance at the claim's placement); a claim whose pod was deleted while the node was down gets
-nothing; after the pods, nothing of theirs is left."""
+nothing. Then an operator drains the node (`kubectl drain`): every pod is evicted and nothing of
+their claims is left (CDI spec, checkpoint entry, MPS daemon and directory, MIG instance, time
+slice)."""
 
 from __future__ import annotations
 
@@ -213,15 +215,24 @@ def came_back(core, namespace, before: dict[str, list[str]], t0: float) -> None:
     print(f"[e2e] every pod ran again {time.time() - t0:.1f} s after the power loss")
 
 
-def gone_after(core, namespace, pods, uids) -> None:
-    """After the pods: no CDI spec, checkpoint entry or MPS directory of their claims."""
-    for pod in pods:
-        core.delete_namespaced_pod(pod, namespace, grace_period_seconds=0)
-    wait_for(
-        "the claims to be unprepared",
-        lambda: not (our_specs() & spec_names(uids)) and not (set(checkpoint()["claims"]) & set(uids)),
-        timeout=90,
-    )
+def drained(node: str, uids) -> float:
+    """An operator drains the rebooted node (--force: the test's pods are bare): every pod is
+    evicted and nothing of their claims is left, no CDI spec and no checkpoint entry (each test
+    checks the rest: MIG instance, daemon, time slice). Returns how long the drain took."""
+    from harness.processes import kubectl
+
+    t0 = time.time()
+    try:
+        r = kubectl("drain", node, "--ignore-daemonsets", "--force", "--timeout=120s", check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+        wait_for(
+            "the claims to be unprepared",
+            lambda: not (our_specs() & spec_names(uids)) and not (set(checkpoint()["claims"]) & set(uids)),
+            timeout=90,
+        )
+        return time.time() - t0
+    finally:
+        kubectl("uncordon", node, check=False)
 
 
 def test_reboot_brings_back_whole_gpu_static_mig_time_sliced_and_mps_pods(
@@ -264,10 +275,11 @@ def test_reboot_brings_back_whole_gpu_static_mig_time_sliced_and_mps_pods(
     assert "checkpoint from another boot discarded" in plugin.log_tail(400)
     print(f"[e2e] after the reboot: {devices}; MPS daemon {old_daemon} -> {daemon}; time slice set again")
 
-    gone_after(core, namespace, pods, uids.values())
+    took = drained(plugin.node, uids.values())
     wait_for("the daemon to stop", lambda: not alive(daemon) and not daemons(), timeout=60)
     assert "Timeslice 0 (DEFAULT)" in time_slice(sliced_uuid, plugin.profile)
     assert not [d for d in MPS_ROOT.glob("*") if d.name.startswith(tuple(uids.values()))]  # its MPS dir too
+    print(f"[e2e] drained in {took:.1f} s: no spec, checkpoint entry, daemon or time slice left")
 
 
 def test_reboot_remakes_dynamic_mig_instances_of_claims_still_prepared_only(
@@ -313,8 +325,9 @@ def test_reboot_remakes_dynamic_mig_instances_of_claims_still_prepared_only(
         f"the deleted pod's claim got nothing"
     )
 
-    gone_after(core, namespace, ["kept"], [uids["kept"]])
+    took = drained(plugin.node, [uids["kept"]])
     wait_for("the instance to be destroyed", lambda: not instances(), timeout=60)
+    print(f"[e2e] drained in {took:.1f} s: no spec, checkpoint entry or MIG instance left")
 
 
 def share_limits(uuid: str) -> list[str]:
@@ -346,5 +359,6 @@ def test_reboot_brings_back_memory_shares_each_with_its_daemon(
     assert share_limits(uuid) == ["40960M", "40960M"]
     print(f"[e2e] after the reboot: {shares}; each share's daemon answers its limit again")
 
-    gone_after(core, namespace, list(before), uids.values())
+    took = drained(plugin.node, uids.values())
     wait_for("the shares' daemons to stop", lambda: not daemons(), timeout=60)
+    print(f"[e2e] drained in {took:.1f} s: no spec, checkpoint entry or daemon left")
