@@ -3,17 +3,19 @@ image built from the commit its tag names) installed with `helm install`, pods r
 each kind, `helm upgrade` to this tree's chart and image, then `helm rollback <release> 1`.
 
 The install is test_real_node.py's (the chart's real-node DaemonSet over the trixie host-like root
-of the hgx-2x4 profile: NVIDIA's real 550 user space, the simulated NVML); Helm applies the same
+of a profile: NVIDIA's real 550 user space, the simulated NVML); Helm applies the same
 DaemonSet changes through a post-renderer (real_node_post_renderer.py: the simulated kernel's
 directories, host network and the apiserver's address). Helm stores the post-rendered manifest, so
 the rollback restores exactly what 0.1.0 ran.
 
-The claim kinds: a whole GPU and an MPS GPU (25 % of the threads). Left out: time-slicing (its
-prepare runs NVIDIA's real `nvidia-smi compute-policy --set-timeslice`, which here finds no kernel
-driver and exits 9, "couldn't communicate with the NVIDIA driver"; time-slicing is covered on the
-simulated profile, test_sharing.py), MIG (static and dynamic: another node profile, dgx-h100-mig)
-and memory shares (both charts accept kubeletPlugin.memoryShares, but it needs
-DRAConsumableCapacity and no real-node install here runs it).
+The claim kinds: on the dgx-a100-mig profile (GPUs 0-2 in MIG mode with instances made at boot,
+3-7 whole) a whole GPU, a static MIG device (3g.40gb) and an MPS GPU (25 % of the threads); dynamic
+MIG on the dgx-h100-mig profile (kubeletPlugin.dynamicMig=true), the second test. Left out:
+time-slicing (its prepare runs NVIDIA's real `nvidia-smi compute-policy --set-timeslice`, which
+here finds no kernel driver and exits 9, "couldn't communicate with the NVIDIA driver";
+time-slicing is covered on the simulated profile, test_sharing.py and test_reboot.py) and memory
+shares (kubeletPlugin.memoryShares makes every whole GPU of the node a shareable one: another
+install again; test_reboot.py covers them across a reboot).
 
 The rollout: this chart's default strategy is maxSurge 1 / maxUnavailable 0, but here the plugin
 uses the host's network (the e2e cluster has no kube-proxy) and two plugin pods on the node cannot
@@ -37,8 +39,9 @@ claim record names, dra_gpu/plugin/mps_pods.py) or an operator deletes it
 (`kubectl delete pod -l app.kubernetes.io/component=mps-control-daemon`); the test deletes it
 after checking it ended. At the end nothing is left: no daemon pod, process, mount or directory.
 
-During each rollout two GPU pods are created: one once the old plugin pod is terminating, one
-once it is gone; the second's claim must be prepared by the version rolled to."""
+During each rollout two GPU pods are created: one (a whole GPU) once the old plugin pod is
+terminating, one (a 1g.10gb MIG device) once it is gone; the second's claim must be prepared by the
+version rolled to."""
 
 from __future__ import annotations
 
@@ -58,22 +61,32 @@ from pathlib import Path
 
 import pytest
 import yaml
+from simnode.profiles import load_profile
+from simnode.state import read_state
 from support import ROOT, container_process, exec_in, helm_binary, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod  # noqa: F401 - a fixture
-from test_kubelet_plugin import PLUGIN_DIR, our_slices, template
+from test_dynamic_mig import profile_is
+from test_kubelet_plugin import MIG_CLASS, PLUGIN_DIR, our_slices, template
 from test_real_mps import MPS_ROOT, daemon_pods, daemons, mps_config, mps_mounts, mps_processes
-from test_real_node import HGX, LABEL, finish
+from test_real_node import LABEL, MIG, finish
 
 pytestmark = pytest.mark.e2e
 
 PREVIOUS = "0.1.0"
 PREVIOUS_TAG = f"v{PREVIOUS}-release"  # its image's tag here: this tree's files still say 0.1.0
 POST_RENDERER = Path(__file__).with_name("real_node_post_renderer.py")
+NEW_CHART = ROOT / "deploy" / "helm" / "dra-gpu"
 PLUGIN_PODS = "app.kubernetes.io/component=kubelet-plugin"
 ONE_AT_A_TIME = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
-KINDS = {"whole": None, "mps": mps_config(25)}
+A100_MIG = "dgx-a100-mig"
+KINDS = {  # pod (and template) -> the template's request
+    "whole": {},
+    "mig": {"device_class": MIG_CLASS, "selectors": [profile_is("3g.40gb")]},
+    "mps": {"config": mps_config(25)},
+}
 SHOW = "ls /dev/nvidia[0-9]* | sort; env | grep ^DRA_GPU_VISIBLE_DEVICES= | sort"
 ASK_MPS = "echo get_default_active_thread_percentage | nvidia-cuda-mps-control"
+SHOW_MIG = f"{SHOW}; ls /dev/nvidia-caps 2>/dev/null | sort"
 
 
 def git(*args: str) -> str:
@@ -156,6 +169,15 @@ def previous_image(commit: str) -> tuple[str, ...]:
         f"imported in {time.time() - t0:.1f} s"
     )
     return ("image.repository=localhost/dra-gpu", f"image.tag={PREVIOUS_TAG}", "image.pullPolicy=Never")
+
+
+def previous_chart(commit: str, tmp_path: Path) -> Path:
+    """The previous release's chart, as its commit has it."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "deploy/helm/dra-gpu"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
+    return tmp_path / "deploy" / "helm" / "dra-gpu"
 
 
 class Release:
@@ -247,6 +269,24 @@ class Release:
     def log(self, pod) -> str:
         return self.core.read_namespaced_pod_log(pod.metadata.name, self.namespace) or ""
 
+    def uninstall(self) -> None:
+        """`helm uninstall --wait` (whatever its outcome: a test's clean-up), until no plugin pod is left."""
+        cmd = [helm_binary(), "--kubeconfig", self.target.kubeconfig, "-n", self.namespace]
+        subprocess.run([*cmd, "uninstall", self.name, "--wait"], capture_output=True, timeout=120)
+        wait_for("the plugin pods to go", lambda: not self.plugin_pods(), timeout=90)
+
+    def clear(self, node: str) -> None:
+        """The release's namespace, the node's label and the driver's slices and taint book gone."""
+        from kubernetes.client.exceptions import ApiException
+
+        self.core.delete_namespace(self.namespace, grace_period_seconds=0)
+        self.core.patch_node(node, {"metadata": {"labels": {LABEL: None}}})
+        api, items = our_slices(self.dyn)
+        for s in items:
+            with contextlib.suppress(ApiException):
+                api.delete(name=s["metadata"]["name"])
+        (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
+
 
 def allocations(dyn, namespace) -> dict[str, list[tuple[str, str]]]:
     """Claim name -> its allocated (pool, device) pairs."""
@@ -279,7 +319,7 @@ def running(core, namespace, name, timeout=120):
 
 def seen(core, namespace, name) -> str:
     """What the pod's container sees now: its GPU nodes and DRA_GPU_VISIBLE_DEVICES."""
-    return exec_in(container_process(core.read_namespaced_pod(name, namespace))["cid"], "sh", "-c", SHOW)
+    return exec_in(container_process(core.read_namespaced_pod(name, namespace))["cid"], "sh", "-c", SHOW_MIG)
 
 
 def no_device_twice(allocs: dict[str, list[tuple[str, str]]]) -> None:
@@ -288,7 +328,9 @@ def no_device_twice(allocs: dict[str, list[tuple[str, str]]]) -> None:
 
 
 @pytest.fixture
-def hgx_root(image, glibc_images):  # noqa: F811 - the fixture imported above
+def node_root(image, glibc_images):  # noqa: F811 - the fixture imported above
+    """A function making the host-like root (NVIDIA's trixie user space) and kernel files of a
+    profile: (root, dev_root)."""
     base = Path(os.environ.get("DRA_GPU_E2E_STATE", "/var/lib/dra-gpu-e2e")) / "upgrade-rollback"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -296,14 +338,18 @@ def hgx_root(image, glibc_images):  # noqa: F811 - the fixture imported above
     from simnode.node import make_kernel_files
 
     host_like = e2e_script("host_like_root")
-    root = host_like.host_like_root(HGX, suite="trixie")
-    make_kernel_files(host_like.node_profile(HGX, "trixie"), base / HGX)
-    yield root, base / HGX
+
+    def make(profile: str) -> tuple[Path, Path]:
+        root = host_like.host_like_root(profile, suite="trixie")
+        make_kernel_files(host_like.node_profile(profile, "trixie"), base / profile)
+        return root, base / profile
+
+    yield make
     shutil.rmtree(base, ignore_errors=True)
 
 
 def test_upgrade_from_the_previous_release_and_rollback_under_load(
-    target, image, hgx_root, core, dyn, namespace, tmp_path
+    target, image, node_root, core, dyn, namespace, tmp_path
 ):
     from kubernetes.client.exceptions import ApiException
 
@@ -312,16 +358,9 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
     t0 = time.time()
     old_image = previous_image(commit)
     times["previous image"] = time.time() - t0
-    old_chart = tmp_path / "chart"
-    old_chart.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit, "deploy/helm/dra-gpu"], capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(old_chart)], input=archive, check=True)
-    old_chart = old_chart / "deploy" / "helm" / "dra-gpu"
-    new_chart = ROOT / "deploy" / "helm" / "dra-gpu"
+    old_chart = previous_chart(commit, tmp_path)
 
-    root, dev_root = hgx_root
+    root, dev_root = node_root(A100_MIG)
     rel = Release(target, core, dyn, dev_root, root)
     node = core.list_node().items[0].metadata.name
     from kubernetes import client
@@ -339,8 +378,9 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
         old_plugin = rel.ready_plugin(PREVIOUS_TAG, set())
         times["install 0.1.0"] = time.time() - t0
         t0 = time.time()
-        for kind, config in KINDS.items():
-            template(dyn, namespace, kind, config=config)
+        template(dyn, namespace, "one-g", device_class=MIG_CLASS, selectors=[profile_is("1g.10gb")])
+        for kind, request in KINDS.items():
+            template(dyn, namespace, kind, **request)
             gpu_pod(core, namespace, kind, DEBIAN_IMAGE, f"{SHOW}; echo done; sleep 3600", template=kind)
         for kind in KINDS:
             running(core, namespace, kind)
@@ -384,19 +424,18 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
                 return [p for p in rel.plugin_pods() if p.metadata.uid == old_uid]
 
             made = []
-            for name, when, check in (
+            for name, when, check, tmpl in (
                 (
                     f"{prefix}-stopping",
                     "stopping",
                     lambda: not old_plugin() or old_plugin()[0].metadata.deletion_timestamp,
+                    "whole",
                 ),
-                (f"{prefix}-gone", "gone", lambda: not old_plugin()),
+                (f"{prefix}-gone", "gone", lambda: not old_plugin(), "one-g"),
             ):
                 wait_for(f"the old plugin {when}", check, timeout=60, interval=0.1)
                 times[f"{name}: created after"] = time.time() - started
-                gpu_pod(
-                    core, namespace, name, DEBIAN_IMAGE, f"{SHOW}; echo done; sleep 3600", template="whole"
-                )
+                gpu_pod(core, namespace, name, DEBIAN_IMAGE, f"{SHOW}; echo done; sleep 3600", template=tmpl)
                 made.append(name)
             for name in made:
                 p = running(core, namespace, name, timeout=180)
@@ -422,7 +461,7 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
         rel.helm(
             "upgrade",
             rel.name,
-            str(new_chart),
+            str(NEW_CHART),
             *rel.values(image, "kubeletPlugin.mps.shmSize=64Mi"),
             "--set-json",
             f"kubeletPlugin.updateStrategy={json.dumps(ONE_AT_A_TIME)}",
@@ -496,21 +535,7 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
     finally:
         t0 = time.time()
         finish(core, dyn, namespace)
-        subprocess.run(
-            [
-                helm_binary(),
-                "--kubeconfig",
-                target.kubeconfig,
-                "-n",
-                rel.namespace,
-                "uninstall",
-                rel.name,
-                "--wait",
-            ],
-            capture_output=True,
-            timeout=120,
-        )
-        wait_for("the plugin pods to go", lambda: not rel.plugin_pods(), timeout=90)
+        rel.uninstall()
         # Ended daemon pods are deleted as 0.1.0's operator would; a running one is a failure.
         leftover = [
             (p.metadata.name, p.status.phase) for p in daemon_pods(core) if p.status.phase == "Running"
@@ -519,16 +544,120 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
             with contextlib.suppress(ApiException):
                 core.delete_namespaced_pod(p.metadata.name, p.metadata.namespace, grace_period_seconds=0)
         wait_for("the daemon pods deleted", lambda: not daemon_pods(core), timeout=30, interval=0.5)
-        core.delete_namespace(rel.namespace, grace_period_seconds=0)
-        core.patch_node(node, {"metadata": {"labels": {LABEL: None}}})
-        api, items = our_slices(dyn)
-        for s in items:
-            with contextlib.suppress(ApiException):
-                api.delete(name=s["metadata"]["name"])
-        (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
+        rel.clear(node)
         times["uninstall"] = time.time() - t0
         print("[upgrade] timings: " + "; ".join(f"{k} {v:.1f} s" for k, v in times.items()))
     assert not daemons() and not mps_processes() and not mps_mounts(), (daemons(), mps_mounts())
     assert not leftover, f"MPS daemon pods still running after the uninstall: {leftover}"
     assert not daemon_pods(core)
     assert not MPS_ROOT.exists() or not any(MPS_ROOT.iterdir()), sorted(os.listdir(MPS_ROOT))
+
+
+def test_dynamic_mig_instances_kept_through_an_upgrade_and_a_rollback(
+    target, image, node_root, core, dyn, namespace, tmp_path
+):
+    """The same upgrade and rollback on the dgx-h100-mig profile with kubeletPlugin.dynamicMig=true:
+    a pod on a MIG instance that 0.1.0 made keeps that instance (the same MIG UUID, the same
+    capability nodes) through both rollouts, each version taking the other's records of it; a pod
+    created once the old plugin pod is gone gets an instance of its own from the version rolled
+    to; at the end 0.1.0 destroys every instance, its own and the current version's."""
+    commit = previous_commit()
+    old_image = previous_image(commit)
+    old_chart = previous_chart(commit, tmp_path)
+    root, dev_root = node_root(MIG)
+    rel = Release(target, core, dyn, dev_root, root)
+    node = core.list_node().items[0].metadata.name
+    profile = load_profile(MIG)
+    from kubernetes import client
+
+    def instances() -> dict[str, str]:
+        """MIG UUID -> its GPU, profile and placement, as the simulated kernel keeps them."""
+        return {
+            i["uuid"]: f"{gpu} {i['profile']}@{i['placement']}"
+            for gpu, made in read_state(dev_root / "dev", profile).instances.items()
+            for i in made
+            if i.get("uuid")
+        }
+
+    def seen_mig(pod: str) -> str:
+        return exec_in(
+            container_process(core.read_namespaced_pod(pod, namespace))["cid"], "sh", "-c", SHOW_MIG
+        )
+
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
+    (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
+    core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
+    probe = f"{SHOW_MIG}; echo done; sleep 3600"
+    try:
+        old_values = rel.values(old_image, "kubeletPlugin.dynamicMig=true")
+        rel.adopt_cluster_objects(old_chart, old_values)
+        rel.helm("install", rel.name, str(old_chart), *old_values, *rel.post)
+        plugin = rel.ready_plugin(PREVIOUS_TAG, set())
+        template(dyn, namespace, "two-g", device_class=MIG_CLASS, selectors=[profile_is("2g.20gb")])
+        template(dyn, namespace, "one-g", device_class=MIG_CLASS, selectors=[profile_is("1g.10gb")])
+        gpu_pod(core, namespace, "mig", DEBIAN_IMAGE, probe, template="two-g")
+        uid = running(core, namespace, "mig").metadata.uid
+        first = seen_mig("mig")
+        kept = instances()
+        ((mig_uuid, where),) = kept.items()
+        assert f"DRA_GPU_VISIBLE_DEVICES={mig_uuid}" in first, first
+        print(f"\n[upgrade-mig] 0.1.0 made {where} ({mig_uuid}) for pod mig")
+
+        new_tag = image[1].split("=", 1)[1]
+        steps = (
+            ("upgrade", new_tag, "current"),
+            ("rollback", PREVIOUS_TAG, "0.1.0"),
+        )
+        for step, tag, version in steps:
+            t0 = time.time()
+            if step == "upgrade":
+                rel.helm(
+                    "upgrade",
+                    rel.name,
+                    str(NEW_CHART),
+                    *rel.values(image, "kubeletPlugin.dynamicMig=true"),
+                    "--set-json",
+                    f"kubeletPlugin.updateStrategy={json.dumps(ONE_AT_A_TIME)}",
+                    *rel.post,
+                )
+            else:
+                rel.helm("rollback", rel.name, "1")
+            old_uid = plugin.metadata.uid
+            wait_for(
+                "the old plugin pod gone",
+                lambda old_uid=old_uid: all(p.metadata.uid != old_uid for p in rel.plugin_pods()),
+                timeout=90,
+            )
+            gpu_pod(core, namespace, step, DEBIAN_IMAGE, probe, template="one-g")
+            plugin = rel.ready_plugin(tag, {old_uid})
+            running(core, namespace, step, timeout=180)
+            took = time.time() - t0
+            p = core.read_namespaced_pod("mig", namespace)
+            (status,) = p.status.container_statuses
+            assert p.metadata.uid == uid and p.status.phase == "Running" and status.restart_count == 0, (
+                p.status
+            )
+            assert seen_mig("mig") == first, (step, seen_mig("mig"), first)
+            now = instances()
+            assert now[mig_uuid] == where, (step, now)  # the same instance, not made again
+            mine = [u for u, w in now.items() if u not in kept]
+            assert len(mine) == 1 and f"DRA_GPU_VISIBLE_DEVICES={mine[0]}" in seen_mig(step), (step, now)
+            no_device_twice(allocations(dyn, namespace))
+            log = rel.log(plugin)
+            by = (
+                version
+                if f"claim prepared claim={namespace}/{claim_of(dyn, namespace, step)} " in log
+                else "?"
+            )
+            assert by == version, log[-3000:]
+            kept = now
+            print(
+                f"[upgrade-mig] {step} to {version} in {took:.1f} s: pod mig kept {mig_uuid}, "
+                f"pod {step} got {now[mine[0]]} from {by}; instances {sorted(now.values())}"
+            )
+        finish(core, dyn, namespace)
+        wait_for("every instance destroyed by 0.1.0", lambda: not instances(), timeout=60, interval=0.5)
+    finally:
+        finish(core, dyn, namespace)
+        rel.uninstall()
+        rel.clear(node)
