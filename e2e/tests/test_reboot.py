@@ -9,6 +9,9 @@ and the simulated kernel's state (MIG instances made since boot, compute modes, 
 simnode.state.reboot). The disk stays: the kubelet's checkpoints, the plugin's checkpoint file and
 directories, /etc/cdi. Then containerd and the kubelet start, and the plugin with them.
 
+Before the reboot the plugin alone is SIGKILLed and started again: every pod keeps its container,
+its devices, its daemon, instance and time slice.
+
 The plugin reads the boot ID where a real node's plugin does (/proc/sys/kernel/random/boot_id); a
 process cannot change the kernel's, so the rebooted plugin runs in a mount namespace of its own in
 which a file with a new ID is bound over that path (BOOT_VIEW). The kernel's own file is unchanged.
@@ -55,6 +58,7 @@ from test_kubelet_plugin import (
 )
 from test_sharing import (
     MPS_ROOT,
+    TIME_SLICED_LONG,
     alive,
     ask,
     daemons,
@@ -79,11 +83,6 @@ SHOW = (
     "ls /dev/nvidia[0-9]* /dev/nvidia-caps/ 2>&1 | sort; env | grep ^DRA_GPU_VISIBLE_DEVICES=; "
     "echo shown; sleep 3600"
 )
-SLICED = {
-    "apiVersion": "gpu.dra-gpu.io/v1alpha1",
-    "kind": "GpuConfig",
-    "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
-}
 
 
 def cluster(*args: str) -> str:
@@ -168,6 +167,21 @@ def checkpoint() -> dict:
     return json.loads(CHECKPOINT.read_text())["data"]
 
 
+def crash(plugin: Plugin, core, namespace, before: dict[str, list[str]]) -> None:
+    """The plugin alone is SIGKILLed and started again (same boot): every pod keeps its container
+    (never restarted) and its devices, and the checkpoint keeps every record."""
+    records = set(checkpoint()["claims"])
+    t0 = time.time()
+    plugin.kill()
+    plugin.start()
+    for pod, seen in before.items():
+        status = core.read_namespaced_pod(pod, namespace).status
+        assert status.phase == "Running" and status.container_statuses[0].restart_count == 0, (pod, status)
+        assert shown(core, namespace, pod) == seen, pod
+    assert set(checkpoint()["claims"]) == records
+    print(f"[e2e] plugin SIGKILLed and back in {time.time() - t0:.1f} s: every pod kept")
+
+
 def power_loss(plugin: Plugin) -> float:
     """The power goes: the plugin and its MPS daemons die with everything else of the node."""
     t0 = time.time()
@@ -243,7 +257,7 @@ def test_reboot_brings_back_whole_gpu_static_mig_time_sliced_and_mps_pods(
     plugin.start()
     template(dyn, namespace, "whole")
     template(dyn, namespace, "mig", device_class=MIG_CLASS, selectors=[profile_is("3g.40gb")])
-    template(dyn, namespace, "sliced", config=SLICED)
+    template(dyn, namespace, "sliced", config=TIME_SLICED_LONG)
     template(dyn, namespace, "mps", config=mps_config(50))
     pods = {"whole": "whole", "mig": "mig", "sliced": "sliced", "mps": "mps"}
     before = run_pods(core, namespace, pods, busybox_image)
@@ -255,6 +269,9 @@ def test_reboot_brings_back_whole_gpu_static_mig_time_sliced_and_mps_pods(
     ((pipe, old_daemon),) = daemons().items()
     assert ask(pipe, "get_default_active_thread_percentage") == ["50.0"]
     assert our_specs() == spec_names(uids.values())
+    crash(plugin, core, namespace, before)
+    assert "Timeslice 3 (LONG)" in time_slice(sliced_uuid, plugin.profile)
+    assert daemons() == {pipe: old_daemon} and ask(pipe, "get_default_active_thread_percentage") == ["50.0"]
 
     t0 = power_loss(plugin)
     # What the reboot took: the time slice, the daemon, the CDI specs.
@@ -293,7 +310,10 @@ def test_reboot_remakes_dynamic_mig_instances_of_claims_still_prepared_only(
     before = run_pods(core, namespace, {"kept": "two-g", "gone": "three-g"}, busybox_image)
     uids = claim_uids(dyn, namespace)
     (kept_device,) = allocated(dyn, namespace, "kept")
-    assert len(instances()) == 2
+    both = instances()
+    assert len(both) == 2
+    crash(plugin, core, namespace, before)
+    assert instances() == both  # the same two, neither made again nor destroyed
 
     t0 = power_loss(plugin)
     assert not instances()  # a reboot destroys every MIG instance
@@ -350,6 +370,8 @@ def test_reboot_brings_back_memory_shares_each_with_its_daemon(
     uuid = device_attrs(dyn)[device]["uuid"]
     old = set(daemons().values())
     assert share_limits(uuid) == ["40960M", "40960M"]
+    crash(plugin, core, namespace, before)
+    assert set(daemons().values()) == old and share_limits(uuid) == ["40960M", "40960M"]
 
     t0 = power_loss(plugin)
     boot(plugin, tmp_path)

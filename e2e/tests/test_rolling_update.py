@@ -1,7 +1,8 @@
 """A rollout of the chart's kubelet-plugin DaemonSet with live claim pods, measured from both
 sides: once with the old strategy (maxUnavailable 100%: the old pod goes, then the new one
 starts) and once with the chart's (maxSurge 1: the new pod registers beside the old one under
-its own socket names, the kubelet sends its calls to it, then the old one stops).
+its own socket names, the kubelet sends its calls to it, then the old one stops). A time-sliced
+pod runs through both: it is never restarted and its GPU's time slice is never reset.
 
 While each rollout runs, GPU pods are created one after another (a claim each) and a prober
 calls an empty NodePrepareResources every 50 ms on each plugin instance registered in the
@@ -30,6 +31,8 @@ from pathlib import Path
 import grpc
 import pytest
 from support import apply_all, delete_all, reach_apiserver, render, sim_driver_root, wait_for, wait_ready_pod
+from test_kubelet_plugin import device_attrs
+from test_sharing import TIME_SLICED_LONG, time_slice
 
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
@@ -194,6 +197,43 @@ def _rolled(apps, core, namespace: str, name: str, selector: str) -> bool:
     )
 
 
+def _start_sliced_pod(core, dyn, namespace: str, image: str) -> str:
+    """The pod of claim `sliced`, running; its GPU's UUID (its time slice set: Long)."""
+    core.create_namespaced_pod(
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "sliced"},
+            "spec": {
+                "terminationGracePeriodSeconds": 0,
+                "containers": [
+                    {
+                        "name": "ctr",
+                        "image": image,
+                        "command": ["sleep", "3600"],
+                        "resources": {"claims": [{"name": "gpu"}]},
+                    }
+                ],
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": "sliced"}],
+            },
+        },
+    )
+    wait_for(
+        "the time-sliced pod to run",
+        lambda: core.read_namespaced_pod("sliced", namespace).status.phase == "Running",
+        120,
+        0.5,
+    )
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
+    (result,) = claims.get(namespace=namespace, name="sliced").to_dict()["status"]["allocation"]["devices"][
+        "results"
+    ]
+    uuid = device_attrs(dyn)[result["device"]]["uuid"]
+    assert "Timeslice 3 (LONG)" in time_slice(uuid), time_slice(uuid)
+    return uuid
+
+
 def _measure(apps, core, namespace, ds_name, selector, n, prober_label, image):
     """Roll the DaemonSet with claim pods coming; returns the figures."""
     prober, pods = Prober(), ClaimPods(core, namespace, f"p{n}", image)
@@ -301,14 +341,26 @@ def test_rollout_answers_every_prepare(simnode_image, example_image, dyn, core, 
             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}
         },
     }
+    sliced = {  # a time-sliced claim whose pod lives through both rollouts
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "sliced"},
+        "spec": {
+            "devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
+                "config": [{"opaque": {"driver": DRIVER, "parameters": TIME_SLICED_LONG}}],
+            }
+        },
+    }
     applied: list = []
     slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
     core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
     sel = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=kubelet-plugin"
     name = ds["metadata"]["name"]
     try:
-        apply_all(dyn, [*objs, template], namespace, applied)
+        apply_all(dyn, [*objs, template, sliced], namespace, applied)
         wait_ready_pod(core, namespace, sel, 180, "plugin")
+        uuid_sliced = _start_sliced_pod(core, dyn, namespace, example_image)
         before = _measure(apps, core, namespace, name, sel, 1, "maxUnavailable 100%", example_image)
         apps.patch_namespaced_daemon_set(
             name,
@@ -326,6 +378,14 @@ def test_rollout_answers_every_prepare(simnode_image, example_image, dyn, core, 
         # Only the chart's instance is left, its sockets only.
         regs = sorted(n for n in os.listdir(REGISTRY) if n.startswith(f"{DRIVER}-"))
         assert len(regs) == 1, regs
+        # The time-sliced pod ran through both rollouts, its GPU's time slice never reset.
+        pod = core.read_namespaced_pod("sliced", namespace)
+        assert pod.status.phase == "Running" and pod.status.container_statuses[0].restart_count == 0, (
+            pod.status
+        )
+        assert "Timeslice 3 (LONG)" in time_slice(uuid_sliced), time_slice(uuid_sliced)
+        core.delete_namespaced_pod("sliced", namespace, grace_period_seconds=0)
+        wait_for("the time slice restored", lambda: "(DEFAULT)" in time_slice(uuid_sliced), 60, 0.5)
     finally:
         core.delete_collection_namespaced_pod(
             namespace, label_selector="!nonexistent", grace_period_seconds=0

@@ -31,6 +31,13 @@ MPS_ROOT = PLUGIN_DIR / "mps"
 EXCLUSIVE_PROCESS, DEFAULT = 3, 0
 
 
+TIME_SLICED_LONG = {
+    "apiVersion": "gpu.dra-gpu.io/v1alpha1",
+    "kind": "GpuConfig",
+    "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
+}
+
+
 def mps_config(pct: int) -> dict:
     return {
         "apiVersion": "gpu.dra-gpu.io/v1alpha1",
@@ -153,11 +160,6 @@ def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and
     namespace,
     busybox_image,
 ):
-    params = {
-        "apiVersion": "gpu.dra-gpu.io/v1alpha1",
-        "kind": "GpuConfig",
-        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}},
-    }
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     claims.create(
         namespace=namespace,
@@ -168,7 +170,7 @@ def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and
             "spec": {
                 "devices": {
                     "requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}],
-                    "config": [{"opaque": {"driver": DRIVER, "parameters": params}}],
+                    "config": [{"opaque": {"driver": DRIVER, "parameters": TIME_SLICED_LONG}}],
                 }
             },
         },
