@@ -27,7 +27,7 @@ fi
 unset KUBECONFIG
 rc=0
 t1=$SECONDS
-(cd "$ROOT" && "$PYTHON" -m pytest -m e2e "$HERE/tests" -p no:cacheprovider "$@") || rc=$?
+(cd "$ROOT" && "$PYTHON" -m pytest -m e2e "$HERE/tests" -p no:cacheprovider --durations=30 "$@") || rc=$?
 echo "[e2e/ci] e2e tests: $((SECONDS - t1)) s (rc $rc)"
 
 # The compatibility suite on the oldest release the driver supports (with its default gates: the

@@ -241,7 +241,10 @@ class Reconciler:
                     exc,
                 )
             return
-        want = cdi.compose(rec.cdi_spec, driver_edits)
+        # A record without `driverFiles` (written before the driver's part left the checkpoint,
+        # pre-release) carries the whole spec, the driver's files included: added again they
+        # would be mounted twice.
+        want = cdi.compose(rec.cdi_spec, driver_edits if rec.driver_files is not None else {})
         if cdi.read(rec.uid) == want:
             return
         if rec.driver_files != self.driver_files.digest:

@@ -25,6 +25,8 @@ from dra_gpu.plugin.mps import MpsDaemon
 from dra_gpu.plugin.record import ClaimRecord, ClaimState, MigStage
 from dra_gpu.plugin.sharing import Sharing
 
+from .conftest import PluginCore, make_core
+
 FORMATS = Path(__file__).parents[1] / "data" / "checkpoints"
 FIXTURES = sorted(FORMATS.glob("*.json"))
 NAME = re.compile(r"(\d{4}-\d{2}-\d{2})-([0-9a-f]{7,12})-[a-z0-9]+(-[a-z0-9]+)*\.json")
@@ -378,3 +380,20 @@ def test_rebuild_pending_and_rebuilt_records(tmp_path: Path) -> None:
     bound = records["dynamic-mig-bound"]
     assert bound.state == ClaimState.BOUND and bound.cdi_spec is None and bound.settled
     assert [m.step for m in bound.mig_steps] == [MigStage.READY]
+
+
+def test_a_record_with_the_driver_files_in_its_spec_is_restored_with_each_file_once(core: PluginCore) -> None:
+    """b0be7ea's records (before `driverFiles`) carry the driver's user space in their own spec:
+    a start that finds their spec files gone writes them back as recorded, not with the driver's
+    files added a second time."""
+    path, data = this_boots(FORMATS / "2026-12-01-b0be7ea-driver-user-space.json", core.root / "plugin")
+    assert path == core.checkpoint.path
+    restarted = make_core(core.root, core.inventory, core.claims, core.driver_root, boot_id=current_boot_id())
+    counts = restarted.preparer.reconcile()
+    completed = {uid: c for uid, c in data["claims"].items() if c["state"] == "completed"}
+    assert counts["rebuilt"] == len(completed) == 3, counts
+    for uid, c in completed.items():
+        spec = restarted.cdi.read(uid)
+        assert spec is not None and spec["containerEdits"] == c["cdiSpec"]["containerEdits"], uid
+        paths = [m["containerPath"] for m in spec["containerEdits"]["mounts"]]
+        assert len(paths) == len(set(paths)) > 0, paths
