@@ -19,6 +19,22 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "dra-gpu"
+CLUSTER = ROOT / "e2e" / "cluster"
+
+
+def cluster(*args: str, timeout: float = 240) -> str:
+    """Run `e2e/cluster ARGS` (the harness: stop, start or restart a part of the local cluster); its
+    output. Fails the test when the command fails."""
+    r = subprocess.run([sys.executable, str(CLUSTER), *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"e2e/cluster {' '.join(args)}:\n{r.stdout}{r.stderr}"
+    return r.stdout + r.stderr
+
+
+def own_mount_view(script: str) -> list[str]:
+    """A command prefix that runs a program in a mount namespace of its own, made by the shell
+    `script` first (which ends in `exec "$@"`): every mount keeps the host's propagation (the
+    plugin's MPS tmpfs mounts reach containerd) unless the script makes one private."""
+    return ["unshare", "--mount", "--propagation", "unchanged", "sh", "-c", script, "sh"]
 
 
 def wait_for(what, check, timeout=30.0, interval=0.1):

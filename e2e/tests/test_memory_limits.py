@@ -27,7 +27,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from real_userspace import install_cdi_hook
 from simnode.state import read_state
-from support import CACHE, ROOT, wait_for
+from support import CACHE, ROOT, own_mount_view, wait_for
 from test_driver_userspace import DEBIAN_IMAGE, glibc_images, gpu_pod, hgx  # noqa: F401 - fixtures
 from test_kubelet_plugin import CDI_DIR, DRIVER, PROFILE, SIM_DEV, our_slices
 from test_sharing import memory_template, pod_log, wait_for_shareable_gpus
@@ -42,16 +42,7 @@ SHARE = 40 << 30
 NOT_V2 = "setting GPU memory limits is only supported in cgroup v2"  # NVIDIA's hook, on cgroup v1
 # A mount namespace whose /sys/fs/cgroup is the unified hierarchy: that mount private to it, every
 # other mount still shared with the node's (the plugin's MPS tmpfs mounts reach containerd).
-V2_VIEW = [
-    "unshare",
-    "--mount",
-    "--propagation",
-    "unchanged",
-    "sh",
-    "-c",
-    f'mount --make-private {CGROUP} && mount --bind {UNIFIED} {CGROUP} && exec "$@"',
-    "sh",
-]
+V2_VIEW = own_mount_view(f'mount --make-private {CGROUP} && mount --bind {UNIFIED} {CGROUP} && exec "$@"')
 BASE_PROFILE = "dgx-a100-mig"
 
 

@@ -9,14 +9,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from support import never, wait_for
+from support import cluster, never, wait_for
 from test_kubelet_plugin import (
     CDI_DIR,
     DRIVER,
@@ -32,14 +31,8 @@ from test_kubelet_plugin import (
 
 pytestmark = pytest.mark.e2e
 
-CLUSTER = Path(__file__).parents[1] / "cluster"
 OUTAGE_S = 30
 RECOVERY_S = 10  # everything of the plugin's is back within this of the apiserver's return
-
-
-def cluster(*args: str) -> None:
-    r = subprocess.run([sys.executable, str(CLUSTER), *args], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, f"e2e/cluster {' '.join(args)}:\n{r.stdout}{r.stderr}"
 
 
 @pytest.fixture(scope="module")

@@ -31,15 +31,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 from simnode.state import reboot
-from support import wait_for
+from support import cluster, own_mount_view, wait_for
 from test_dynamic_mig import instances, profile_is
 from test_kubelet_plugin import (
     CDI_DIR,
@@ -71,7 +69,6 @@ from test_sharing import (
 
 pytestmark = pytest.mark.e2e
 
-CLUSTER = Path(__file__).parents[1] / "cluster"
 CHECKPOINT = PLUGIN_DIR / "checkpoint.json"
 # The plugin's own view of the kernel's boot ID: /proc made private in its mount namespace (so that
 # nothing propagates to the host), then the file bound over the kernel's; every other mount keeps
@@ -83,12 +80,6 @@ SHOW = (
     "ls /dev/nvidia[0-9]* /dev/nvidia-caps/ 2>&1 | sort; env | grep ^DRA_GPU_VISIBLE_DEVICES=; "
     "echo shown; sleep 3600"
 )
-
-
-def cluster(*args: str) -> str:
-    r = subprocess.run([sys.executable, str(CLUSTER), *args], capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, f"e2e/cluster {' '.join(args)}:\n{r.stdout}{r.stderr}"
-    return r.stdout + r.stderr
 
 
 @pytest.fixture
@@ -202,17 +193,7 @@ def boot(plugin: Plugin, tmp_path: Path) -> str:
     boot_file = tmp_path / "boot_id"
     boot_file.write_text(boot_id + "\n")
     print(f"[e2e] {cluster('node', 'start').strip()}")
-    plugin.wrapper = [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "unchanged",
-        "sh",
-        "-c",
-        BOOT_VIEW,
-        "sh",
-        str(boot_file),
-    ]
+    plugin.wrapper = [*own_mount_view(BOOT_VIEW), str(boot_file)]
     plugin.start()
     return boot_id
 

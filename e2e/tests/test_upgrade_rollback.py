@@ -69,6 +69,7 @@ from test_dynamic_mig import profile_is
 from test_kubelet_plugin import MIG_CLASS, PLUGIN_DIR, our_slices, template
 from test_real_mps import MPS_ROOT, daemon_pods, daemons, mps_config, mps_mounts, mps_processes
 from test_real_node import LABEL, MIG, finish
+from test_sharing import memory_template, share_of
 
 pytestmark = pytest.mark.e2e
 
@@ -87,6 +88,7 @@ KINDS = {  # pod (and template) -> the template's request
 SHOW = "ls /dev/nvidia[0-9]* | sort; env | grep ^DRA_GPU_VISIBLE_DEVICES= | sort"
 ASK_MPS = "echo get_default_active_thread_percentage | nvidia-cuda-mps-control"
 SHOW_MIG = f"{SHOW}; ls /dev/nvidia-caps 2>/dev/null | sort"
+ASK_SHARE = 'echo "get_default_device_pinned_mem_limit $DRA_GPU_VISIBLE_DEVICES" | nvidia-cuda-mps-control'
 
 
 def git(*args: str) -> str:
@@ -553,111 +555,165 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
     assert not MPS_ROOT.exists() or not any(MPS_ROOT.iterdir()), sorted(os.listdir(MPS_ROOT))
 
 
-def test_dynamic_mig_instances_kept_through_an_upgrade_and_a_rollback(
-    target, image, node_root, core, dyn, namespace, tmp_path
-):
-    """The same upgrade and rollback on the dgx-h100-mig profile with kubeletPlugin.dynamicMig=true:
-    a pod on a MIG instance that 0.1.0 made keeps that instance (the same MIG UUID, the same
-    capability nodes) through both rollouts, each version taking the other's records of it; a pod
-    created once the old plugin pod is gone gets an instance of its own from the version rolled
-    to; at the end 0.1.0 destroys every instance, its own and the current version's."""
+def roll_both_ways(
+    rel, image, namespace, scratch: Path, values, kept: dict[str, str], rolled: str, check
+) -> None:
+    """0.1.0 installed with `values`, a pod per `kept` entry (pod -> its template) running; `helm
+    upgrade` to this tree (one plugin pod at a time), then `helm rollback` to 0.1.0. During each
+    rollout, once the old plugin pod is gone, a pod named after the step on template `rolled`.
+    After each: every kept pod Running, never restarted, seeing what it saw (SHOW_MIG); the new
+    pod's claim prepared by the version rolled to; no device allocated twice; `check(step, pods)`
+    for the kind's own state (pods: pod -> what it sees). The release stays for the caller."""
+    core, dyn = rel.core, rel.dyn
     commit = previous_commit()
-    old_image = previous_image(commit)
-    old_chart = previous_chart(commit, tmp_path)
-    root, dev_root = node_root(MIG)
-    rel = Release(target, core, dyn, dev_root, root)
-    node = core.list_node().items[0].metadata.name
-    profile = load_profile(MIG)
+    old_image, old_chart = previous_image(commit), previous_chart(commit, scratch)
+    old_values = rel.values(old_image, *values)
+    rel.adopt_cluster_objects(old_chart, old_values)
+    rel.helm("install", rel.name, str(old_chart), *old_values, *rel.post)
+    plugin = rel.ready_plugin(PREVIOUS_TAG, set())
+    probe = f"{SHOW_MIG}; echo done; sleep 3600"
+    for pod, tmpl in kept.items():
+        gpu_pod(core, namespace, pod, DEBIAN_IMAGE, probe, template=tmpl)
+    uids = {pod: running(core, namespace, pod).metadata.uid for pod in kept}
+    seen_first = {pod: seen(core, namespace, pod) for pod in kept}
+    check("install", dict(seen_first))
+    new_tag = image[1].split("=", 1)[1]
+    for step, tag, version in (("upgrade", new_tag, "current"), ("rollback", PREVIOUS_TAG, "0.1.0")):
+        t0 = time.time()
+        if step == "upgrade":
+            strategy = f"kubeletPlugin.updateStrategy={json.dumps(ONE_AT_A_TIME)}"
+            rel.helm(
+                "upgrade",
+                rel.name,
+                str(NEW_CHART),
+                *rel.values(image, *values),
+                "--set-json",
+                strategy,
+                *rel.post,
+            )
+        else:
+            rel.helm("rollback", rel.name, "1")
+        old_uid = plugin.metadata.uid
+        wait_for(
+            "the old plugin pod gone",
+            lambda old_uid=old_uid: all(p.metadata.uid != old_uid for p in rel.plugin_pods()),
+            timeout=90,
+        )
+        gpu_pod(core, namespace, step, DEBIAN_IMAGE, probe, template=rolled)
+        plugin = rel.ready_plugin(tag, {old_uid})
+        running(core, namespace, step, timeout=180)
+        took = time.time() - t0
+        for pod in kept:
+            p = core.read_namespaced_pod(pod, namespace)
+            (status,) = p.status.container_statuses
+            assert p.metadata.uid == uids[pod] and p.status.phase == "Running", (step, pod, p.status)
+            assert status.restart_count == 0, (step, pod, p.status)
+            assert seen(core, namespace, pod) == seen_first[pod], (step, pod, seen(core, namespace, pod))
+        no_device_twice(allocations(dyn, namespace))
+        log = rel.log(plugin)
+        assert f"claim prepared claim={namespace}/{claim_of(dyn, namespace, step)} " in log, log[-3000:]
+        check(step, {pod: seen(core, namespace, pod) for pod in [*kept, step]})
+        print(
+            f"[upgrade] {step} to {version} in {took:.1f} s: kept pods unchanged, "
+            f"pod {step} prepared by {version}"
+        )
+
+
+@pytest.fixture
+def release(target, core, dyn, namespace, node_root):
+    """A function making a Release over a profile's host-like root, its namespace made and the node
+    labelled; afterwards the test's pods deleted, the release uninstalled, ended MPS daemon pods
+    deleted (0.1.0 never deletes one), everything of the release gone."""
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    node = core.list_node().items[0].metadata.name
+    made: list[Release] = []
+
+    def make(profile: str) -> Release:
+        root, dev_root = node_root(profile)
+        rel = Release(target, core, dyn, dev_root, root)
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
+        (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
+        core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
+        made.append(rel)
+        return rel
+
+    yield make
+    for rel in made:
+        finish(core, dyn, namespace)
+        rel.uninstall()
+        for p in daemon_pods(core):
+            with contextlib.suppress(ApiException):
+                core.delete_namespaced_pod(p.metadata.name, p.metadata.namespace, grace_period_seconds=0)
+        wait_for("the daemon pods deleted", lambda: not daemon_pods(core), timeout=30, interval=0.5)
+        rel.clear(node)
+
+
+def test_dynamic_mig_instances_kept_through_an_upgrade_and_a_rollback(
+    image, release, core, dyn, namespace, tmp_path
+):
+    """Dynamic MIG (the dgx-h100-mig profile, kubeletPlugin.dynamicMig=true): a pod on a MIG
+    instance that 0.1.0 made keeps that instance (the same MIG UUID, the same capability nodes)
+    through both rollouts, each version taking the other's records of it; each rollout's pod gets
+    an instance of its own from the version rolled to; at the end 0.1.0 destroys every instance,
+    its own and the current version's."""
+    rel = release(MIG)
+    profile = load_profile(MIG)
 
     def instances() -> dict[str, str]:
         """MIG UUID -> its GPU, profile and placement, as the simulated kernel keeps them."""
         return {
             i["uuid"]: f"{gpu} {i['profile']}@{i['placement']}"
-            for gpu, made in read_state(dev_root / "dev", profile).instances.items()
+            for gpu, made in read_state(rel.dev_root / "dev", profile).instances.items()
             for i in made
             if i.get("uuid")
         }
 
-    def seen_mig(pod: str) -> str:
-        return exec_in(
-            container_process(core.read_namespaced_pod(pod, namespace))["cid"], "sh", "-c", SHOW_MIG
-        )
+    known: dict[str, str] = {}
 
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
-    (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
-    core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
-    probe = f"{SHOW_MIG}; echo done; sleep 3600"
-    try:
-        old_values = rel.values(old_image, "kubeletPlugin.dynamicMig=true")
-        rel.adopt_cluster_objects(old_chart, old_values)
-        rel.helm("install", rel.name, str(old_chart), *old_values, *rel.post)
-        plugin = rel.ready_plugin(PREVIOUS_TAG, set())
-        template(dyn, namespace, "two-g", device_class=MIG_CLASS, selectors=[profile_is("2g.20gb")])
-        template(dyn, namespace, "one-g", device_class=MIG_CLASS, selectors=[profile_is("1g.10gb")])
-        gpu_pod(core, namespace, "mig", DEBIAN_IMAGE, probe, template="two-g")
-        uid = running(core, namespace, "mig").metadata.uid
-        first = seen_mig("mig")
-        kept = instances()
-        ((mig_uuid, where),) = kept.items()
-        assert f"DRA_GPU_VISIBLE_DEVICES={mig_uuid}" in first, first
-        print(f"\n[upgrade-mig] 0.1.0 made {where} ({mig_uuid}) for pod mig")
+    def check(step: str, pods: dict[str, str]) -> None:
+        now = instances()
+        if step == "install":
+            ((uuid_, where),) = now.items()
+            assert f"DRA_GPU_VISIBLE_DEVICES={uuid_}" in pods["mig"], pods
+            print(f"\n[upgrade-mig] 0.1.0 made {where} ({uuid_}) for pod mig")
+        else:
+            assert {u: now.get(u) for u in known} == known, (step, known, now)  # none made again
+            (mine,) = [u for u in now if u not in known]
+            assert f"DRA_GPU_VISIBLE_DEVICES={mine}" in pods[step], (step, pods[step])
+            print(f"[upgrade-mig] {step}: pod mig kept its instance; pod {step} got {now[mine]}")
+        known.update(now)
 
-        new_tag = image[1].split("=", 1)[1]
-        steps = (
-            ("upgrade", new_tag, "current"),
-            ("rollback", PREVIOUS_TAG, "0.1.0"),
-        )
-        for step, tag, version in steps:
-            t0 = time.time()
-            if step == "upgrade":
-                rel.helm(
-                    "upgrade",
-                    rel.name,
-                    str(NEW_CHART),
-                    *rel.values(image, "kubeletPlugin.dynamicMig=true"),
-                    "--set-json",
-                    f"kubeletPlugin.updateStrategy={json.dumps(ONE_AT_A_TIME)}",
-                    *rel.post,
-                )
-            else:
-                rel.helm("rollback", rel.name, "1")
-            old_uid = plugin.metadata.uid
-            wait_for(
-                "the old plugin pod gone",
-                lambda old_uid=old_uid: all(p.metadata.uid != old_uid for p in rel.plugin_pods()),
-                timeout=90,
-            )
-            gpu_pod(core, namespace, step, DEBIAN_IMAGE, probe, template="one-g")
-            plugin = rel.ready_plugin(tag, {old_uid})
-            running(core, namespace, step, timeout=180)
-            took = time.time() - t0
-            p = core.read_namespaced_pod("mig", namespace)
-            (status,) = p.status.container_statuses
-            assert p.metadata.uid == uid and p.status.phase == "Running" and status.restart_count == 0, (
-                p.status
-            )
-            assert seen_mig("mig") == first, (step, seen_mig("mig"), first)
-            now = instances()
-            assert now[mig_uuid] == where, (step, now)  # the same instance, not made again
-            mine = [u for u, w in now.items() if u not in kept]
-            assert len(mine) == 1 and f"DRA_GPU_VISIBLE_DEVICES={mine[0]}" in seen_mig(step), (step, now)
-            no_device_twice(allocations(dyn, namespace))
-            log = rel.log(plugin)
-            by = (
-                version
-                if f"claim prepared claim={namespace}/{claim_of(dyn, namespace, step)} " in log
-                else "?"
-            )
-            assert by == version, log[-3000:]
-            kept = now
-            print(
-                f"[upgrade-mig] {step} to {version} in {took:.1f} s: pod mig kept {mig_uuid}, "
-                f"pod {step} got {now[mine[0]]} from {by}; instances {sorted(now.values())}"
-            )
-        finish(core, dyn, namespace)
-        wait_for("every instance destroyed by 0.1.0", lambda: not instances(), timeout=60, interval=0.5)
-    finally:
-        finish(core, dyn, namespace)
-        rel.uninstall()
-        rel.clear(node)
+    template(dyn, namespace, "two-g", device_class=MIG_CLASS, selectors=[profile_is("2g.20gb")])
+    template(dyn, namespace, "one-g", device_class=MIG_CLASS, selectors=[profile_is("1g.10gb")])
+    values = ["kubeletPlugin.dynamicMig=true"]
+    roll_both_ways(rel, image, namespace, tmp_path, values, {"mig": "two-g"}, "one-g", check)
+    finish(core, dyn, namespace)
+    wait_for("every instance destroyed by 0.1.0", lambda: not instances(), timeout=60, interval=0.5)
+
+
+def test_memory_shares_kept_through_an_upgrade_and_a_rollback(image, release, core, dyn, namespace, tmp_path):
+    """Memory shares (the dgx-a100-mig profile's whole GPUs, kubeletPlugin.memoryShares=true): two
+    40Gi shares of one GPU, each held to its size by its own MPS daemon (NVIDIA's), keep running
+    through both rollouts; each one's container, asking its daemon afresh, gets its own limit.
+    0.1.0's daemons die with its plugin pod and the current version starts them again as pods; the
+    rollback's 0.1.0 keeps those. Each rollout's pod gets a share of its own."""
+    rel = release(A100_MIG)
+    memory_template(dyn, namespace, "forty", "40Gi")
+    shares: dict[str, tuple] = {}
+
+    def check(step: str, pods: dict[str, str]) -> None:
+        for pod in pods:
+            share = share_of(dyn, namespace, pod)
+            assert shares.setdefault(pod, share) == share, (step, pod, share, shares[pod])
+            tenant = container_process(core.read_namespaced_pod(pod, namespace))["cid"]
+            assert exec_in(tenant, "sh", "-c", ASK_SHARE) == "40960M", (step, pod)
+        assert len({s[1] for s in shares.values()}) == len(shares), shares  # a share each
+        print(f"[upgrade-shares] {step}: {len(pods)} pods each answered 40960M by its daemon; {shares}")
+
+    values = ["kubeletPlugin.memoryShares=true", "kubeletPlugin.mps.shmSize=64Mi"]
+    roll_both_ways(rel, image, namespace, tmp_path, values, {"a": "forty", "b": "forty"}, "forty", check)
+    assert shares["a"][0] == shares["b"][0]  # two shares of one GPU
+    finish(core, dyn, namespace)
+    wait_for("no MPS daemon left", lambda: not daemons() and not mps_processes(), timeout=60, interval=0.5)
