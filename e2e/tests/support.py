@@ -164,6 +164,26 @@ def reach_apiserver(workload, apiserver_port):
     spec["hostNetwork"] = True
 
 
+def apiserver_port() -> int:
+    return int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
+
+
+def simulated_node_chart(prefix: str, namespace: str, simnode_image, profile: str = "hgx-2x4"):
+    """The chart rendered for a simulated node of `profile` (the simulator's image, no controller)
+    as release `<prefix>-<random>`: (release, its objects, the kubelet plugin's DaemonSet)."""
+    release = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    objs = render(
+        release,
+        namespace,
+        *simnode_image,
+        f"simulatedProfile={profile}",
+        f"kubeletPlugin.nvidiaDriverRoot={sim_driver_root(profile)}",
+        "controller.enabled=false",
+    )
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    return release, objs, ds
+
+
 def render(release, namespace, *sets):
     cmd = [helm_binary(), "template", release, str(CHART), "-n", namespace, "--kube-version", "1.37.2"]
     cmd += ["--set", "image.registry=registry.example.com/gpu"]  # the chart has none; sets below win

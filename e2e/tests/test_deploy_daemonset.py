@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 import uuid
 from pathlib import Path
@@ -22,13 +21,14 @@ import pytest
 import yaml
 from support import (
     api_for,
+    apiserver_port,
     apply_all,
     assert_runs_the_image,
     container_process,
     delete_all,
     reach_apiserver,
     render,
-    sim_driver_root,
+    simulated_node_chart,
     wait_for,
     wait_ready_pod,
 )
@@ -48,18 +48,8 @@ def test_daemonset_serves_a_simulated_node(simnode_image, example_image, dyn, co
     from kubernetes.client.exceptions import ApiException
 
     node = core.list_node().items[0].metadata.name
-    port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
-    release = "ds-" + uuid.uuid4().hex[:6]
-    objs = render(
-        release,
-        namespace,
-        *simnode_image,
-        "simulatedProfile=hgx-2x4",
-        f"kubeletPlugin.nvidiaDriverRoot={sim_driver_root('hgx-2x4')}",
-        "controller.enabled=false",
-    )
-    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
-    reach_apiserver(ds, port)
+    release, objs, ds = simulated_node_chart("ds", namespace, simnode_image)
+    reach_apiserver(ds, apiserver_port())
     applied = []
     slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
     core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
@@ -125,7 +115,7 @@ def test_controller_deployment_serves_admission_reviews(image, dyn, core, namesp
     import socket
     import ssl
 
-    port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
+    port = apiserver_port()
     release = "ctl-" + uuid.uuid4().hex[:6]
     objs = render(
         release,

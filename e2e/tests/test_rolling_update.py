@@ -25,12 +25,19 @@ import contextlib
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import grpc
 import pytest
-from support import apply_all, delete_all, reach_apiserver, render, sim_driver_root, wait_for, wait_ready_pod
+from support import (
+    apiserver_port,
+    apply_all,
+    delete_all,
+    reach_apiserver,
+    simulated_node_chart,
+    wait_for,
+    wait_ready_pod,
+)
 from test_kubelet_plugin import device_attrs
 from test_sharing import TIME_SLICED_LONG, time_slice
 
@@ -311,17 +318,7 @@ def test_rollout_answers_every_prepare(simnode_image, example_image, dyn, core, 
 
     apps = client.AppsV1Api(core.api_client)
     node = core.list_node().items[0].metadata.name
-    port = int(os.environ.get("DRA_GPU_E2E_APISERVER_PORT", "6443"))
-    release = "roll-" + uuid.uuid4().hex[:6]
-    objs = render(
-        release,
-        namespace,
-        *simnode_image,
-        "simulatedProfile=hgx-2x4",
-        f"kubeletPlugin.nvidiaDriverRoot={sim_driver_root('hgx-2x4')}",
-        "controller.enabled=false",
-    )
-    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    release, objs, ds = simulated_node_chart("roll", namespace, simnode_image)
     assert ds["spec"]["updateStrategy"] == {
         "type": "RollingUpdate",
         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
@@ -330,7 +327,7 @@ def test_rollout_answers_every_prepare(simnode_image, example_image, dyn, core, 
     assert not template_spec.get("hostNetwork") and not any(
         p.get("hostPort") for c in template_spec["containers"] for p in c.get("ports", [])
     ), "the chart's pod has no host port: maxSurge can place a second one on the node"
-    reach_apiserver(ds, port)
+    reach_apiserver(ds, apiserver_port())
     _exec_probes(ds)
     ds["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "100%"}}
     template = {
