@@ -883,3 +883,46 @@ def test_without_plugin_and_controller_only_the_classes_are_rendered(render: Ren
     them so): no plugin Service, PriorityClass or anything else of a part that is off."""
     kinds = [o["kind"] for o in render("controller.enabled=false", "kubeletPlugin.enabled=false")]
     assert kinds == ["DeviceClass", "DeviceClass"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "waits"),
+    [
+        ((), True),  # the chart's maxSurge 1: the new pod registers before the old one stops
+        (
+            (
+                'kubeletPlugin.updateStrategy={"type":"RollingUpdate","rollingUpdate":{"maxSurge":null,"maxUnavailable":"100%"}}',
+            ),
+            False,
+        ),
+        (
+            (
+                'kubeletPlugin.updateStrategy={"type":"RollingUpdate","rollingUpdate":{"maxSurge":0,"maxUnavailable":1}}',
+            ),
+            False,
+        ),
+        (
+            (
+                'kubeletPlugin.updateStrategy={"type":"RollingUpdate","rollingUpdate":{"maxSurge":"25%","maxUnavailable":0}}',
+            ),
+            True,
+        ),
+        (('kubeletPlugin.updateStrategy={"type":"OnDelete"}',), False),
+    ],
+)
+def test_a_stopping_plugin_waits_for_a_successor_only_when_one_can_start_beside_it(
+    helm: str, sets: tuple[str, ...], waits: bool
+) -> None:
+    cmd = [helm, "template", "dra-gpu", str(CHART), "--kube-version", "1.37.2", *REGISTRY]
+    for s in sets:
+        cmd += ["--set-json", s]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    objs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    ds = one(objs, "DaemonSet")
+    env = env_of(container(ds))
+    assert ("DRA_GPU_SUCCESSOR_WAIT" not in env) is waits, env
+    strategy = ds["spec"]["updateStrategy"]
+    assert strategy["type"] != "OnDelete" or "rollingUpdate" not in strategy, strategy  # the API refuses it
+    if not waits:
+        assert plugin_args_with(env, "DRA_GPU_SUCCESSOR_WAIT").successor_wait == 0.0
