@@ -54,7 +54,9 @@ from dra_gpu.kubeletplugin.self_check import SelfCheck
 
 log = logging.getLogger(__name__)
 
-UNIX_PATH_MAX = 108
+# The longest socket path gRPC serves is 105 bytes: its unix address parser refuses 106 and more
+# (grpcio 1.85, measured), short of the kernel's sun_path (107 and a NUL). Names are chosen by it.
+SOCKET_PATH_MAX = 105
 
 
 # The kubelet's plugin watcher looks at its directory about once a second (its reconciler's
@@ -95,7 +97,7 @@ class Sockets:
             f"dra-{_b64(hashlib.sha256(both).digest()[:16])}-reg.sock",
         )
         registration = next(
-            (registry_dir / n for n in candidates if len(str(registry_dir / n)) < UNIX_PATH_MAX),
+            (registry_dir / n for n in candidates if len(str(registry_dir / n)) <= SOCKET_PATH_MAX),
             registry_dir / candidates[-1],  # too long even so: check() says so
         )
         return cls(plugin_dir / f"dra-{uid}.sock", registration, uid)
@@ -106,8 +108,8 @@ class Sockets:
 
     def check(self) -> None:
         for sock in (self.dra, self.registration):
-            if len(str(sock)) >= UNIX_PATH_MAX:
-                raise ValueError(f"socket path {sock} is longer than {UNIX_PATH_MAX - 1} bytes")
+            if len(str(sock)) > SOCKET_PATH_MAX:
+                raise ValueError(f"socket path {sock} is longer than {SOCKET_PATH_MAX} bytes (gRPC's limit)")
 
     def registrations_of(self, driver_name: str) -> list[Path]:
         """The registration sockets of other instances of the driver in the registry dir (by
@@ -121,6 +123,20 @@ class Sockets:
             self.registration.parent / n
             for n in sorted(names)
             if n.startswith(prefix) and n.endswith("-reg.sock") and n != self.registration.name
+        ]
+
+    def hashed_registrations(self) -> list[Path]:
+        """The other `dra-<hash>-reg.sock` sockets in the registry dir: an instance of some driver
+        whose UID-named path would not fit (its name says no driver: GetInfo tells). Never removed
+        as stale here, since they may be another driver's."""
+        try:
+            names = os.listdir(self.registration.parent)
+        except OSError:
+            return []
+        return [
+            self.registration.parent / n
+            for n in sorted(names)
+            if n.startswith("dra-") and n.endswith("-reg.sock") and n != self.registration.name
         ]
 
     def remove_stale(self, driver_name: str) -> list[Path]:
@@ -265,7 +281,8 @@ class KubeletPluginHelper:
         start = time.monotonic()
 
         async def answering() -> bool:
-            for path in self.sockets.registrations_of(self.driver_name):
+            others = [*self.sockets.registrations_of(self.driver_name), *self.sockets.hashed_registrations()]
+            for path in others:
                 if await answers_for(path, self.driver_name):
                     return True
             return False

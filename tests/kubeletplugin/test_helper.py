@@ -216,10 +216,17 @@ def test_slices_stay_published_while_it_runs(tmp_path: Path) -> None:
     run_plugin(tmp_path, test)
 
 
-def test_socket_paths_longer_than_unix_allows_are_refused(tmp_path: Path) -> None:
+def test_socket_paths_longer_than_grpc_serves_are_refused(tmp_path: Path) -> None:
     sockets = Sockets.for_driver(DRIVER, tmp_path / ("x" * 100), tmp_path)
-    with pytest.raises(ValueError, match="is longer than 107 bytes"):
+    with pytest.raises(ValueError, match="is longer than 105 bytes"):
         sockets.check()
+    # One byte under the kernel's limit, which gRPC refuses all the same: the check says so first.
+    name = "dra.sock"
+    plugin_dir = tmp_path / ("y" * (106 - len(str(tmp_path)) - 2 - len(name)))
+    at_106 = Sockets.for_driver(DRIVER, plugin_dir, tmp_path)
+    assert len(str(at_106.dra)) == 106
+    with pytest.raises(ValueError, match="gRPC's limit"):
+        at_106.check()
 
 
 def test_v1_health_stream_sends_at_once_after_a_change(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from fake_kube import FakeApiServer
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
 from dra_gpu.kubeletplugin.claims import ClaimFetcher
-from dra_gpu.kubeletplugin.helper import UNIX_PATH_MAX, KubeletPluginHelper, Sockets
+from dra_gpu.kubeletplugin.helper import SOCKET_PATH_MAX, KubeletPluginHelper, Sockets
 from dra_gpu.kubeletplugin.instance_lock import LOCK_FILE, InstanceLock, InstanceLockTimeout
 from dra_gpu.kubeletplugin.metrics import PluginMetrics
 
@@ -57,9 +57,9 @@ def test_socket_names_carry_the_pod_uid() -> None:
 
 
 def test_a_long_registry_path_gets_a_hashed_name(tmp_path: Path) -> None:
-    deep = tmp_path / ("r" * (UNIX_PATH_MAX - len(str(tmp_path)) - len(DRIVER) - 30))
+    deep = tmp_path / ("r" * (SOCKET_PATH_MAX + 1 - len(str(tmp_path)) - len(DRIVER) - 30))
     s = Sockets.for_instance(DRIVER, tmp_path / "p", deep, UID_A)
-    assert len(str(s.registration)) < UNIX_PATH_MAX
+    assert len(str(s.registration)) <= SOCKET_PATH_MAX
     assert s.registration.name.endswith("-reg.sock") and UID_A not in s.registration.name
     assert s.registration == Sockets.for_instance(DRIVER, tmp_path / "p", deep, UID_A).registration  # stable
 
@@ -274,6 +274,38 @@ def test_a_stopping_instance_waits_for_its_successor_bounded(tmp_path: Path) -> 
             # The kubelet's watcher is given its time to register it.
             assert time.monotonic() - start >= 0.4 + 2.0
             await task
+
+    asyncio.run(body())
+
+
+def test_a_successor_under_a_hashed_name_is_found(tmp_path: Path) -> None:
+    """A registry path so long that only the hashed `dra-<hash>-reg.sock` fits: the stopping
+    instance finds its successor by asking (GetInfo), and a dead hashed socket (maybe another
+    driver's) is neither taken for one nor removed."""
+    hashed_name = len("dra-") + 22 + len("-reg.sock")  # 16 bytes base64url
+    # The registry dir's path as long as a hashed name fits and `<driver>-<hash>-reg.sock` does not.
+    deep = tmp_path / ("r" * (SOCKET_PATH_MAX - len(str(tmp_path)) - 1 - 1 - hashed_name))
+
+    @asynccontextmanager
+    async def hashed(uid: str, api: FakeApiServer) -> AsyncIterator[KubeletPluginHelper]:
+        sockets = Sockets.for_instance(DRIVER, tmp_path / "plug", deep, uid)
+        assert sockets.registration.name.startswith("dra-"), sockets.registration
+        helper = KubeletPluginHelper(DRIVER, NODE, FakeDriver(), api.kube(), sockets, PluginMetrics())
+        await helper.start()
+        try:
+            yield helper
+        finally:
+            await helper.stop()
+
+    async def body() -> None:
+        api = FakeApiServer()
+        stranger = deep / "dra-AAAAAAAAAAAAAAAAAAAAAA-reg.sock"
+        _dead(stranger)
+        async with hashed(UID_A, api) as a:
+            assert not await a.wait_for_successor(0.3)
+            async with hashed(UID_B, api):
+                assert await a.wait_for_successor(2.0)
+        assert stranger.exists()
 
     asyncio.run(body())
 
