@@ -10,12 +10,12 @@ the rollback restores exactly what 0.1.0 ran.
 
 The claim kinds: on the dgx-a100-mig profile (GPUs 0-2 in MIG mode with instances made at boot,
 3-7 whole) a whole GPU, a static MIG device (3g.40gb) and an MPS GPU (25 % of the threads); dynamic
-MIG on the dgx-h100-mig profile (kubeletPlugin.dynamicMig=true), the second test. Left out:
-time-slicing (its prepare runs NVIDIA's real `nvidia-smi compute-policy --set-timeslice`, which
-here finds no kernel driver and exits 9, "couldn't communicate with the NVIDIA driver";
-time-slicing is covered on the simulated profile, test_sharing.py and test_reboot.py) and memory
-shares (kubeletPlugin.memoryShares makes every whole GPU of the node a shareable one: another
-install again; test_reboot.py covers them across a reboot).
+MIG on the dgx-h100-mig profile (kubeletPlugin.dynamicMig=true), the second test; memory shares
+(kubeletPlugin.memoryShares=true makes every whole GPU shareable: an install of its own), the
+third. Left out: time-slicing (its prepare runs NVIDIA's real `nvidia-smi compute-policy
+--set-timeslice`, which here finds no kernel driver and exits 9, "couldn't communicate with the
+NVIDIA driver"; time-slicing is covered on the simulated profile: test_sharing.py,
+test_rolling_update.py, test_reboot.py).
 
 The rollout: this chart's default strategy is maxSurge 1 / maxUnavailable 0, but here the plugin
 uses the host's network (the e2e cluster has no kube-proxy) and two plugin pods on the node cannot
@@ -88,7 +88,6 @@ KINDS = {  # pod (and template) -> the template's request
 SHOW = "ls /dev/nvidia[0-9]* | sort; env | grep ^DRA_GPU_VISIBLE_DEVICES= | sort"
 ASK_MPS = "echo get_default_active_thread_percentage | nvidia-cuda-mps-control"
 SHOW_MIG = f"{SHOW}; ls /dev/nvidia-caps 2>/dev/null | sort"
-ASK_SHARE = 'echo "get_default_device_pinned_mem_limit $DRA_GPU_VISIBLE_DEVICES" | nvidia-cuda-mps-control'
 
 
 def git(*args: str) -> str:
@@ -290,14 +289,17 @@ class Release:
         (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
 
 
-def allocations(dyn, namespace) -> dict[str, list[tuple[str, str]]]:
-    """Claim name -> its allocated (pool, device) pairs."""
+def allocations(dyn, namespace) -> dict[str, list[tuple[str, str, str]]]:
+    """Claim name -> its allocated (pool, device, share ID or "") triples: a share of a device is
+    allocated once, the device to several claims."""
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
     out = {}
     for c in claims.get(namespace=namespace).to_dict()["items"]:
         alloc = (c.get("status") or {}).get("allocation")
         if alloc:
-            out[c["metadata"]["name"]] = sorted((r["pool"], r["device"]) for r in alloc["devices"]["results"])
+            out[c["metadata"]["name"]] = sorted(
+                (r["pool"], r["device"], r.get("shareID") or "") for r in alloc["devices"]["results"]
+            )
     return out
 
 
@@ -324,7 +326,7 @@ def seen(core, namespace, name) -> str:
     return exec_in(container_process(core.read_namespaced_pod(name, namespace))["cid"], "sh", "-c", SHOW_MIG)
 
 
-def no_device_twice(allocs: dict[str, list[tuple[str, str]]]) -> None:
+def no_device_twice(allocs: dict[str, list[tuple[str, str, str]]]) -> None:
     held = [d for devices in allocs.values() for d in devices]
     assert len(held) == len(set(held)), f"a device allocated twice: {allocs}"
 
@@ -695,24 +697,38 @@ def test_dynamic_mig_instances_kept_through_an_upgrade_and_a_rollback(
 
 def test_memory_shares_kept_through_an_upgrade_and_a_rollback(image, release, core, dyn, namespace, tmp_path):
     """Memory shares (the dgx-a100-mig profile's whole GPUs, kubeletPlugin.memoryShares=true): two
-    40Gi shares of one GPU, each held to its size by its own MPS daemon (NVIDIA's), keep running
-    through both rollouts; each one's container, asking its daemon afresh, gets its own limit.
-    0.1.0's daemons die with its plugin pod and the current version starts them again as pods; the
-    rollback's 0.1.0 keeps those. Each rollout's pod gets a share of its own."""
+    40Gi shares of one GPU, each with its own MPS daemon (NVIDIA's), keep running through both
+    rollouts, each one's container reaching a daemon afresh; each rollout's pod gets a share and a
+    daemon of its own. 0.1.0's daemons die with its plugin pod and the current version starts them
+    again as pods; the rollback's 0.1.0 keeps those. (NVIDIA's daemon without a GPU cannot resolve a
+    UUID and answers a pinned-memory limit empty: the limit itself is read back on the simulated
+    profile, test_sharing.py and test_reboot.py.)"""
     rel = release(A100_MIG)
     memory_template(dyn, namespace, "forty", "40Gi")
     shares: dict[str, tuple] = {}
+    claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
 
     def check(step: str, pods: dict[str, str]) -> None:
         for pod in pods:
             share = share_of(dyn, namespace, pod)
             assert shares.setdefault(pod, share) == share, (step, pod, share, shares[pod])
             tenant = container_process(core.read_namespaced_pod(pod, namespace))["cid"]
-            assert exec_in(tenant, "sh", "-c", ASK_SHARE) == "40960M", (step, pod)
+            answer = exec_in(tenant, "sh", "-c", ASK_MPS)
+            assert answer.replace(".", "", 1).isdigit(), (step, pod, answer)  # a daemon answers
         assert len({s[1] for s in shares.values()}) == len(shares), shares  # a share each
-        print(f"[upgrade-shares] {step}: {len(pods)} pods each answered 40960M by its daemon; {shares}")
+        running = daemons()
+        uids = [claims.get(namespace=namespace, name=claim_of(dyn, namespace, p)).metadata.uid for p in pods]
+        assert all(any(d.startswith(u) for d in running) for u in uids), (step, uids, running)
+        where = {
+            "install": "processes of 0.1.0's plugin pod",
+            "upgrade": "pods of their own",
+            "rollback": "the kept ones' pods kept; the new share's a process of 0.1.0's pod",
+        }[step]
+        if step != "install":
+            assert len(daemon_pods(core)) >= len(pods), (step, daemon_pods(core))
+        print(f"[upgrade-shares] {step}: {len(pods)} shares, each with its daemon ({where}); {shares}")
 
-    values = ["kubeletPlugin.memoryShares=true", "kubeletPlugin.mps.shmSize=64Mi"]
+    values = ["kubeletPlugin.memoryShares=true"]  # both charts know it
     roll_both_ways(rel, image, namespace, tmp_path, values, {"a": "forty", "b": "forty"}, "forty", check)
     assert shares["a"][0] == shares["b"][0]  # two shares of one GPU
     finish(core, dyn, namespace)
