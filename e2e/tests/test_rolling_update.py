@@ -368,6 +368,8 @@ def test_rollout_answers_every_prepare(simnode_image, example_image, dyn, core, 
         print(f"\n[rolling update] before (maxUnavailable 100%): {before}")
         print(f"[rolling update] after (maxSurge 1, maxUnavailable 0): {after}")
         assert before["pods"] >= 5 and after["pods"] >= 5, (before, after)
+        # The probes see the old strategy's gap: what they find nothing of in the new one is gone.
+        assert before["longest_unanswered_s"] > NEW_BOUND_SECONDS, before
         assert not after["pod_errors"], after
         assert after["failed_prepare_events"] == 0, after
         assert after["longest_unanswered_s"] < NEW_BOUND_SECONDS, after
