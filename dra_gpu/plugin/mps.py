@@ -110,6 +110,8 @@ class DaemonPods(Protocol):
 
     def describe(self, daemon_id: str) -> str: ...
 
+    def running(self, daemon_id: str) -> bool: ...
+
 
 @dataclass(frozen=True)
 class MpsDaemon:
@@ -274,6 +276,13 @@ class MpsDaemons:
         except (ValueError, IndexError):
             return False
         return True
+
+    def alive(self, daemon_id: str) -> bool:
+        """Whether the daemon's program still runs (its pod's container, or its process), whether
+        or not it answers."""
+        if self.pods is not None:
+            return self.pods.running(daemon_id)
+        return self.pid(daemon_id) is not None
 
     def pid(self, daemon_id: str) -> int | None:
         """The control daemon's pid, from /proc (never from a file in its directories). `-d` forks

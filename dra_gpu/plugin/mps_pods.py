@@ -220,6 +220,18 @@ class DaemonPods:
         name = self.pod_name(daemon_id)
         return self._call(lambda: self.kube.get_json(f"{self.collection}/{name}"))
 
+    def running(self, daemon_id: str) -> bool:
+        """Whether the daemon's pod runs its container (False when unreadable: not known to run)."""
+        try:
+            pod = self.get(daemon_id)
+        except DaemonPodError:
+            return False
+        status = (pod or {}).get("status") or {}
+        containers = status.get("containerStatuses") or []
+        return status.get("phase") == "Running" and any(
+            "running" in (c.get("state") or {}) for c in containers
+        )
+
     def describe(self, daemon_id: str) -> str:
         """The pod's phase and its container's state, for an error message."""
         try:

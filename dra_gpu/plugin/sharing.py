@@ -21,6 +21,7 @@ re-adopts the daemons, restarts a dead one, and stops those no claim owns any mo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import InvalidOperation
@@ -57,6 +58,10 @@ from dra_gpu.plugin.timeslice import LEVELS, NVIDIA_SMI, TimeSliceError, TimeSli
 log = logging.getLogger(__name__)
 
 MPS_LIMITS_MIN_CC = (7, 0)  # execution-resource provisioning came with Volta
+# How long a daemon that runs but does not answer is kept before it is taken as wedged: NVIDIA's
+# serves one control client at a time, so a tenant's open session (an interactive
+# nvidia-cuda-mps-control) leaves the plugin's checks unanswered meanwhile.
+SILENT_GRACE = 300.0
 
 
 class SharingError(RuntimeError):
@@ -170,6 +175,8 @@ class Sharing:
         self.modes = modes
         self.timeslices = timeslices
         self.memory_limits = memory_limits
+        self.silent_grace = SILENT_GRACE
+        self._silent_since: dict[str, float] = {}  # daemon id -> when it was first found silent
 
     # -- planning (no side effects) -------------------------------------------------------------
 
@@ -405,10 +412,13 @@ class Sharing:
         restarted = 0
         for daemon in _daemons(record):
             if self.mps.answers(daemon.id):
+                self._silent_since.pop(daemon.id, None)
                 try:
                     self.mps.check(daemon)
                 except MpsError as exc:
                     raise SharingError(str(exc)) from exc
+                continue
+            if self._silent_but_kept(daemon.id):
                 continue
             log.warning("MPS daemon of a prepared claim is not answering, restarting id=%s", daemon.id)
             try:
@@ -421,6 +431,27 @@ class Sharing:
                 raise SharingError(str(exc)) from exc
             restarted += 1
         return restarted
+
+    def _silent_but_kept(self, daemon_id: str) -> bool:
+        """A daemon that runs but does not answer is kept, its clients with it, for silent_grace
+        seconds from when it was first found so (a tenant may hold its one control session); one
+        silent longer is taken as wedged. A daemon that does not run is never kept."""
+        if not self.mps.alive(daemon_id):
+            self._silent_since.pop(daemon_id, None)
+            return False
+        silent = time.monotonic() - self._silent_since.setdefault(daemon_id, time.monotonic())
+        if silent < self.silent_grace:
+            log.warning(
+                "MPS daemon runs but does not answer, kept (a client may hold its control session) "
+                "id=%s silent_seconds=%.0f restart_after_seconds=%.0f",
+                daemon_id,
+                silent,
+                self.silent_grace,
+            )
+            return True
+        log.warning("MPS daemon silent for %.0fs, taken as wedged id=%s", silent, daemon_id)
+        del self._silent_since[daemon_id]
+        return False
 
     def _timeslices(self) -> TimeSlices:
         if self.timeslices is None:

@@ -209,6 +209,23 @@ def test_never_a_second_pod_for_one_daemon_and_found_again_after_a_restart(
     assert pods_of(api, loop).ids() == {"0c1d-0", "9f8e-1"}
 
 
+def test_a_daemon_runs_while_its_pods_container_runs(loop: asyncio.AbstractEventLoop) -> None:
+    """What the plugin asks of a daemon that does not answer (kept while it runs, see
+    Sharing.ensure): its pod Running with its container running; not when it ended or is gone."""
+    api = FakeApi()
+    pods = pods_of(api, loop)
+    name = create(pods)
+    pod = api.pods[f"{NS}/{name}"]
+    assert not pods.running("0c1d-0")  # created, not started
+    pod["status"] = {"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]}
+    assert pods.running("0c1d-0")
+    pod["status"] = {"phase": "Running", "containerStatuses": [{"state": {"terminated": {"exitCode": 1}}}]}
+    assert not pods.running("0c1d-0")
+    pod["status"] = {"phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]}
+    assert not pods.running("0c1d-0")
+    assert not pods.running("9f8e-1")  # no such pod
+
+
 def test_delete_waits_until_the_pod_is_gone_and_says_when_it_is_not(loop: asyncio.AbstractEventLoop) -> None:
     api = FakeApi()
     pods = pods_of(api, loop)

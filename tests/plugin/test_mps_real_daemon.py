@@ -25,7 +25,7 @@ SUITES = {"bookworm": "535.261.03", "trixie": "550.163.01"}
 # Runs in the namespace: start a daemon through MpsDaemons, look at it, change a limit behind the
 # plugin's back, check, stop; prints what it saw as JSON.
 PROBE = r"""
-import ctypes, json, os, subprocess, sys
+import ctypes, json, os, subprocess, sys, time
 from pathlib import Path
 from dra_gpu.plugin.driver_programs import DriverProgram
 from dra_gpu.plugin.mps import MpsDaemon, MpsDaemons
@@ -46,6 +46,18 @@ for name, pipe in (("cuInit via client", daemons.client_dir("claim-0")), ("cuIni
     out[name] = subprocess.run([sys.executable, "-c", cuinit, str(lib)], env=env, capture_output=True,
                                text=True, timeout=30).stdout.strip()
 out["drift"] = daemons.drift(daemon)
+# A tenant's open control session (an interactive client through the client view): NVIDIA's daemon
+# serves one control client at a time, so the plugin's question goes unanswered while it runs.
+env = {"CUDA_MPS_PIPE_DIRECTORY": str(daemons.client_dir("claim-0")), "PATH": "/usr/bin:/bin"}
+holder = subprocess.Popen([str(program.binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          env={**program.env("/usr/bin:/bin"), **env}, text=True)
+holder.stdin.write("get_default_active_thread_percentage\n"); holder.stdin.flush()
+time.sleep(1.0)  # connected and answered (its output waits in its buffer until it ends)
+daemons.command_timeout = 2.0
+out["held"] = {"answers": daemons.answers("claim-0"), "alive": daemons.alive("claim-0")}
+holder.stdin.close(); holder.wait(timeout=10)
+daemons.command_timeout = 5.0
+out["released"] = {"answers": daemons.answers("claim-0"), "alive": daemons.alive("claim-0")}
 daemons.control("claim-0", ["set_default_active_thread_percentage 90"])
 out["check"] = daemons.check(daemon)
 out["answers"] = daemons.control("claim-0", ["get_default_active_thread_percentage"]).split()
@@ -77,6 +89,10 @@ def test_nvidias_daemon_started_checked_and_stopped_with_or_without_a_pid_file(
     # NVIDIA's libcuda reaches the daemon through the client view (805: its server finds no GPU).
     assert seen["cuInit via client"] == "805" and seen["cuInit no daemon"] == "100", seen
     assert seen["drift"] == []
+    # While a tenant holds the control session the daemon runs but does not answer (the plugin keeps
+    # it, Sharing.ensure); answering again once the session ends.
+    assert seen["held"] == {"answers": False, "alive": True}, seen
+    assert seen["released"] == {"answers": True, "alive": True}, seen
     assert seen["check"] == ["get_default_active_thread_percentage answered '90.0', expected 25"]
     assert seen["answers"] == ["25.0"]
     assert seen["after stop"] == {"processes": [], "directory": False, "mounts": []}

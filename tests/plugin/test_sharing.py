@@ -5,6 +5,7 @@ daemon, nothing is orphaned, and unprepare restores the GPU."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -334,6 +335,33 @@ def test_the_sweeper_restarts_a_dead_daemon_of_a_live_claim(core: PluginCore) ->
     _, new_pid = daemon_of(core, c)
     assert new_pid != pid and alive(new_pid)
     assert ask(core, pipe, "get_default_active_thread_percentage") == ["70.0"]
+
+
+def test_a_daemon_that_runs_but_does_not_answer_is_kept_for_the_grace_then_restarted(
+    core: PluginCore,
+) -> None:
+    """A tenant holding the daemon's one control session leaves the plugin unanswered (measured with
+    NVIDIA's daemons, test_mps_real_daemon.py); a stopped daemon stands for it here. The sweeper
+    keeps it, and the tenant's clients with it, until it has been silent for the grace; a dead one
+    is restarted at once (the tests above)."""
+    assert core.preparer.sharing is not None
+    core.preparer.sharing.mps.command_timeout = 0.5
+    c = claim(uid(), gpu_names(core)[:1], config=mps_config(60, None))
+    core.add(c)
+    asyncio.run(prepare_claim(core.preparer, ref_of(c)))
+    pipe, pid = daemon_of(core, c)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        asyncio.run(core.preparer.sweep(60))
+        assert daemon_of(core, c)[1] == pid and alive(pid)  # kept: silent, but it runs
+        core.preparer.sharing.silent_grace = 0.0
+        asyncio.run(core.preparer.sweep(60))
+        _, new_pid = daemon_of(core, c)
+        assert new_pid != pid and not alive(pid)  # taken as wedged: restarted
+        assert ask(core, pipe, "get_default_active_thread_percentage") == ["60.0"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_claim_with_an_mps_device_and_a_share_gets_two_distinct_daemons(core: PluginCore) -> None:
