@@ -114,21 +114,16 @@ class Sockets:
     def registrations_of(self, driver_name: str) -> list[Path]:
         """The registration sockets of other instances of the driver in the registry dir (by
         name: the fixed one and the UID-named; a hashed `dra-*` name says no driver)."""
-        try:
-            names = os.listdir(self.registration.parent)
-        except OSError:
-            return []
-        prefix = f"{driver_name}-"
-        return [
-            self.registration.parent / n
-            for n in sorted(names)
-            if n.startswith(prefix) and n.endswith("-reg.sock") and n != self.registration.name
-        ]
+        return self._other_registrations(f"{driver_name}-")
 
     def hashed_registrations(self) -> list[Path]:
         """The other `dra-<hash>-reg.sock` sockets in the registry dir: an instance of some driver
         whose UID-named path would not fit (its name says no driver: GetInfo tells). Never removed
         as stale here, since they may be another driver's."""
+        return self._other_registrations("dra-")
+
+    def _other_registrations(self, prefix: str) -> list[Path]:
+        """The registration sockets in the registry dir named `<prefix>...-reg.sock`, but ours."""
         try:
             names = os.listdir(self.registration.parent)
         except OSError:
@@ -136,7 +131,7 @@ class Sockets:
         return [
             self.registration.parent / n
             for n in sorted(names)
-            if n.startswith("dra-") and n.endswith("-reg.sock") and n != self.registration.name
+            if n.startswith(prefix) and n.endswith("-reg.sock") and n != self.registration.name
         ]
 
     def remove_stale(self, driver_name: str) -> list[Path]:

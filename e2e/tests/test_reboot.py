@@ -39,11 +39,9 @@ import pytest
 from simnode.state import reboot
 from support import cluster, own_mount_view, wait_for
 from test_dynamic_mig import instances, profile_is
+from test_faults import CHECKPOINT, checkpoint_claims, spec_uids
 from test_kubelet_plugin import (
-    CDI_DIR,
-    DRIVER,
     MIG_CLASS,
-    PLUGIN_DIR,
     SIM_DEV,
     Plugin,
     allocated,
@@ -69,7 +67,6 @@ from test_sharing import (
 
 pytestmark = pytest.mark.e2e
 
-CHECKPOINT = PLUGIN_DIR / "checkpoint.json"
 # The plugin's own view of the kernel's boot ID: /proc made private in its mount namespace (so that
 # nothing propagates to the host), then the file bound over the kernel's; every other mount keeps
 # the host's propagation, so the MPS daemons' tmpfs mounts reach containerd as on a real node.
@@ -146,22 +143,15 @@ def run_pods(core, namespace, pods: dict[str, str], busybox_image) -> dict[str, 
     }
 
 
-def our_specs() -> set[str]:
-    return {f.name for f in CDI_DIR.glob(f"k8s.{DRIVER}-claim_*.json")}
-
-
-def spec_names(uids) -> set[str]:
-    return {f"k8s.{DRIVER}-claim_{u}.json" for u in uids}
-
-
 def checkpoint() -> dict:
+    """The checkpoint's data: its boot ID and claims, read at once."""
     return json.loads(CHECKPOINT.read_text())["data"]
 
 
 def crash(plugin: Plugin, core, namespace, before: dict[str, list[str]]) -> None:
     """The plugin alone is SIGKILLed and started again (same boot): every pod keeps its container
     (never restarted) and its devices, and the checkpoint keeps every record."""
-    records = set(checkpoint()["claims"])
+    records = set(checkpoint_claims())
     t0 = time.time()
     plugin.kill()
     plugin.start()
@@ -169,7 +159,7 @@ def crash(plugin: Plugin, core, namespace, before: dict[str, list[str]]) -> None
         status = core.read_namespaced_pod(pod, namespace).status
         assert status.phase == "Running" and status.container_statuses[0].restart_count == 0, (pod, status)
         assert shown(core, namespace, pod) == seen, pod
-    assert set(checkpoint()["claims"]) == records
+    assert set(checkpoint_claims()) == records
     print(f"[e2e] plugin SIGKILLed and back in {time.time() - t0:.1f} s: every pod kept")
 
 
@@ -222,7 +212,7 @@ def drained(node: str, uids) -> float:
         assert r.returncode == 0, r.stdout + r.stderr
         wait_for(
             "the claims to be unprepared",
-            lambda: not (our_specs() & spec_names(uids)) and not (set(checkpoint()["claims"]) & set(uids)),
+            lambda: not (spec_uids() & set(uids)) and not (set(checkpoint_claims()) & set(uids)),
             timeout=90,
         )
         return time.time() - t0
@@ -249,7 +239,7 @@ def test_reboot_brings_back_whole_gpu_static_mig_time_sliced_and_mps_pods(
     assert "Timeslice 3 (LONG)" in time_slice(sliced_uuid, plugin.profile)
     ((pipe, old_daemon),) = daemons().items()
     assert ask(pipe, "get_default_active_thread_percentage") == ["50.0"]
-    assert our_specs() == spec_names(uids.values())
+    assert spec_uids() == set(uids.values())
     crash(plugin, core, namespace, before)
     assert "Timeslice 3 (LONG)" in time_slice(sliced_uuid, plugin.profile)
     assert daemons() == {pipe: old_daemon} and ask(pipe, "get_default_active_thread_percentage") == ["50.0"]
@@ -257,7 +247,7 @@ def test_reboot_brings_back_whole_gpu_static_mig_time_sliced_and_mps_pods(
     t0 = power_loss(plugin)
     # What the reboot took: the time slice, the daemon, the CDI specs.
     assert "Timeslice 0 (DEFAULT)" in time_slice(sliced_uuid, plugin.profile)
-    assert not our_specs() and not alive(old_daemon)
+    assert not spec_uids() and not alive(old_daemon)
     boot_id = boot(plugin, tmp_path)
 
     came_back(core, namespace, before, t0)
@@ -269,7 +259,7 @@ def test_reboot_brings_back_whole_gpu_static_mig_time_sliced_and_mps_pods(
     assert ask(pipe_now, "get_default_active_thread_percentage") == ["50.0"]
     data = checkpoint()
     assert data["bootId"] == boot_id and set(data["claims"]) == set(uids.values())
-    assert our_specs() == spec_names(uids.values())
+    assert spec_uids() == set(uids.values())
     assert "checkpoint from another boot discarded" in plugin.log_tail(400)
     print(f"[e2e] after the reboot: {devices}; MPS daemon {old_daemon} -> {daemon}; time slice set again")
 
@@ -320,7 +310,7 @@ def test_reboot_remakes_dynamic_mig_instances_of_claims_still_prepared_only(
     )
     data = checkpoint()
     assert data["bootId"] == boot_id and set(data["claims"]) == {uids["kept"]}
-    assert our_specs() == spec_names([uids["kept"]])
+    assert spec_uids() == {uids["kept"]}
     print(
         f"[e2e] after the reboot {time.time() - t0:.1f} s: {kept_device} made again as {made['uuid']}; "
         f"the deleted pod's claim got nothing"

@@ -39,7 +39,7 @@ from support import (
     wait_ready_pod,
 )
 from test_kubelet_plugin import device_attrs
-from test_sharing import TIME_SLICED_LONG, time_slice
+from test_sharing import time_slice, time_sliced_claim
 
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2 as v1_pb
 from dra_gpu.kubeletplugin._proto import dra_v1_pb2_grpc as v1_grpc
@@ -338,17 +338,7 @@ def test_rollout_answers_every_prepare(simnode_image, example_image, dyn, core, 
             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}}
         },
     }
-    sliced = {  # a time-sliced claim whose pod lives through both rollouts
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": "sliced"},
-        "spec": {
-            "devices": {
-                "requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}],
-                "config": [{"opaque": {"driver": DRIVER, "parameters": TIME_SLICED_LONG}}],
-            }
-        },
-    }
+    sliced = time_sliced_claim("sliced", "gpu")  # its pod lives through both rollouts
     applied: list = []
     slices = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceSlice")
     core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})

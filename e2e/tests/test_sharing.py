@@ -38,6 +38,21 @@ TIME_SLICED_LONG = {
 }
 
 
+def time_sliced_claim(name: str, request: str) -> dict:
+    """A ResourceClaim of one whole GPU (request `request`) time-sliced Long."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {
+            "devices": {
+                "requests": [{"name": request, "exactly": {"deviceClassName": DRIVER}}],
+                "config": [{"opaque": {"driver": DRIVER, "parameters": TIME_SLICED_LONG}}],
+            }
+        },
+    }
+
+
 def mps_config(pct: int) -> dict:
     return {
         "apiVersion": "gpu.dra-gpu.io/v1alpha1",
@@ -161,20 +176,7 @@ def test_time_slicing_long_on_a_gpu_shared_by_two_pods_is_set_while_they_run_and
     busybox_image,
 ):
     claims = dyn.resources.get(api_version="resource.k8s.io/v1", kind="ResourceClaim")
-    claims.create(
-        namespace=namespace,
-        body={
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": "sliced"},
-            "spec": {
-                "devices": {
-                    "requests": [{"name": "gpus", "exactly": {"deviceClassName": DRIVER}}],
-                    "config": [{"opaque": {"driver": DRIVER, "parameters": TIME_SLICED_LONG}}],
-                }
-            },
-        },
-    )
+    claims.create(namespace=namespace, body=time_sliced_claim("sliced", "gpus"))
     for pod in ("one", "two"):
         claim_pod(core, namespace, pod, {"resource_claim_name": "sliced"}, "sleep 3600", busybox_image)
     for pod in ("one", "two"):

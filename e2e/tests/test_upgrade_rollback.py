@@ -276,6 +276,28 @@ class Release:
         subprocess.run([*cmd, "uninstall", self.name, "--wait"], capture_output=True, timeout=120)
         wait_for("the plugin pods to go", lambda: not self.plugin_pods(), timeout=90)
 
+    def open(self, node: str) -> None:
+        """The release's namespace made and the node labelled for the real-node DaemonSet; no taint
+        book of an earlier install."""
+        from kubernetes import client
+
+        self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=self.namespace)))
+        (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
+        self.core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
+
+    def delete_daemon_pods(self) -> list[tuple[str, str]]:
+        """Delete every MPS daemon pod (ended ones as 0.1.0's operator would) and wait until they
+        are gone; (name, phase) of those that were still Running."""
+        from kubernetes.client.exceptions import ApiException
+
+        pods = daemon_pods(self.core)
+        running = [(p.metadata.name, p.status.phase) for p in pods if p.status.phase == "Running"]
+        for p in pods:
+            with contextlib.suppress(ApiException):
+                self.core.delete_namespaced_pod(p.metadata.name, p.metadata.namespace, grace_period_seconds=0)
+        wait_for("the daemon pods deleted", lambda: not daemon_pods(self.core), timeout=30, interval=0.5)
+        return running
+
     def clear(self, node: str) -> None:
         """The release's namespace, the node's label and the driver's slices and taint book gone."""
         from kubernetes.client.exceptions import ApiException
@@ -355,7 +377,6 @@ def node_root(image, glibc_images):  # noqa: F811 - the fixture imported above
 def test_upgrade_from_the_previous_release_and_rollback_under_load(
     target, image, node_root, core, dyn, namespace, tmp_path
 ):
-    from kubernetes.client.exceptions import ApiException
 
     times: dict[str, float] = {}
     commit = previous_commit()
@@ -367,11 +388,7 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
     root, dev_root = node_root(A100_MIG)
     rel = Release(target, core, dyn, dev_root, root)
     node = core.list_node().items[0].metadata.name
-    from kubernetes import client
-
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
-    (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
-    core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
+    rel.open(node)
     pods: dict[str, str] = {}  # pod -> what it saw
     try:
         # 1. 0.1.0, installed by Helm; one pod per claim kind.
@@ -540,14 +557,7 @@ def test_upgrade_from_the_previous_release_and_rollback_under_load(
         t0 = time.time()
         finish(core, dyn, namespace)
         rel.uninstall()
-        # Ended daemon pods are deleted as 0.1.0's operator would; a running one is a failure.
-        leftover = [
-            (p.metadata.name, p.status.phase) for p in daemon_pods(core) if p.status.phase == "Running"
-        ]
-        for p in daemon_pods(core):
-            with contextlib.suppress(ApiException):
-                core.delete_namespaced_pod(p.metadata.name, p.metadata.namespace, grace_period_seconds=0)
-        wait_for("the daemon pods deleted", lambda: not daemon_pods(core), timeout=30, interval=0.5)
+        leftover = rel.delete_daemon_pods()  # ended ones are 0.1.0's; a running one is a failure
         rel.clear(node)
         times["uninstall"] = time.time() - t0
         print("[upgrade] timings: " + "; ".join(f"{k} {v:.1f} s" for k, v in times.items()))
@@ -626,18 +636,13 @@ def release(target, core, dyn, namespace, node_root):
     """A function making a Release over a profile's host-like root, its namespace made and the node
     labelled; afterwards the test's pods deleted, the release uninstalled, ended MPS daemon pods
     deleted (0.1.0 never deletes one), everything of the release gone."""
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
     node = core.list_node().items[0].metadata.name
     made: list[Release] = []
 
     def make(profile: str) -> Release:
         root, dev_root = node_root(profile)
         rel = Release(target, core, dyn, dev_root, root)
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=rel.namespace)))
-        (PLUGIN_DIR / "health-taints.json").unlink(missing_ok=True)
-        core.patch_node(node, {"metadata": {"labels": {LABEL: "true"}}})
+        rel.open(node)
         made.append(rel)
         return rel
 
@@ -645,10 +650,7 @@ def release(target, core, dyn, namespace, node_root):
     for rel in made:
         finish(core, dyn, namespace)
         rel.uninstall()
-        for p in daemon_pods(core):
-            with contextlib.suppress(ApiException):
-                core.delete_namespaced_pod(p.metadata.name, p.metadata.namespace, grace_period_seconds=0)
-        wait_for("the daemon pods deleted", lambda: not daemon_pods(core), timeout=30, interval=0.5)
+        rel.delete_daemon_pods()
         rel.clear(node)
 
 
